@@ -1,0 +1,22 @@
+//! The pure core of oncegate: validated types with named limits, the stored record, and
+//! the one decision function that computes every answer.
+//!
+//! Nothing here performs I/O, spawns threads, reads a clock or knows about SQLite,
+//! tokio or gRPC. The engine feeds it `now` (through [`ClockGuard`]) and fencing tokens,
+//! and makes its decisions durable. See `docs/semantics.md` for the contract.
+
+mod clock;
+mod decide;
+mod error;
+mod limits;
+mod record;
+pub mod route;
+
+pub use clock::ClockGuard;
+pub use decide::{
+    Change, Command, Commit, Decision, Previous, RETRY_AFTER_MS_MAX, Reply, Reserve, ReserveReply, View,
+    decide,
+};
+pub use error::{Code, Error, Invalid};
+pub use limits::*;
+pub use record::{Completion, Outcome, Record, State};

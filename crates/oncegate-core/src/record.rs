@@ -1,0 +1,202 @@
+//! The stored record of a key and the states derived from it at a given time.
+
+use crate::Fingerprint;
+
+/// How a completed attempt ended, as its holder reported it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    /// The work was done; replays tell retries it succeeded.
+    Succeeded,
+    /// The work failed for good; replays tell retries not to try again.
+    Failed,
+}
+
+impl Outcome {
+    /// The stable number stored in SQLite and sent on the wire (`OUTCOME_SUCCEEDED = 1`).
+    pub const fn as_u8(self) -> u8 {
+        match self {
+            Outcome::Succeeded => 1,
+            Outcome::Failed => 2,
+        }
+    }
+
+    /// The inverse of [`Outcome::as_u8`].
+    pub const fn from_u8(value: u8) -> Option<Outcome> {
+        match value {
+            1 => Some(Outcome::Succeeded),
+            2 => Some(Outcome::Failed),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for Outcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Outcome::Succeeded => "succeeded",
+            Outcome::Failed => "failed",
+        })
+    }
+}
+
+/// The state of a key as every reply reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum State {
+    /// No live record: never reserved, released, or expired.
+    Free,
+    /// An attempt holds the key and its lease is live.
+    Pending,
+    /// Pending, but the lease ran out without commit, release or heartbeat.
+    Abandoned,
+    /// An attempt committed; its outcome and response are stored.
+    Completed,
+}
+
+/// What a committed attempt left behind for replays.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Completion {
+    /// As reported by the holder.
+    pub outcome: Outcome,
+    /// Opaque bytes replayed to every later reserve until the record expires.
+    pub response: Vec<u8>,
+    /// When the commit was applied.
+    pub completed_at_ms: u64,
+}
+
+/// The durable record of one key. Only `pending` and `completed` are stored; `free` is
+/// the absence of a live record and `abandoned` is derived from the lease deadline.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Record {
+    /// The fencing token of the latest grant; strictly greater than every earlier grant's
+    /// for the same key, because tokens come from one counter per shard.
+    pub token: u64,
+    /// 1 for a first grant, one more for each re-grant after abandonment.
+    pub attempt: u32,
+    /// The holder's lease runs until this instant (exclusive).
+    pub lease_until_ms: u64,
+    /// The record is free from this instant on, unless a live lease keeps it.
+    pub expires_at_ms: u64,
+    /// The ttl the granting reserve asked for, kept so a commit can extend expiry by it.
+    pub ttl_ms: u64,
+    /// The fingerprint the record is bound to (empty when none was ever sent).
+    pub fingerprint: Fingerprint,
+    /// Present once the holder committed.
+    pub completion: Option<Completion>,
+}
+
+impl Record {
+    /// The instant from which the record is free and its storage may be reclaimed.
+    ///
+    /// A pending record with a live lease never expires, so for pending records this is
+    /// the later of the two deadlines.
+    pub fn reclaim_at_ms(&self) -> u64 {
+        match self.completion {
+            Some(_) => self.expires_at_ms,
+            None => self.expires_at_ms.max(self.lease_until_ms),
+        }
+    }
+
+    /// Whether the record counts as free at `now_ms`.
+    pub fn is_expired(&self, now_ms: u64) -> bool {
+        now_ms >= self.reclaim_at_ms()
+    }
+
+    /// The state at `now_ms`.
+    pub fn state(&self, now_ms: u64) -> State {
+        if self.is_expired(now_ms) {
+            State::Free
+        } else if self.completion.is_some() {
+            State::Completed
+        } else if now_ms < self.lease_until_ms {
+            State::Pending
+        } else {
+            State::Abandoned
+        }
+    }
+
+    /// The next instant after `now_ms` at which the record changes state without any
+    /// request: a live lease running out (pending becomes abandoned, and waiters may be
+    /// granted) or the record expiring. `None` when it is already free.
+    pub fn next_deadline_ms(&self, now_ms: u64) -> Option<u64> {
+        let reclaim = self.reclaim_at_ms();
+        if now_ms >= reclaim {
+            return None;
+        }
+        if self.completion.is_none() && now_ms < self.lease_until_ms && self.lease_until_ms < reclaim {
+            return Some(self.lease_until_ms);
+        }
+        Some(reclaim)
+    }
+
+    /// Applies the restart grace: after the store reopens, a lease that was still live
+    /// when the shard last observed time (`last_seen_ms`, its persisted clock high-water
+    /// mark) runs until at least `now_ms + grace_ms`, so the downtime itself never ends a
+    /// lease early. A lease that had already run out before the stop stays abandoned.
+    /// Returns whether the record changed (and must be written back).
+    pub fn apply_restart_grace(&mut self, last_seen_ms: u64, now_ms: u64, grace_ms: u64) -> bool {
+        if self.completion.is_some() || self.lease_until_ms <= last_seen_ms {
+            return false;
+        }
+        let floor = now_ms.saturating_add(grace_ms);
+        if self.lease_until_ms < floor {
+            self.lease_until_ms = floor;
+            return true;
+        }
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pending(lease_until_ms: u64, expires_at_ms: u64) -> Record {
+        Record {
+            token: 1,
+            attempt: 1,
+            lease_until_ms,
+            expires_at_ms,
+            ttl_ms: expires_at_ms,
+            fingerprint: Fingerprint::NONE,
+            completion: None,
+        }
+    }
+
+    #[test]
+    fn next_deadline_is_lease_end_then_expiry() {
+        let r = pending(100, 1_000);
+        assert_eq!(r.next_deadline_ms(0), Some(100), "the lease runs out first");
+        assert_eq!(r.next_deadline_ms(100), Some(1_000), "then the record expires");
+        assert_eq!(r.next_deadline_ms(1_000), None);
+        let long_lease = pending(2_000, 1_000);
+        assert_eq!(long_lease.next_deadline_ms(0), Some(2_000), "a live lease holds the record past ttl");
+        let mut done = pending(100, 1_000);
+        done.completion =
+            Some(Completion { outcome: Outcome::Failed, response: vec![], completed_at_ms: 50 });
+        assert_eq!(done.next_deadline_ms(50), Some(1_000), "a completion ignores its old lease");
+    }
+
+    #[test]
+    fn restart_grace_extends_only_leases_live_at_the_stop() {
+        // Last seen at 500; reopened at 10_000 with a 2_000 grace.
+        let mut live_at_stop = pending(600, 100_000);
+        assert!(live_at_stop.apply_restart_grace(500, 10_000, 2_000));
+        assert_eq!(live_at_stop.lease_until_ms, 12_000);
+
+        let mut abandoned_before_stop = pending(400, 100_000);
+        assert!(!abandoned_before_stop.apply_restart_grace(500, 10_000, 2_000));
+        assert_eq!(abandoned_before_stop.lease_until_ms, 400);
+
+        let mut long_lease = pending(50_000, 100_000);
+        assert!(!long_lease.apply_restart_grace(500, 10_000, 2_000), "a longer lease is kept");
+        assert_eq!(long_lease.lease_until_ms, 50_000);
+    }
+
+    #[test]
+    fn outcome_numbers_round_trip() {
+        for outcome in [Outcome::Succeeded, Outcome::Failed] {
+            assert_eq!(Outcome::from_u8(outcome.as_u8()), Some(outcome));
+        }
+        assert_eq!(Outcome::from_u8(0), None);
+    }
+}
