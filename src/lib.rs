@@ -1,7 +1,25 @@
 //! oncegate: an idempotency gate that answers, durably and at most once per key, "may
 //! this attempt proceed?".
 //!
-//! This root package re-exports the embedded API. So far that is the pure core: the
-//! validated request types, the limits and the decision function.
+//! This root package is the embedded API: open an [`Engine`] on a data directory and
+//! call it in-process, with the same behaviour the gRPC server gives over the network.
+//!
+//! ```no_run
+//! use oncegate::{Engine, EngineConfig, ReserveRequest, core::{ReserveReply, Tenant}};
+//!
+//! let engine = Engine::open(EngineConfig { data_dir: "data".into(), ..EngineConfig::default() })?;
+//! let request = ReserveRequest { namespace: "live".into(), key: "order-42".into(), ..Default::default() };
+//! match engine.reserve_blocking(&Tenant::default_tenant(), request)?.reply {
+//!     ReserveReply::Granted { token, .. } => { /* do the work, then commit with `token` */ }
+//!     ReserveReply::Completed { response, .. } => { /* answer with the stored response */ }
+//!     ReserveReply::InProgress { retry_after_ms, .. } => { /* ask the client to retry later */ }
+//!     ReserveReply::Mismatch { .. } => { /* same key, different payload: refuse */ }
+//! }
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 pub use oncegate_core as core;
+pub use oncegate_engine::{
+    Clock, CommitRequest, Durability, Engine, EngineConfig, Error, Faults, KeyRequest, ManualClock,
+    OpenError, Renewed, ReserveRequest, Reserved, ShardState, ShardStats, SystemClock,
+};

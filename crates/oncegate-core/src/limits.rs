@@ -351,7 +351,15 @@ string_newtype!(
     Key
 );
 
+/// The tenant of a server with no tenants configured, and of embedded single-tenant use.
+pub const DEFAULT_TENANT: &str = "default";
+
 impl Tenant {
+    /// The `default` tenant.
+    pub fn default_tenant() -> Tenant {
+        Tenant(DEFAULT_TENANT.to_owned())
+    }
+
     /// Validates a tenant name: 1 to 64 bytes of `[A-Za-z0-9._-]`.
     pub fn new(name: &str) -> Result<Tenant, Invalid> {
         check_label("tenant", name, TENANT_BYTES_MAX)?;

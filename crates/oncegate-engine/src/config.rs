@@ -1,0 +1,130 @@
+//! The engine's typed configuration, with every default in one place.
+
+use std::path::PathBuf;
+
+use oncegate_core::Limits;
+use serde::{Deserialize, Serialize};
+
+/// How hard a commit waits for the disk.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Durability {
+    /// `synchronous=FULL`: every acknowledged change survives a crash of the process, the
+    /// operating system or the power.
+    #[default]
+    Full,
+    /// `synchronous=NORMAL`: survives a crash of the process; the last commits before a
+    /// power loss or kernel crash may be lost, and with them grants that were answered.
+    Normal,
+}
+
+/// The shard count used when a new data directory is created and none is configured.
+pub const SHARDS_DEFAULT: u32 = 2;
+/// The most shards one data directory may have.
+pub const SHARDS_MAX: u32 = 1024;
+
+/// Everything the engine needs to open a data directory.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EngineConfig {
+    /// Where the manifest and the shard files live.
+    pub data_dir: PathBuf,
+    /// How many shards (threads and SQLite files); fixed when the directory is created.
+    pub shards: u32,
+    /// How hard a commit waits for the disk.
+    pub durability: Durability,
+    /// Limits on request fields.
+    pub limits: Limits,
+    /// Requests a shard's mailbox holds before it answers `resource_exhausted`.
+    pub mailbox_depth_max: usize,
+    /// Commands a shard applies in one transaction (one fsync).
+    pub batch_len_max: usize,
+    /// Expired records a shard deletes per alarm tick.
+    pub reclaim_batch_max: usize,
+    /// After a restart, every lease that was live at the stop runs at least this long.
+    pub lease_restart_grace_ms: u64,
+    /// Parked reserves (with `wait_ms > 0`) per key.
+    pub waiters_per_key_max: usize,
+    /// Parked reserves per shard.
+    pub waiters_per_shard_max: usize,
+    /// The first pause before a failed shard tries to reopen; doubles per failure.
+    pub reopen_backoff_ms_min: u64,
+    /// The longest pause between reopen attempts.
+    pub reopen_backoff_ms_max: u64,
+    /// The largest a shard file may grow, in bytes; writes beyond answer `unavailable`.
+    pub shard_file_bytes_max: u64,
+    /// SQLite's page cache per shard, in bytes.
+    pub page_cache_bytes_max: u64,
+    /// WAL pages that trigger a checkpoint into the shard file (4 KiB each). Larger means
+    /// fewer copies of hot pages and a larger WAL file between checkpoints.
+    pub wal_checkpoint_pages: u64,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            data_dir: PathBuf::from("data"),
+            shards: SHARDS_DEFAULT,
+            durability: Durability::Full,
+            limits: Limits::default(),
+            mailbox_depth_max: 4_096,
+            batch_len_max: 256,
+            reclaim_batch_max: 512,
+            lease_restart_grace_ms: 30_000,
+            waiters_per_key_max: 64,
+            waiters_per_shard_max: 4_096,
+            reopen_backoff_ms_min: 50,
+            reopen_backoff_ms_max: 2_000,
+            shard_file_bytes_max: 64 << 30,
+            page_cache_bytes_max: 32 << 20,
+            wal_checkpoint_pages: 16_384,
+        }
+    }
+}
+
+/// Hard bounds on the engine settings, so a typo cannot ask for a billion threads.
+const MAILBOX_DEPTH_CEILING: usize = 1 << 20;
+const BATCH_LEN_CEILING: usize = 16_384;
+const RECLAIM_BATCH_CEILING: usize = 65_536;
+const WAITERS_PER_SHARD_CEILING: usize = 1 << 20;
+const REOPEN_BACKOFF_MS_CEILING: u64 = 60_000;
+const LEASE_RESTART_GRACE_MS_CEILING: u64 = 3_600_000;
+
+impl EngineConfig {
+    /// Checks every setting and returns every problem, each naming the setting, its value
+    /// and the bound it breaks.
+    pub fn check(&self) -> Result<(), Vec<String>> {
+        let mut problems: Vec<String> = Vec::new();
+        if let Err(limits) = self.limits.check() {
+            problems.extend(limits.iter().map(ToString::to_string));
+        }
+        let mut within = |field: &str, value: u64, min: u64, max: u64| {
+            if value < min || value > max {
+                problems.push(format!("{field} is {value}; it must be between {min} and {max}"));
+            }
+        };
+        within("shards", u64::from(self.shards), 1, u64::from(SHARDS_MAX));
+        within("mailbox_depth_max", self.mailbox_depth_max as u64, 1, MAILBOX_DEPTH_CEILING as u64);
+        within("batch_len_max", self.batch_len_max as u64, 1, BATCH_LEN_CEILING as u64);
+        within("reclaim_batch_max", self.reclaim_batch_max as u64, 1, RECLAIM_BATCH_CEILING as u64);
+        within("lease_restart_grace_ms", self.lease_restart_grace_ms, 0, LEASE_RESTART_GRACE_MS_CEILING);
+        within(
+            "waiters_per_shard_max",
+            self.waiters_per_shard_max as u64,
+            0,
+            WAITERS_PER_SHARD_CEILING as u64,
+        );
+        within("waiters_per_key_max", self.waiters_per_key_max as u64, 0, self.waiters_per_shard_max as u64);
+        within("reopen_backoff_ms_min", self.reopen_backoff_ms_min, 1, REOPEN_BACKOFF_MS_CEILING);
+        within(
+            "reopen_backoff_ms_max",
+            self.reopen_backoff_ms_max,
+            self.reopen_backoff_ms_min,
+            REOPEN_BACKOFF_MS_CEILING,
+        );
+        within("shard_file_bytes_max", self.shard_file_bytes_max, 1 << 20, u64::MAX);
+        within("page_cache_bytes_max", self.page_cache_bytes_max, 1 << 20, 16 << 30);
+        within("wal_checkpoint_pages", self.wal_checkpoint_pages, 100, 1 << 20);
+        if problems.is_empty() { Ok(()) } else { Err(problems) }
+    }
+}

@@ -1,0 +1,101 @@
+//! The engine's errors: the core's refusals, plus what storage and load can do.
+
+use std::path::PathBuf;
+
+use oncegate_core::Code;
+
+/// Why an engine call did not produce an answer about the key.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A definite answer from the contract (invalid argument, not found, lease lost,
+    /// conflict, already completed).
+    #[error(transparent)]
+    Refused(#[from] oncegate_core::Error),
+    /// The key's shard cannot serve; nothing was changed or granted.
+    #[error("shard {shard} is unavailable: {reason}")]
+    Unavailable {
+        /// The shard that owns the key.
+        shard: u32,
+        /// Why, in words.
+        reason: String,
+    },
+    /// A bounded queue is full; retry later.
+    #[error("{what} is full; {limit_name} is {limit}")]
+    ResourceExhausted {
+        /// What is full, for example "shard 1 mailbox".
+        what: String,
+        /// The setting that bounds it.
+        limit_name: &'static str,
+        /// Its value.
+        limit: usize,
+    },
+}
+
+impl Error {
+    /// The stable code of this error.
+    pub fn code(&self) -> Code {
+        match self {
+            Error::Refused(refusal) => refusal.code(),
+            Error::Unavailable { .. } => Code::Unavailable,
+            Error::ResourceExhausted { .. } => Code::ResourceExhausted,
+        }
+    }
+}
+
+impl From<oncegate_core::Invalid> for Error {
+    fn from(invalid: oncegate_core::Invalid) -> Self {
+        Error::Refused(invalid.into())
+    }
+}
+
+/// Why a data directory could not be opened.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum OpenError {
+    /// The configuration breaks its own bounds.
+    #[error("invalid engine configuration: {}", .0.join("; "))]
+    Config(Vec<String>),
+    /// A file in the data directory could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// What the operating system said.
+        source: std::io::Error,
+    },
+    /// Another process holds the data directory.
+    #[error("{path} is locked by another process; one oncegate owns a data directory at a time")]
+    Locked {
+        /// The lock file.
+        path: PathBuf,
+    },
+    /// The manifest cannot be parsed or has an unknown format.
+    #[error("manifest {path}: {reason}")]
+    Manifest {
+        /// The manifest file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The directory was created with another shard count.
+    #[error(
+        "data directory {path} has {found} shards but the configuration asks for {configured}; the shard count is fixed when a directory is created"
+    )]
+    ShardCount {
+        /// The data directory.
+        path: PathBuf,
+        /// The count in the manifest.
+        found: u32,
+        /// The configured count.
+        configured: u32,
+    },
+    /// A shard file failed to open or failed its integrity check.
+    #[error("shard {shard}: {reason}")]
+    Shard {
+        /// The shard.
+        shard: u32,
+        /// What went wrong.
+        reason: String,
+    },
+}

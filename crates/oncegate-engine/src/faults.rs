@@ -1,0 +1,108 @@
+//! A seam for injecting storage faults, used by the fault tests.
+//!
+//! Production code never arms it; an unarmed seam costs one relaxed atomic load per
+//! batch. It is a seam rather than a cargo feature so that the binary under test is the
+//! binary that ships.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+
+/// Shared switches that make a store fail on demand. Clones share the switches.
+#[derive(Clone, Debug, Default)]
+pub struct Faults {
+    inner: Arc<FaultsInner>,
+}
+
+#[derive(Debug, Default)]
+struct FaultsInner {
+    /// The next this many batch commits fail after their writes, before `COMMIT`.
+    commits_failing: AtomicU32,
+    /// The next this many opens (and reopens) of a shard fail.
+    opens_failing: AtomicU32,
+    /// When non-zero, overrides the shard file size limit, in SQLite pages, at every
+    /// open: a real "disk full" from SQLite itself.
+    page_count_max: AtomicU64,
+    /// While closed, shards stop before applying a batch: tests use it to hold a shard
+    /// busy and fill its mailbox deterministically.
+    gate_closed: AtomicBool,
+    gate: Mutex<GateState>,
+    gate_changed: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct GateState {
+    /// Shards stopped at the gate now.
+    held: usize,
+}
+
+fn take_one(counter: &AtomicU32) -> bool {
+    counter.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok()
+}
+
+impl Faults {
+    /// Makes the next `n` batch commits fail (across all shards).
+    pub fn fail_commits(&self, n: u32) {
+        self.inner.commits_failing.store(n, Ordering::SeqCst);
+    }
+
+    /// Makes the next `n` shard opens fail.
+    pub fn fail_opens(&self, n: u32) {
+        self.inner.opens_failing.store(n, Ordering::SeqCst);
+    }
+
+    /// Limits every shard file opened from now on to `pages` SQLite pages (0 lifts the
+    /// override).
+    pub fn limit_pages(&self, pages: u64) {
+        self.inner.page_count_max.store(pages, Ordering::SeqCst);
+    }
+
+    /// Makes shards stop before their next batch until [`Faults::open_gate`].
+    pub fn close_gate(&self) {
+        let _state = self.inner.gate.lock().unwrap_or_else(|p| p.into_inner());
+        self.inner.gate_closed.store(true, Ordering::SeqCst);
+    }
+
+    /// Lets held shards go on.
+    pub fn open_gate(&self) {
+        let _state = self.inner.gate.lock().unwrap_or_else(|p| p.into_inner());
+        self.inner.gate_closed.store(false, Ordering::SeqCst);
+        self.inner.gate_changed.notify_all();
+    }
+
+    /// Blocks until `n` shards are held at the closed gate.
+    pub fn wait_held(&self, n: usize) {
+        let state = self.inner.gate.lock().unwrap_or_else(|p| p.into_inner());
+        let _state =
+            self.inner.gate_changed.wait_while(state, |s| s.held < n).unwrap_or_else(|p| p.into_inner());
+    }
+
+    pub(crate) fn pass_gate(&self) {
+        if !self.inner.gate_closed.load(Ordering::Relaxed) {
+            return;
+        }
+        let mut state = self.inner.gate.lock().unwrap_or_else(|p| p.into_inner());
+        state.held += 1;
+        self.inner.gate_changed.notify_all();
+        let mut state = self
+            .inner
+            .gate_changed
+            .wait_while(state, |_| self.inner.gate_closed.load(Ordering::SeqCst))
+            .unwrap_or_else(|p| p.into_inner());
+        state.held -= 1;
+    }
+
+    pub(crate) fn commit_should_fail(&self) -> bool {
+        self.inner.commits_failing.load(Ordering::Relaxed) > 0 && take_one(&self.inner.commits_failing)
+    }
+
+    pub(crate) fn open_should_fail(&self) -> bool {
+        self.inner.opens_failing.load(Ordering::Relaxed) > 0 && take_one(&self.inner.opens_failing)
+    }
+
+    pub(crate) fn page_count_max(&self) -> Option<u64> {
+        match self.inner.page_count_max.load(Ordering::SeqCst) {
+            0 => None,
+            n => Some(n),
+        }
+    }
+}

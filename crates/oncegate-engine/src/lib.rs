@@ -1,0 +1,576 @@
+//! The oncegate shard engine and its embedded API.
+//!
+//! Each key hashes (see `oncegate_core::route`) to one shard. A shard is an actor: one OS
+//! thread that alone owns one SQLite file in WAL mode and is fed through a bounded
+//! crossbeam-channel mailbox. It applies a drained batch in one transaction and answers
+//! only after the commit is durable. See `docs/ARCHITECTURE.md` for the protocol.
+//!
+//! The same [`Engine`] serves the gRPC front and in-process (embedded) callers: its
+//! methods are `async` (usable from any runtime; the answer travels on a oneshot
+//! channel) with `_blocking` twins for synchronous callers.
+
+mod clock;
+mod config;
+mod error;
+mod faults;
+pub mod manifest;
+mod shard;
+mod store;
+
+use std::fs::File;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{Sender, TrySendError};
+use oncegate_core::{
+    Command, Commit, Key, Limits, Namespace, Outcome, Reply, Reserve, ReserveReply, Scope, Tenant, View,
+    route,
+};
+use tokio::sync::oneshot;
+
+pub use clock::{Clock, ManualClock, SystemClock};
+pub use config::{Durability, EngineConfig, SHARDS_DEFAULT, SHARDS_MAX};
+pub use error::{Error, OpenError};
+pub use faults::Faults;
+pub use shard::ShardState;
+
+use shard::{Control, Request, Shard, Shared};
+
+/// A reserve as a caller sends it, before validation.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReserveRequest {
+    /// The namespace, such as `live` or `test`.
+    pub namespace: String,
+    /// The idempotency key; leave empty to derive one from `key_parts`.
+    pub key: String,
+    /// Parts of a derived key (with `bucket_ms`), used when `key` is empty.
+    pub key_parts: Vec<String>,
+    /// The bucket width of a derived key.
+    pub bucket_ms: u64,
+    /// How long the record is remembered; 0 selects the default.
+    pub ttl_ms: u64,
+    /// How long the holder may work before it must heartbeat; 0 selects the default.
+    pub lease_ms: u64,
+    /// A hash of the request payload, or empty.
+    pub fingerprint: Vec<u8>,
+    /// How long to wait when the key is in progress; 0 answers at once.
+    pub wait_ms: u64,
+}
+
+/// The answer to a reserve, with the key that was used (derived when parts were sent).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Reserved {
+    /// The key the record lives under.
+    pub key: Key,
+    /// Granted, in progress, completed or mismatch.
+    pub reply: ReserveReply,
+}
+
+/// A commit as a caller sends it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CommitRequest {
+    /// The namespace.
+    pub namespace: String,
+    /// The key (as returned by the reserve, for derived keys).
+    pub key: String,
+    /// The fencing token of the grant.
+    pub token: u64,
+    /// How the attempt ended.
+    pub outcome: Outcome,
+    /// Bytes to replay to later reserves.
+    pub response: Vec<u8>,
+}
+
+/// Release, heartbeat and get name a key and, except for get, a token.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KeyRequest {
+    /// The namespace.
+    pub namespace: String,
+    /// The key.
+    pub key: String,
+    /// The fencing token of the grant (ignored by get).
+    pub token: u64,
+    /// The new lease for a heartbeat; 0 selects the default (ignored otherwise).
+    pub lease_ms: u64,
+}
+
+/// A heartbeat's answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Renewed {
+    /// The new lease deadline.
+    pub lease_until_ms: u64,
+    /// The record's expiry.
+    pub expires_at_ms: u64,
+}
+
+/// One shard's counters, as `Engine::stats` reports them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ShardStats {
+    /// The shard number.
+    pub shard: u32,
+    /// Serving, failed, starting or stopped.
+    pub state: ShardState,
+    /// Requests waiting in the mailbox now.
+    pub mailbox_depth: usize,
+    /// Batches applied (committed or failed).
+    pub batches: u64,
+    /// Commands in those batches.
+    pub commands: u64,
+    /// `commands / batches`: how much each fsync carried.
+    pub batch_len_mean: f64,
+    /// Transactions committed (batches and alarms).
+    pub commits: u64,
+    /// Storage failures since start.
+    pub failures: u64,
+    /// Expired records deleted by alarms.
+    pub reclaimed: u64,
+    /// Alarm ticks run (each reclaims at most `reclaim_batch_max` records).
+    pub alarms: u64,
+    /// Reserves parked now.
+    pub waiters: u64,
+    /// The last storage error, if any.
+    pub last_error: Option<String>,
+}
+
+struct ShardHandle {
+    data: Sender<Request>,
+    control: Sender<Control>,
+    shared: Arc<Shared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+struct Inner {
+    config: Arc<EngineConfig>,
+    clock: Arc<dyn Clock>,
+    shards: Vec<ShardHandle>,
+    closing: AtomicBool,
+    /// The greatest wall-clock reading seen, for deriving keys: a step back of the clock
+    /// must not move a derived key into an earlier bucket.
+    high_water_ms: AtomicU64,
+    /// Held for the engine's life: one process owns a data directory.
+    _lock: File,
+}
+
+/// The embedded engine: routes each call to its key's shard and waits for the answer.
+///
+/// Cloning is cheap and shares the same shards. The shards stop when `shutdown` is called
+/// or when the last clone is dropped.
+#[derive(Clone)]
+pub struct Engine {
+    inner: Arc<Inner>,
+}
+
+/// An answer on its way from a shard.
+struct Pending {
+    shard: u32,
+    rx: oneshot::Receiver<Result<Reply, Error>>,
+}
+
+impl Pending {
+    fn lost(shard: u32) -> Error {
+        Error::Unavailable { shard, reason: "the shard stopped before answering".to_owned() }
+    }
+
+    async fn wait(self) -> Result<Reply, Error> {
+        let shard = self.shard;
+        self.rx.await.unwrap_or_else(|_| Err(Pending::lost(shard)))
+    }
+
+    fn wait_blocking(self) -> Result<Reply, Error> {
+        let shard = self.shard;
+        self.rx.blocking_recv().unwrap_or_else(|_| Err(Pending::lost(shard)))
+    }
+}
+
+fn expect_reserve(reply: Reply) -> ReserveReply {
+    match reply {
+        Reply::Reserve(r) => r,
+        other => unreachable!("a reserve is answered by a reserve reply, got {other:?}"),
+    }
+}
+
+fn expect_commit(reply: Reply) -> u64 {
+    match reply {
+        Reply::Commit { expires_at_ms } => expires_at_ms,
+        other => unreachable!("a commit is answered by a commit reply, got {other:?}"),
+    }
+}
+
+fn expect_release(reply: Reply) {
+    match reply {
+        Reply::Release => {}
+        other => unreachable!("a release is answered by a release reply, got {other:?}"),
+    }
+}
+
+fn expect_heartbeat(reply: Reply) -> Renewed {
+    match reply {
+        Reply::Heartbeat { lease_until_ms, expires_at_ms } => Renewed { lease_until_ms, expires_at_ms },
+        other => unreachable!("a heartbeat is answered by a heartbeat reply, got {other:?}"),
+    }
+}
+
+fn expect_get(reply: Reply) -> View {
+    match reply {
+        Reply::Get(view) => view,
+        other => unreachable!("a get is answered by a view, got {other:?}"),
+    }
+}
+
+impl Engine {
+    /// Opens (or creates) the data directory with the system clock.
+    pub fn open(config: EngineConfig) -> Result<Engine, OpenError> {
+        Engine::open_with(config, Arc::new(SystemClock), Faults::default())
+    }
+
+    /// Opens the data directory with an injected clock and fault seam (tests use a
+    /// `ManualClock` and arm `Faults`).
+    pub fn open_with(
+        config: EngineConfig,
+        clock: Arc<dyn Clock>,
+        faults: Faults,
+    ) -> Result<Engine, OpenError> {
+        config.check().map_err(OpenError::Config)?;
+        let lock = manifest::lock(&config.data_dir)?;
+        manifest::open_or_create(&config.data_dir, config.shards)?;
+        let config = Arc::new(config);
+        let (started_tx, started_rx) = crossbeam_channel::bounded(config.shards as usize);
+        let mut shards = Vec::with_capacity(config.shards as usize);
+        for id in 0..config.shards {
+            let (data_tx, data_rx) = crossbeam_channel::bounded(config.mailbox_depth_max);
+            // Control messages are rare (shutdown, alarms on demand, reopen); a few slots
+            // are plenty and keep the channel bounded.
+            let (control_tx, control_rx) = crossbeam_channel::bounded(16);
+            let shared = Arc::new(Shared::default());
+            let shard = Shard::new(
+                id,
+                Arc::clone(&config),
+                manifest::shard_file(&config.data_dir, id),
+                Arc::clone(&clock),
+                faults.clone(),
+                Arc::clone(&shared),
+                data_rx,
+                control_rx,
+            );
+            let started = started_tx.clone();
+            let thread = std::thread::Builder::new()
+                .name(format!("oncegate-shard-{id:04}"))
+                .spawn(move || shard.run(started))
+                .map_err(|source| OpenError::Io { path: config.data_dir.clone(), source })?;
+            shards.push(ShardHandle {
+                data: data_tx,
+                control: control_tx,
+                shared,
+                thread: Mutex::new(Some(thread)),
+            });
+        }
+        // Every shard has made its first open attempt before `open` returns, so states
+        // read right after are meaningful. A shard whose file failed to open is not fatal:
+        // it answers `unavailable` and keeps retrying while the others serve.
+        for _ in 0..config.shards {
+            let _ = started_rx.recv();
+        }
+        for (id, shard) in shards.iter().enumerate() {
+            if shard.shared.state() != ShardState::Serving {
+                tracing::warn!(shard = id, "shard failed to open; it answers unavailable and keeps retrying");
+            }
+        }
+        Ok(Engine {
+            inner: Arc::new(Inner {
+                config,
+                clock,
+                shards,
+                closing: AtomicBool::new(false),
+                high_water_ms: AtomicU64::new(0),
+                _lock: lock,
+            }),
+        })
+    }
+
+    /// The configuration the engine runs with.
+    pub fn config(&self) -> &EngineConfig {
+        &self.inner.config
+    }
+
+    /// The request limits.
+    pub fn limits(&self) -> &Limits {
+        &self.inner.config.limits
+    }
+
+    /// The shard that owns a scope.
+    pub fn shard_of(&self, scope: &Scope) -> u32 {
+        route::shard_of(scope, self.inner.config.shards)
+    }
+
+    fn now_ms(&self) -> u64 {
+        let wall = self.inner.clock.now_ms();
+        self.inner.high_water_ms.fetch_max(wall, Ordering::AcqRel).max(wall)
+    }
+
+    fn submit(&self, scope: Scope, command: Command) -> Result<Pending, Error> {
+        let shard = self.shard_of(&scope);
+        if self.inner.closing.load(Ordering::Acquire) {
+            return Err(Error::Unavailable { shard, reason: "the engine is shutting down".to_owned() });
+        }
+        let (reply, rx) = oneshot::channel();
+        let handle = &self.inner.shards[shard as usize];
+        match handle.data.try_send(Request { scope, command, reply }) {
+            Ok(()) => Ok(Pending { shard, rx }),
+            Err(TrySendError::Full(_)) => Err(Error::ResourceExhausted {
+                what: format!("shard {shard} mailbox"),
+                limit_name: "mailbox_depth_max",
+                limit: self.inner.config.mailbox_depth_max,
+            }),
+            Err(TrySendError::Disconnected(_)) => Err(Pending::lost(shard)),
+        }
+    }
+
+    fn scope(&self, tenant: &Tenant, namespace: &str, key: &str) -> Result<Scope, Error> {
+        Ok(Scope {
+            tenant: tenant.clone(),
+            namespace: Namespace::new(namespace)?,
+            key: self.limits().key(key)?,
+        })
+    }
+
+    fn start_reserve(&self, tenant: &Tenant, request: ReserveRequest) -> Result<(Key, Pending), Error> {
+        let limits = self.limits();
+        let namespace = Namespace::new(&request.namespace)?;
+        let key = match (request.key.is_empty(), request.key_parts.is_empty()) {
+            (false, true) => limits.key(&request.key)?,
+            (true, false) => limits.derive_key(&request.key_parts, request.bucket_ms, self.now_ms())?,
+            (false, false) => {
+                return Err(oncegate_core::Invalid::Rule {
+                    field: "key_parts",
+                    rule: "send either key or key_parts, not both",
+                }
+                .into());
+            }
+            (true, true) => return Err(oncegate_core::Invalid::Empty { field: "key" }.into()),
+        };
+        if request.key_parts.is_empty() && request.bucket_ms != 0 {
+            return Err(oncegate_core::Invalid::Rule {
+                field: "bucket_ms",
+                rule: "only applies with key_parts",
+            }
+            .into());
+        }
+        let reserve = Reserve {
+            ttl_ms: limits.ttl_ms(request.ttl_ms)?,
+            lease_ms: limits.lease_ms(request.lease_ms)?,
+            fingerprint: limits.fingerprint(&request.fingerprint)?,
+            wait_ms: limits.wait_ms(request.wait_ms)?,
+        };
+        let scope = Scope { tenant: tenant.clone(), namespace, key: key.clone() };
+        Ok((key, self.submit(scope, Command::Reserve(reserve))?))
+    }
+
+    fn start_commit(&self, tenant: &Tenant, request: CommitRequest) -> Result<Pending, Error> {
+        let scope = self.scope(tenant, &request.namespace, &request.key)?;
+        let token = self.limits().token(request.token)?;
+        self.limits().response(&request.response)?;
+        let command = Command::Commit(Commit { token, outcome: request.outcome, response: request.response });
+        self.submit(scope, command)
+    }
+
+    fn start_release(&self, tenant: &Tenant, request: &KeyRequest) -> Result<Pending, Error> {
+        let scope = self.scope(tenant, &request.namespace, &request.key)?;
+        let token = self.limits().token(request.token)?;
+        self.submit(scope, Command::Release { token })
+    }
+
+    fn start_heartbeat(&self, tenant: &Tenant, request: &KeyRequest) -> Result<Pending, Error> {
+        let scope = self.scope(tenant, &request.namespace, &request.key)?;
+        let token = self.limits().token(request.token)?;
+        let lease_ms = self.limits().lease_ms(request.lease_ms)?;
+        self.submit(scope, Command::Heartbeat { token, lease_ms })
+    }
+
+    fn start_get(&self, tenant: &Tenant, request: &KeyRequest) -> Result<Pending, Error> {
+        let scope = self.scope(tenant, &request.namespace, &request.key)?;
+        self.submit(scope, Command::Get)
+    }
+
+    // The async methods submit the request before they return the future, so calls made
+    // one after another from one thread reach a shard in that order, whether or not (and
+    // whenever) the futures are polled. The futures borrow nothing from the engine.
+
+    /// May this attempt proceed? Granted, in progress, completed (replay) or mismatch.
+    pub fn reserve(
+        &self,
+        tenant: &Tenant,
+        request: ReserveRequest,
+    ) -> impl Future<Output = Result<Reserved, Error>> + Send + 'static {
+        let started = self.start_reserve(tenant, request);
+        async move {
+            let (key, pending) = started?;
+            Ok(Reserved { key, reply: expect_reserve(pending.wait().await?) })
+        }
+    }
+
+    /// Stores the holder's outcome and response; returns the record's expiry.
+    pub fn commit(
+        &self,
+        tenant: &Tenant,
+        request: CommitRequest,
+    ) -> impl Future<Output = Result<u64, Error>> + Send + 'static {
+        let started = self.start_commit(tenant, request);
+        async move { Ok(expect_commit(started?.wait().await?)) }
+    }
+
+    /// Gives the key up so a retry may proceed.
+    pub fn release(
+        &self,
+        tenant: &Tenant,
+        request: KeyRequest,
+    ) -> impl Future<Output = Result<(), Error>> + Send + 'static {
+        let started = self.start_release(tenant, &request);
+        async move { started?.wait().await.map(expect_release) }
+    }
+
+    /// Renews the holder's lease.
+    pub fn heartbeat(
+        &self,
+        tenant: &Tenant,
+        request: KeyRequest,
+    ) -> impl Future<Output = Result<Renewed, Error>> + Send + 'static {
+        let started = self.start_heartbeat(tenant, &request);
+        async move { started?.wait().await.map(expect_heartbeat) }
+    }
+
+    /// Reads the key's state.
+    pub fn get(
+        &self,
+        tenant: &Tenant,
+        request: KeyRequest,
+    ) -> impl Future<Output = Result<View, Error>> + Send + 'static {
+        let started = self.start_get(tenant, &request);
+        async move { started?.wait().await.map(expect_get) }
+    }
+
+    /// [`Engine::reserve`] for synchronous callers (not from inside an async task).
+    pub fn reserve_blocking(&self, tenant: &Tenant, request: ReserveRequest) -> Result<Reserved, Error> {
+        let (key, pending) = self.start_reserve(tenant, request)?;
+        Ok(Reserved { key, reply: expect_reserve(pending.wait_blocking()?) })
+    }
+
+    /// [`Engine::commit`] for synchronous callers.
+    pub fn commit_blocking(&self, tenant: &Tenant, request: CommitRequest) -> Result<u64, Error> {
+        Ok(expect_commit(self.start_commit(tenant, request)?.wait_blocking()?))
+    }
+
+    /// [`Engine::release`] for synchronous callers.
+    pub fn release_blocking(&self, tenant: &Tenant, request: KeyRequest) -> Result<(), Error> {
+        self.start_release(tenant, &request)?.wait_blocking().map(expect_release)
+    }
+
+    /// [`Engine::heartbeat`] for synchronous callers.
+    pub fn heartbeat_blocking(&self, tenant: &Tenant, request: KeyRequest) -> Result<Renewed, Error> {
+        self.start_heartbeat(tenant, &request)?.wait_blocking().map(expect_heartbeat)
+    }
+
+    /// [`Engine::get`] for synchronous callers.
+    pub fn get_blocking(&self, tenant: &Tenant, request: KeyRequest) -> Result<View, Error> {
+        self.start_get(tenant, &request)?.wait_blocking().map(expect_get)
+    }
+
+    /// Each shard's state, cheaply (no message to the shard): for health checks.
+    pub fn shard_states(&self) -> Vec<ShardState> {
+        self.inner.shards.iter().map(|s| s.shared.state()).collect()
+    }
+
+    /// Waits until a shard reaches `state` or `timeout` passes; returns whether it did.
+    /// Operators and tests use it to wait for recovery without polling.
+    pub fn wait_shard_state(&self, shard: u32, state: ShardState, timeout: std::time::Duration) -> bool {
+        match self.inner.shards.get(shard as usize) {
+            Some(handle) => handle.shared.wait_state(state, timeout),
+            None => false,
+        }
+    }
+
+    /// Each shard's counters.
+    pub fn stats(&self) -> Vec<ShardStats> {
+        self.inner
+            .shards
+            .iter()
+            .enumerate()
+            .map(|(id, s)| {
+                let batches = s.shared.batches.load(Ordering::Relaxed);
+                let commands = s.shared.commands.load(Ordering::Relaxed);
+                ShardStats {
+                    shard: id as u32,
+                    state: s.shared.state(),
+                    mailbox_depth: s.data.len(),
+                    batches,
+                    commands,
+                    batch_len_mean: if batches == 0 { 0.0 } else { commands as f64 / batches as f64 },
+                    commits: s.shared.commits.load(Ordering::Relaxed),
+                    failures: s.shared.failures.load(Ordering::Relaxed),
+                    reclaimed: s.shared.reclaimed.load(Ordering::Relaxed),
+                    alarms: s.shared.alarms.load(Ordering::Relaxed),
+                    waiters: s.shared.waiters.load(Ordering::Relaxed),
+                    last_error: s.shared.last_error.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+                }
+            })
+            .collect()
+    }
+
+    /// Makes every shard run its alarm now and waits until all have: reclaim, lease
+    /// expiry for waiters, waiter deadlines. Shards do this on their own at each
+    /// deadline; tests that move a `ManualClock` call it instead of sleeping.
+    pub fn run_alarms(&self) {
+        let (done_tx, done_rx) = crossbeam_channel::bounded(self.inner.shards.len());
+        let mut asked = 0;
+        for shard in &self.inner.shards {
+            if shard.control.send(Control::RunAlarms(done_tx.clone())).is_ok() {
+                asked += 1;
+            }
+        }
+        for _ in 0..asked {
+            if done_rx.recv().is_err() {
+                break;
+            }
+        }
+    }
+
+    /// Asks one shard to close and reopen its file now; returns whether it serves again.
+    pub fn reopen_shard(&self, shard: u32) -> bool {
+        let Some(handle) = self.inner.shards.get(shard as usize) else { return false };
+        let (done_tx, done_rx) = crossbeam_channel::bounded(1);
+        if handle.control.send(Control::Reopen(done_tx)).is_err() {
+            return false;
+        }
+        done_rx.recv().unwrap_or(false)
+    }
+
+    /// Stops accepting calls, lets every shard finish what it accepted (commit, answer
+    /// waiters `in progress`), closes the files and waits for the threads. Idempotent;
+    /// dropping the last clone does the same.
+    pub fn shutdown(&self) {
+        self.inner.shutdown();
+    }
+}
+
+impl Inner {
+    fn shutdown(&self) {
+        self.closing.store(true, Ordering::Release);
+        for shard in &self.shards {
+            let _ = shard.control.send(Control::Shutdown);
+        }
+        for shard in &self.shards {
+            let thread = shard.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(thread) = thread
+                && thread.join().is_err()
+            {
+                tracing::error!("a shard thread panicked");
+            }
+        }
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}

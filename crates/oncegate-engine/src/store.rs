@@ -1,0 +1,307 @@
+//! One shard's SQLite file: schema, pragmas, and the statements the actor runs.
+//!
+//! Only the shard's own thread ever touches a `Store`. Every statement is prepared once
+//! per connection (`prepare_cached`) and every change happens inside the batch's one
+//! transaction.
+
+use std::path::Path;
+
+use oncegate_core::{Completion, Fingerprint, Key, Namespace, Outcome, Record, Scope, Tenant};
+use rusqlite::{Connection, OptionalExtension, Transaction, TransactionBehavior, params};
+
+use crate::{Durability, Faults};
+
+/// The schema version this code reads and writes (`PRAGMA user_version`).
+const SCHEMA_VERSION: i64 = 1;
+
+/// `records` is keyed by the full scope and holds only pending and completed records.
+/// `reclaim_at_ms` is `Record::reclaim_at_ms()`, indexed so the alarm finds the next
+/// deadline and the expired rows without a scan. `meta` is one row: the fencing-token
+/// counter and the clock high-water mark, written in every batch's transaction.
+const SCHEMA: &str = "
+CREATE TABLE records (
+    tenant          TEXT    NOT NULL,
+    namespace       TEXT    NOT NULL,
+    key             TEXT    NOT NULL,
+    token           INTEGER NOT NULL,
+    attempt         INTEGER NOT NULL,
+    lease_until_ms  INTEGER NOT NULL,
+    expires_at_ms   INTEGER NOT NULL,
+    ttl_ms          INTEGER NOT NULL,
+    reclaim_at_ms   INTEGER NOT NULL,
+    fingerprint     BLOB    NOT NULL,
+    outcome         INTEGER,
+    response        BLOB,
+    completed_at_ms INTEGER,
+    PRIMARY KEY (tenant, namespace, key)
+) WITHOUT ROWID;
+CREATE INDEX records_by_reclaim_at ON records (reclaim_at_ms);
+CREATE TABLE meta (
+    id            INTEGER PRIMARY KEY CHECK (id = 0),
+    next_token    INTEGER NOT NULL,
+    high_water_ms INTEGER NOT NULL
+);
+INSERT INTO meta (id, next_token, high_water_ms) VALUES (0, 1, 0);
+";
+
+/// The record's columns in the order `read_record` expects (a macro so that statements
+/// can be assembled with `concat!` into constants, keeping `prepare_cached` lookups free
+/// of formatting).
+macro_rules! columns {
+    () => {
+        "token, attempt, lease_until_ms, expires_at_ms, ttl_ms, fingerprint, outcome, response, completed_at_ms"
+    };
+}
+
+const SELECT_RECORD: &str =
+    concat!("SELECT ", columns!(), " FROM records WHERE tenant = ?1 AND namespace = ?2 AND key = ?3");
+// An upsert updates a row in place where `INSERT OR REPLACE` would delete and reinsert it.
+const UPSERT_RECORD: &str = concat!(
+    "INSERT INTO records (tenant, namespace, key, reclaim_at_ms, ",
+    columns!(),
+    ") VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)
+     ON CONFLICT (tenant, namespace, key) DO UPDATE SET
+        reclaim_at_ms = excluded.reclaim_at_ms, token = excluded.token, attempt = excluded.attempt,
+        lease_until_ms = excluded.lease_until_ms, expires_at_ms = excluded.expires_at_ms,
+        ttl_ms = excluded.ttl_ms, fingerprint = excluded.fingerprint, outcome = excluded.outcome,
+        response = excluded.response, completed_at_ms = excluded.completed_at_ms"
+);
+const SELECT_LEASED: &str = concat!(
+    "SELECT tenant, namespace, key, ",
+    columns!(),
+    " FROM records WHERE outcome IS NULL AND lease_until_ms > ?1"
+);
+
+/// What can go wrong in the store.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum StoreError {
+    #[error("sqlite: {0}")]
+    Sqlite(#[from] rusqlite::Error),
+    #[error("integrity check failed: {0}")]
+    Corrupt(String),
+    #[error("schema version {found} is unknown; this version reads {SCHEMA_VERSION}")]
+    Schema { found: i64 },
+    #[error("injected fault: {0}")]
+    Injected(&'static str),
+}
+
+/// The persisted counters of a shard.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Meta {
+    /// The token the next grant gets.
+    pub next_token: u64,
+    /// The greatest `now` the shard ever used.
+    pub high_water_ms: u64,
+}
+
+/// SQLite's default page size, which the store keeps.
+pub(crate) const PAGE_BYTES: u64 = 4096;
+
+/// The settings a store is opened with.
+pub(crate) struct Tuning {
+    pub durability: Durability,
+    pub file_bytes_max: u64,
+    pub page_cache_bytes_max: u64,
+    pub wal_checkpoint_pages: u64,
+}
+
+pub(crate) struct Store {
+    conn: Connection,
+    faults: Faults,
+}
+
+/// SQLite integers are signed; every value stored here is a time in ms or a counter far
+/// below `i64::MAX`, and clamping keeps the ordering even if one ever was not.
+fn to_sql(value: u64) -> i64 {
+    value.min(i64::MAX as u64) as i64
+}
+
+fn from_sql(value: i64) -> u64 {
+    value.max(0) as u64
+}
+
+impl Store {
+    /// Opens (creating if needed) a shard file, checks it, and reads its counters.
+    pub fn open(path: &Path, tuning: &Tuning, faults: &Faults) -> Result<(Store, Meta), StoreError> {
+        if faults.open_should_fail() {
+            return Err(StoreError::Injected("open"));
+        }
+        let mut conn = Connection::open(path)?;
+        let mode: String = conn.query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))?;
+        if !mode.eq_ignore_ascii_case("wal") {
+            return Err(StoreError::Corrupt(format!("journal_mode is {mode}, not wal")));
+        }
+        let synchronous = match tuning.durability {
+            Durability::Full => "FULL",
+            Durability::Normal => "NORMAL",
+        };
+        conn.pragma_update(None, "synchronous", synchronous)?;
+        // A larger checkpoint interval lets a hot page be rewritten many times in the WAL
+        // before it is copied once into the database file (measured: about 1.5x the
+        // throughput of SQLite's default of 1,000 pages, see docs/benchmarks.md).
+        let _: i64 = conn.query_row(
+            &format!("PRAGMA wal_autocheckpoint = {}", tuning.wal_checkpoint_pages),
+            [],
+            |row| row.get(0),
+        )?;
+        // Negative cache_size is in KiB.
+        conn.pragma_update(None, "cache_size", -((tuning.page_cache_bytes_max / 1024) as i64))?;
+        let pages = faults.page_count_max().unwrap_or(tuning.file_bytes_max / PAGE_BYTES);
+        let _: i64 = conn.query_row(&format!("PRAGMA max_page_count = {pages}"), [], |row| row.get(0))?;
+        let check: String = conn.query_row("PRAGMA quick_check", [], |row| row.get(0))?;
+        if check != "ok" {
+            return Err(StoreError::Corrupt(check));
+        }
+        let version: i64 = conn.query_row("PRAGMA user_version", [], |row| row.get(0))?;
+        match version {
+            0 => {
+                let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+                tx.execute_batch(SCHEMA)?;
+                tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
+                tx.commit()?;
+            }
+            SCHEMA_VERSION => {}
+            found => return Err(StoreError::Schema { found }),
+        }
+        let meta = conn.query_row("SELECT next_token, high_water_ms FROM meta WHERE id = 0", [], |row| {
+            Ok(Meta { next_token: from_sql(row.get(0)?), high_water_ms: from_sql(row.get(1)?) })
+        })?;
+        Ok((Store { conn, faults: faults.clone() }, meta))
+    }
+
+    /// Starts the batch's write transaction.
+    pub fn begin(&mut self) -> Result<Txn<'_>, StoreError> {
+        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        Ok(Txn { tx, faults: &self.faults })
+    }
+
+    /// The earliest instant at which some record becomes reclaimable.
+    pub fn min_reclaim_at_ms(&self) -> Result<Option<u64>, StoreError> {
+        let mut stmt = self.conn.prepare_cached("SELECT MIN(reclaim_at_ms) FROM records")?;
+        let min: Option<i64> = stmt.query_row([], |row| row.get(0))?;
+        Ok(min.map(from_sql))
+    }
+}
+
+/// The batch's transaction. Dropping it without `commit` rolls everything back.
+pub(crate) struct Txn<'s> {
+    tx: Transaction<'s>,
+    faults: &'s Faults,
+}
+
+fn read_record(row: &rusqlite::Row<'_>, offset: usize) -> rusqlite::Result<Record> {
+    let outcome: Option<i64> = row.get(offset + 6)?;
+    let completion = match outcome {
+        None => None,
+        Some(n) => Some(Completion {
+            outcome: u8::try_from(n)
+                .ok()
+                .and_then(Outcome::from_u8)
+                .ok_or_else(|| rusqlite::Error::IntegralValueOutOfRange(offset + 6, n))?,
+            response: row.get::<_, Option<Vec<u8>>>(offset + 7)?.unwrap_or_default(),
+            completed_at_ms: from_sql(row.get::<_, Option<i64>>(offset + 8)?.unwrap_or(0)),
+        }),
+    };
+    Ok(Record {
+        token: from_sql(row.get(offset)?),
+        attempt: u32::try_from(row.get::<_, i64>(offset + 1)?).unwrap_or(u32::MAX),
+        lease_until_ms: from_sql(row.get(offset + 2)?),
+        expires_at_ms: from_sql(row.get(offset + 3)?),
+        ttl_ms: from_sql(row.get(offset + 4)?),
+        fingerprint: Fingerprint::from_stored(row.get(offset + 5)?),
+        completion,
+    })
+}
+
+impl Txn<'_> {
+    /// The stored record of a key, expired or not.
+    pub fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError> {
+        let mut stmt = self.tx.prepare_cached(SELECT_RECORD)?;
+        let record = stmt
+            .query_row(params![scope.tenant.as_str(), scope.namespace.as_str(), scope.key.as_str()], |row| {
+                read_record(row, 0)
+            })
+            .optional()?;
+        Ok(record)
+    }
+
+    /// Inserts or replaces a key's record.
+    pub fn put(&self, scope: &Scope, record: &Record) -> Result<(), StoreError> {
+        let mut stmt = self.tx.prepare_cached(UPSERT_RECORD)?;
+        let completion = record.completion.as_ref();
+        stmt.execute(params![
+            scope.tenant.as_str(),
+            scope.namespace.as_str(),
+            scope.key.as_str(),
+            to_sql(record.reclaim_at_ms()),
+            to_sql(record.token),
+            i64::from(record.attempt),
+            to_sql(record.lease_until_ms),
+            to_sql(record.expires_at_ms),
+            to_sql(record.ttl_ms),
+            record.fingerprint.as_bytes(),
+            completion.map(|c| i64::from(c.outcome.as_u8())),
+            completion.map(|c| c.response.as_slice()),
+            completion.map(|c| to_sql(c.completed_at_ms)),
+        ])?;
+        Ok(())
+    }
+
+    /// Deletes a key's record.
+    pub fn delete(&self, scope: &Scope) -> Result<(), StoreError> {
+        let mut stmt = self
+            .tx
+            .prepare_cached("DELETE FROM records WHERE tenant = ?1 AND namespace = ?2 AND key = ?3")?;
+        stmt.execute(params![scope.tenant.as_str(), scope.namespace.as_str(), scope.key.as_str()])?;
+        Ok(())
+    }
+
+    /// Deletes at most `limit` records that are reclaimable at `now_ms`, oldest first.
+    pub fn reclaim(&self, now_ms: u64, limit: usize) -> Result<usize, StoreError> {
+        let mut stmt = self.tx.prepare_cached(
+            "DELETE FROM records WHERE (tenant, namespace, key) IN (
+                SELECT tenant, namespace, key FROM records
+                WHERE reclaim_at_ms <= ?1 ORDER BY reclaim_at_ms LIMIT ?2)",
+        )?;
+        Ok(stmt.execute(params![to_sql(now_ms), limit as i64])?)
+    }
+
+    /// Pending records whose lease runs past `after_ms`: those the restart grace applies to.
+    pub fn pending_leased_after(&self, after_ms: u64) -> Result<Vec<(Scope, Record)>, StoreError> {
+        let mut stmt = self.tx.prepare_cached(SELECT_LEASED)?;
+        let rows = stmt.query_map(params![to_sql(after_ms)], |row| {
+            let scope = (row.get::<_, String>(0)?, row.get::<_, String>(1)?, row.get::<_, String>(2)?);
+            Ok((scope, read_record(row, 3)?))
+        })?;
+        let mut out = Vec::new();
+        for row in rows {
+            let ((tenant, namespace, key), record) = row?;
+            let scope = Scope {
+                tenant: Tenant::new(&tenant).map_err(|e| StoreError::Corrupt(e.to_string()))?,
+                namespace: Namespace::new(&namespace).map_err(|e| StoreError::Corrupt(e.to_string()))?,
+                key: Key::from_stored(key),
+            };
+            out.push((scope, record));
+        }
+        Ok(out)
+    }
+
+    /// Writes the counters; every batch does, inside its transaction.
+    pub fn set_meta(&self, meta: Meta) -> Result<(), StoreError> {
+        let mut stmt =
+            self.tx.prepare_cached("UPDATE meta SET next_token = ?1, high_water_ms = ?2 WHERE id = 0")?;
+        stmt.execute(params![to_sql(meta.next_token), to_sql(meta.high_water_ms)])?;
+        Ok(())
+    }
+
+    /// Makes the batch durable. Returns only once SQLite reports the commit done (with
+    /// `synchronous=FULL`, after the WAL is synced).
+    pub fn commit(self) -> Result<(), StoreError> {
+        if self.faults.commit_should_fail() {
+            // Dropping the transaction rolls it back, exactly as a failed COMMIT would.
+            return Err(StoreError::Injected("commit"));
+        }
+        self.tx.commit()?;
+        Ok(())
+    }
+}

@@ -1,0 +1,151 @@
+//! Durability across a real crash: a child process grants and commits as fast as it can
+//! and prints each acknowledgement; the parent kills it with SIGKILL at an arbitrary
+//! moment, reopens the data directory and checks that every acknowledged grant and commit
+//! is there. Several kill cycles run on the same directory.
+//!
+//! This target has its own `main` (no libtest harness) because the same binary plays
+//! the child when `ONCEGATE_CRASH_CHILD` names a data directory.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Write};
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use oncegate_core::{Outcome, ReserveReply, State, Tenant};
+use oncegate_engine::{CommitRequest, Engine, EngineConfig, KeyRequest, ReserveRequest};
+
+const CHILD_ENV: &str = "ONCEGATE_CRASH_CHILD";
+const CYCLES: usize = 3;
+const THREADS: usize = 8;
+/// The parent kills the child after a number of commit acknowledgements between these,
+/// different in each cycle, so the kill lands at different points of the write path.
+const COMMITS_BEFORE_KILL_MIN: usize = 100;
+const COMMITS_BEFORE_KILL_SPREAD: usize = 500;
+
+fn config(dir: &Path) -> EngineConfig {
+    EngineConfig { data_dir: dir.to_owned(), shards: 2, ..EngineConfig::default() }
+}
+
+fn child(dir: &Path, cycle: &str) {
+    let engine = Engine::open(config(dir)).expect("child opens the engine");
+    let tenant = Tenant::default_tenant();
+    std::thread::scope(|s| {
+        for thread in 0..THREADS {
+            let (engine, tenant) = (&engine, &tenant);
+            s.spawn(move || {
+                for i in 0.. {
+                    let key = format!("{cycle}-{thread}-{i}");
+                    let request =
+                        ReserveRequest { namespace: "live".into(), key: key.clone(), ..Default::default() };
+                    let token = match engine.reserve_blocking(tenant, request).expect("reserve").reply {
+                        ReserveReply::Granted { token, .. } => token,
+                        other => panic!("fresh keys are granted, got {other:?}"),
+                    };
+                    // Printed only after the grant was acknowledged, so only after it was durable.
+                    println!("G {key} {token}");
+                    let commit = CommitRequest {
+                        namespace: "live".into(),
+                        key: key.clone(),
+                        token,
+                        outcome: Outcome::Succeeded,
+                        response: key.as_bytes().to_vec(),
+                    };
+                    engine.commit_blocking(tenant, commit).expect("commit");
+                    println!("C {key} {token}");
+                }
+            });
+        }
+    });
+}
+
+/// Acknowledgements the child printed: key -> (token, committed).
+type Acks = HashMap<String, (u64, bool)>;
+
+fn run_cycle(dir: &Path, cycle: usize, acks: &mut Acks) {
+    let exe = std::env::current_exe().expect("own path");
+    let mut child = Command::new(exe)
+        .env(CHILD_ENV, dir)
+        .env("ONCEGATE_CRASH_CYCLE", format!("c{cycle}"))
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("child starts");
+    let mut out = BufReader::new(child.stdout.take().expect("piped"));
+    let mut commits = 0;
+    let mut line = Vec::new();
+    let mut killed = false;
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
+    let kill_after = COMMITS_BEFORE_KILL_MIN + (nanos as usize ^ (cycle * 7919)) % COMMITS_BEFORE_KILL_SPREAD;
+    loop {
+        line.clear();
+        if out.read_until(b'\n', &mut line).expect("read") == 0 {
+            break;
+        }
+        // A line cut by the kill has no newline and is no acknowledgement.
+        if line.last() != Some(&b'\n') {
+            break;
+        }
+        let text = std::str::from_utf8(&line).expect("utf-8").trim_end();
+        let mut parts = text.split(' ');
+        let (kind, key, token) = (parts.next(), parts.next(), parts.next());
+        let (Some(kind), Some(key), Some(token)) = (kind, key, token) else { panic!("bad line {text:?}") };
+        let token: u64 = token.parse().expect("token");
+        match kind {
+            "G" => {
+                acks.insert(key.to_owned(), (token, false));
+            }
+            "C" => {
+                acks.insert(key.to_owned(), (token, true));
+                commits += 1;
+            }
+            _ => panic!("bad line {text:?}"),
+        }
+        if commits == kill_after && !killed {
+            // SIGKILL: no destructor, no flush, no shutdown protocol runs in the child.
+            child.kill().expect("kill");
+            killed = true;
+        }
+    }
+    let status = child.wait().expect("wait");
+    assert!(killed, "the child exited by itself: {status}");
+}
+
+fn verify(dir: &Path, acks: &Acks) {
+    let engine = Engine::open(config(dir)).expect("reopen after the crash");
+    let tenant = Tenant::default_tenant();
+    for (key, (token, committed)) in acks {
+        let request = KeyRequest { namespace: "live".into(), key: key.clone(), ..Default::default() };
+        let view = engine.get_blocking(&tenant, request).expect("get");
+        assert_eq!(view.token, *token, "{key}: the acknowledged token is stored");
+        if *committed {
+            assert_eq!(view.state, State::Completed, "{key}: an acknowledged commit survives");
+            assert_eq!(view.response, key.as_bytes(), "{key}: with its response");
+        } else {
+            assert!(
+                matches!(view.state, State::Pending | State::Completed),
+                "{key}: an acknowledged grant survives (and its lease outlived the downtime), got {:?}",
+                view.state
+            );
+        }
+    }
+}
+
+fn main() {
+    if let Ok(dir) = std::env::var(CHILD_ENV) {
+        let cycle = std::env::var("ONCEGATE_CRASH_CYCLE").expect("cycle name");
+        child(Path::new(&dir), &cycle);
+        return;
+    }
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut acks = Acks::new();
+    for cycle in 0..CYCLES {
+        run_cycle(dir.path(), cycle, &mut acks);
+        verify(dir.path(), &acks);
+        let committed = acks.values().filter(|(_, c)| *c).count();
+        println!(
+            "crash cycle {cycle}: {} grants and {committed} commits acknowledged, all found after SIGKILL",
+            acks.len()
+        );
+    }
+    std::io::stdout().flush().expect("flush");
+    println!("crash_durability: 1 passed, 0 failed");
+}

@@ -1,0 +1,427 @@
+//! The shard engine against real SQLite files: the contract end to end, routing, the
+//! manifest, mailbox bounds, waiters, expiry and reclaim with an injected clock.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use oncegate_core::{Code, Previous, ReserveReply, State};
+use oncegate_engine::{
+    Engine, EngineConfig, Error, Faults, ManualClock, OpenError, ReserveRequest, ShardState,
+};
+
+fn granted(reply: &ReserveReply) -> u64 {
+    match reply {
+        ReserveReply::Granted { token, .. } => *token,
+        other => panic!("expected a grant, got {other:?}"),
+    }
+}
+
+#[test]
+fn double_fill_is_answered_with_the_first_response() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let engine = open(config(dir.path()), &clock, &Faults::default());
+    let t = tenant();
+
+    let first = engine.reserve_blocking(&t, reserve("fill-1")).unwrap();
+    let token = granted(&first.reply);
+    let dup = engine.reserve_blocking(&t, reserve("fill-1")).unwrap();
+    assert!(matches!(dup.reply, ReserveReply::InProgress { attempt: 1, .. }), "{dup:?}");
+
+    clock.advance(500);
+    engine.commit_blocking(&t, commit("fill-1", token, b"order A-77")).unwrap();
+    let retry = engine.reserve_blocking(&t, reserve("fill-1")).unwrap();
+    match retry.reply {
+        ReserveReply::Completed { token: t2, response, completed_at_ms, .. } => {
+            assert_eq!((t2, response.as_slice(), completed_at_ms), (token, &b"order A-77"[..], T0 + 500));
+        }
+        other => panic!("expected a replay, got {other:?}"),
+    }
+    // A retried commit is acknowledged; release of a completed key is refused.
+    engine.commit_blocking(&t, commit("fill-1", token, b"order A-77")).unwrap();
+    let err = engine.release_blocking(&t, key("fill-1", token)).unwrap_err();
+    assert_eq!(err.code(), Code::AlreadyCompleted);
+}
+
+#[test]
+fn async_api_works_from_a_runtime() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let engine = open(config(dir.path()), &clock, &Faults::default());
+    let t = tenant();
+    block_on(async {
+        let r = engine.reserve(&t, reserve("a")).await.unwrap();
+        let token = granted(&r.reply);
+        let renewed = engine.heartbeat(&t, key("a", token)).await.unwrap();
+        assert_eq!(renewed.lease_until_ms, T0 + 30_000);
+        let view = engine.get(&t, key("a", 0)).await.unwrap();
+        assert_eq!((view.state, view.token), (State::Pending, token));
+        engine.release(&t, key("a", token)).await.unwrap();
+        assert_eq!(engine.get(&t, key("a", 0)).await.unwrap().state, State::Free);
+        let err = engine.commit(&t, commit("a", token, b"")).await.unwrap_err();
+        assert_eq!(err.code(), Code::NotFound);
+    });
+}
+
+#[test]
+fn tokens_increase_across_release_and_tenants_are_apart() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let engine = open(config(dir.path()), &clock, &Faults::default());
+    let (a, b) = (oncegate_core::Tenant::new("acme").unwrap(), oncegate_core::Tenant::new("globex").unwrap());
+    let t1 = granted(&engine.reserve_blocking(&a, reserve("k")).unwrap().reply);
+    // Another tenant's identical key is a different record: granted, not in progress.
+    granted(&engine.reserve_blocking(&b, reserve("k")).unwrap().reply);
+    engine.release_blocking(&a, key("k", t1)).unwrap();
+    let t2 = granted(&engine.reserve_blocking(&a, reserve("k")).unwrap().reply);
+    assert!(t2 > t1, "a token after release is greater: {t2} > {t1}");
+    let err = engine.commit_blocking(&a, commit("k", t1, b"")).unwrap_err();
+    assert_eq!(err.code(), Code::LeaseLost);
+}
+
+#[test]
+fn invalid_requests_name_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(config(dir.path()), &ManualClock::new(T0), &Faults::default());
+    let t = tenant();
+    let cases: Vec<(ReserveRequest, &str)> = vec![
+        (reserve(&"k".repeat(513)), "key is 513 bytes; the limit is 512"),
+        (ReserveRequest { namespace: "li ve".into(), ..reserve("k") }, "namespace has ' '"),
+        (reserve(""), "key is empty"),
+        (ReserveRequest { key_parts: vec!["a".into()], bucket_ms: 60_000, ..reserve("k") }, "not both"),
+        (ReserveRequest { ttl_ms: 10, ..reserve("k") }, "ttl_ms is 10 ms"),
+        (ReserveRequest { lease_ms: 3_600_001, ..reserve("k") }, "lease_ms is 3600001 ms"),
+        (
+            ReserveRequest { fingerprint: vec![0; 65], ..reserve("k") },
+            "fingerprint is 65 bytes; the limit is 64",
+        ),
+        (ReserveRequest { wait_ms: 30_001, ..reserve("k") }, "wait_ms is 30001 ms"),
+        (ReserveRequest { bucket_ms: 5, ..reserve("k") }, "bucket_ms: only applies with key_parts"),
+    ];
+    for (request, message) in cases {
+        let err = engine.reserve_blocking(&t, request).unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument);
+        assert!(err.to_string().contains(message), "'{err}' should contain '{message}'");
+    }
+    let err = engine.commit_blocking(&t, commit("k", 0, b"")).unwrap_err();
+    assert_eq!(err.to_string(), "token must not be zero");
+    let err = engine.commit_blocking(&t, commit("k", 1, &vec![0; 64 * 1024 + 1])).unwrap_err();
+    assert_eq!(err.to_string(), "response is 65537 bytes; the limit is 65536");
+}
+
+#[test]
+fn derived_keys_collide_within_a_bucket() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let engine = open(config(dir.path()), &clock, &Faults::default());
+    let t = tenant();
+    let parts = |bucket_ms| ReserveRequest {
+        namespace: "live".into(),
+        key_parts: ["trade", "binance", "BTCUSDT", "buy", "0.5"].map(String::from).to_vec(),
+        bucket_ms,
+        ..ReserveRequest::default()
+    };
+    let first = engine.reserve_blocking(&t, parts(60_000)).unwrap();
+    assert_eq!(first.key.as_str(), format!("trade:binance:BTCUSDT:buy:0.5:{}", T0 / 60_000));
+    granted(&first.reply);
+    let dup = engine.reserve_blocking(&t, parts(60_000)).unwrap();
+    assert!(matches!(dup.reply, ReserveReply::InProgress { .. }));
+    clock.advance(60_000);
+    let later = engine.reserve_blocking(&t, parts(60_000)).unwrap();
+    assert_ne!(later.key, first.key);
+    granted(&later.reply);
+}
+
+#[test]
+fn expiry_abandonment_and_reclaim_follow_the_injected_clock() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let engine = open(config(dir.path()), &clock, &Faults::default());
+    let t = tenant();
+    let first = granted(&engine.reserve_blocking(&t, reserve_for("job", 1_000, 10_000, 0)).unwrap().reply);
+
+    clock.advance(999);
+    assert_eq!(engine.get_blocking(&t, key("job", 0)).unwrap().state, State::Pending);
+    clock.advance(1);
+    assert_eq!(engine.get_blocking(&t, key("job", 0)).unwrap().state, State::Abandoned);
+
+    let again = engine.reserve_blocking(&t, reserve_for("job", 1_000, 10_000, 0)).unwrap();
+    match again.reply {
+        ReserveReply::Granted { token, attempt, previous, .. } => {
+            assert!(token > first);
+            assert_eq!((attempt, previous), (2, Previous::Abandoned));
+            engine.commit_blocking(&t, commit("job", token, b"done")).unwrap();
+        }
+        other => panic!("expected a re-grant, got {other:?}"),
+    }
+    // Committed at T0 + 1000 with ttl 10 s: kept until T0 + 11_000 exactly.
+    clock.set(T0 + 10_999);
+    engine.run_alarms();
+    assert_eq!(engine.stats().iter().map(|s| s.reclaimed).sum::<u64>(), 0);
+    assert_eq!(engine.get_blocking(&t, key("job", 0)).unwrap().state, State::Completed);
+    clock.set(T0 + 11_000);
+    assert_eq!(engine.get_blocking(&t, key("job", 0)).unwrap().state, State::Free, "free before reclaim");
+    engine.run_alarms();
+    assert_eq!(engine.stats().iter().map(|s| s.reclaimed).sum::<u64>(), 1);
+}
+
+#[test]
+fn a_live_lease_is_never_reclaimed_even_past_ttl() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let engine = open(config(dir.path()), &clock, &Faults::default());
+    let t = tenant();
+    let token = granted(&engine.reserve_blocking(&t, reserve_for("long", 5_000, 1_000, 0)).unwrap().reply);
+    for _ in 0..8 {
+        clock.advance(3_000);
+        engine
+            .heartbeat_blocking(&t, oncegate_engine::KeyRequest { lease_ms: 5_000, ..key("long", token) })
+            .unwrap();
+        engine.run_alarms();
+        assert_eq!(engine.get_blocking(&t, key("long", 0)).unwrap().state, State::Pending);
+    }
+    assert_eq!(engine.stats().iter().map(|s| s.reclaimed).sum::<u64>(), 0);
+    engine.commit_blocking(&t, commit("long", token, b"late but fine")).unwrap();
+}
+
+#[test]
+fn reclaim_is_bounded_per_alarm_tick() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let config = EngineConfig { shards: 1, reclaim_batch_max: 10, ..config(dir.path()) };
+    let engine = open(config, &clock, &Faults::default());
+    let t = tenant();
+    for i in 0..35 {
+        let token =
+            granted(&engine.reserve_blocking(&t, reserve_for(&format!("k{i}"), 0, 1_000, 0)).unwrap().reply);
+        engine.commit_blocking(&t, commit(&format!("k{i}"), token, b"x")).unwrap();
+    }
+    clock.advance(1_000);
+    let alarms_before = engine.stats()[0].alarms;
+    // Each call runs at least one tick; the shard may run more on its own, since a full
+    // chunk means more is due. Either way no tick may take more than 10.
+    for _ in 0..35 {
+        engine.run_alarms();
+        if engine.stats()[0].reclaimed == 35 {
+            break;
+        }
+    }
+    let stats = &engine.stats()[0];
+    assert_eq!(stats.reclaimed, 35);
+    assert!(
+        stats.alarms - alarms_before >= 4,
+        "35 records at 10 per tick need at least 4 ticks, took {}",
+        stats.alarms - alarms_before
+    );
+}
+
+#[test]
+fn keys_spread_over_shards_by_the_documented_hash() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine =
+        open(EngineConfig { shards: 4, ..config(dir.path()) }, &ManualClock::new(T0), &Faults::default());
+    let t = tenant();
+    for i in 0..400 {
+        granted(&engine.reserve_blocking(&t, reserve(&format!("key-{i}"))).unwrap().reply);
+    }
+    for stats in engine.stats() {
+        assert!(stats.commands > 50, "shard {} got only {} of 400 keys", stats.shard, stats.commands);
+    }
+    for shard in 0..4 {
+        assert!(dir.path().join(format!("shard-{shard:04}.sqlite")).exists());
+    }
+}
+
+#[test]
+fn the_shard_count_is_fixed_at_creation_and_the_directory_is_locked() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let engine = open(EngineConfig { shards: 3, ..config(dir.path()) }, &clock, &Faults::default());
+    let second = Engine::open(EngineConfig { shards: 3, ..config(dir.path()) });
+    assert!(matches!(second, Err(OpenError::Locked { .. })), "a second owner is refused");
+    engine.shutdown();
+    drop(engine);
+    let err = Engine::open(EngineConfig { shards: 2, ..config(dir.path()) }).err().expect("refused");
+    let message = err.to_string();
+    assert!(message.contains("has 3 shards") && message.contains("asks for 2"), "{message}");
+    Engine::open(EngineConfig { shards: 3, ..config(dir.path()) }).expect("the same count opens");
+}
+
+#[test]
+fn configuration_problems_are_reported_together() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = EngineConfig { shards: 0, batch_len_max: 0, mailbox_depth_max: 0, ..config(dir.path()) };
+    let message = Engine::open(config).err().expect("refused").to_string();
+    for field in ["shards is 0", "batch_len_max is 0", "mailbox_depth_max is 0"] {
+        assert!(message.contains(field), "'{message}' should name {field}");
+    }
+}
+
+#[test]
+fn a_full_mailbox_answers_resource_exhausted_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let faults = Faults::default();
+    let config = EngineConfig { shards: 1, mailbox_depth_max: 2, ..config(dir.path()) };
+    let engine = open(config, &clock, &faults);
+    let t = tenant();
+    faults.close_gate();
+    let held = engine.reserve(&t, reserve("a"));
+    faults.wait_held(1);
+    // The shard holds "a" at the gate; the mailbox takes two more, then refuses.
+    let queued = [engine.reserve(&t, reserve("b")), engine.reserve(&t, reserve("c"))];
+    let err = block_on(engine.reserve(&t, reserve("d"))).unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted);
+    assert_eq!(err.to_string(), "shard 0 mailbox is full; mailbox_depth_max is 2");
+    assert_eq!(engine.stats()[0].mailbox_depth, 2);
+    faults.open_gate();
+    granted(&block_on(held).unwrap().reply);
+    for q in queued {
+        granted(&block_on(q).unwrap().reply);
+    }
+}
+
+#[test]
+fn sixty_four_threads_race_and_exactly_one_is_granted() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(config(dir.path())).unwrap();
+    let t = tenant();
+    for round in 0..25 {
+        let key_name = format!("race-{round}");
+        let barrier = std::sync::Barrier::new(64);
+        let grants: usize = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..64)
+                .map(|_| {
+                    s.spawn(|| {
+                        barrier.wait();
+                        let reply = engine.reserve_blocking(&t, reserve(&key_name)).unwrap().reply;
+                        matches!(reply, ReserveReply::Granted { .. }) as usize
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).sum()
+        });
+        assert_eq!(grants, 1, "round {round}: exactly one of 64 racers is granted");
+    }
+}
+
+#[test]
+fn wait_ends_in_a_replay_when_the_key_completes() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let engine = open(config(dir.path()), &clock, &Faults::default());
+    let t = tenant();
+    let token = granted(&engine.reserve_blocking(&t, reserve("w")).unwrap().reply);
+    let waiters: Vec<_> = (0..3).map(|_| engine.reserve(&t, reserve_for("w", 0, 0, 5_000))).collect();
+    // The mailbox is first in, first out: once this read returns, all three are parked.
+    engine.get_blocking(&t, key("w", 0)).unwrap();
+    assert_eq!(engine.stats().iter().map(|s| s.waiters).sum::<u64>(), 3);
+    engine.commit_blocking(&t, commit("w", token, b"the one result")).unwrap();
+    for w in waiters {
+        match block_on(w).unwrap().reply {
+            ReserveReply::Completed { response, .. } => assert_eq!(response, b"the one result"),
+            other => panic!("expected a replay, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn wait_ends_in_one_grant_on_release_and_in_progress_when_it_runs_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let engine = open(config(dir.path()), &clock, &Faults::default());
+    let t = tenant();
+    let token = granted(&engine.reserve_blocking(&t, reserve("w")).unwrap().reply);
+    let first = engine.reserve(&t, reserve_for("w", 0, 0, 5_000));
+    let second = engine.reserve(&t, reserve_for("w", 0, 0, 5_000));
+    engine.release_blocking(&t, key("w", token)).unwrap();
+    let got = block_on(first).unwrap().reply;
+    assert!(matches!(got, ReserveReply::Granted { attempt: 1, previous: Previous::None, .. }), "{got:?}");
+    // The second waiter now waits on the first one's lease, until its own wait runs out.
+    assert_eq!(engine.stats().iter().map(|s| s.waiters).sum::<u64>(), 1);
+    clock.advance(5_000);
+    engine.run_alarms();
+    let got = block_on(second).unwrap().reply;
+    assert!(matches!(got, ReserveReply::InProgress { .. }), "{got:?}");
+}
+
+#[test]
+fn wait_ends_in_a_grant_with_previous_abandoned_when_the_lease_runs_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let engine = open(config(dir.path()), &clock, &Faults::default());
+    let t = tenant();
+    granted(&engine.reserve_blocking(&t, reserve_for("w", 1_000, 0, 0)).unwrap().reply);
+    let waiter = engine.reserve(&t, reserve_for("w", 0, 0, 10_000));
+    let other = engine.reserve(&t, reserve_for("w", 0, 0, 10_000));
+    engine.get_blocking(&t, key("w", 0)).unwrap();
+    clock.advance(1_000);
+    engine.run_alarms();
+    let got = block_on(waiter).unwrap().reply;
+    assert!(
+        matches!(got, ReserveReply::Granted { attempt: 2, previous: Previous::Abandoned, .. }),
+        "{got:?}"
+    );
+    // Only one waiter is granted; the other keeps waiting behind the new holder.
+    assert_eq!(engine.stats().iter().map(|s| s.waiters).sum::<u64>(), 1);
+    engine.shutdown();
+    assert!(
+        matches!(block_on(other).unwrap().reply, ReserveReply::InProgress { .. }),
+        "shutdown answers waiters"
+    );
+}
+
+#[test]
+fn waiters_are_bounded_per_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let config = EngineConfig { waiters_per_key_max: 2, ..config(dir.path()) };
+    let engine = open(config, &clock, &Faults::default());
+    let t = tenant();
+    granted(&engine.reserve_blocking(&t, reserve("w")).unwrap().reply);
+    let _parked = [
+        engine.reserve(&t, reserve_for("w", 0, 0, 5_000)),
+        engine.reserve(&t, reserve_for("w", 0, 0, 5_000)),
+    ];
+    let err = engine.reserve_blocking(&t, reserve_for("w", 0, 0, 5_000)).unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted);
+    assert!(err.to_string().contains("waiters_per_key_max is 2"), "{err}");
+}
+
+#[test]
+fn shutdown_refuses_new_calls_and_keeps_what_was_acknowledged() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let engine = open(config(dir.path()), &clock, &Faults::default());
+    let t = tenant();
+    let token = granted(&engine.reserve_blocking(&t, reserve("kept")).unwrap().reply);
+    engine.commit_blocking(&t, commit("kept", token, b"r")).unwrap();
+    engine.shutdown();
+    assert!(engine.shard_states().iter().all(|s| *s == ShardState::Stopped));
+    let err = engine.reserve_blocking(&t, reserve("new")).unwrap_err();
+    assert!(matches!(err, Error::Unavailable { .. }), "{err}");
+    drop(engine);
+    let engine = open(config(dir.path()), &clock, &Faults::default());
+    assert_eq!(engine.get_blocking(&t, key("kept", 0)).unwrap().response, b"r");
+}
+
+#[test]
+fn stats_report_batches() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(EngineConfig { shards: 1, ..config(dir.path()) }).unwrap();
+    let t = tenant();
+    block_on(async {
+        let calls: Vec<_> = (0..200).map(|i| engine.reserve(&t, reserve(&format!("s{i}")))).collect();
+        for call in calls {
+            granted(&call.await.unwrap().reply);
+        }
+    });
+    let stats = &engine.stats()[0];
+    assert_eq!(stats.commands, 200);
+    assert!(stats.batches >= 1 && stats.batches <= 200);
+    assert!((stats.batch_len_mean - 200.0 / stats.batches as f64).abs() < 1e-9);
+    assert_eq!(stats.state, ShardState::Serving);
+    assert!(engine.wait_shard_state(0, ShardState::Serving, Duration::from_millis(1)));
+}

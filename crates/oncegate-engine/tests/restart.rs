@@ -1,0 +1,83 @@
+//! What must survive a reopen: records, the token counter, the clock high-water mark,
+//! and the restart grace that keeps downtime from ending leases.
+
+mod common;
+
+use common::*;
+use oncegate_core::{ReserveReply, State};
+use oncegate_engine::{EngineConfig, Faults, ManualClock};
+
+fn token_of(reply: &ReserveReply) -> u64 {
+    match reply {
+        ReserveReply::Granted { token, .. } => *token,
+        other => panic!("expected a grant, got {other:?}"),
+    }
+}
+
+#[test]
+fn restart_grace_extends_leases_that_were_live_at_the_stop() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let faults = Faults::default();
+    let config = EngineConfig { lease_restart_grace_ms: 2_000, ..config(dir.path()) };
+    let t = tenant();
+    let engine = open(config.clone(), &clock, &faults);
+    let live = token_of(&engine.reserve_blocking(&t, reserve_for("live", 1_000, 60_000, 0)).unwrap().reply);
+    let gone = token_of(&engine.reserve_blocking(&t, reserve_for("gone", 100, 60_000, 0)).unwrap().reply);
+    clock.advance(500);
+    // "gone" ran out before the stop; the shards observe T0 + 500 on this read.
+    assert_eq!(engine.get_blocking(&t, key("gone", 0)).unwrap().state, State::Abandoned);
+    assert_eq!(engine.get_blocking(&t, key("live", 0)).unwrap().state, State::Pending);
+    drop(engine);
+
+    // Down for 5 s, far longer than the 1 s lease.
+    clock.advance(5_000);
+    let engine = open(config, &clock, &faults);
+    let view = engine.get_blocking(&t, key("live", 0)).unwrap();
+    assert_eq!((view.state, view.token, view.lease_until_ms), (State::Pending, live, T0 + 5_500 + 2_000));
+    let view = engine.get_blocking(&t, key("gone", 0)).unwrap();
+    assert_eq!((view.state, view.token), (State::Abandoned, gone), "a lease over before the stop stays over");
+    // The holder can still heartbeat and commit.
+    engine.heartbeat_blocking(&t, key("live", live)).unwrap();
+    engine.commit_blocking(&t, commit("live", live, b"ok")).unwrap();
+}
+
+#[test]
+fn a_clock_stepped_back_across_a_restart_resurrects_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let faults = Faults::default();
+    let t = tenant();
+    let engine = open(config(dir.path()), &clock, &faults);
+    let token = token_of(&engine.reserve_blocking(&t, reserve_for("k", 1_000, 2_000, 0)).unwrap().reply);
+    engine.commit_blocking(&t, commit("k", token, b"r")).unwrap();
+    clock.advance(3_600_000);
+    assert_eq!(engine.get_blocking(&t, key("k", 0)).unwrap().state, State::Free);
+    drop(engine);
+
+    // The wall clock steps back one hour, to before the record expired.
+    clock.set(T0 + 1);
+    let engine = open(config(dir.path()), &clock, &faults);
+    assert_eq!(engine.get_blocking(&t, key("k", 0)).unwrap().state, State::Free, "expired stays expired");
+    let again = token_of(&engine.reserve_blocking(&t, reserve("k")).unwrap().reply);
+    assert!(again > token, "the token counter survived: {again} > {token}");
+}
+
+#[test]
+fn a_clock_stepped_back_while_running_never_lengthens_a_lease() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let engine = open(EngineConfig { shards: 1, ..config(dir.path()) }, &clock, &Faults::default());
+    let t = tenant();
+    token_of(&engine.reserve_blocking(&t, reserve_for("k", 1_000, 60_000, 0)).unwrap().reply);
+    clock.advance(1_000);
+    assert_eq!(engine.get_blocking(&t, key("k", 0)).unwrap().state, State::Abandoned);
+    clock.set(T0);
+    assert_eq!(
+        engine.get_blocking(&t, key("k", 0)).unwrap().state,
+        State::Abandoned,
+        "time does not run back"
+    );
+    let r = engine.reserve_blocking(&t, reserve("k")).unwrap().reply;
+    assert!(matches!(r, ReserveReply::Granted { attempt: 2, .. }), "{r:?}");
+}
