@@ -23,3 +23,8 @@ pub use oncegate_engine::{
     Clock, CommitRequest, Durability, Engine, EngineConfig, Error, Faults, KeyRequest, ManualClock,
     OpenError, Renewed, ReserveRequest, Reserved, ShardState, ShardStats, SystemClock,
 };
+
+/// The README's examples compile as doc tests, so they cannot drift from the API.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
