@@ -488,19 +488,21 @@ impl Shard {
             txn.commit()?;
             Ok(reclaimed)
         })();
-        match result.and_then(|reclaimed| {
-            // A full chunk means more may be due: look again at once, after any queued data.
-            self.book.next_reclaim_ms =
-                if reclaimed == limit { Some(now) } else { store.min_reclaim_at_ms()? };
-            Ok(reclaimed)
-        }) {
+        match result {
             Ok(reclaimed) => {
                 self.shared.waiters.store(self.book.waiters_len as u64, Ordering::Relaxed);
                 self.shared.reclaimed.fetch_add(reclaimed as u64, Ordering::Relaxed);
                 self.shared.alarms.fetch_add(1, Ordering::Relaxed);
                 self.shared.commits.fetch_add(1, Ordering::Relaxed);
+                // The transaction committed: these answers are true whatever happens next.
                 for (reply, answer) in outbox {
                     let _ = reply.send(answer);
+                }
+                // A full chunk means more may be due: look again at once, after queued data.
+                let next = if reclaimed == limit { Ok(Some(now)) } else { store.min_reclaim_at_ms() };
+                match next {
+                    Ok(next) => self.book.next_reclaim_ms = next,
+                    Err(error) => self.record_failure(&error),
                 }
             }
             Err(error) => {
@@ -558,7 +560,14 @@ impl Shard {
         self.store = None;
         self.shared.waiters.store(0, Ordering::Relaxed);
         self.shared.set_state(ShardState::Stopped);
-        tracing::info!(shard = self.id, "shard stopped");
+        tracing::info!(
+            shard = self.id,
+            batches = self.shared.batches.load(Ordering::Relaxed),
+            commands = self.shared.commands.load(Ordering::Relaxed),
+            reclaimed = self.shared.reclaimed.load(Ordering::Relaxed),
+            failures = self.shared.failures.load(Ordering::Relaxed),
+            "shard stopped; its file is closed"
+        );
     }
 }
 
