@@ -1,0 +1,14 @@
+//! Compiles the proto with protox (pure Rust), so a fresh machine needs no `protoc`, and
+//! writes the encoded file descriptor set for gRPC reflection.
+
+use prost::Message;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let proto = "proto/oncegate/v1/gate.proto";
+    println!("cargo:rerun-if-changed={proto}");
+    let fds = protox::compile([proto], ["proto"])?;
+    let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
+    std::fs::write(out_dir.join("oncegate_descriptor.bin"), fds.encode_to_vec())?;
+    tonic_prost_build::configure().build_client(true).build_server(true).compile_fds(fds)?;
+    Ok(())
+}

@@ -1,0 +1,74 @@
+//! Bearer-token authentication: the token selects the tenant, fail-closed.
+
+use oncegate_core::Tenant;
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
+use tonic::Status;
+use tonic::metadata::MetadataMap;
+
+use crate::TenantConfig;
+
+/// The SHA-256 of a token, as hex: what the configuration stores.
+pub fn token_sha256(token: &str) -> String {
+    hex::encode(Sha256::digest(token.as_bytes()))
+}
+
+/// Maps a request's credentials to its tenant.
+#[derive(Clone, Debug)]
+pub struct Auth {
+    /// `(tenant, sha256(token))`; empty means the open `default` tenant.
+    tenants: Vec<(Tenant, [u8; 32])>,
+}
+
+impl Auth {
+    /// Builds the table from checked configuration.
+    pub fn new(tenants: &[TenantConfig]) -> Result<Auth, String> {
+        let mut table = Vec::with_capacity(tenants.len());
+        for tenant in tenants {
+            let name = Tenant::new(&tenant.name).map_err(|e| e.to_string())?;
+            let mut hash = [0u8; 32];
+            hex::decode_to_slice(tenant.token_sha256.to_ascii_lowercase(), &mut hash)
+                .map_err(|e| format!("tenant {}: token_sha256: {e}", tenant.name))?;
+            table.push((name, hash));
+        }
+        Ok(Auth { tenants: table })
+    }
+
+    /// Whether any tenant is configured (otherwise every call is the `default` tenant).
+    pub fn is_open(&self) -> bool {
+        self.tenants.is_empty()
+    }
+
+    /// The tenant whose token the request carries in `authorization: Bearer <token>`.
+    pub fn tenant(&self, metadata: &MetadataMap) -> Result<Tenant, Status> {
+        if self.tenants.is_empty() {
+            return Ok(Tenant::default_tenant());
+        }
+        let header = metadata.get("authorization").ok_or_else(|| {
+            unauthenticated("missing authorization metadata; send `authorization: Bearer <token>`")
+        })?;
+        let value = header.to_str().map_err(|_| unauthenticated("authorization metadata is not ascii"))?;
+        let token = value
+            .strip_prefix("Bearer ")
+            .or_else(|| value.strip_prefix("bearer "))
+            .ok_or_else(|| unauthenticated("authorization metadata must be `Bearer <token>`"))?;
+        let presented: [u8; 32] = Sha256::digest(token.trim().as_bytes()).into();
+        // Compare against every tenant without stopping early, so timing does not reveal
+        // which tenant (if any) came close.
+        let mut found = None;
+        for (tenant, hash) in &self.tenants {
+            if bool::from(hash.ct_eq(&presented)) {
+                found = Some(tenant);
+            }
+        }
+        found.cloned().ok_or_else(|| unauthenticated("unknown bearer token"))
+    }
+}
+
+fn unauthenticated(message: &str) -> Status {
+    crate::status::with_code(
+        tonic::Code::Unauthenticated,
+        oncegate_core::Code::Unauthenticated,
+        message.to_owned(),
+    )
+}

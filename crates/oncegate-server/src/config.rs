@@ -1,0 +1,245 @@
+//! The server's configuration file: typed, with every default in one place, unknown keys
+//! refused, and every problem reported at once.
+
+use std::net::SocketAddr;
+use std::path::Path;
+
+use oncegate_core::Tenant;
+use oncegate_engine::EngineConfig;
+use serde::{Deserialize, Serialize};
+
+/// The whole configuration file (`config/oncegate.toml` documents every key).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// The network front.
+    pub server: ServerConfig,
+    /// The shard engine and its request limits.
+    pub engine: EngineConfig,
+    /// Logging.
+    pub log: LogConfig,
+    /// Tenants and the SHA-256 of their bearer tokens. Empty: one `default` tenant, no
+    /// authentication, loopback only.
+    pub tenants: Vec<TenantConfig>,
+}
+
+/// Settings of the gRPC listener.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServerConfig {
+    /// The address to listen on.
+    pub listen: SocketAddr,
+    /// The largest request or response message, in bytes (decoded).
+    pub message_bytes_max: usize,
+    /// The largest header (metadata) list of a request, in bytes.
+    pub metadata_bytes_max: u32,
+    /// Concurrent HTTP/2 streams per connection.
+    pub streams_per_connection_max: u32,
+    /// A call that takes longer is cancelled; must exceed the longest wait.
+    pub request_timeout_ms: u64,
+    /// Calls served at once across all connections; more are refused with
+    /// `RESOURCE_EXHAUSTED` (load shedding).
+    pub requests_in_flight_max: usize,
+    /// How often the health service looks at the shards' states.
+    pub health_poll_ms: u64,
+    /// After SIGTERM, how long in-flight calls (and watch streams) may run before their
+    /// connections are closed.
+    pub shutdown_grace_ms: u64,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 50051)),
+            message_bytes_max: 256 * 1024,
+            metadata_bytes_max: 16 * 1024,
+            streams_per_connection_max: 1024,
+            request_timeout_ms: 60_000,
+            requests_in_flight_max: 16_384,
+            health_poll_ms: 1_000,
+            shutdown_grace_ms: 10_000,
+        }
+    }
+}
+
+/// How logs are written.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Logging settings.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LogConfig {
+    /// Text or JSON lines.
+    pub format: LogFormat,
+    /// A `tracing` env-filter directive, such as `info` or `oncegate=debug`; `RUST_LOG`
+    /// overrides it.
+    pub filter: String,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig { format: LogFormat::Text, filter: "info".to_owned() }
+    }
+}
+
+/// One tenant: its name and the SHA-256 (hex) of its bearer token, never the token.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantConfig {
+    /// 1 to 64 bytes of `[A-Za-z0-9._-]`.
+    pub name: String,
+    /// `oncegate hash-token` prints it.
+    pub token_sha256: String,
+}
+
+/// Why a configuration was refused; every problem found, one per line.
+#[derive(Debug, thiserror::Error)]
+#[error("configuration {}:\n  {}", .source_name, .problems.join("\n  "))]
+pub struct ConfigError {
+    /// The file, or "defaults".
+    pub source_name: String,
+    /// Every problem, each naming the key.
+    pub problems: Vec<String>,
+}
+
+/// Lists the keys of `user` that `known` does not have, as dotted paths. `known` is the
+/// default configuration serialised, so it holds every key the file may use.
+fn unknown_keys(user: &toml::Table, known: &toml::Table, prefix: &str, out: &mut Vec<String>) {
+    for (key, value) in user {
+        let path = if prefix.is_empty() { key.clone() } else { format!("{prefix}.{key}") };
+        match known.get(key) {
+            None => out.push(format!("{path}: unknown key")),
+            Some(toml::Value::Table(inner)) => {
+                if let toml::Value::Table(user_inner) = value {
+                    unknown_keys(user_inner, inner, &path, out);
+                }
+            }
+            Some(_) => {}
+        }
+    }
+}
+
+impl Config {
+    /// Reads a configuration file. Unknown keys are all reported together; a value of
+    /// the wrong type is reported with its line.
+    pub fn from_toml(text: &str, source_name: &str) -> Result<Config, ConfigError> {
+        let error = |problems| ConfigError { source_name: source_name.to_owned(), problems };
+        let table: toml::Table = toml::from_str(text).map_err(|e| error(vec![e.to_string()]))?;
+        let mut problems = Vec::new();
+        let known = toml::Table::try_from(Config::default()).expect("the defaults serialise");
+        unknown_keys(&table, &known, "", &mut problems);
+        if let Some(toml::Value::Array(tenants)) = table.get("tenants") {
+            let sample =
+                toml::Table::try_from(TenantConfig { name: String::new(), token_sha256: String::new() })
+                    .expect("a tenant serialises");
+            for (i, tenant) in tenants.iter().enumerate() {
+                if let toml::Value::Table(tenant) = tenant {
+                    unknown_keys(tenant, &sample, &format!("tenants[{i}]"), &mut problems);
+                }
+            }
+        }
+        if !problems.is_empty() {
+            return Err(error(problems));
+        }
+        toml::from_str(text).map_err(|e| error(vec![e.to_string().trim_end().to_owned()]))
+    }
+
+    /// Reads a configuration file from disk.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let name = path.display().to_string();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError { source_name: name.clone(), problems: vec![e.to_string()] })?;
+        Config::from_toml(&text, &name)
+    }
+
+    /// Checks every setting and every relation between settings; returns all problems.
+    pub fn check(&self) -> Result<(), Vec<String>> {
+        let mut problems = Vec::new();
+        if let Err(engine) = self.engine.check() {
+            problems.extend(engine.into_iter().map(|p| format!("engine.{p}")));
+        }
+        let server = &self.server;
+        let response_max = self.engine.limits.response_bytes_max;
+        // A commit carries the response plus key, namespace and a few numbers.
+        let message_min = response_max + 4 * 1024;
+        if server.message_bytes_max < message_min || server.message_bytes_max > 64 << 20 {
+            problems.push(format!(
+                "server.message_bytes_max is {}; it must be between {message_min} (engine.limits.response_bytes_max plus 4 KiB) and {}",
+                server.message_bytes_max,
+                64 << 20
+            ));
+        }
+        if !(1024..=1 << 20).contains(&server.metadata_bytes_max) {
+            problems.push(format!(
+                "server.metadata_bytes_max is {}; it must be between 1024 and 1048576",
+                server.metadata_bytes_max
+            ));
+        }
+        if !(1..=65_536).contains(&server.streams_per_connection_max) {
+            problems.push(format!(
+                "server.streams_per_connection_max is {}; it must be between 1 and 65536",
+                server.streams_per_connection_max
+            ));
+        }
+        let timeout_min = self.engine.limits.wait_ms_max + 1_000;
+        if server.request_timeout_ms < timeout_min || server.request_timeout_ms > 3_600_000 {
+            problems.push(format!(
+                "server.request_timeout_ms is {}; it must be between {timeout_min} (engine.limits.wait_ms_max plus 1 s) and 3600000",
+                server.request_timeout_ms
+            ));
+        }
+        if !(1..=1 << 20).contains(&server.requests_in_flight_max) {
+            problems.push(format!(
+                "server.requests_in_flight_max is {}; it must be between 1 and 1048576",
+                server.requests_in_flight_max
+            ));
+        }
+        if !(10..=60_000).contains(&server.health_poll_ms) {
+            problems.push(format!(
+                "server.health_poll_ms is {}; it must be between 10 and 60000",
+                server.health_poll_ms
+            ));
+        }
+        if server.shutdown_grace_ms > 600_000 {
+            problems.push(format!(
+                "server.shutdown_grace_ms is {}; it must be at most 600000",
+                server.shutdown_grace_ms
+            ));
+        }
+        let mut names = std::collections::HashSet::new();
+        let mut hashes = std::collections::HashSet::new();
+        for (i, tenant) in self.tenants.iter().enumerate() {
+            if let Err(e) = Tenant::new(&tenant.name) {
+                problems.push(format!("tenants[{i}].name: {e}"));
+            }
+            if !names.insert(tenant.name.as_str()) {
+                problems.push(format!("tenants[{i}].name: {:?} is declared twice", tenant.name));
+            }
+            let hash = tenant.token_sha256.to_ascii_lowercase();
+            if hash.len() != 64 || !hash.bytes().all(|b| b.is_ascii_hexdigit()) {
+                problems.push(format!(
+                    "tenants[{i}].token_sha256 must be 64 hex digits (the SHA-256 of the token, as `oncegate hash-token` prints it)"
+                ));
+            } else if !hashes.insert(hash) {
+                problems.push(format!("tenants[{i}].token_sha256 is the same as another tenant's"));
+            }
+        }
+        if self.tenants.is_empty() && !server.listen.ip().is_loopback() {
+            problems.push(format!(
+                "server.listen is {}, but no tenants are configured: without tenants oncegate runs one unauthenticated \
+                 `default` tenant and listens on loopback only. Add a [[tenants]] entry with a name and the \
+                 token_sha256 that `oncegate hash-token` prints for its token",
+                server.listen
+            ));
+        }
+        if problems.is_empty() { Ok(()) } else { Err(problems) }
+    }
+}

@@ -1,0 +1,110 @@
+//! Configuration: every file under `config/` loads and passes its checks; the documented
+//! file holds exactly the defaults; problems are reported together.
+
+use oncegate_server::Config;
+
+fn config_dir() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config")
+}
+
+#[test]
+fn every_file_under_config_loads_and_checks() {
+    let mut seen = 0;
+    for entry in std::fs::read_dir(config_dir()).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().and_then(|e| e.to_str()) != Some("toml") {
+            continue;
+        }
+        let config = Config::load(&path).unwrap_or_else(|e| panic!("{e}"));
+        config.check().unwrap_or_else(|p| panic!("{}: {}", path.display(), p.join("; ")));
+        seen += 1;
+    }
+    assert!(seen >= 2, "config/ holds the documented file and an example");
+}
+
+#[test]
+fn the_documented_file_is_exactly_the_defaults() {
+    let documented = Config::load(&config_dir().join("oncegate.toml")).unwrap();
+    assert_eq!(documented, Config::default(), "config/oncegate.toml must list the true defaults");
+}
+
+#[test]
+fn unknown_keys_are_all_reported_at_once() {
+    let text = "
+        colour = 1
+        [server]
+        listen = \"127.0.0.1:1\"
+        listne = \"x\"
+        [engine.limits]
+        key_bytes = 3
+        [[tenants]]
+        name = \"a\"
+        token = \"plain\"
+    ";
+    let error = Config::from_toml(text, "test").unwrap_err();
+    assert_eq!(
+        error.problems,
+        [
+            "colour: unknown key",
+            "engine.limits.key_bytes: unknown key",
+            "server.listne: unknown key",
+            "tenants[0].token: unknown key"
+        ]
+    );
+}
+
+#[test]
+fn semantic_problems_are_all_reported_at_once() {
+    let text = "
+        [server]
+        listen = \"0.0.0.0:50051\"
+        request_timeout_ms = 10
+        [engine]
+        shards = 0
+        [engine.limits]
+        response_bytes_max = 2000000
+    ";
+    let config = Config::from_toml(text, "test").unwrap();
+    let problems = config.check().unwrap_err();
+    let joined = problems.join("\n");
+    for expected in [
+        "engine.shards is 0",
+        "engine.limits.response_bytes_max is 2000000",
+        "server.request_timeout_ms is 10",
+        "no tenants are configured",
+        "oncegate hash-token",
+    ] {
+        assert!(joined.contains(expected), "missing {expected:?} in:\n{joined}");
+    }
+}
+
+#[test]
+fn tenant_problems_name_the_entry() {
+    let text = "
+        [[tenants]]
+        name = \"bad name\"
+        token_sha256 = \"abc\"
+        [[tenants]]
+        name = \"ok\"
+        token_sha256 = \"c695b42d79a2420ca858fe997c67cab0749a72f3875834c654113b9cb2219478\"
+        [[tenants]]
+        name = \"ok\"
+        token_sha256 = \"c695b42d79a2420ca858fe997c67cab0749a72f3875834c654113b9cb2219478\"
+    ";
+    let problems = Config::from_toml(text, "test").unwrap().check().unwrap_err();
+    let joined = problems.join("\n");
+    for expected in [
+        "tenants[0].name",
+        "tenants[0].token_sha256 must be 64 hex digits",
+        "tenants[2].name: \"ok\" is declared twice",
+        "tenants[2].token_sha256 is the same",
+    ] {
+        assert!(joined.contains(expected), "missing {expected:?} in:\n{joined}");
+    }
+}
+
+#[test]
+fn a_wrong_type_names_its_line() {
+    let error = Config::from_toml("[engine]\nshards = \"two\"\n", "test").unwrap_err();
+    assert!(error.to_string().contains("line 2"), "{error}");
+}

@@ -1,0 +1,273 @@
+//! Client verbs for operators: one gRPC call, the answer printed as one JSON object.
+//!
+//! Exit status: 0 for an answer (including `in_progress`, `completed` and `mismatch`),
+//! 1 for a refusal (the JSON then has an `error` object with the gRPC and stable codes),
+//! 2 for a usage or connection problem.
+
+use oncegate_proto::v1 as pb;
+use oncegate_proto::v1::gate_client::GateClient;
+use serde_json::{Value, json};
+use tonic::Request;
+
+/// Where and as whom to call.
+#[derive(clap::Args)]
+pub struct Target {
+    /// The server's address.
+    #[arg(long, env = "ONCEGATE_ADDR", default_value = "http://127.0.0.1:50051")]
+    addr: String,
+    /// The bearer token (not needed when the server has no tenants).
+    #[arg(long, env = "ONCEGATE_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// The namespace.
+    #[arg(long, env = "ONCEGATE_NAMESPACE", default_value = "default")]
+    namespace: String,
+}
+
+#[derive(clap::Args)]
+pub struct ReserveArgs {
+    #[command(flatten)]
+    target: Target,
+    /// The idempotency key; omit it and give --part (with --bucket-ms) to derive one.
+    key: Option<String>,
+    /// A part of a derived key; repeat for each part.
+    #[arg(long = "part")]
+    parts: Vec<String>,
+    /// The bucket width of a derived key.
+    #[arg(long, default_value_t = 0)]
+    bucket_ms: u64,
+    /// 0 selects the server's default.
+    #[arg(long, default_value_t = 0)]
+    ttl_ms: u64,
+    /// 0 selects the server's default.
+    #[arg(long, default_value_t = 0)]
+    lease_ms: u64,
+    /// Wait this long if the key is in progress.
+    #[arg(long, default_value_t = 0)]
+    wait_ms: u64,
+    /// A fingerprint of the payload (its UTF-8 bytes are sent).
+    #[arg(long, default_value = "")]
+    fingerprint: String,
+}
+
+#[derive(clap::Args)]
+pub struct CommitArgs {
+    #[command(flatten)]
+    target: Target,
+    /// The key.
+    key: String,
+    /// The fencing token the reserve granted.
+    fencing_token: u64,
+    /// Record the outcome as failed instead of succeeded.
+    #[arg(long)]
+    failed: bool,
+    /// The response to store (its UTF-8 bytes).
+    #[arg(long, default_value = "")]
+    response: String,
+}
+
+#[derive(clap::Args)]
+pub struct TokenArgs {
+    #[command(flatten)]
+    target: Target,
+    /// The key.
+    key: String,
+    /// The fencing token the reserve granted.
+    fencing_token: u64,
+}
+
+#[derive(clap::Args)]
+pub struct HeartbeatArgs {
+    #[command(flatten)]
+    target: Target,
+    /// The key.
+    key: String,
+    /// The fencing token the reserve granted.
+    fencing_token: u64,
+    /// The new lease; 0 selects the server's default.
+    #[arg(long, default_value_t = 0)]
+    lease_ms: u64,
+}
+
+#[derive(clap::Args)]
+pub struct KeyArgs {
+    #[command(flatten)]
+    target: Target,
+    /// The key.
+    key: String,
+}
+
+pub enum Call {
+    Reserve(ReserveArgs),
+    Commit(CommitArgs),
+    Release(TokenArgs),
+    Heartbeat(HeartbeatArgs),
+    Get(KeyArgs),
+}
+
+fn bytes_json(bytes: &[u8]) -> Value {
+    match std::str::from_utf8(bytes) {
+        Ok(text) => json!(text),
+        Err(_) => json!({ "hex": bytes.iter().map(|b| format!("{b:02x}")).collect::<String>() }),
+    }
+}
+
+fn outcome_name(value: i32) -> &'static str {
+    match pb::Outcome::try_from(value) {
+        Ok(pb::Outcome::Succeeded) => "succeeded",
+        Ok(pb::Outcome::Failed) => "failed",
+        _ => "unspecified",
+    }
+}
+
+fn request<T>(target: &Target, message: T) -> anyhow::Result<Request<T>> {
+    let mut request = Request::new(message);
+    if let Some(token) = &target.token {
+        request.metadata_mut().insert("authorization", format!("Bearer {token}").parse()?);
+    }
+    Ok(request)
+}
+
+/// The canonical gRPC name of a code, such as `FAILED_PRECONDITION`.
+fn canonical(code: tonic::Code) -> String {
+    let camel = format!("{code:?}");
+    let mut out = String::with_capacity(camel.len() + 4);
+    for (i, c) in camel.chars().enumerate() {
+        if c.is_ascii_uppercase() && i > 0 {
+            out.push('_');
+        }
+        out.push(c.to_ascii_uppercase());
+    }
+    out
+}
+
+fn refusal(status: &tonic::Status) -> Value {
+    let code = status.metadata().get(oncegate_server::CODE_METADATA).and_then(|v| v.to_str().ok());
+    let field = status.metadata().get(oncegate_server::FIELD_METADATA).and_then(|v| v.to_str().ok());
+    json!({ "error": { "grpc": canonical(status.code()), "code": code, "field": field, "message": status.message() } })
+}
+
+pub fn run(call: Call) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let answer = runtime.block_on(call_once(call));
+    match answer {
+        Ok(Ok(value)) => {
+            println!("{value}");
+            Ok(())
+        }
+        Ok(Err(status)) => {
+            println!("{}", refusal(&status));
+            std::process::exit(1);
+        }
+        Err(error) => {
+            eprintln!("oncegate: {error:#}");
+            std::process::exit(2);
+        }
+    }
+}
+
+async fn connect(target: &Target) -> anyhow::Result<GateClient<tonic::transport::Channel>> {
+    let client = GateClient::connect(target.addr.clone())
+        .await
+        .map_err(|e| anyhow::anyhow!("{}: {e}", target.addr))?;
+    Ok(client)
+}
+
+/// The outer error is a local problem; the inner one is the server's refusal.
+async fn call_once(call: Call) -> anyhow::Result<Result<Value, tonic::Status>> {
+    Ok(match call {
+        Call::Reserve(a) => {
+            let mut client = connect(&a.target).await?;
+            let message = pb::ReserveRequest {
+                namespace: a.target.namespace.clone(),
+                key: a.key.clone().unwrap_or_default(),
+                key_parts: a.parts.clone(),
+                bucket_ms: a.bucket_ms,
+                ttl_ms: a.ttl_ms,
+                lease_ms: a.lease_ms,
+                fingerprint: a.fingerprint.clone().into_bytes(),
+                wait_ms: a.wait_ms,
+            };
+            client.reserve(request(&a.target, message)?).await.map(|r| {
+                let r = r.into_inner();
+                let mut out = match r.outcome {
+                    Some(pb::reserve_response::Outcome::Granted(g)) => json!({
+                        "outcome": "granted", "token": g.token, "attempt": g.attempt,
+                        "lease_until_ms": g.lease_until_ms, "expires_at_ms": g.expires_at_ms,
+                        "previous": if g.previous == pb::Previous::Abandoned as i32 { "abandoned" } else { "none" },
+                    }),
+                    Some(pb::reserve_response::Outcome::InProgress(p)) => json!({
+                        "outcome": "in_progress", "attempt": p.attempt,
+                        "lease_until_ms": p.lease_until_ms, "retry_after_ms": p.retry_after_ms,
+                    }),
+                    Some(pb::reserve_response::Outcome::Completed(c)) => json!({
+                        "outcome": "completed", "token": c.token, "result": outcome_name(c.outcome),
+                        "response": bytes_json(&c.response), "completed_at_ms": c.completed_at_ms,
+                        "expires_at_ms": c.expires_at_ms,
+                    }),
+                    Some(pb::reserve_response::Outcome::Mismatch(m)) => {
+                        json!({ "outcome": "mismatch", "expires_at_ms": m.expires_at_ms })
+                    }
+                    None => json!({ "outcome": null }),
+                };
+                out["key"] = json!(r.key);
+                out
+            })
+        }
+        Call::Commit(a) => {
+            let mut client = connect(&a.target).await?;
+            let outcome = if a.failed { pb::Outcome::Failed } else { pb::Outcome::Succeeded };
+            let message = pb::CommitRequest {
+                namespace: a.target.namespace.clone(),
+                key: a.key.clone(),
+                token: a.fencing_token,
+                outcome: outcome as i32,
+                response: a.response.clone().into_bytes(),
+            };
+            client
+                .commit(request(&a.target, message)?)
+                .await
+                .map(|r| json!({ "committed": true, "expires_at_ms": r.into_inner().expires_at_ms }))
+        }
+        Call::Release(a) => {
+            let mut client = connect(&a.target).await?;
+            let message = pb::ReleaseRequest {
+                namespace: a.target.namespace.clone(),
+                key: a.key.clone(),
+                token: a.fencing_token,
+            };
+            client.release(request(&a.target, message)?).await.map(|_| json!({ "released": true }))
+        }
+        Call::Heartbeat(a) => {
+            let mut client = connect(&a.target).await?;
+            let message = pb::HeartbeatRequest {
+                namespace: a.target.namespace.clone(),
+                key: a.key.clone(),
+                token: a.fencing_token,
+                lease_ms: a.lease_ms,
+            };
+            client.heartbeat(request(&a.target, message)?).await.map(|r| {
+                let r = r.into_inner();
+                json!({ "lease_until_ms": r.lease_until_ms, "expires_at_ms": r.expires_at_ms })
+            })
+        }
+        Call::Get(a) => {
+            let mut client = connect(&a.target).await?;
+            let message = pb::GetRequest { namespace: a.target.namespace.clone(), key: a.key.clone() };
+            client.get(request(&a.target, message)?).await.map(|r| {
+                let r = r.into_inner();
+                let state = match pb::State::try_from(r.state) {
+                    Ok(pb::State::Free) => "free",
+                    Ok(pb::State::Pending) => "pending",
+                    Ok(pb::State::Abandoned) => "abandoned",
+                    Ok(pb::State::Completed) => "completed",
+                    _ => "unspecified",
+                };
+                json!({
+                    "state": state, "token": r.token, "attempt": r.attempt,
+                    "lease_until_ms": r.lease_until_ms, "expires_at_ms": r.expires_at_ms,
+                    "result": outcome_name(r.outcome), "response": bytes_json(&r.response),
+                })
+            })
+        }
+    })
+}

@@ -1,0 +1,70 @@
+//! `oncegate`: the server (`serve`), a token helper (`hash-token`) and client verbs for
+//! operators (`reserve`, `commit`, `release`, `heartbeat`, `get`).
+
+mod client;
+mod serve;
+
+use clap::{Parser, Subcommand};
+
+/// An idempotency gate: durably and at most once per key, may this attempt proceed?
+#[derive(Parser)]
+#[command(name = "oncegate", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Verb,
+}
+
+#[derive(Subcommand)]
+enum Verb {
+    /// Runs the server: gRPC on --listen, data under --data-dir.
+    Serve(serve::ServeArgs),
+    /// Prints the SHA-256 to put in a tenant's `token_sha256`; with no TOKEN, makes a new
+    /// random token and prints both.
+    HashToken {
+        /// The bearer token to hash.
+        token: Option<String>,
+    },
+    /// Asks whether an attempt may proceed.
+    Reserve(client::ReserveArgs),
+    /// Stores the holder's outcome and response.
+    Commit(client::CommitArgs),
+    /// Gives the key up so a retry may proceed.
+    Release(client::TokenArgs),
+    /// Renews the holder's lease.
+    Heartbeat(client::HeartbeatArgs),
+    /// Reads a key's state.
+    Get(client::KeyArgs),
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Verb::Serve(args) => serve::run(args),
+        Verb::HashToken { token } => {
+            let (token, fresh) = match token {
+                Some(token) => (token, false),
+                None => (new_token()?, true),
+            };
+            if fresh {
+                println!("token:        {token}");
+                println!("token_sha256: {}", oncegate_server::token_sha256(&token));
+            } else {
+                println!("{}", oncegate_server::token_sha256(&token));
+            }
+            Ok(())
+        }
+        Verb::Reserve(args) => client::run(client::Call::Reserve(args)),
+        Verb::Commit(args) => client::run(client::Call::Commit(args)),
+        Verb::Release(args) => client::run(client::Call::Release(args)),
+        Verb::Heartbeat(args) => client::run(client::Call::Heartbeat(args)),
+        Verb::Get(args) => client::run(client::Call::Get(args)),
+    }
+}
+
+/// 32 random bytes from the kernel, as hex.
+fn new_token() -> anyhow::Result<String> {
+    use std::io::Read;
+    let mut bytes = [0u8; 32];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}

@@ -1,0 +1,119 @@
+//! `oncegate serve`: configuration (file, environment, flags), logging, the engine, the
+//! gRPC server, and graceful shutdown on SIGTERM or SIGINT.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use oncegate_engine::Engine;
+use oncegate_server::{Config, LogFormat};
+use tracing_subscriber::EnvFilter;
+
+/// Flags override the environment, which overrides the file, which overrides defaults.
+#[derive(clap::Args)]
+pub struct ServeArgs {
+    /// A TOML configuration file (see config/oncegate.toml for every key).
+    #[arg(long, env = "ONCEGATE_CONFIG")]
+    config: Option<PathBuf>,
+    /// The address to listen on (`server.listen`).
+    #[arg(long, env = "ONCEGATE_LISTEN")]
+    listen: Option<SocketAddr>,
+    /// Where the shard files live (`engine.data_dir`).
+    #[arg(long, env = "ONCEGATE_DATA_DIR")]
+    data_dir: Option<PathBuf>,
+    /// Shards for a new data directory (`engine.shards`).
+    #[arg(long, env = "ONCEGATE_SHARDS")]
+    shards: Option<u32>,
+    /// `text` or `json` log lines (`log.format`).
+    #[arg(long, env = "ONCEGATE_LOG_FORMAT", value_parser = ["text", "json"])]
+    log_format: Option<String>,
+}
+
+fn load(args: &ServeArgs) -> anyhow::Result<Config> {
+    let mut config = match &args.config {
+        Some(path) => Config::load(path)?,
+        None => Config::default(),
+    };
+    if let Some(listen) = args.listen {
+        config.server.listen = listen;
+    }
+    if let Some(dir) = &args.data_dir {
+        config.engine.data_dir = dir.clone();
+    }
+    if let Some(shards) = args.shards {
+        config.engine.shards = shards;
+    }
+    if let Some(format) = &args.log_format {
+        config.log.format = if format == "json" { LogFormat::Json } else { LogFormat::Text };
+    }
+    if let Err(problems) = config.check() {
+        anyhow::bail!("configuration refused:\n  {}", problems.join("\n  "));
+    }
+    Ok(config)
+}
+
+fn init_logging(config: &Config) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(&config.log.filter));
+    use std::io::IsTerminal;
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
+    match config.log.format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.init(),
+    }
+}
+
+pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let config = load(&args)?;
+    init_logging(&config);
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(serve(config))
+}
+
+async fn serve(config: Config) -> anyhow::Result<()> {
+    let engine = Engine::open(config.engine.clone())
+        .with_context(|| format!("opening data directory {}", config.engine.data_dir.display()))?;
+    let listener = tokio::net::TcpListener::bind(config.server.listen)
+        .await
+        .with_context(|| format!("listening on {}", config.server.listen))?;
+    let addr = listener.local_addr()?;
+    tracing::info!(
+        %addr,
+        data_dir = %config.engine.data_dir.display(),
+        shards = config.engine.shards,
+        durability = ?config.engine.durability,
+        "listening"
+    );
+    let served = oncegate_server::serve(engine.clone(), &config, listener, shutdown_signal()).await;
+    tracing::info!("stopped accepting; in-flight calls finished; closing the shards");
+    tokio::task::spawn_blocking(move || engine.shutdown()).await?;
+    tracing::info!("shut down");
+    served.map_err(anyhow::Error::from)
+}
+
+/// Resolves on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(error) = tokio::signal::ctrl_c().await {
+            tracing::error!(%error, "cannot listen for SIGINT");
+            std::future::pending::<()>().await;
+        }
+    };
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(error) => {
+                tracing::error!(%error, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    tokio::select! {
+        () = ctrl_c => tracing::info!("SIGINT received; shutting down"),
+        () = terminate => tracing::info!("SIGTERM received; shutting down"),
+    }
+}

@@ -1,0 +1,173 @@
+//! The built `oncegate` binary as a child process: `serve` on port 0, the client verbs
+//! against it, authentication from a config file, SIGTERM keeping acknowledged data, and
+//! the start-up refusal of a non-loopback address without tenants.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_oncegate");
+
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Server {
+    /// Starts `oncegate serve` and waits for its "listening" log line.
+    fn start(data_dir: &Path, extra: &[&str]) -> Server {
+        let mut child = Command::new(BIN)
+            .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+            .arg(data_dir)
+            .args(extra)
+            .env("ONCEGATE_LOG_FORMAT", "text")
+            .env_remove("RUST_LOG")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("server starts");
+        let stderr = child.stderr.take().expect("piped");
+        let (tx, rx) = mpsc::channel();
+        // Keep draining the log after the address is found, so the pipe never fills.
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                if let Some(at) = line.find("addr=") {
+                    let addr: String = line[at + 5..].split_whitespace().next().unwrap_or("").to_owned();
+                    let _ = tx.send(Ok(addr));
+                } else if line.contains("ERROR") || line.starts_with("Error") {
+                    let _ = tx.send(Err(line));
+                }
+            }
+        });
+        let addr = rx.recv().expect("the server logs its address").expect("the server starts");
+        Server { child, addr: format!("http://{addr}") }
+    }
+
+    fn call(&self, args: &[&str]) -> (i32, Value) {
+        self.call_with_env(args, &[])
+    }
+
+    fn call_with_env(&self, args: &[&str], env: &[(&str, &str)]) -> (i32, Value) {
+        let (verb, rest) = args.split_first().expect("a verb");
+        let mut command = Command::new(BIN);
+        command.arg(verb).args(["--addr", &self.addr, "--namespace", "live"]).args(rest);
+        command.env_remove("ONCEGATE_TOKEN");
+        for (k, v) in env {
+            command.env(k, v);
+        }
+        let out = command.output().expect("client runs");
+        let text = String::from_utf8(out.stdout).expect("utf-8");
+        let value = serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+        (out.status.code().expect("exit code"), value)
+    }
+
+    /// Sends SIGTERM and waits; returns whether the exit was clean.
+    fn terminate(mut self) -> bool {
+        let status =
+            Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().expect("kill");
+        assert!(status.success());
+        self.child.wait().expect("wait").success()
+    }
+}
+
+#[test]
+fn client_verbs_walk_through_the_double_fill() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path(), &[]);
+
+    let (code, first) = server.call(&["reserve", "fill-1"]);
+    assert_eq!((code, first["outcome"].as_str()), (0, Some("granted")), "{first}");
+    let token = first["token"].as_u64().unwrap().to_string();
+    let (_, dup) = server.call(&["reserve", "fill-1"]);
+    assert_eq!(dup["outcome"], "in_progress", "{dup}");
+    let (code, committed) = server.call(&["commit", "fill-1", &token, "--response", "order A-77"]);
+    assert_eq!((code, committed["committed"].as_bool()), (0, Some(true)), "{committed}");
+    let (_, replay) = server.call(&["reserve", "fill-1"]);
+    assert_eq!(
+        (replay["outcome"].as_str(), replay["response"].as_str()),
+        (Some("completed"), Some("order A-77"))
+    );
+    let (_, view) = server.call(&["get", "fill-1"]);
+    assert_eq!(view["state"], "completed");
+
+    let (code, refused) = server.call(&["release", "fill-1", &token]);
+    assert_eq!(code, 1);
+    assert_eq!(refused["error"]["code"], "already_completed", "{refused}");
+    assert_eq!(refused["error"]["grpc"], "FAILED_PRECONDITION");
+
+    let (_, other) = server.call(&["reserve", "other", "--lease-ms", "5000"]);
+    let other_token = other["token"].as_u64().unwrap().to_string();
+    let (code, beat) = server.call(&["heartbeat", "other", &other_token, "--lease-ms", "10000"]);
+    assert_eq!(code, 0, "{beat}");
+    assert!(beat["lease_until_ms"].as_u64().unwrap() > other["lease_until_ms"].as_u64().unwrap());
+    let (code, released) = server.call(&["release", "other", &other_token]);
+    assert_eq!((code, released["released"].as_bool()), (0, Some(true)));
+
+    let (code, bad) = server.call(&["reserve", "--part", "a:b", "--bucket-ms", "1000"]);
+    assert_eq!((code, bad["error"]["field"].as_str()), (1, Some("key_parts")), "{bad}");
+
+    assert!(server.terminate(), "SIGTERM ends the server cleanly");
+
+    // Acknowledged data survived the shutdown.
+    let server = Server::start(dir.path(), &[]);
+    let (_, view) = server.call(&["get", "fill-1"]);
+    assert_eq!((view["state"].as_str(), view["response"].as_str()), (Some("completed"), Some("order A-77")));
+    assert!(server.terminate());
+}
+
+#[test]
+fn tenants_from_a_config_file_and_tokens_from_the_environment() {
+    let dir = tempfile::tempdir().unwrap();
+    let hash = |token: &str| {
+        let out = Command::new(BIN).args(["hash-token", token]).output().unwrap();
+        String::from_utf8(out.stdout).unwrap().trim().to_owned()
+    };
+    let config = dir.path().join("oncegate.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[tenants]]\nname = \"acme\"\ntoken_sha256 = \"{}\"\n[[tenants]]\nname = \"globex\"\ntoken_sha256 = \"{}\"\n",
+            hash("acme-secret"),
+            hash("globex-secret")
+        ),
+    )
+    .unwrap();
+    let data = dir.path().join("data");
+    let server = Server::start(&data, &["--config", config.to_str().unwrap()]);
+
+    let (code, refused) = server.call(&["reserve", "k"]);
+    assert_eq!((code, refused["error"]["code"].as_str()), (1, Some("unauthenticated")), "{refused}");
+    let (_, acme) = server.call_with_env(&["reserve", "k"], &[("ONCEGATE_TOKEN", "acme-secret")]);
+    assert_eq!(acme["outcome"], "granted", "{acme}");
+    let (_, globex) = server.call(&["reserve", "k", "--token", "globex-secret"]);
+    assert_eq!(globex["outcome"], "granted", "another tenant's equal key is its own: {globex}");
+    assert!(server.terminate());
+}
+
+#[test]
+fn hash_token_makes_a_new_token_when_given_none() {
+    let out = Command::new(BIN).arg("hash-token").output().unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    let token = text.lines().find_map(|l| l.strip_prefix("token:")).unwrap().trim().to_owned();
+    let hash = text.lines().find_map(|l| l.strip_prefix("token_sha256:")).unwrap().trim().to_owned();
+    assert_eq!(token.len(), 64);
+    let again = Command::new(BIN).args(["hash-token", &token]).output().unwrap();
+    assert_eq!(String::from_utf8(again.stdout).unwrap().trim(), hash);
+}
+
+#[test]
+fn no_tenants_and_a_public_address_is_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(BIN)
+        .args(["serve", "--listen", "0.0.0.0:0", "--data-dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let message = String::from_utf8(out.stderr).unwrap();
+    assert!(message.contains("no tenants are configured") && message.contains("[[tenants]]"), "{message}");
+}
