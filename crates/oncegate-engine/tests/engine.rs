@@ -11,13 +11,6 @@ use oncegate_engine::{
     Engine, EngineConfig, Error, Faults, ManualClock, OpenError, ReserveRequest, ShardState,
 };
 
-fn granted(reply: &ReserveReply) -> u64 {
-    match reply {
-        ReserveReply::Granted { token, .. } => *token,
-        other => panic!("expected a grant, got {other:?}"),
-    }
-}
-
 #[test]
 fn double_fill_is_answered_with_the_first_response() {
     let dir = tempfile::tempdir().unwrap();

@@ -7,13 +7,6 @@ use common::*;
 use oncegate_core::{ReserveReply, State};
 use oncegate_engine::{EngineConfig, Faults, ManualClock};
 
-fn token_of(reply: &ReserveReply) -> u64 {
-    match reply {
-        ReserveReply::Granted { token, .. } => *token,
-        other => panic!("expected a grant, got {other:?}"),
-    }
-}
-
 #[test]
 fn restart_grace_extends_leases_that_were_live_at_the_stop() {
     let dir = tempfile::tempdir().unwrap();
@@ -22,8 +15,8 @@ fn restart_grace_extends_leases_that_were_live_at_the_stop() {
     let config = EngineConfig { lease_restart_grace_ms: 2_000, ..config(dir.path()) };
     let t = tenant();
     let engine = open(config.clone(), &clock, &faults);
-    let live = token_of(&engine.reserve_blocking(&t, reserve_for("live", 1_000, 60_000, 0)).unwrap().reply);
-    let gone = token_of(&engine.reserve_blocking(&t, reserve_for("gone", 100, 60_000, 0)).unwrap().reply);
+    let live = granted(&engine.reserve_blocking(&t, reserve_for("live", 1_000, 60_000, 0)).unwrap().reply);
+    let gone = granted(&engine.reserve_blocking(&t, reserve_for("gone", 100, 60_000, 0)).unwrap().reply);
     clock.advance(500);
     // "gone" ran out before the stop; the shards observe T0 + 500 on this read.
     assert_eq!(engine.get_blocking(&t, key("gone", 0)).unwrap().state, State::Abandoned);
@@ -49,7 +42,7 @@ fn a_clock_stepped_back_across_a_restart_resurrects_nothing() {
     let faults = Faults::default();
     let t = tenant();
     let engine = open(config(dir.path()), &clock, &faults);
-    let token = token_of(&engine.reserve_blocking(&t, reserve_for("k", 1_000, 2_000, 0)).unwrap().reply);
+    let token = granted(&engine.reserve_blocking(&t, reserve_for("k", 1_000, 2_000, 0)).unwrap().reply);
     engine.commit_blocking(&t, commit("k", token, b"r")).unwrap();
     clock.advance(3_600_000);
     assert_eq!(engine.get_blocking(&t, key("k", 0)).unwrap().state, State::Free);
@@ -59,7 +52,7 @@ fn a_clock_stepped_back_across_a_restart_resurrects_nothing() {
     clock.set(T0 + 1);
     let engine = open(config(dir.path()), &clock, &faults);
     assert_eq!(engine.get_blocking(&t, key("k", 0)).unwrap().state, State::Free, "expired stays expired");
-    let again = token_of(&engine.reserve_blocking(&t, reserve("k")).unwrap().reply);
+    let again = granted(&engine.reserve_blocking(&t, reserve("k")).unwrap().reply);
     assert!(again > token, "the token counter survived: {again} > {token}");
 }
 
@@ -69,7 +62,7 @@ fn a_clock_stepped_back_while_running_never_lengthens_a_lease() {
     let clock = ManualClock::new(T0);
     let engine = open(EngineConfig { shards: 1, ..config(dir.path()) }, &clock, &Faults::default());
     let t = tenant();
-    token_of(&engine.reserve_blocking(&t, reserve_for("k", 1_000, 60_000, 0)).unwrap().reply);
+    granted(&engine.reserve_blocking(&t, reserve_for("k", 1_000, 60_000, 0)).unwrap().reply);
     clock.advance(1_000);
     assert_eq!(engine.get_blocking(&t, key("k", 0)).unwrap().state, State::Abandoned);
     clock.set(T0);

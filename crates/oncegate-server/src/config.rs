@@ -167,53 +167,23 @@ impl Config {
             problems.extend(engine.into_iter().map(|p| format!("engine.{p}")));
         }
         let server = &self.server;
-        let response_max = self.engine.limits.response_bytes_max;
+        let mut within = |field: &str, value: u64, min: u64, max: u64, why: &str| {
+            if value < min || value > max {
+                problems.push(format!("server.{field} is {value}; it must be between {min}{why} and {max}"));
+            }
+        };
         // A commit carries the response plus key, namespace and a few numbers.
-        let message_min = response_max + 4 * 1024;
-        if server.message_bytes_max < message_min || server.message_bytes_max > 64 << 20 {
-            problems.push(format!(
-                "server.message_bytes_max is {}; it must be between {message_min} (engine.limits.response_bytes_max plus 4 KiB) and {}",
-                server.message_bytes_max,
-                64 << 20
-            ));
-        }
-        if !(1024..=1 << 20).contains(&server.metadata_bytes_max) {
-            problems.push(format!(
-                "server.metadata_bytes_max is {}; it must be between 1024 and 1048576",
-                server.metadata_bytes_max
-            ));
-        }
-        if !(1..=65_536).contains(&server.streams_per_connection_max) {
-            problems.push(format!(
-                "server.streams_per_connection_max is {}; it must be between 1 and 65536",
-                server.streams_per_connection_max
-            ));
-        }
+        let message_min = self.engine.limits.response_bytes_max as u64 + 4 * 1024;
+        let message_why = " (engine.limits.response_bytes_max plus 4 KiB)";
+        within("message_bytes_max", server.message_bytes_max as u64, message_min, 64 << 20, message_why);
+        within("metadata_bytes_max", u64::from(server.metadata_bytes_max), 1024, 1 << 20, "");
+        within("streams_per_connection_max", u64::from(server.streams_per_connection_max), 1, 65_536, "");
         let timeout_min = self.engine.limits.wait_ms_max + 1_000;
-        if server.request_timeout_ms < timeout_min || server.request_timeout_ms > 3_600_000 {
-            problems.push(format!(
-                "server.request_timeout_ms is {}; it must be between {timeout_min} (engine.limits.wait_ms_max plus 1 s) and 3600000",
-                server.request_timeout_ms
-            ));
-        }
-        if !(1..=1 << 20).contains(&server.requests_in_flight_max) {
-            problems.push(format!(
-                "server.requests_in_flight_max is {}; it must be between 1 and 1048576",
-                server.requests_in_flight_max
-            ));
-        }
-        if !(10..=60_000).contains(&server.health_poll_ms) {
-            problems.push(format!(
-                "server.health_poll_ms is {}; it must be between 10 and 60000",
-                server.health_poll_ms
-            ));
-        }
-        if server.shutdown_grace_ms > 600_000 {
-            problems.push(format!(
-                "server.shutdown_grace_ms is {}; it must be at most 600000",
-                server.shutdown_grace_ms
-            ));
-        }
+        let timeout_why = " (engine.limits.wait_ms_max plus 1 s)";
+        within("request_timeout_ms", server.request_timeout_ms, timeout_min, 3_600_000, timeout_why);
+        within("requests_in_flight_max", server.requests_in_flight_max as u64, 1, 1 << 20, "");
+        within("health_poll_ms", server.health_poll_ms, 10, 60_000, "");
+        within("shutdown_grace_ms", server.shutdown_grace_ms, 0, 600_000, "");
         let mut names = std::collections::HashSet::new();
         let mut hashes = std::collections::HashSet::new();
         for (i, tenant) in self.tenants.iter().enumerate() {

@@ -5,7 +5,7 @@ use std::future::Future;
 use std::path::Path;
 use std::sync::Arc;
 
-use oncegate_core::{Outcome, Tenant};
+use oncegate_core::{Outcome, ReserveReply, Tenant};
 use oncegate_engine::{CommitRequest, Engine, EngineConfig, Faults, KeyRequest, ManualClock, ReserveRequest};
 
 /// A fixed start time, so that test failures print readable numbers.
@@ -54,4 +54,12 @@ pub fn key(key: &str, token: u64) -> KeyRequest {
 /// Drives a future to completion on a small runtime of its own.
 pub fn block_on<F: Future>(future: F) -> F::Output {
     tokio::runtime::Builder::new_current_thread().build().expect("runtime").block_on(future)
+}
+
+/// The token of a grant; anything else fails the test.
+pub fn granted(reply: &ReserveReply) -> u64 {
+    match reply {
+        ReserveReply::Granted { token, .. } => *token,
+        other => panic!("expected a grant, got {other:?}"),
+    }
 }
