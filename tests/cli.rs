@@ -2,51 +2,20 @@
 //! against it, authentication from a config file, SIGTERM keeping acknowledged data, and
 //! the start-up refusal of a non-loopback address without tenants.
 
-use std::io::{BufRead, BufReader};
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+mod common;
 
+use std::process::Command;
+
+use common::{BIN, Server};
 use serde_json::Value;
 
-const BIN: &str = env!("CARGO_BIN_EXE_oncegate");
-
-struct Server {
-    child: Child,
-    addr: String,
+/// Runs the client verbs against a server.
+trait Call {
+    fn call(&self, args: &[&str]) -> (i32, Value);
+    fn call_with_env(&self, args: &[&str], env: &[(&str, &str)]) -> (i32, Value);
 }
 
-impl Server {
-    /// Starts `oncegate serve` and waits for its "listening" log line.
-    fn start(data_dir: &Path, extra: &[&str]) -> Server {
-        let mut child = Command::new(BIN)
-            .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
-            .arg(data_dir)
-            .args(extra)
-            .env("ONCEGATE_LOG_FORMAT", "text")
-            .env_remove("RUST_LOG")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("server starts");
-        let stderr = child.stderr.take().expect("piped");
-        let (tx, rx) = mpsc::channel();
-        // Keep draining the log after the address is found, so the pipe never fills.
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                if let Some(at) = line.find("addr=") {
-                    let addr: String = line[at + 5..].split_whitespace().next().unwrap_or("").to_owned();
-                    let _ = tx.send(Ok(addr));
-                } else if line.contains("ERROR") || line.starts_with("Error") {
-                    let _ = tx.send(Err(line));
-                }
-            }
-        });
-        let addr = rx.recv().expect("the server logs its address").expect("the server starts");
-        Server { child, addr: format!("http://{addr}") }
-    }
-
+impl Call for Server {
     fn call(&self, args: &[&str]) -> (i32, Value) {
         self.call_with_env(args, &[])
     }
@@ -63,14 +32,6 @@ impl Server {
         let text = String::from_utf8(out.stdout).expect("utf-8");
         let value = serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("{e}: {text:?}"));
         (out.status.code().expect("exit code"), value)
-    }
-
-    /// Sends SIGTERM and waits; returns whether the exit was clean.
-    fn terminate(mut self) -> bool {
-        let status =
-            Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().expect("kill");
-        assert!(status.success());
-        self.child.wait().expect("wait").success()
     }
 }
 
