@@ -9,6 +9,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let fds = protox::compile([proto], ["proto"])?;
     let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
     std::fs::write(out_dir.join("oncegate_descriptor.bin"), fds.encode_to_vec())?;
-    tonic_prost_build::configure().build_client(true).build_server(true).compile_fds(fds)?;
+    tonic_prost_build::configure()
+        .build_client(true)
+        .build_server(true)
+        .codec_path("crate::codec::StrictCodec")
+        .compile_fds(fds)?;
     Ok(())
 }

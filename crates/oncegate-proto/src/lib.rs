@@ -1,6 +1,8 @@
 //! The oncegate wire contract (`oncegate.v1`), generated from `proto/oncegate/v1/gate.proto`
 //! at build time, with the encoded file descriptor set for gRPC reflection.
 
+pub mod codec;
+
 /// Package `oncegate.v1`: the `Gate` service, its messages, client and server.
 #[allow(clippy::all, clippy::pedantic, missing_docs)]
 pub mod v1 {
@@ -9,3 +11,8 @@ pub mod v1 {
 
 /// The encoded `FileDescriptorSet` of the proto, for `tonic-reflection`.
 pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/oncegate_descriptor.bin"));
+
+/// The trailer that carries the stable error code of a refusal (`lease_lost`, ...).
+pub const CODE_METADATA: &str = "oncegate-code";
+/// The trailer that names the field at fault when the code is `invalid_argument`.
+pub const FIELD_METADATA: &str = "oncegate-field";

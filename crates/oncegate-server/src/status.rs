@@ -3,10 +3,7 @@
 use oncegate_core::Code;
 use tonic::metadata::MetadataValue;
 
-/// The trailer that carries the stable error code (`lease_lost`, `not_found`, ...).
-pub const CODE_METADATA: &str = "oncegate-code";
-/// The trailer that names the field at fault for `invalid_argument`.
-pub const FIELD_METADATA: &str = "oncegate-field";
+pub use oncegate_proto::{CODE_METADATA, FIELD_METADATA};
 
 /// The gRPC code for each stable code, as the contract's table gives it.
 pub fn grpc_code(code: Code) -> tonic::Code {
