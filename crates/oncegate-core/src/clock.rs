@@ -1,25 +1,53 @@
-//! The shard's notion of `now`, which never goes backwards.
+//! The shard's notion of `now`: it never goes backwards, and while a shard runs it
+//! moves only as fast as real (monotonic) time, whatever the wall clock does.
 
-/// Turns wall-clock readings into a `now` that never decreases.
+/// Turns clock readings into a `now` that never decreases and never jumps.
 ///
-/// The guard keeps a high-water mark; the engine persists it with every batch and
-/// restores it on open. A clock stepped back therefore cannot lengthen a lease or bring
-/// an expired record back, before or after a restart. A clock stepped forward moves the
-/// mark forward for good, which may end leases early; that is the safe direction, since
-/// an early end only lets a retry proceed after the holder lost its lease (the holder's
-/// late commit is then fenced off by its token).
+/// Two ways to use it:
+///
+/// - **Anchored** (what shards do): [`ClockGuard::anchor`] once when the store opens,
+///   with a wall-clock and a monotonic reading; then [`ClockGuard::read`] with monotonic
+///   readings only. `now` is `max(high-water mark, wall at open)` plus the monotonic time
+///   elapsed since. A wall clock stepped forward or back while the shard runs changes
+///   nothing: no lease ends early, none is lengthened, no record comes back. The frame
+///   re-anchors to the wall clock at the next open, where the persisted high-water mark
+///   keeps `now` from going backwards and the restart grace keeps live leases alive.
+/// - **Unanchored**: [`ClockGuard::observe`] with wall-clock readings, lifted to the
+///   high-water mark when they step back.
+///
+/// The engine persists [`ClockGuard::high_water_ms`] with every batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ClockGuard {
     high_water_ms: u64,
+    /// `(now at the anchor, monotonic reading at the anchor)`.
+    frame: Option<(u64, u64)>,
 }
 
 impl ClockGuard {
     /// Starts from a persisted high-water mark (0 for a new store).
     pub const fn new(high_water_ms: u64) -> ClockGuard {
-        ClockGuard { high_water_ms }
+        ClockGuard { high_water_ms, frame: None }
     }
 
-    /// Feeds one wall-clock reading and returns the guarded `now`.
+    /// Fixes the frame: from now on `now` is the anchor plus monotonic time elapsed.
+    /// Returns `now` at the anchor.
+    pub fn anchor(&mut self, wall_ms: u64, monotonic_ms: u64) -> u64 {
+        self.high_water_ms = self.high_water_ms.max(wall_ms);
+        self.frame = Some((self.high_water_ms, monotonic_ms));
+        self.high_water_ms
+    }
+
+    /// `now` from a monotonic reading, in an anchored frame. Without an anchor, the
+    /// high-water mark.
+    pub fn read(&mut self, monotonic_ms: u64) -> u64 {
+        if let Some((base, base_monotonic)) = self.frame {
+            let now = base.saturating_add(monotonic_ms.saturating_sub(base_monotonic));
+            self.high_water_ms = self.high_water_ms.max(now);
+        }
+        self.high_water_ms
+    }
+
+    /// Feeds one wall-clock reading (unanchored use) and returns the guarded `now`.
     pub fn observe(&mut self, wall_ms: u64) -> u64 {
         self.high_water_ms = self.high_water_ms.max(wall_ms);
         self.high_water_ms
@@ -44,5 +72,33 @@ mod tests {
         assert_eq!(guard.high_water_ms(), 2_000);
         let mut reopened = ClockGuard::new(guard.high_water_ms());
         assert_eq!(reopened.observe(0), 2_000);
+    }
+
+    #[test]
+    fn anchored_time_follows_the_monotonic_clock_only() {
+        let mut guard = ClockGuard::new(0);
+        assert_eq!(guard.anchor(10_000, 5), 10_000);
+        assert_eq!(guard.read(1_005), 11_000, "one second of monotonic time");
+        assert_eq!(guard.read(1_005), 11_000);
+        assert_eq!(guard.read(2_005), 12_000);
+        let mut restarted = ClockGuard::new(guard.high_water_ms());
+        assert_eq!(
+            restarted.anchor(9_000, 77),
+            12_000,
+            "a wall clock behind the mark is lifted at the anchor"
+        );
+        assert_eq!(restarted.read(1_077), 13_000);
+        let mut forward = ClockGuard::new(13_000);
+        assert_eq!(
+            forward.anchor(3_613_000, 0),
+            3_613_000,
+            "a forward step is taken at the anchor (downtime)"
+        );
+    }
+
+    #[test]
+    fn unanchored_read_returns_the_mark() {
+        let mut guard = ClockGuard::new(42);
+        assert_eq!(guard.read(1_000_000), 42);
     }
 }

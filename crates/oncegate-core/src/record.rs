@@ -130,14 +130,16 @@ impl Record {
 
     /// Applies the restart grace: after the store reopens, a lease that was still live
     /// when the shard last observed time (`last_seen_ms`, its persisted clock high-water
-    /// mark) runs until at least `now_ms + grace_ms`, so the downtime itself never ends a
-    /// lease early. A lease that had already run out before the stop stays abandoned.
-    /// Returns whether the record changed (and must be written back).
+    /// mark) runs at least as long as it had left then, and at least `grace_ms`, from
+    /// `now_ms`. The downtime itself (or a wall clock stepped forward during it) never
+    /// ends a lease early. A lease that had already run out before the stop stays
+    /// abandoned. Returns whether the record changed (and must be written back).
     pub fn apply_restart_grace(&mut self, last_seen_ms: u64, now_ms: u64, grace_ms: u64) -> bool {
         if self.completion.is_some() || self.lease_until_ms <= last_seen_ms {
             return false;
         }
-        let floor = now_ms.saturating_add(grace_ms);
+        let remaining_ms = self.lease_until_ms - last_seen_ms;
+        let floor = now_ms.saturating_add(remaining_ms.max(grace_ms));
         if self.lease_until_ms < floor {
             self.lease_until_ms = floor;
             return true;
@@ -181,15 +183,18 @@ mod tests {
         // Last seen at 500; reopened at 10_000 with a 2_000 grace.
         let mut live_at_stop = pending(600, 100_000);
         assert!(live_at_stop.apply_restart_grace(500, 10_000, 2_000));
-        assert_eq!(live_at_stop.lease_until_ms, 12_000);
+        assert_eq!(live_at_stop.lease_until_ms, 12_000, "100 ms left, so the grace applies");
 
         let mut abandoned_before_stop = pending(400, 100_000);
         assert!(!abandoned_before_stop.apply_restart_grace(500, 10_000, 2_000));
         assert_eq!(abandoned_before_stop.lease_until_ms, 400);
 
         let mut long_lease = pending(50_000, 100_000);
-        assert!(!long_lease.apply_restart_grace(500, 10_000, 2_000), "a longer lease is kept");
-        assert_eq!(long_lease.lease_until_ms, 50_000);
+        assert!(long_lease.apply_restart_grace(500, 10_000, 2_000));
+        assert_eq!(long_lease.lease_until_ms, 59_500, "the 49.5 s it had left run from the reopen");
+
+        let mut after_a_short_stop = pending(50_000, 100_000);
+        assert!(!after_a_short_stop.apply_restart_grace(500, 500, 2_000), "no downtime, nothing to add");
     }
 
     #[test]

@@ -1,16 +1,22 @@
 //! Time, injected: the engine reads wall-clock milliseconds only through [`Clock`].
 
 use std::sync::Arc;
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-/// A source of wall-clock time in milliseconds since the Unix epoch.
+/// Wall-clock and monotonic time in milliseconds.
 ///
-/// Shards never trust it to be monotonic: each passes readings through a
-/// `ClockGuard` whose high-water mark is persisted.
+/// Shards read the wall clock only when they open (to anchor their frame) and measure
+/// everything after with the monotonic clock, through a `ClockGuard` whose high-water
+/// mark is persisted; see `oncegate_core::ClockGuard`.
 pub trait Clock: Send + Sync + 'static {
     /// The current wall-clock time, in milliseconds since the Unix epoch.
     fn now_ms(&self) -> u64;
+
+    /// A monotonic reading in milliseconds from an arbitrary origin: never steps, and
+    /// advances with real time.
+    fn monotonic_ms(&self) -> u64;
 }
 
 /// The operating system's clock.
@@ -22,36 +28,51 @@ impl Clock for SystemClock {
         // A clock before 1970 reads as 0; the guard then holds the last good value.
         SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
     }
+
+    fn monotonic_ms(&self) -> u64 {
+        static ORIGIN: OnceLock<Instant> = OnceLock::new();
+        ORIGIN.get_or_init(Instant::now).elapsed().as_millis() as u64
+    }
 }
 
 /// A clock that moves only when told to, for tests of expiry, leases and clock jumps.
 ///
-/// Clones share the same time. Moving it does not wake shards by itself: tests call
-/// `Engine::run_alarms` after moving it, which is what makes them free of sleeps.
+/// Clones share the same time. [`ManualClock::advance`] is time passing (both readings
+/// move); [`ManualClock::step`] is the wall clock being stepped (only the wall reading
+/// moves). Moving it does not wake shards by itself: tests call `Engine::run_alarms`
+/// after moving it, which is what makes them free of sleeps.
 #[derive(Clone, Debug)]
 pub struct ManualClock {
-    now_ms: Arc<AtomicU64>,
+    wall_ms: Arc<AtomicU64>,
+    monotonic_ms: Arc<AtomicU64>,
 }
 
 impl ManualClock {
-    /// A clock reading `now_ms`.
+    /// A clock whose wall reading is `now_ms`.
     pub fn new(now_ms: u64) -> ManualClock {
-        ManualClock { now_ms: Arc::new(AtomicU64::new(now_ms)) }
+        ManualClock { wall_ms: Arc::new(AtomicU64::new(now_ms)), monotonic_ms: Arc::new(AtomicU64::new(0)) }
     }
 
-    /// Moves the clock forward by `ms`.
+    /// Lets `ms` of time pass.
     pub fn advance(&self, ms: u64) {
-        self.now_ms.fetch_add(ms, Ordering::SeqCst);
+        self.wall_ms.fetch_add(ms, Ordering::SeqCst);
+        self.monotonic_ms.fetch_add(ms, Ordering::SeqCst);
     }
 
-    /// Sets the clock to any value, including one in the past (a clock step back).
-    pub fn set(&self, now_ms: u64) {
-        self.now_ms.store(now_ms, Ordering::SeqCst);
+    /// Steps the wall clock by `delta_ms` (negative: back) without time passing, as an
+    /// operator or NTP would.
+    pub fn step(&self, delta_ms: i64) {
+        let wall = self.wall_ms.load(Ordering::SeqCst);
+        self.wall_ms.store(wall.saturating_add_signed(delta_ms), Ordering::SeqCst);
     }
 }
 
 impl Clock for ManualClock {
     fn now_ms(&self) -> u64 {
-        self.now_ms.load(Ordering::SeqCst)
+        self.wall_ms.load(Ordering::SeqCst)
+    }
+
+    fn monotonic_ms(&self) -> u64 {
+        self.monotonic_ms.load(Ordering::SeqCst)
     }
 }

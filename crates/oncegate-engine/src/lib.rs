@@ -18,14 +18,14 @@ mod shard;
 mod store;
 
 use std::fs::File;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{Sender, TrySendError};
 use oncegate_core::{
-    Command, Commit, Key, Limits, Namespace, Outcome, Reply, Reserve, ReserveReply, Scope, Tenant, View,
-    route,
+    ClockGuard, Command, Commit, Key, Limits, Namespace, Outcome, Reply, Reserve, ReserveReply, Scope,
+    Tenant, View, route,
 };
 use tokio::sync::oneshot;
 
@@ -145,9 +145,9 @@ struct Inner {
     clock: Arc<dyn Clock>,
     shards: Vec<ShardHandle>,
     closing: AtomicBool,
-    /// The greatest wall-clock reading seen, for deriving keys: a step back of the clock
-    /// must not move a derived key into an earlier bucket.
-    high_water_ms: AtomicU64,
+    /// The time frame for deriving keys, anchored like the shards' (wall clock at open,
+    /// then monotonic time), so a clock step cannot move a derived key into another bucket.
+    frame: Mutex<ClockGuard>,
     /// Held for the engine's life: one process owns a data directory.
     _lock: File,
 }
@@ -276,13 +276,15 @@ impl Engine {
                 tracing::warn!(shard = id, "shard failed to open; it answers unavailable and keeps retrying");
             }
         }
+        let mut frame = ClockGuard::new(0);
+        frame.anchor(clock.now_ms(), clock.monotonic_ms());
         Ok(Engine {
             inner: Arc::new(Inner {
                 config,
                 clock,
                 shards,
                 closing: AtomicBool::new(false),
-                high_water_ms: AtomicU64::new(0),
+                frame: Mutex::new(frame),
                 _lock: lock,
             }),
         })
@@ -304,8 +306,8 @@ impl Engine {
     }
 
     fn now_ms(&self) -> u64 {
-        let wall = self.inner.clock.now_ms();
-        self.inner.high_water_ms.fetch_max(wall, Ordering::AcqRel).max(wall)
+        let monotonic = self.inner.clock.monotonic_ms();
+        self.inner.frame.lock().unwrap_or_else(|p| p.into_inner()).read(monotonic)
     }
 
     fn submit(&self, scope: Scope, command: Command) -> Result<Pending, Error> {

@@ -307,7 +307,7 @@ impl Shard {
         };
         let (mut store, meta) = Store::open(&self.path, &tuning, &self.faults)?;
         self.guard = ClockGuard::new(meta.high_water_ms);
-        let now = self.guard.observe(self.clock.now_ms());
+        let now = self.guard.anchor(self.clock.now_ms(), self.clock.monotonic_ms());
         let txn = store.begin()?;
         let mut extended = 0usize;
         for (scope, mut record) in txn.pending_leased_after(meta.high_water_ms)? {
@@ -402,7 +402,8 @@ impl Shard {
             (Some(a), Some(b)) => a.min(b),
             (a, b) => a.or(b)?,
         };
-        let now_ms = self.clock.now_ms().max(self.guard.high_water_ms());
+        let mut guard = self.guard;
+        let now_ms = guard.read(self.clock.monotonic_ms());
         Some(Instant::now() + Duration::from_millis(deadline_ms.saturating_sub(now_ms)))
     }
 
@@ -428,7 +429,7 @@ impl Shard {
             return;
         };
         self.faults.pass_gate();
-        let now = self.guard.observe(self.clock.now_ms());
+        let now = self.guard.read(self.clock.monotonic_ms());
         let token_before = self.book.next_token;
         let mut outbox: Outbox = Vec::with_capacity(requests.len());
         let mut requests = requests.into_iter();
@@ -468,7 +469,7 @@ impl Shard {
             }
             return;
         };
-        let now = self.guard.observe(self.clock.now_ms());
+        let now = self.guard.read(self.clock.monotonic_ms());
         let limit = self.config.reclaim_batch_max;
         let mut outbox: Outbox = Vec::new();
         let book = &mut self.book;
@@ -531,7 +532,7 @@ impl Shard {
             self.apply_batch(requests);
         }
         if let Some(store) = self.store.as_mut() {
-            let now = self.guard.observe(self.clock.now_ms());
+            let now = self.guard.read(self.clock.monotonic_ms());
             let mut outbox: Outbox = Vec::new();
             let book = &mut self.book;
             let result = (|| -> Result<(), StoreError> {

@@ -49,7 +49,7 @@ fn a_clock_stepped_back_across_a_restart_resurrects_nothing() {
     drop(engine);
 
     // The wall clock steps back one hour, to before the record expired.
-    clock.set(T0 + 1);
+    clock.step(-3_600_000);
     let engine = open(config(dir.path()), &clock, &faults);
     assert_eq!(engine.get_blocking(&t, key("k", 0)).unwrap().state, State::Free, "expired stays expired");
     let again = granted(&engine.reserve_blocking(&t, reserve("k")).unwrap().reply);
@@ -65,7 +65,7 @@ fn a_clock_stepped_back_while_running_never_lengthens_a_lease() {
     granted(&engine.reserve_blocking(&t, reserve_for("k", 1_000, 60_000, 0)).unwrap().reply);
     clock.advance(1_000);
     assert_eq!(engine.get_blocking(&t, key("k", 0)).unwrap().state, State::Abandoned);
-    clock.set(T0);
+    clock.step(-1_000);
     assert_eq!(
         engine.get_blocking(&t, key("k", 0)).unwrap().state,
         State::Abandoned,
