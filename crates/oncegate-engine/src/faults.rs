@@ -4,7 +4,7 @@
 //! batch. It is a seam rather than a cargo feature so that the binary under test is the
 //! binary that ships.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 /// Shared switches that make a store fail on demand. Clones share the switches.
@@ -19,6 +19,9 @@ struct FaultsInner {
     commits_failing: AtomicU32,
     /// The next this many opens (and reopens) of a shard fail.
     opens_failing: AtomicU32,
+    /// When positive, counts store operations down; the one that takes it to zero fails.
+    /// A random starting value puts the failure at a random point of the write path.
+    ops_until_failure: AtomicI64,
     /// When non-zero, overrides the shard file size limit, in SQLite pages, at every
     /// open: a real "disk full" from SQLite itself.
     page_count_max: AtomicU64,
@@ -43,6 +46,12 @@ impl Faults {
     /// Makes the next `n` batch commits fail (across all shards).
     pub fn fail_commits(&self, n: u32) {
         self.inner.commits_failing.store(n, Ordering::SeqCst);
+    }
+
+    /// Makes the `n`-th store operation from now fail (any shard): a read, a write, the
+    /// counters' update or the commit, wherever the count runs out.
+    pub fn fail_op_after(&self, n: u32) {
+        self.inner.ops_until_failure.store(i64::from(n.max(1)), Ordering::SeqCst);
     }
 
     /// Makes the next `n` shard opens fail.
@@ -89,6 +98,11 @@ impl Faults {
             .wait_while(state, |_| self.inner.gate_closed.load(Ordering::SeqCst))
             .unwrap_or_else(|p| p.into_inner());
         state.held -= 1;
+    }
+
+    pub(crate) fn op_should_fail(&self) -> bool {
+        self.inner.ops_until_failure.load(Ordering::Relaxed) > 0
+            && self.inner.ops_until_failure.fetch_sub(1, Ordering::SeqCst) == 1
     }
 
     pub(crate) fn commit_should_fail(&self) -> bool {

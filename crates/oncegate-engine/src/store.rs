@@ -214,8 +214,16 @@ fn read_record(row: &rusqlite::Row<'_>, offset: usize) -> rusqlite::Result<Recor
 }
 
 impl Txn<'_> {
+    fn failpoint(&self) -> Result<(), StoreError> {
+        if self.faults.op_should_fail() {
+            return Err(StoreError::Injected("store operation"));
+        }
+        Ok(())
+    }
+
     /// The stored record of a key, expired or not.
     pub fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError> {
+        self.failpoint()?;
         let mut stmt = self.tx.prepare_cached(SELECT_RECORD)?;
         let record = stmt
             .query_row(params![scope.tenant.as_str(), scope.namespace.as_str(), scope.key.as_str()], |row| {
@@ -227,6 +235,7 @@ impl Txn<'_> {
 
     /// Inserts or replaces a key's record.
     pub fn put(&self, scope: &Scope, record: &Record) -> Result<(), StoreError> {
+        self.failpoint()?;
         let mut stmt = self.tx.prepare_cached(UPSERT_RECORD)?;
         let completion = record.completion.as_ref();
         stmt.execute(params![
@@ -249,6 +258,7 @@ impl Txn<'_> {
 
     /// Deletes a key's record.
     pub fn delete(&self, scope: &Scope) -> Result<(), StoreError> {
+        self.failpoint()?;
         let mut stmt = self
             .tx
             .prepare_cached("DELETE FROM records WHERE tenant = ?1 AND namespace = ?2 AND key = ?3")?;
@@ -258,6 +268,7 @@ impl Txn<'_> {
 
     /// Deletes at most `limit` records that are reclaimable at `now_ms`, oldest first.
     pub fn reclaim(&self, now_ms: u64, limit: usize) -> Result<usize, StoreError> {
+        self.failpoint()?;
         let mut stmt = self.tx.prepare_cached(
             "DELETE FROM records WHERE (tenant, namespace, key) IN (
                 SELECT tenant, namespace, key FROM records
@@ -288,6 +299,7 @@ impl Txn<'_> {
 
     /// Writes the counters; every batch does, inside its transaction.
     pub fn set_meta(&self, meta: Meta) -> Result<(), StoreError> {
+        self.failpoint()?;
         let mut stmt =
             self.tx.prepare_cached("UPDATE meta SET next_token = ?1, high_water_ms = ?2 WHERE id = 0")?;
         stmt.execute(params![to_sql(meta.next_token), to_sql(meta.high_water_ms)])?;
@@ -297,6 +309,7 @@ impl Txn<'_> {
     /// Makes the batch durable. Returns only once SQLite reports the commit done (with
     /// `synchronous=FULL`, after the WAL is synced).
     pub fn commit(self) -> Result<(), StoreError> {
+        self.failpoint()?;
         if self.faults.commit_should_fail() {
             // Dropping the transaction rolls it back, exactly as a failed COMMIT would.
             return Err(StoreError::Injected("commit"));

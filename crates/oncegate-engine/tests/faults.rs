@@ -210,3 +210,23 @@ fn a_corrupt_shard_file_at_start_fails_that_shard_only() {
         ReserveReply::Granted { .. }
     ));
 }
+
+#[test]
+fn an_unopenable_shard_file_at_start_fails_that_shard_until_it_is_fixed() {
+    // Root ignores file permissions, so the unwritable file is a directory in its place:
+    // SQLite cannot open it, whoever runs the test.
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    std::fs::create_dir_all(dir.path().join("shard-0000.sqlite")).unwrap();
+    let engine = open(config(dir.path()), &clock, &Faults::default());
+    assert_eq!(engine.shard_states(), [ShardState::Failed, ShardState::Serving]);
+    let t = tenant();
+    let on0 = key_on(&engine, 0, "a");
+    assert_eq!(engine.reserve_blocking(&t, reserve(&on0)).unwrap_err().code(), Code::Unavailable);
+    std::fs::remove_dir(dir.path().join("shard-0000.sqlite")).unwrap();
+    assert!(engine.reopen_shard(0));
+    assert!(matches!(
+        engine.reserve_blocking(&t, reserve(&on0)).unwrap().reply,
+        ReserveReply::Granted { .. }
+    ));
+}

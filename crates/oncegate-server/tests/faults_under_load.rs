@@ -1,0 +1,257 @@
+//! Storage faults under load, through the real server: a failpoint fires at a random
+//! store operation (read, write, counter update or commit) of a random shard while 16
+//! clients run, and reopening keeps failing until the test clears the fault. Checked: no
+//! acknowledgement without a durable write (and no durable write behind an
+//! `UNAVAILABLE`), the failed shard answers `UNAVAILABLE` and health says so, the other
+//! shard keeps serving, and the shard recovers within 5 s once the fault clears.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use oncegate_core::{Key, Namespace, Scope, Tenant};
+use oncegate_engine::{Engine, EngineConfig, Faults, ManualClock, ShardState};
+use oncegate_proto::v1 as pb;
+use oncegate_proto::v1::gate_client::GateClient;
+use oncegate_server::Config;
+use tonic::Code;
+use tonic::transport::Channel;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+
+const ROUNDS: u64 = 8;
+const CLIENTS: u64 = 16;
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Fate {
+    /// The reserve was refused with UNAVAILABLE: nothing may be stored.
+    Refused,
+    /// Granted with this token, commit not acknowledged.
+    Granted(u64),
+    /// Granted and the commit acknowledged.
+    Committed(u64),
+}
+
+fn reserve(key: &str) -> pb::ReserveRequest {
+    pb::ReserveRequest { namespace: "live".into(), key: key.into(), ..Default::default() }
+}
+
+async fn client(
+    channel: Channel,
+    round: u64,
+    id: u64,
+    stop: Arc<AtomicBool>,
+    fates: Arc<Mutex<BTreeMap<String, Fate>>>,
+    acks: Arc<AtomicU64>,
+) {
+    let mut gate = GateClient::new(channel);
+    let mut i = 0;
+    while !stop.load(Ordering::Relaxed) {
+        i += 1;
+        let key = format!("r{round}-c{id}-{i}");
+        let token = match gate.reserve(reserve(&key)).await {
+            Ok(r) => match r.into_inner().outcome {
+                Some(pb::reserve_response::Outcome::Granted(g)) => g.token,
+                other => panic!("fresh keys are granted: {other:?}"),
+            },
+            Err(status) if status.code() == Code::Unavailable => {
+                fates.lock().unwrap().insert(key, Fate::Refused);
+                tokio::task::yield_now().await;
+                continue;
+            }
+            Err(status) => panic!("unexpected refusal {status:?}"),
+        };
+        fates.lock().unwrap().insert(key.clone(), Fate::Granted(token));
+        acks.fetch_add(1, Ordering::Relaxed);
+        let commit = pb::CommitRequest {
+            namespace: "live".into(),
+            key: key.clone(),
+            token,
+            outcome: pb::Outcome::Succeeded as i32,
+            response: key.clone().into_bytes(),
+        };
+        match gate.commit(commit).await {
+            Ok(_) => {
+                fates.lock().unwrap().insert(key, Fate::Committed(token));
+                acks.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(status) if status.code() == Code::Unavailable => {}
+            Err(status) => panic!("unexpected refusal {status:?}"),
+        }
+    }
+}
+
+fn key_on(engine: &Engine, shard: u32, prefix: &str) -> String {
+    (0..)
+        .map(|i| format!("{prefix}-{i}"))
+        .find(|k| {
+            let scope = Scope {
+                tenant: Tenant::default_tenant(),
+                namespace: Namespace::new("live").unwrap(),
+                key: Key::from_stored(k.clone()),
+            };
+            engine.shard_of(&scope) == shard
+        })
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_store_failures_under_load_fail_closed_and_recover() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = Config {
+        engine: EngineConfig {
+            data_dir: dir.path().to_owned(),
+            shards: 2,
+            reopen_backoff_ms_min: 20,
+            reopen_backoff_ms_max: 200,
+            ..EngineConfig::default()
+        },
+        ..Config::default()
+    };
+    config.server.health_poll_ms = 10;
+    let faults = Faults::default();
+    let engine = Engine::open_with(
+        config.engine.clone(),
+        Arc::new(ManualClock::new(1_700_000_000_000)),
+        faults.clone(),
+    )
+    .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop_server, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = {
+        let (engine, config) = (engine.clone(), config.clone());
+        tokio::spawn(async move {
+            oncegate_server::serve(engine, &config, listener, async {
+                let _ = stopped.await;
+            })
+            .await
+            .unwrap()
+        })
+    };
+    let channel = Channel::from_shared(format!("http://{addr}")).unwrap().connect().await.unwrap();
+    let fates: Arc<Mutex<BTreeMap<String, Fate>>> = Arc::default();
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    let mut recoveries = Vec::new();
+
+    for round in 0..ROUNDS {
+        let stop = Arc::new(AtomicBool::new(false));
+        let acks = Arc::new(AtomicU64::new(0));
+        let clients: Vec<_> = (0..CLIENTS)
+            .map(|id| {
+                tokio::spawn(client(channel.clone(), round, id, stop.clone(), fates.clone(), acks.clone()))
+            })
+            .collect();
+        // Reopens fail until the fault clears; the failpoint fires at a random operation.
+        faults.fail_opens(u32::MAX);
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        faults.fail_op_after(1 + (seed % 400) as u32);
+        let failed = {
+            let engine = engine.clone();
+            tokio::task::spawn_blocking(move || {
+                loop {
+                    for shard in 0..2 {
+                        if engine.wait_shard_state(shard, ShardState::Failed, Duration::from_millis(20)) {
+                            return shard;
+                        }
+                    }
+                }
+            })
+            .await
+            .unwrap()
+        };
+        let serving = 1 - failed;
+
+        // While failed: its keys are refused, the other shard serves, health says so.
+        let mut gate = GateClient::new(channel.clone());
+        let refused =
+            gate.reserve(reserve(&key_on(&engine, failed, &format!("refused-{round}")))).await.unwrap_err();
+        assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
+        let probe = key_on(&engine, serving, &format!("served-{round}"));
+        let served_meanwhile = gate.reserve(reserve(&probe)).await;
+        assert!(served_meanwhile.is_ok(), "the other shard keeps serving: {served_meanwhile:?}");
+        let mut health = HealthClient::new(channel.clone());
+        let mut watch = health
+            .watch(HealthCheckRequest { service: "oncegate.v1.Gate".into() })
+            .await
+            .unwrap()
+            .into_inner();
+        loop {
+            if watch.message().await.unwrap().unwrap().status == ServingStatus::NotServing as i32 {
+                break;
+            }
+        }
+
+        // The fault clears: the shard must serve again within 5 s.
+        faults.fail_opens(0);
+        let cleared = std::time::Instant::now();
+        let recovered = {
+            let engine = engine.clone();
+            tokio::task::spawn_blocking(move || {
+                engine.wait_shard_state(failed, ShardState::Serving, Duration::from_secs(5))
+            })
+            .await
+            .unwrap()
+        };
+        assert!(recovered, "round {round}: shard {failed} did not recover within 5 s");
+        recoveries.push(cleared.elapsed());
+        loop {
+            if watch.message().await.unwrap().unwrap().status == ServingStatus::Serving as i32 {
+                break;
+            }
+        }
+        drop(watch);
+        stop.store(true, Ordering::Relaxed);
+        for c in clients {
+            c.await.unwrap();
+        }
+        assert!(acks.load(Ordering::Relaxed) > 0, "round {round} acknowledged something");
+    }
+
+    // Every acknowledgement is durable; nothing refused was stored.
+    let mut gate = GateClient::new(channel.clone());
+    let fates = fates.lock().unwrap().clone();
+    let mut counts = [0usize; 3];
+    for (key, fate) in &fates {
+        let view = gate
+            .get(pb::GetRequest { namespace: "live".into(), key: key.clone() })
+            .await
+            .unwrap()
+            .into_inner();
+        match fate {
+            Fate::Refused => {
+                counts[0] += 1;
+                assert_eq!(view.state, pb::State::Free as i32, "{key}: refused, yet stored");
+            }
+            Fate::Granted(token) => {
+                counts[1] += 1;
+                assert_eq!(view.token, *token, "{key}: acknowledged grant lost");
+                assert_ne!(view.state, pb::State::Free as i32, "{key}: acknowledged grant lost");
+            }
+            Fate::Committed(token) => {
+                counts[2] += 1;
+                assert_eq!(
+                    (view.state, view.token),
+                    (pb::State::Completed as i32, *token),
+                    "{key}: commit lost"
+                );
+                assert_eq!(view.response, key.as_bytes(), "{key}");
+            }
+        }
+    }
+    assert!(counts[0] > 0, "some reserves met the fault");
+    println!(
+        "faults under load: {ROUNDS} rounds, {} refused (none stored), {} grants and {} commits acknowledged (all stored), \
+         recovery after clearing: max {:?}",
+        counts[0],
+        counts[1],
+        counts[2],
+        recoveries.iter().max().unwrap()
+    );
+    drop(gate);
+    let _ = stop_server.send(());
+    served.await.unwrap();
+}
