@@ -9,8 +9,17 @@ use oncegate_core::{Invalid, Limits, Namespace, Tenant};
 use proptest::prelude::*;
 
 const FIELDS: &[&str] = &[
-    "key", "key_parts", "bucket_ms", "namespace", "tenant", "fingerprint", "response", "ttl_ms", "lease_ms",
-    "wait_ms", "token",
+    "key",
+    "key_parts",
+    "bucket_ms",
+    "namespace",
+    "tenant",
+    "fingerprint",
+    "response",
+    "ttl_ms",
+    "lease_ms",
+    "wait_ms",
+    "token",
 ];
 
 fn cases() -> u32 {
