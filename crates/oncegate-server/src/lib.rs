@@ -62,6 +62,10 @@ pub async fn serve(
         .max_encoding_message_size(server.message_bytes_max);
 
     let (reporter, health) = tonic_health::server::health_reporter();
+    // The first status is set before the listener accepts anything, so a health check
+    // right after start-up never finds the service unregistered.
+    let all_serving = engine.shard_states().iter().all(|s| *s == ShardState::Serving);
+    set_health(&reporter, all_serving).await;
     let poll = Duration::from_millis(server.health_poll_ms);
     let health_task = tokio::spawn(report_health(engine, reporter.clone(), poll));
 
@@ -119,18 +123,21 @@ pub async fn serve(
 /// Keeps the health service in step with the shards: `SERVING` when every shard serves,
 /// `NOT_SERVING` otherwise, for the whole server and for `oncegate.v1.Gate`.
 async fn report_health(engine: Engine, reporter: tonic_health::server::HealthReporter, poll: Duration) {
-    let mut last = None;
+    let mut last = engine.shard_states().iter().all(|s| *s == ShardState::Serving);
+    set_health(&reporter, last).await;
     loop {
-        let all_serving = engine.shard_states().iter().all(|s| *s == ShardState::Serving);
-        if last != Some(all_serving) {
-            let status = if all_serving { ServingStatus::Serving } else { ServingStatus::NotServing };
-            reporter.set_service_status("", status).await;
-            reporter.set_service_status(GATE_SERVICE_NAME, status).await;
-            if last.is_some() {
-                tracing::warn!(serving = all_serving, "health changed");
-            }
-            last = Some(all_serving);
-        }
         tokio::time::sleep(poll).await;
+        let all_serving = engine.shard_states().iter().all(|s| *s == ShardState::Serving);
+        if all_serving != last {
+            set_health(&reporter, all_serving).await;
+            tracing::warn!(serving = all_serving, "health changed");
+            last = all_serving;
+        }
     }
+}
+
+async fn set_health(reporter: &tonic_health::server::HealthReporter, all_serving: bool) {
+    let status = if all_serving { ServingStatus::Serving } else { ServingStatus::NotServing };
+    reporter.set_service_status("", status).await;
+    reporter.set_service_status(GATE_SERVICE_NAME, status).await;
 }

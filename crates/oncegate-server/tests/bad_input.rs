@@ -5,9 +5,8 @@
 //! stays up.
 
 use std::io::{Read, Write};
-use std::sync::Arc;
 
-use oncegate_engine::{Engine, EngineConfig, Faults, ManualClock};
+use oncegate_engine::EngineConfig;
 use oncegate_proto::v1 as pb;
 use oncegate_proto::v1::gate_client::GateClient;
 use oncegate_proto::{CODE_METADATA, FIELD_METADATA};
@@ -15,7 +14,9 @@ use oncegate_server::Config;
 use tonic::transport::Channel;
 use tonic::{Code, Request, Status};
 
-const T0: u64 = 1_700_000_000_000;
+mod common;
+
+use common::start_in;
 
 /// The reserve message with bytes where the contract has strings, to send invalid UTF-8.
 #[derive(Clone, PartialEq, prost::Message)]
@@ -76,22 +77,9 @@ async fn malformed_requests_are_refused_naming_the_field() {
         ..Config::default()
     };
     config.check().unwrap();
-    let engine =
-        Engine::open_with(config.engine.clone(), Arc::new(ManualClock::new(T0)), Faults::default()).unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let served = {
-        let (engine, config) = (engine.clone(), config.clone());
-        tokio::spawn(async move {
-            oncegate_server::serve(engine, &config, listener, async {
-                let _ = stopped.await;
-            })
-            .await
-            .unwrap()
-        })
-    };
-    let channel = Channel::from_shared(format!("http://{addr}")).unwrap().connect().await.unwrap();
+    let server = start_in(config, Some(dir)).await;
+    let addr = server.addr;
+    let channel = server.channel().await;
     let mut gate = GateClient::new(channel.clone());
 
     // One key held, for commit, release and heartbeat cases.
@@ -319,6 +307,6 @@ async fn malformed_requests_are_refused_naming_the_field() {
         (pb::State::Pending as i32, token),
         "refused calls left the held key alone"
     );
-    let _ = stop.send(());
-    served.await.unwrap();
+    drop((gate, channel));
+    server.stop().await;
 }

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use oncegate_core::{Key, Namespace, Scope, Tenant};
-use oncegate_engine::{Engine, EngineConfig, Faults, ManualClock, ShardState};
+use oncegate_engine::{Engine, EngineConfig, ShardState};
 use oncegate_proto::v1 as pb;
 use oncegate_proto::v1::gate_client::GateClient;
 use oncegate_server::Config;
@@ -19,6 +19,10 @@ use tonic::Code;
 use tonic::transport::Channel;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+
+mod common;
+
+use common::start_in;
 
 const ROUNDS: u64 = 8;
 const CLIENTS: u64 = 16;
@@ -110,27 +114,9 @@ async fn random_store_failures_under_load_fail_closed_and_recover() {
         ..Config::default()
     };
     config.server.health_poll_ms = 10;
-    let faults = Faults::default();
-    let engine = Engine::open_with(
-        config.engine.clone(),
-        Arc::new(ManualClock::new(1_700_000_000_000)),
-        faults.clone(),
-    )
-    .unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (stop_server, stopped) = tokio::sync::oneshot::channel::<()>();
-    let served = {
-        let (engine, config) = (engine.clone(), config.clone());
-        tokio::spawn(async move {
-            oncegate_server::serve(engine, &config, listener, async {
-                let _ = stopped.await;
-            })
-            .await
-            .unwrap()
-        })
-    };
-    let channel = Channel::from_shared(format!("http://{addr}")).unwrap().connect().await.unwrap();
+    let server = start_in(config, Some(dir)).await;
+    let (engine, faults) = (server.engine.clone(), server.faults.clone());
+    let channel = server.channel().await;
     let fates: Arc<Mutex<BTreeMap<String, Fate>>> = Arc::default();
     let mut seed = 0x2545_f491_4f6c_dd1du64;
     let mut recoveries = Vec::new();
@@ -251,7 +237,6 @@ async fn random_store_failures_under_load_fail_closed_and_recover() {
         counts[2],
         recoveries.iter().max().unwrap()
     );
-    drop(gate);
-    let _ = stop_server.send(());
-    served.await.unwrap();
+    drop((gate, channel));
+    server.stop().await;
 }

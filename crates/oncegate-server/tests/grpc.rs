@@ -2,59 +2,15 @@
 //! error mapping, auth, health, reflection, message limits, load shedding and graceful
 //! shutdown.
 
-use std::net::SocketAddr;
-use std::sync::Arc;
-
-use oncegate_engine::{Engine, EngineConfig, Faults, ManualClock};
+use oncegate_engine::EngineConfig;
 use oncegate_proto::v1 as pb;
-use oncegate_proto::v1::gate_client::GateClient;
 use oncegate_server::{CODE_METADATA, Config, FIELD_METADATA, TenantConfig, token_sha256};
-use tokio::sync::oneshot;
 use tonic::transport::Channel;
 use tonic::{Code, Request};
 
-const T0: u64 = 1_700_000_000_000;
+mod common;
 
-struct Running {
-    addr: SocketAddr,
-    engine: Engine,
-    faults: Faults,
-    stop: Option<oneshot::Sender<()>>,
-    served: tokio::task::JoinHandle<()>,
-    _dir: Option<tempfile::TempDir>,
-}
-
-impl Running {
-    async fn client(&self) -> GateClient<Channel> {
-        GateClient::connect(format!("http://{}", self.addr)).await.expect("connects")
-    }
-
-    async fn stop(mut self) -> Engine {
-        let _ = self.stop.take().expect("running").send(());
-        self.served.await.expect("server task");
-        self.engine
-    }
-}
-
-async fn start_in(config: Config, dir: Option<tempfile::TempDir>) -> Running {
-    let faults = Faults::default();
-    let engine = Engine::open_with(config.engine.clone(), Arc::new(ManualClock::new(T0)), faults.clone())
-        .expect("engine opens");
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().unwrap();
-    let (stop, stopped) = oneshot::channel::<()>();
-    let served = {
-        let engine = engine.clone();
-        tokio::spawn(async move {
-            oncegate_server::serve(engine, &config, listener, async {
-                let _ = stopped.await;
-            })
-            .await
-            .expect("serves");
-        })
-    };
-    Running { addr, engine, faults, stop: Some(stop), served, _dir: dir }
-}
+use common::{Running, T0, start_in};
 
 fn config_in(dir: &std::path::Path) -> Config {
     let mut config = Config {

@@ -9,14 +9,12 @@
 //! The server is this same executable in its `serve` mode, so nothing else needs to be
 //! built first.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use clap::{Parser, Subcommand};
 use hdrhistogram::Histogram;
 use oncegate_proto::v1 as pb;
@@ -60,38 +58,14 @@ enum Mode {
     },
 }
 
-fn serve(data_dir: PathBuf, shards: u32) -> anyhow::Result<()> {
-    let mut config = oncegate_server::Config::default();
-    config.engine.data_dir = data_dir;
-    config.engine.shards = shards;
-    config.server.listen = "127.0.0.1:0".parse()?;
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    runtime.block_on(async {
-        let engine = oncegate_engine::Engine::open(config.engine.clone())?;
-        let listener = tokio::net::TcpListener::bind(config.server.listen).await?;
-        println!("addr={}", listener.local_addr()?);
-        oncegate_server::serve(engine.clone(), &config, listener, std::future::pending()).await?;
-        anyhow::Ok(())
-    })
-}
-
 struct Server {
     child: Child,
     addr: String,
 }
 
 fn start(data_dir: &Path, shards: u32) -> anyhow::Result<Server> {
-    let mut child = Command::new(std::env::current_exe()?)
-        .args(["serve", "--data-dir"])
-        .arg(data_dir)
-        .args(["--shards", &shards.to_string()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()?;
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().context("stdout")?).read_line(&mut line)?;
-    let addr = line.trim().strip_prefix("addr=").context("the server prints its address")?.to_owned();
-    Ok(Server { child, addr: format!("http://{addr}") })
+    let (child, addr) = oncegate_bench::start_child(data_dir, shards)?;
+    Ok(Server { child, addr })
 }
 
 fn rss_kib(pid: u32) -> u64 {
@@ -189,7 +163,7 @@ async fn client(id: u64, ttl_ms: u64, shared: Arc<Shared>) {
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     if let Some(Mode::Serve { data_dir, shards }) = cli.mode {
-        return serve(data_dir, shards);
+        return oncegate_bench::serve_child(data_dir, shards);
     }
     let base = cli.dir.clone().unwrap_or_else(std::env::temp_dir);
     let data_dir = base.join(format!("oncegate-soak-{}", std::process::id()));
