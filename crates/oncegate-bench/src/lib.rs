@@ -7,6 +7,8 @@
 //! commits only for the holder's token, `appendfsync always`), PostgreSQL
 //! (`INSERT ... ON CONFLICT DO NOTHING`, an `UPDATE` fenced by token, synchronous commit).
 
+pub mod plot;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};

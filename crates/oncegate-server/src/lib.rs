@@ -98,7 +98,7 @@ pub async fn serve(
         .add_service(health)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), signal);
+        .serve_with_incoming_shutdown(incoming(listener), signal);
     let grace = Duration::from_millis(server.shutdown_grace_ms);
     let deadline = async move {
         if signalled_rx.await.is_ok() {
@@ -118,6 +118,20 @@ pub async fn serve(
             Ok(())
         }
     }
+}
+
+/// The accepted connections, with Nagle's algorithm off. tonic's own `tcp_nodelay`
+/// applies only to listeners it binds itself; without this, small replies wait for the
+/// peer's delayed ACK (about 40 ms on Linux).
+fn incoming(
+    listener: TcpListener,
+) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> + Send + 'static {
+    use tokio_stream::StreamExt;
+    TcpListenerStream::new(listener).map(|accepted| {
+        let stream = accepted?;
+        stream.set_nodelay(true)?;
+        Ok(stream)
+    })
 }
 
 /// Keeps the health service in step with the shards: `SERVING` when every shard serves,

@@ -58,6 +58,9 @@ struct Cli {
     /// Writes the reports as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Draws throughput and p99 against in-flight requests into this SVG.
+    #[arg(long)]
+    plot: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -164,6 +167,10 @@ fn main() -> anyhow::Result<()> {
     }
     if let Some(path) = cli.json {
         std::fs::write(path, serde_json::to_string_pretty(&reports)?)?;
+    }
+    if let Some(path) = cli.plot {
+        oncegate_bench::plot::plot(&reports, &path)?;
+        eprintln!("plot written to {}", path.display());
     }
     Ok(())
 }
