@@ -280,6 +280,8 @@ pub struct Report {
     pub errors: u64,
     /// Duplicates answered with the stored response.
     pub replays: u64,
+    /// For the embedded target: commands per transaction while measuring.
+    pub batch_len_mean: Option<f64>,
 }
 
 /// Runs `load` against `target` and reports. `progress` is called about once a second
@@ -356,6 +358,13 @@ pub async fn run(target: Target, work: Work, load: Load, progress: impl Fn(u64) 
         }));
     }
     tokio::time::sleep(load.warm_up).await;
+    let batches = |target: &Target| match target {
+        Target::Embedded(engine) => {
+            Some(engine.stats().iter().fold((0u64, 0u64), |(b, c), s| (b + s.batches, c + s.commands)))
+        }
+        _ => None,
+    };
+    let batches_before = batches(&target);
     measuring.store(true, Ordering::Relaxed);
     let started = Instant::now();
     while started.elapsed() < load.duration {
@@ -364,6 +373,10 @@ pub async fn run(target: Target, work: Work, load: Load, progress: impl Fn(u64) 
     }
     measuring.store(false, Ordering::Relaxed);
     let elapsed = started.elapsed();
+    let batch_len_mean = match (batches_before, batches(&target)) {
+        (Some((b0, c0)), Some((b1, c1))) if b1 > b0 => Some((c1 - c0) as f64 / (b1 - b0) as f64),
+        _ => None,
+    };
     stop.store(true, Ordering::Relaxed);
     for worker in workers {
         let _ = worker.await;
@@ -378,6 +391,7 @@ pub async fn run(target: Target, work: Work, load: Load, progress: impl Fn(u64) 
         p999_us: h.value_at_quantile(0.999),
         errors: errors.load(Ordering::Relaxed),
         replays: replays.load(Ordering::Relaxed),
+        batch_len_mean,
     }
 }
 
@@ -434,4 +448,146 @@ pub fn start_child(data_dir: &std::path::Path, shards: u32) -> anyhow::Result<(s
     std::io::BufReader::new(child.stdout.take().context("stdout")?).read_line(&mut line)?;
     let addr = line.trim().strip_prefix("addr=").context("the server prints its address")?.to_owned();
     Ok((child, format!("http://{addr}")))
+}
+
+/// The raw SQLite group-commit ceiling: `shards` threads, each with its own WAL file set up
+/// as oncegate's shards are (`synchronous=FULL`, the same checkpoint interval and page
+/// cache), each committing batches of `batch` fresh keys (insert-if-absent with a
+/// response-less pending row) and then a second transaction completing them (the
+/// response written), as fast as it can: no channels, no decisions, no network. Returns
+/// completed pairs per second.
+pub fn raw_sqlite_ceiling(
+    dir: &std::path::Path,
+    shards: u32,
+    batch: usize,
+    duration: Duration,
+    work: &Work,
+) -> anyhow::Result<f64> {
+    let defaults = oncegate_engine::EngineConfig::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
+    let mut threads = Vec::new();
+    for shard in 0..shards {
+        let path = dir.join(format!("raw-{shard}.sqlite"));
+        let (stop, done, work) = (stop.clone(), done.clone(), work.clone());
+        let (pages, cache_kib) = (defaults.wal_checkpoint_pages, defaults.page_cache_bytes_max / 1024);
+        threads.push(std::thread::spawn(move || -> anyhow::Result<()> {
+            let mut conn = rusqlite::Connection::open(&path)?;
+            let _: String = conn.query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))?;
+            conn.pragma_update(None, "synchronous", "FULL")?;
+            let _: i64 = conn.query_row(&format!("PRAGMA wal_autocheckpoint = {pages}"), [], |r| r.get(0))?;
+            conn.pragma_update(None, "cache_size", -(cache_kib as i64))?;
+            conn.execute_batch(
+                "CREATE TABLE IF NOT EXISTS records (key TEXT PRIMARY KEY, token INTEGER NOT NULL,
+                 expires_at_ms INTEGER NOT NULL, response BLOB) WITHOUT ROWID",
+            )?;
+            let response = vec![b'r'; work.response_bytes];
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let keys: Vec<String> = (0..batch).map(|i| format!("{shard}-{n}-{i}")).collect();
+                n += 1;
+                let tx = conn.transaction()?;
+                {
+                    let mut insert = tx.prepare_cached(
+                        "INSERT INTO records (key, token, expires_at_ms) VALUES (?1, ?2, ?3) ON CONFLICT DO NOTHING",
+                    )?;
+                    for (i, key) in keys.iter().enumerate() {
+                        insert.execute(rusqlite::params![key, i as i64, work.ttl_ms as i64])?;
+                    }
+                }
+                tx.commit()?;
+                let tx = conn.transaction()?;
+                {
+                    let mut complete =
+                        tx.prepare_cached("UPDATE records SET response = ?2 WHERE key = ?1 AND response IS NULL")?;
+                    for key in &keys {
+                        complete.execute(rusqlite::params![key, response])?;
+                    }
+                }
+                tx.commit()?;
+                done.fetch_add(batch as u64, Ordering::Relaxed);
+            }
+            Ok(())
+        }));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let before = done.load(Ordering::Relaxed);
+    let started = Instant::now();
+    std::thread::sleep(duration);
+    let pairs = done.load(Ordering::Relaxed) - before;
+    let elapsed = started.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    for thread in threads {
+        thread.join().map_err(|_| anyhow::anyhow!("a raw SQLite thread panicked"))??;
+    }
+    Ok(pairs as f64 / elapsed.as_secs_f64())
+}
+
+/// Fills a data directory with `count` completed records (fresh keys, one-day ttl)
+/// through the embedded engine, `in_flight` pairs at a time, so that a later run measures
+/// a store that already holds them. Returns the time it took.
+pub fn preload(
+    data_dir: &std::path::Path,
+    shards: u32,
+    count: u64,
+    in_flight: u64,
+) -> anyhow::Result<Duration> {
+    let config =
+        oncegate_engine::EngineConfig { data_dir: data_dir.to_owned(), shards, ..Default::default() };
+    let engine = oncegate_engine::Engine::open(config)?;
+    let started = Instant::now();
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let next = Arc::new(AtomicU64::new(0));
+    runtime.block_on(async {
+        let mut workers = Vec::new();
+        for _ in 0..in_flight {
+            let (engine, next) = (engine.clone(), next.clone());
+            workers.push(tokio::spawn(async move {
+                let tenant = oncegate_core::Tenant::default_tenant();
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= count {
+                        return anyhow::Ok(());
+                    }
+                    let key = format!("preload-{i}");
+                    let request = oncegate_engine::ReserveRequest {
+                        namespace: "bench".into(),
+                        key: key.clone(),
+                        ttl_ms: 86_400_000,
+                        ..Default::default()
+                    };
+                    let token = match engine.reserve(&tenant, request).await?.reply {
+                        oncegate_core::ReserveReply::Granted { token, .. } => token,
+                        _ => continue,
+                    };
+                    let commit = oncegate_engine::CommitRequest {
+                        namespace: "bench".into(),
+                        key,
+                        token,
+                        outcome: oncegate_core::Outcome::Succeeded,
+                        response: vec![b'p'; 64],
+                    };
+                    engine.commit(&tenant, commit).await?;
+                }
+            }));
+        }
+        for worker in workers {
+            worker.await??;
+        }
+        anyhow::Ok(())
+    })?;
+    engine.shutdown();
+    Ok(started.elapsed())
+}
+
+/// The resident set size of a process, in bytes (Linux).
+pub fn rss_bytes(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .map_or(0, |kib: u64| kib * 1024)
 }

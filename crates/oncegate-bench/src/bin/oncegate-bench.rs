@@ -55,9 +55,17 @@ struct Cli {
     /// Where data directories go (a real disk, for the figures to mean anything).
     #[arg(long)]
     dir: Option<PathBuf>,
+    /// Completed records to load into the server's store before measuring (for the
+    /// preloaded-store figure; the gRPC target only).
+    #[arg(long, default_value_t = 0)]
+    preload: u64,
     /// Writes the reports as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Also measure the raw SQLite group-commit ceiling with this many keys per
+    /// transaction (match it to the embedded target's mean batch; 0 skips it).
+    #[arg(long, default_value_t = 0)]
+    raw_batch: usize,
     /// Draws throughput and p99 against in-flight requests into this SVG.
     #[arg(long)]
     plot: Option<PathBuf>,
@@ -144,6 +152,29 @@ fn main() -> anyhow::Result<()> {
                 report.p99_us as f64 / 1000.0
             );
             reports.push(report);
+        }
+    }
+    if cli.raw_batch > 0 {
+        let dir = scratch.path().join("raw");
+        std::fs::create_dir_all(&dir)?;
+        let pairs = oncegate_bench::raw_sqlite_ceiling(
+            &dir,
+            cli.shards,
+            cli.raw_batch,
+            Duration::from_secs_f64(cli.seconds),
+            &work,
+        )?;
+        println!(
+            "raw SQLite ceiling, {} files, {} keys per transaction: {pairs:.0} pairs/s",
+            cli.shards, cli.raw_batch
+        );
+        for r in reports.iter().filter(|r| r.target == "oncegate-embedded") {
+            println!(
+                "oncegate-embedded at {} in flight (mean batch {:.1}) / raw SQLite ceiling: {:.2}",
+                r.in_flight,
+                r.batch_len_mean.unwrap_or(0.0),
+                r.pairs_per_s / pairs
+            );
         }
     }
     if let Some((mut child, _)) = server {
