@@ -92,6 +92,12 @@ fn main() -> anyhow::Result<()> {
     let mut server = None;
     let work =
         Work { response_bytes: cli.response_bytes, duplicate_share: cli.duplicates, ..Work::default() };
+    let server_dir = scratch.path().join("server");
+    if cli.preload > 0 {
+        // Before any runtime exists here: the preload runs one of its own.
+        let took = oncegate_bench::preload(&server_dir, cli.shards, cli.preload, 512)?;
+        eprintln!("preloaded {} records in {:.0} s", cli.preload, took.as_secs_f64());
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let mut reports: Vec<Report> = Vec::new();
     for &in_flight in &cli.in_flight {
@@ -103,8 +109,7 @@ fn main() -> anyhow::Result<()> {
                             (Some(addr), _) => addr.clone(),
                             (None, Some((_, addr))) => String::clone(addr),
                             (None, None) => {
-                                let started =
-                                    oncegate_bench::start_child(&scratch.path().join("server"), cli.shards)?;
+                                let started = oncegate_bench::start_child(&server_dir, cli.shards)?;
                                 let addr = started.1.clone();
                                 server = Some(started);
                                 addr
@@ -143,7 +148,7 @@ fn main() -> anyhow::Result<()> {
                     shown.set_message(format!("{done} pairs"));
                 }));
             bar.finish_and_clear();
-            if let Target::Embedded(engine) = target {
+            if let Target::Embedded(engine) = &target {
                 engine.shutdown();
             }
             eprintln!(
@@ -151,6 +156,12 @@ fn main() -> anyhow::Result<()> {
                 report.pairs_per_s,
                 report.p99_us as f64 / 1000.0
             );
+            if let (Target::Grpc(_), Some((child, _))) = (&target, &server) {
+                println!(
+                    "server RSS after {name} x{in_flight}: {:.1} MiB",
+                    oncegate_bench::rss_bytes(child.id()) as f64 / 1048576.0
+                );
+            }
             reports.push(report);
         }
     }
