@@ -129,6 +129,10 @@ pub struct ShardStats {
     pub alarms: u64,
     /// Reserves parked now.
     pub waiters: u64,
+    /// Stored pending records (expired ones not yet reclaimed included).
+    pub records_pending: u64,
+    /// Stored completed records (expired ones not yet reclaimed included).
+    pub records_completed: u64,
     /// The last storage error, if any.
     pub last_error: Option<String>,
 }
@@ -512,6 +516,8 @@ impl Engine {
                     reclaimed: s.shared.reclaimed.load(Ordering::Relaxed),
                     alarms: s.shared.alarms.load(Ordering::Relaxed),
                     waiters: s.shared.waiters.load(Ordering::Relaxed),
+                    records_pending: s.shared.records_pending.load(Ordering::Relaxed),
+                    records_completed: s.shared.records_completed.load(Ordering::Relaxed),
                     last_error: s.shared.last_error.lock().unwrap_or_else(|p| p.into_inner()).clone(),
                 }
             })

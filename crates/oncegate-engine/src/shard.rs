@@ -24,7 +24,9 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, at, never, select};
-use oncegate_core::{Change, ClockGuard, Command, Decision, Reply, Reserve, ReserveReply, Scope, decide};
+use oncegate_core::{
+    Change, ClockGuard, Command, Decision, Record, Reply, Reserve, ReserveReply, Scope, decide,
+};
 use tokio::sync::oneshot;
 
 use crate::store::{Meta, Store, StoreError, Tuning, Txn};
@@ -94,6 +96,9 @@ pub(crate) struct Shared {
     pub failures: AtomicU64,
     pub reclaimed: AtomicU64,
     pub alarms: AtomicU64,
+    /// Stored records by state, published after each commit.
+    pub records_pending: AtomicU64,
+    pub records_completed: AtomicU64,
     pub waiters: AtomicU64,
     pub last_error: Mutex<Option<String>>,
 }
@@ -149,24 +154,54 @@ struct Book {
     waiters_len: usize,
     /// The earliest instant a stored record becomes reclaimable, if known.
     next_reclaim_ms: Option<u64>,
+    /// Stored records by state (pending, completed), as of the last commit.
+    records: (i64, i64),
+    /// Changes to `records` by the transaction in progress.
+    records_delta: (i64, i64),
 }
 
 impl Book {
-    /// Writes a decision's change and keeps the alarm index and token counter in step.
-    fn apply(&mut self, txn: &Txn<'_>, scope: &Scope, decision: &Decision) -> Result<(), StoreError> {
+    /// Writes a decision's change and keeps the alarm index, token counter and record
+    /// counts in step. `prior` is the stored record the decision was made on.
+    fn apply(
+        &mut self,
+        txn: &Txn<'_>,
+        scope: &Scope,
+        prior: Option<&Record>,
+        decision: &Decision,
+    ) -> Result<(), StoreError> {
         if decision.consumes_token() {
             self.next_token += 1;
         }
-        match &decision.change {
-            Change::Keep => {}
+        let count = |record: Option<&Record>, sign: i64| match record {
+            None => (0, 0),
+            Some(r) if r.completion.is_some() => (0, sign),
+            Some(_) => (sign, 0),
+        };
+        let (before, after) = match &decision.change {
+            Change::Keep => return Ok(()),
             Change::Put(record) => {
                 txn.put(scope, record)?;
                 let at = record.reclaim_at_ms();
                 self.next_reclaim_ms = Some(self.next_reclaim_ms.map_or(at, |n| n.min(at)));
+                (count(prior, -1), count(Some(record), 1))
             }
-            Change::Delete => txn.delete(scope)?,
-        }
+            Change::Delete => {
+                txn.delete(scope)?;
+                (count(prior, -1), (0, 0))
+            }
+        };
+        self.records_delta.0 += before.0 + after.0;
+        self.records_delta.1 += before.1 + after.1;
         Ok(())
+    }
+
+    /// The transaction committed: its record counts become true.
+    fn settle(&mut self, shared: &Shared) {
+        self.records.0 += std::mem::take(&mut self.records_delta.0);
+        self.records.1 += std::mem::take(&mut self.records_delta.1);
+        shared.records_pending.store(self.records.0.max(0) as u64, Ordering::Relaxed);
+        shared.records_completed.store(self.records.1.max(0) as u64, Ordering::Relaxed);
     }
 
     /// Answers the parked reserves of `scope` that can be answered now: a replay for all
@@ -186,7 +221,7 @@ impl Book {
             let command = Command::Reserve(waiter.reserve.clone());
             let step = txn.get(scope).and_then(|record| {
                 let decision = decide(record.as_ref(), &command, now_ms, self.next_token);
-                self.apply(txn, scope, &decision)?;
+                self.apply(txn, scope, record.as_ref(), &decision)?;
                 Ok(decision)
             });
             let decision = match step {
@@ -269,7 +304,14 @@ impl Shard {
             control,
             store: None,
             guard: ClockGuard::new(0),
-            book: Book { next_token: 1, queues: HashMap::new(), waiters_len: 0, next_reclaim_ms: None },
+            book: Book {
+                next_token: 1,
+                queues: HashMap::new(),
+                waiters_len: 0,
+                next_reclaim_ms: None,
+                records: (0, 0),
+                records_delta: (0, 0),
+            },
             backoff_ms,
             reopen_at: None,
         }
@@ -323,6 +365,10 @@ impl Shard {
         }
         self.book.next_token = meta.next_token;
         self.book.next_reclaim_ms = store.min_reclaim_at_ms()?;
+        let (pending, completed) = store.count()?;
+        self.book.records = (pending as i64, completed as i64);
+        self.book.records_delta = (0, 0);
+        self.book.settle(&self.shared);
         Ok(store)
     }
 
@@ -433,7 +479,8 @@ impl Shard {
         let token_before = self.book.next_token;
         let mut outbox: Outbox = Vec::with_capacity(requests.len());
         let mut requests = requests.into_iter();
-        let result = apply(store, &mut self.book, &self.config, &mut requests, &mut outbox, now, self.guard);
+        let result = apply(store, &mut self.book, &self.config, &mut requests, &mut outbox, now, self.id);
+        metrics::histogram!("oncegate_shard_batch_len", "shard" => self.id.to_string()).record(len as f64);
         self.shared.batches.fetch_add(1, Ordering::Relaxed);
         self.shared.commands.fetch_add(len, Ordering::Relaxed);
         // Counters are published before the answers, so a caller that got its answer
@@ -441,6 +488,7 @@ impl Shard {
         self.shared.waiters.store(self.book.waiters_len as u64, Ordering::Relaxed);
         match result {
             Ok(()) => {
+                self.book.settle(&self.shared);
                 self.shared.commits.fetch_add(1, Ordering::Relaxed);
                 for (reply, answer) in outbox {
                     let _ = reply.send(answer);
@@ -450,6 +498,7 @@ impl Shard {
                 // Nothing of this batch is durable: the counter goes back, and every
                 // caller hears `unavailable`, never an acknowledgement.
                 self.book.next_token = token_before;
+                self.book.records_delta = (0, 0);
                 self.record_failure(&error);
                 let refusal = self.unavailable(&format!("storage failure: {error}"));
                 for (reply, _) in outbox {
@@ -484,13 +533,16 @@ impl Shard {
             for scope in &due {
                 book.serve_waiters(&txn, scope, now, false, &mut outbox)?;
             }
-            let reclaimed = txn.reclaim(now, limit)?;
+            let (pending, completed) = txn.reclaim(now, limit)?;
+            book.records_delta.0 -= pending as i64;
+            book.records_delta.1 -= completed as i64;
             txn.set_meta(Meta { next_token: book.next_token, high_water_ms: now })?;
             txn.commit()?;
-            Ok(reclaimed)
+            Ok(pending + completed)
         })();
         match result {
             Ok(reclaimed) => {
+                self.book.settle(&self.shared);
                 self.shared.waiters.store(self.book.waiters_len as u64, Ordering::Relaxed);
                 self.shared.reclaimed.fetch_add(reclaimed as u64, Ordering::Relaxed);
                 self.shared.alarms.fetch_add(1, Ordering::Relaxed);
@@ -507,6 +559,7 @@ impl Shard {
                 }
             }
             Err(error) => {
+                self.book.records_delta = (0, 0);
                 self.record_failure(&error);
                 let refusal = self.unavailable(&format!("storage failure: {error}"));
                 for (reply, _) in outbox {
@@ -582,14 +635,14 @@ fn apply(
     requests: &mut impl Iterator<Item = Request>,
     outbox: &mut Outbox,
     now: u64,
-    guard: ClockGuard,
+    shard: u32,
 ) -> Result<(), StoreError> {
     let txn = store.begin()?;
     let mut touched: Vec<Scope> = Vec::new();
     for request in requests.by_ref() {
         let step = txn.get(&request.scope).and_then(|record| {
             let decision = decide(record.as_ref(), &request.command, now, book.next_token);
-            book.apply(&txn, &request.scope, &decision).map(|()| decision)
+            book.apply(&txn, &request.scope, record.as_ref(), &decision).map(|()| decision)
         });
         let decision = match step {
             Ok(decision) => decision,
@@ -623,8 +676,13 @@ fn apply(
     for scope in &touched {
         book.serve_waiters(&txn, scope, now, false, outbox)?;
     }
-    txn.set_meta(Meta { next_token: book.next_token, high_water_ms: guard.high_water_ms() })?;
-    txn.commit()
+    // `now` came from the guard, so it is the high-water mark to persist.
+    txn.set_meta(Meta { next_token: book.next_token, high_water_ms: now })?;
+    let started = std::time::Instant::now();
+    txn.commit()?;
+    metrics::histogram!("oncegate_shard_commit_seconds", "shard" => shard.to_string())
+        .record(started.elapsed().as_secs_f64());
+    Ok(())
 }
 
 /// Parks a reserve behind the key's holder, within the per-key and per-shard bounds; on

@@ -175,6 +175,15 @@ impl Store {
         Ok(Txn { tx, faults: &self.faults })
     }
 
+    /// How many stored records are pending and how many completed (expired ones not yet
+    /// reclaimed included): read once at open, then kept up to date by the shard.
+    pub fn count(&self) -> Result<(u64, u64), StoreError> {
+        let mut stmt = self.conn.prepare_cached(
+            "SELECT COUNT(*) FILTER (WHERE outcome IS NULL), COUNT(*) FILTER (WHERE outcome IS NOT NULL) FROM records",
+        )?;
+        Ok(stmt.query_row([], |row| Ok((from_sql(row.get(0)?), from_sql(row.get(1)?))))?)
+    }
+
     /// The earliest instant at which some record becomes reclaimable.
     pub fn min_reclaim_at_ms(&self) -> Result<Option<u64>, StoreError> {
         let mut stmt = self.conn.prepare_cached("SELECT MIN(reclaim_at_ms) FROM records")?;
@@ -266,15 +275,26 @@ impl Txn<'_> {
         Ok(())
     }
 
-    /// Deletes at most `limit` records that are reclaimable at `now_ms`, oldest first.
-    pub fn reclaim(&self, now_ms: u64, limit: usize) -> Result<usize, StoreError> {
+    /// Deletes at most `limit` records that are reclaimable at `now_ms`, oldest first;
+    /// returns how many of them were pending and how many completed.
+    pub fn reclaim(&self, now_ms: u64, limit: usize) -> Result<(usize, usize), StoreError> {
         self.failpoint()?;
         let mut stmt = self.tx.prepare_cached(
             "DELETE FROM records WHERE (tenant, namespace, key) IN (
                 SELECT tenant, namespace, key FROM records
-                WHERE reclaim_at_ms <= ?1 ORDER BY reclaim_at_ms LIMIT ?2)",
+                WHERE reclaim_at_ms <= ?1 ORDER BY reclaim_at_ms LIMIT ?2)
+             RETURNING outcome IS NULL",
         )?;
-        Ok(stmt.execute(params![to_sql(now_ms), limit as i64])?)
+        let mut counts = (0, 0);
+        let mut rows = stmt.query(params![to_sql(now_ms), limit as i64])?;
+        while let Some(row) = rows.next()? {
+            if row.get::<_, bool>(0)? {
+                counts.0 += 1;
+            } else {
+                counts.1 += 1;
+            }
+        }
+        Ok(counts)
     }
 
     /// Pending records whose lease runs past `after_ms`: those the restart grace applies to.

@@ -88,6 +88,9 @@ fn reserve_to_wire(reply: ReserveReply) -> pb::reserve_response::Outcome {
 
 fn outcome_name(outcome: &pb::reserve_response::Outcome) -> &'static str {
     match outcome {
+        pb::reserve_response::Outcome::Granted(g) if g.previous == pb::Previous::Abandoned as i32 => {
+            "granted_after_abandon"
+        }
         pb::reserve_response::Outcome::Granted(_) => "granted",
         pb::reserve_response::Outcome::InProgress(_) => "in_progress",
         pb::reserve_response::Outcome::Completed(_) => "completed",
@@ -109,9 +112,17 @@ impl GateService {
 
     /// Authenticates first (an unauthenticated caller learns nothing, not even load),
     /// then takes an in-flight slot or sheds the call.
-    fn admit<T>(&self, request: &Request<T>) -> Result<(Tenant, OwnedSemaphorePermit), Status> {
-        let tenant = self.auth.tenant(request.metadata())?;
+    fn admit<T>(
+        &self,
+        rpc: &'static str,
+        request: &Request<T>,
+        started: std::time::Instant,
+    ) -> Result<(Tenant, OwnedSemaphorePermit), Status> {
+        let tenant = self.auth.tenant(request.metadata()).inspect_err(|status| {
+            crate::telemetry::record_call(rpc, None, refusal_name(status), started);
+        })?;
         let permit = Arc::clone(&self.in_flight).try_acquire_owned().map_err(|_| {
+            crate::telemetry::record_call(rpc, Some(&tenant), "resource_exhausted", started);
             with_code(
                 tonic::Code::ResourceExhausted,
                 oncegate_core::Code::ResourceExhausted,
@@ -125,11 +136,32 @@ impl GateService {
     }
 }
 
-fn log_result<T>(rpc: &'static str, tenant: &Tenant, key: &str, result: &Result<T, Status>, outcome: &str) {
+/// The metric label of a refusal: its stable code.
+fn refusal_name(status: &Status) -> &'static str {
+    let code = status.metadata().get(crate::CODE_METADATA).and_then(|v| v.to_str().ok());
+    oncegate_core::Code::ALL.iter().map(|c| c.as_str()).find(|name| Some(*name) == code).unwrap_or("internal")
+}
+
+/// Logs, counts and times one finished call. Keys are logged only as a digest.
+fn finish<T>(
+    rpc: &'static str,
+    tenant: Option<&Tenant>,
+    key: &str,
+    started: std::time::Instant,
+    result: &Result<T, Status>,
+    outcome: &'static str,
+) {
+    let label = match result {
+        Ok(_) => outcome,
+        Err(status) => refusal_name(status),
+    };
+    crate::telemetry::record_call(rpc, tenant, label, started);
+    let tenant = tenant.map_or("-", |t| t.as_str());
+    let duration_us = started.elapsed().as_micros() as u64;
     match result {
-        Ok(_) => tracing::debug!(rpc, tenant = %tenant, key = %key_digest(key), outcome, "ok"),
+        Ok(_) => tracing::debug!(rpc, tenant, key = %key_digest(key), outcome = label, duration_us, "served"),
         Err(s) => {
-            tracing::debug!(rpc, tenant = %tenant, key = %key_digest(key), code = ?s.code(), error = s.message(), "refused")
+            tracing::debug!(rpc, tenant, key = %key_digest(key), outcome = label, duration_us, error = s.message(), "refused")
         }
     }
 }
@@ -140,7 +172,8 @@ impl pb::gate_server::Gate for GateService {
         &self,
         request: Request<pb::ReserveRequest>,
     ) -> Result<Response<pb::ReserveResponse>, Status> {
-        let (tenant, _permit) = self.admit(&request)?;
+        let started = std::time::Instant::now();
+        let (tenant, _permit) = self.admit("reserve", &request, started)?;
         let r = request.into_inner();
         let key_for_log = if r.key.is_empty() { r.key_parts.join(":") } else { r.key.clone() };
         let call = ReserveRequest {
@@ -160,7 +193,7 @@ impl pb::gate_server::Gate for GateService {
             }
         });
         let outcome = result.as_ref().ok().and_then(|r| r.outcome.as_ref()).map_or("", outcome_name);
-        log_result("reserve", &tenant, &key_for_log, &result, outcome);
+        finish("reserve", Some(&tenant), &key_for_log, started, &result, outcome);
         result.map(Response::new)
     }
 
@@ -168,7 +201,8 @@ impl pb::gate_server::Gate for GateService {
         &self,
         request: Request<pb::CommitRequest>,
     ) -> Result<Response<pb::CommitResponse>, Status> {
-        let (tenant, _permit) = self.admit(&request)?;
+        let started = std::time::Instant::now();
+        let (tenant, _permit) = self.admit("commit", &request, started)?;
         let r = request.into_inner();
         let key = r.key.clone();
         let result = async {
@@ -183,7 +217,7 @@ impl pb::gate_server::Gate for GateService {
             Ok(pb::CommitResponse { expires_at_ms })
         }
         .await;
-        log_result("commit", &tenant, &key, &result, "committed");
+        finish("commit", Some(&tenant), &key, started, &result, "ok");
         result.map(Response::new)
     }
 
@@ -191,13 +225,14 @@ impl pb::gate_server::Gate for GateService {
         &self,
         request: Request<pb::ReleaseRequest>,
     ) -> Result<Response<pb::ReleaseResponse>, Status> {
-        let (tenant, _permit) = self.admit(&request)?;
+        let started = std::time::Instant::now();
+        let (tenant, _permit) = self.admit("release", &request, started)?;
         let r = request.into_inner();
         let key = r.key.clone();
         let call = KeyRequest { namespace: r.namespace, key: r.key, token: r.token, lease_ms: 0 };
         let result =
             self.engine.release(&tenant, call).await.map_err(|e| status(&e)).map(|()| pb::ReleaseResponse {});
-        log_result("release", &tenant, &key, &result, "released");
+        finish("release", Some(&tenant), &key, started, &result, "ok");
         result.map(Response::new)
     }
 
@@ -205,7 +240,8 @@ impl pb::gate_server::Gate for GateService {
         &self,
         request: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
-        let (tenant, _permit) = self.admit(&request)?;
+        let started = std::time::Instant::now();
+        let (tenant, _permit) = self.admit("heartbeat", &request, started)?;
         let r = request.into_inner();
         let key = r.key.clone();
         let call = KeyRequest { namespace: r.namespace, key: r.key, token: r.token, lease_ms: r.lease_ms };
@@ -215,12 +251,13 @@ impl pb::gate_server::Gate for GateService {
                 expires_at_ms: renewed.expires_at_ms,
             }
         });
-        log_result("heartbeat", &tenant, &key, &result, "renewed");
+        finish("heartbeat", Some(&tenant), &key, started, &result, "ok");
         result.map(Response::new)
     }
 
     async fn get(&self, request: Request<pb::GetRequest>) -> Result<Response<pb::GetResponse>, Status> {
-        let (tenant, _permit) = self.admit(&request)?;
+        let started = std::time::Instant::now();
+        let (tenant, _permit) = self.admit("get", &request, started)?;
         let r = request.into_inner();
         let key = r.key.clone();
         let call = KeyRequest { namespace: r.namespace, key: r.key, token: 0, lease_ms: 0 };
@@ -234,7 +271,7 @@ impl pb::gate_server::Gate for GateService {
                 outcome: view.outcome.map_or(pb::Outcome::Unspecified as i32, outcome_to_wire),
                 response: view.response,
             });
-        log_result("get", &tenant, &key, &result, "read");
+        finish("get", Some(&tenant), &key, started, &result, "ok");
         result.map(Response::new)
     }
 }

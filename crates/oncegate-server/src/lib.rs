@@ -9,6 +9,7 @@ mod auth;
 pub mod config;
 mod gate;
 mod status;
+pub mod telemetry;
 
 use std::future::Future;
 use std::time::Duration;
@@ -57,6 +58,7 @@ pub async fn serve(
             "no tenants configured: serving the `default` tenant without authentication (loopback only)"
         );
     }
+    let engine_for_routes = engine.clone();
     let gate = GateServer::new(GateService::new(engine.clone(), auth, server.requests_in_flight_max))
         .max_decoding_message_size(server.message_bytes_max)
         .max_encoding_message_size(server.message_bytes_max);
@@ -89,15 +91,21 @@ pub async fn serve(
         shutdown.await;
         let _ = signalled_tx.send(());
     };
+    // gRPC and the plain HTTP routes (metrics, liveness, readiness) share one port.
+    let mut routes = tonic::service::Routes::new(gate)
+        .add_service(health)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha);
+    let grpc = std::mem::replace(routes.axum_router_mut(), axum::Router::new());
+    *routes.axum_router_mut() = grpc.merge(telemetry::routes(engine_for_routes));
+    telemetry::handle();
     let serving = tonic::transport::Server::builder()
+        .accept_http1(true)
         .timeout(Duration::from_millis(server.request_timeout_ms))
         .max_concurrent_streams(Some(server.streams_per_connection_max))
         .http2_max_header_list_size(Some(server.metadata_bytes_max))
         .tcp_nodelay(true)
-        .add_service(gate)
-        .add_service(health)
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha)
+        .add_routes(routes)
         .serve_with_incoming_shutdown(incoming(listener), signal);
     let grace = Duration::from_millis(server.shutdown_grace_ms);
     let deadline = async move {

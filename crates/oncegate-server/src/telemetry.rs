@@ -1,0 +1,130 @@
+//! Prometheus metrics and the plain HTTP routes served beside gRPC on the same port:
+//! `/metrics`, `/healthz` (the process answers) and `/readyz` (every shard serves).
+//!
+//! Metrics go through the `metrics` facade; the exposition format is
+//! `metrics-exporter-prometheus`'s. The engine records its own histograms (batch length,
+//! commit latency) through the same facade; shard gauges and process figures are read
+//! when `/metrics` is scraped.
+
+use std::sync::OnceLock;
+use std::time::Instant;
+
+use axum::http::StatusCode;
+use axum::routing::get;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use oncegate_core::Tenant;
+use oncegate_engine::{Engine, ShardState};
+
+/// Histogram buckets for latencies, in seconds: 100 µs to 10 s.
+const SECONDS_BUCKETS: &[f64] =
+    &[0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0];
+/// Histogram buckets for batch lengths, in commands.
+const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0];
+
+/// The process-wide recorder: the `metrics` facade allows one, so every server in the
+/// process (tests start several) shares it.
+pub fn handle() -> &'static PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE.get_or_init(|| {
+        let recorder = PrometheusBuilder::new()
+            .set_buckets_for_metric(
+                metrics_exporter_prometheus::Matcher::Suffix("_seconds".into()),
+                SECONDS_BUCKETS,
+            )
+            .and_then(|b| {
+                b.set_buckets_for_metric(
+                    metrics_exporter_prometheus::Matcher::Full("oncegate_shard_batch_len".into()),
+                    BATCH_BUCKETS,
+                )
+            })
+            .expect("bucket lists are not empty")
+            .build_recorder();
+        let handle = recorder.handle();
+        // Another recorder may already be installed by an embedding program; then its
+        // recorder gets the figures and this handle renders only what it saw.
+        let _ = metrics::set_global_recorder(recorder);
+        handle
+    })
+}
+
+/// Counts one call and records its latency. `result` is the outcome (`granted`,
+/// `in_progress`, `completed`, `mismatch`, `granted_after_abandon`, `ok`) or the stable
+/// error code of a refusal.
+pub fn record_call(rpc: &'static str, tenant: Option<&Tenant>, result: &'static str, started: Instant) {
+    let tenant = tenant.map_or_else(|| "-".to_owned(), ToString::to_string);
+    metrics::counter!("oncegate_requests_total", "rpc" => rpc, "result" => result, "tenant" => tenant)
+        .increment(1);
+    metrics::histogram!("oncegate_request_duration_seconds", "rpc" => rpc)
+        .record(started.elapsed().as_secs_f64());
+}
+
+/// Sets the gauges that are read, not counted: shard state and queues, process figures.
+fn refresh(engine: &Engine) {
+    for stats in engine.stats() {
+        let shard = stats.shard.to_string();
+        let gauge =
+            |name: &'static str, value: f64| metrics::gauge!(name, "shard" => shard.clone()).set(value);
+        gauge("oncegate_shard_serving", if stats.state == ShardState::Serving { 1.0 } else { 0.0 });
+        gauge("oncegate_shard_mailbox_depth", stats.mailbox_depth as f64);
+        gauge("oncegate_shard_waiters", stats.waiters as f64);
+        gauge("oncegate_shard_records_pending", stats.records_pending as f64);
+        gauge("oncegate_shard_records_completed", stats.records_completed as f64);
+        let counter = |name: &'static str, value: u64| {
+            metrics::counter!(name, "shard" => shard.clone()).absolute(value)
+        };
+        counter("oncegate_shard_reclaimed_total", stats.reclaimed);
+        counter("oncegate_shard_batches_total", stats.batches);
+        counter("oncegate_shard_commands_total", stats.commands);
+        counter("oncegate_shard_failures_total", stats.failures);
+    }
+    if let Some(rss) = process_rss_bytes() {
+        metrics::gauge!("process_resident_memory_bytes").set(rss as f64);
+    }
+    if let Ok(fds) = std::fs::read_dir("/proc/self/fd") {
+        metrics::gauge!("process_open_fds").set(fds.count() as f64);
+    }
+}
+
+fn process_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib: u64 =
+        status.lines().find(|l| l.starts_with("VmRSS:"))?.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// The HTTP routes, to merge into the gRPC router.
+pub fn routes(engine: Engine) -> axum::Router {
+    let metrics_engine = engine.clone();
+    axum::Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let engine = metrics_engine.clone();
+                async move {
+                    refresh(&engine);
+                    handle().render()
+                }
+            }),
+        )
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route(
+            "/readyz",
+            get(move || {
+                let engine = engine.clone();
+                async move {
+                    let states = engine.shard_states();
+                    if states.iter().all(|s| *s == ShardState::Serving) {
+                        (StatusCode::OK, "ready\n".to_owned())
+                    } else {
+                        let down: Vec<String> = states
+                            .iter()
+                            .enumerate()
+                            .filter(|(_, s)| **s != ShardState::Serving)
+                            .map(|(i, s)| format!("shard {i} {}", s.as_str()))
+                            .collect();
+                        (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {}\n", down.join(", ")))
+                    }
+                }
+            }),
+        )
+}

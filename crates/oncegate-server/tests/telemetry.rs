@@ -1,0 +1,128 @@
+//! Metrics, liveness and readiness over plain HTTP on the gRPC port: the exposition text
+//! is parsed, and the counters move as requests flow. One test per process, because the
+//! metrics recorder is process-wide.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+
+use common::start_in;
+use oncegate_engine::EngineConfig;
+use oncegate_proto::v1 as pb;
+use oncegate_server::Config;
+
+/// `GET path` over HTTP/1.1; returns the status code and the body.
+fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    let mut socket = std::net::TcpStream::connect(addr).unwrap();
+    write!(socket, "GET {path} HTTP/1.1\r\nHost: oncegate\r\nConnection: close\r\n\r\n").unwrap();
+    let mut response = String::new();
+    socket.read_to_string(&mut response).unwrap();
+    let status = response.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    (status, body)
+}
+
+/// The samples of a Prometheus exposition: `name{labels}` -> value. Chunked transfer
+/// framing lines do not parse as samples and are skipped.
+fn samples(text: &str) -> BTreeMap<String, f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            Some((series.to_owned(), value.parse().ok()?))
+        })
+        .collect()
+}
+
+fn value(samples: &BTreeMap<String, f64>, name: &str, labels: &[(&str, &str)]) -> f64 {
+    samples
+        .iter()
+        .filter(|(series, _)| {
+            series.split('{').next() == Some(name)
+                && labels.iter().all(|(k, v)| series.contains(&format!("{k}=\"{v}\"")))
+        })
+        .map(|(_, v)| v)
+        .sum()
+}
+
+fn reserve(key: &str) -> pb::ReserveRequest {
+    pb::ReserveRequest { namespace: "live".into(), key: key.into(), ..Default::default() }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_health_and_readiness_follow_the_traffic() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = Config {
+        engine: EngineConfig {
+            data_dir: dir.path().to_owned(),
+            reopen_backoff_ms_min: 60_000,
+            reopen_backoff_ms_max: 60_000,
+            ..EngineConfig::default()
+        },
+        ..Config::default()
+    };
+    config.server.health_poll_ms = 10;
+    let server = start_in(config, Some(dir)).await;
+    let addr = server.addr;
+    let scrape = move || tokio::task::spawn_blocking(move || samples(&http_get(addr, "/metrics").1));
+
+    assert_eq!(tokio::task::spawn_blocking(move || http_get(addr, "/healthz")).await.unwrap().0, 200);
+    assert_eq!(tokio::task::spawn_blocking(move || http_get(addr, "/readyz")).await.unwrap().0, 200);
+    let before = scrape().await.unwrap();
+    assert_eq!(value(&before, "oncegate_shard_serving", &[]), 2.0, "both shards serve");
+
+    let mut client = server.client().await;
+    let granted = client.reserve(reserve("a")).await.unwrap().into_inner();
+    let Some(pb::reserve_response::Outcome::Granted(g)) = granted.outcome else { panic!() };
+    client.reserve(reserve("a")).await.unwrap();
+    client
+        .commit(pb::CommitRequest {
+            namespace: "live".into(),
+            key: "a".into(),
+            token: g.token,
+            outcome: pb::Outcome::Succeeded as i32,
+            response: b"r".to_vec(),
+        })
+        .await
+        .unwrap();
+    client.reserve(reserve("a")).await.unwrap();
+    client.reserve(pb::ReserveRequest { fingerprint: b"other".to_vec(), ..reserve("a") }).await.unwrap();
+    client.reserve(reserve("")).await.unwrap_err();
+    client
+        .release(pb::ReleaseRequest { namespace: "live".into(), key: "nothing".into(), token: 3 })
+        .await
+        .unwrap_err();
+
+    let after = scrape().await.unwrap();
+    let moved = |labels: &[(&str, &str)]| {
+        value(&after, "oncegate_requests_total", labels) - value(&before, "oncegate_requests_total", labels)
+    };
+    assert_eq!(moved(&[("rpc", "reserve"), ("result", "granted"), ("tenant", "default")]), 1.0);
+    assert_eq!(moved(&[("rpc", "reserve"), ("result", "in_progress")]), 1.0);
+    assert_eq!(moved(&[("rpc", "reserve"), ("result", "completed")]), 1.0, "the replay is counted");
+    assert_eq!(moved(&[("rpc", "reserve"), ("result", "mismatch")]), 1.0);
+    assert_eq!(moved(&[("rpc", "reserve"), ("result", "invalid_argument")]), 1.0);
+    assert_eq!(moved(&[("rpc", "commit"), ("result", "ok")]), 1.0);
+    assert_eq!(moved(&[("rpc", "release"), ("result", "not_found")]), 1.0);
+    assert!(value(&after, "oncegate_request_duration_seconds_count", &[("rpc", "reserve")]) >= 5.0);
+    assert!(value(&after, "oncegate_shard_commit_seconds_count", &[]) >= 2.0, "commits are timed");
+    assert!(value(&after, "oncegate_shard_batch_len_count", &[]) >= 2.0, "batches are measured");
+    assert_eq!(value(&after, "oncegate_shard_records_completed", &[]), 1.0);
+    assert_eq!(value(&after, "oncegate_shard_records_pending", &[]), 0.0);
+    assert!(value(&after, "process_resident_memory_bytes", &[]) > 0.0);
+    assert!(value(&after, "process_open_fds", &[]) > 0.0);
+
+    // A failed shard: readiness and the serving gauge say so.
+    server.faults.fail_commits(2);
+    client.reserve(reserve("b")).await.unwrap_err();
+    client.reserve(reserve("c-other-shard-maybe")).await.ok();
+    let (status, body) = tokio::task::spawn_blocking(move || http_get(addr, "/readyz")).await.unwrap();
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("failed"), "{body}");
+    let failed = scrape().await.unwrap();
+    assert!(value(&failed, "oncegate_shard_serving", &[]) < 2.0);
+    assert!(value(&failed, "oncegate_requests_total", &[("result", "unavailable")]) >= 1.0);
+    drop(client);
+    server.stop().await;
+}
