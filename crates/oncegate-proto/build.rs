@@ -4,9 +4,11 @@
 use prost::Message;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let proto = "proto/oncegate/v1/gate.proto";
-    println!("cargo:rerun-if-changed={proto}");
-    let fds = protox::compile([proto], ["proto"])?;
+    let protos = ["proto/oncegate/v1/gate.proto", "proto/oncegate/v1/admin.proto"];
+    for proto in protos {
+        println!("cargo:rerun-if-changed={proto}");
+    }
+    let fds = protox::compile(protos, ["proto"])?;
     let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
     std::fs::write(out_dir.join("oncegate_descriptor.bin"), fds.encode_to_vec())?;
     tonic_prost_build::configure()

@@ -59,13 +59,20 @@ pub enum Command {
     },
     /// Read the key's state without changing it.
     Get,
+    /// Operator: read the whole stored record (if live).
+    Inspect,
+    /// Operator: free a pending or abandoned key whatever its token, so the next reserve
+    /// is granted (with a greater token). A completed key is refused, as for `Release`.
+    ForceRelease,
+    /// Operator: delete the key's live record in any state, completion included.
+    Purge,
 }
 
 impl Command {
     /// Whether the command can change the store; a `get` never does, so the engine may
     /// answer it without a write transaction.
     pub fn is_read_only(&self) -> bool {
-        matches!(self, Command::Get)
+        matches!(self, Command::Get | Command::Inspect)
     }
 }
 
@@ -177,6 +184,21 @@ pub enum Reply {
     },
     /// The key's state.
     Get(View),
+    /// The whole live record (none when the key is free) and its state at the shard's
+    /// `now`.
+    Inspect {
+        /// The state.
+        state: State,
+        /// The record.
+        record: Option<Record>,
+    },
+    /// An operator action removed the record.
+    Removed {
+        /// The state the key was in.
+        previous: State,
+        /// The token of the removed record.
+        token: u64,
+    },
 }
 
 /// What to do with the stored record.
@@ -239,6 +261,23 @@ pub fn decide(record: Option<&Record>, command: &Command, now_ms: u64, next_toke
             Err(error) => Decision::keep(Err(error)),
         },
         Command::Get => Decision::keep(Ok(Reply::Get(view(live, now_ms)))),
+        Command::Inspect => Decision::keep(Ok(Reply::Inspect {
+            state: live.map_or(State::Free, |r| r.state(now_ms)),
+            record: live.cloned(),
+        })),
+        Command::ForceRelease => match live.map(|r| (r.state(now_ms), r.token)) {
+            None => Decision::keep(Err(Error::NotFound)),
+            Some((State::Completed, _)) => Decision::keep(Err(Error::AlreadyCompleted)),
+            Some((previous, token)) => {
+                Decision { change: Change::Delete, reply: Ok(Reply::Removed { previous, token }) }
+            }
+        },
+        Command::Purge => match live.map(|r| (r.state(now_ms), r.token)) {
+            None => Decision::keep(Err(Error::NotFound)),
+            Some((previous, token)) => {
+                Decision { change: Change::Delete, reply: Ok(Reply::Removed { previous, token }) }
+            }
+        },
     }
 }
 

@@ -219,6 +219,17 @@ cells! {
     abandoned_get_is_abandoned: Some(held()), Command::Get, ABANDONED_AT => view(State::Abandoned, &held());
     completed_get_is_completed: Some(done()), Command::Get, DONE_AT => view(State::Completed, &done());
 
+    // × operator actions
+    free_force_release_not_found: None, Command::ForceRelease, T0 => keep(Err(Error::NotFound));
+    pending_force_release_frees_whatever_the_token: Some(held()), Command::ForceRelease, PENDING_AT => Decision { change: Change::Delete, reply: Ok(Reply::Removed { previous: State::Pending, token: CUR }) };
+    abandoned_force_release_frees: Some(held()), Command::ForceRelease, ABANDONED_AT => Decision { change: Change::Delete, reply: Ok(Reply::Removed { previous: State::Abandoned, token: CUR }) };
+    completed_force_release_refused: Some(done()), Command::ForceRelease, DONE_AT => keep(Err(Error::AlreadyCompleted));
+    completed_purge_deletes: Some(done()), Command::Purge, DONE_AT => Decision { change: Change::Delete, reply: Ok(Reply::Removed { previous: State::Completed, token: CUR }) };
+    pending_purge_deletes: Some(held()), Command::Purge, PENDING_AT => Decision { change: Change::Delete, reply: Ok(Reply::Removed { previous: State::Pending, token: CUR }) };
+    expired_purge_not_found: Some(done()), Command::Purge, T0 + 10_000 + TTL => keep(Err(Error::NotFound));
+    pending_inspect_returns_the_record: Some(held()), Command::Inspect, PENDING_AT => keep(Ok(Reply::Inspect { state: State::Pending, record: Some(held()) }));
+    free_inspect_returns_none: None, Command::Inspect, T0 => keep(Ok(Reply::Inspect { state: State::Free, record: None }));
+
     // expiry boundaries
     completed_expires_exactly_at_deadline: Some(done()), Command::Get, T0 + 10_000 + TTL => keep(Ok(Reply::Get(View::FREE)));
     live_pending_never_expires_past_ttl: Some(Record { lease_until_ms: T0 + TTL + 50_000, ..held() }), Command::Get, T0 + TTL + 10_000 => view(State::Pending, &Record { lease_until_ms: T0 + TTL + 50_000, ..held() });

@@ -30,6 +30,8 @@ enum Op {
     Release { token: TokenPick },
     Heartbeat { token: TokenPick, lease_ms: u64 },
     Get,
+    ForceRelease,
+    Purge,
 }
 
 #[derive(Clone, Debug)]
@@ -57,6 +59,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => token_pick().prop_map(|token| Op::Release { token }),
         2 => (token_pick(), lease).prop_map(|(token, lease_ms)| Op::Heartbeat { token, lease_ms }),
         1 => Just(Op::Get),
+        1 => prop_oneof![Just(Op::ForceRelease), Just(Op::Purge)],
     ]
 }
 
@@ -122,6 +125,14 @@ fn model(slot: &mut Option<ModelKey>, command: &Command, now: u64, next: u64) ->
             }))
         };
     match (command, state) {
+        (Command::Inspect, _) => unreachable!("the model test does not generate inspect"),
+        (Command::ForceRelease | Command::Purge, State::Free) => Err(Error::NotFound),
+        (Command::ForceRelease, State::Completed) => Err(Error::AlreadyCompleted),
+        (Command::ForceRelease | Command::Purge, previous) => {
+            let token = slot.as_ref().unwrap().token;
+            *slot = None;
+            Ok(Reply::Removed { previous, token })
+        }
         (Command::Get, State::Free) => Ok(Reply::Get(View::FREE)),
         (Command::Get, state) => {
             let k = slot.as_ref().unwrap();
@@ -268,6 +279,8 @@ fn run(steps: Vec<Step>) -> Result<(), TestCaseError> {
                         Command::Heartbeat { token: pick(token), lease_ms: *lease_ms }
                     }
                     Op::Get => Command::Get,
+                    Op::ForceRelease => Command::ForceRelease,
+                    Op::Purge => Command::Purge,
                 };
                 let decision = decide(store.get(&key), &command, now, next_token);
                 let expected = model(models.entry(key).or_default(), &command, now, next_token);
@@ -343,6 +356,11 @@ fn observe(
         (Command::Release { token }, Ok(Reply::Release)) => {
             prop_assert_eq!(seen.holder.map(|h| h.0), Some(*token), "release by a non-holder acknowledged");
             seen.holder = None;
+        }
+        (Command::ForceRelease, Ok(Reply::Removed { .. })) => seen.holder = None,
+        (Command::Purge, Ok(Reply::Removed { .. })) => {
+            seen.holder = None;
+            seen.completion = None;
         }
         (Command::Heartbeat { token, .. }, Ok(Reply::Heartbeat { lease_until_ms, .. })) => {
             prop_assert_eq!(seen.holder.map(|h| h.0), Some(*token), "heartbeat by a non-holder acknowledged");

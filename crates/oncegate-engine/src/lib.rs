@@ -24,8 +24,8 @@ use std::thread::JoinHandle;
 
 use crossbeam_channel::{Sender, TrySendError};
 use oncegate_core::{
-    ClockGuard, Command, Commit, Key, Limits, Namespace, Outcome, Reply, Reserve, ReserveReply, Scope,
-    Tenant, View, route,
+    ClockGuard, Command, Commit, Key, Limits, Namespace, Outcome, Record, Reply, Reserve, ReserveReply,
+    Scope, State, Tenant, View, route,
 };
 use tokio::sync::oneshot;
 
@@ -332,7 +332,8 @@ impl Engine {
         }
     }
 
-    fn scope(&self, tenant: &Tenant, namespace: &str, key: &str) -> Result<Scope, Error> {
+    /// Validates a key's address against the limits.
+    pub fn scope(&self, tenant: &Tenant, namespace: &str, key: &str) -> Result<Scope, Error> {
         Ok(Scope {
             tenant: tenant.clone(),
             namespace: Namespace::new(namespace)?,
@@ -453,6 +454,49 @@ impl Engine {
     ) -> impl Future<Output = Result<View, Error>> + Send + 'static {
         let started = self.start_get(tenant, &request);
         async move { started?.wait().await.map(expect_get) }
+    }
+
+    /// Operator: the whole live record of a key (none when it is free), and its shard.
+    pub fn inspect(
+        &self,
+        scope: Scope,
+    ) -> impl Future<Output = Result<(u32, State, Option<Record>), Error>> + Send + 'static {
+        let shard = self.shard_of(&scope);
+        let started = self.submit(scope, Command::Inspect);
+        async move {
+            match started?.wait().await? {
+                Reply::Inspect { state, record } => Ok((shard, state, record)),
+                other => unreachable!("an inspect is answered by a record, got {other:?}"),
+            }
+        }
+    }
+
+    /// Operator: frees a pending or abandoned key whatever its token; the next reserve
+    /// is granted with a greater token. Returns the state and token that were removed.
+    pub fn force_release(
+        &self,
+        scope: Scope,
+    ) -> impl Future<Output = Result<(State, u64), Error>> + Send + 'static {
+        self.remove(scope, Command::ForceRelease)
+    }
+
+    /// Operator: deletes a key's live record in any state, completion included.
+    pub fn purge(&self, scope: Scope) -> impl Future<Output = Result<(State, u64), Error>> + Send + 'static {
+        self.remove(scope, Command::Purge)
+    }
+
+    fn remove(
+        &self,
+        scope: Scope,
+        command: Command,
+    ) -> impl Future<Output = Result<(State, u64), Error>> + Send + 'static {
+        let started = self.submit(scope, command);
+        async move {
+            match started?.wait().await? {
+                Reply::Removed { previous, token } => Ok((previous, token)),
+                other => unreachable!("an operator removal is answered by what it removed, got {other:?}"),
+            }
+        }
     }
 
     /// [`Engine::reserve`] for synchronous callers (not from inside an async task).

@@ -3,7 +3,8 @@
 
 pub mod codec;
 
-/// Package `oncegate.v1`: the `Gate` service, its messages, client and server.
+/// Package `oncegate.v1`: the `Gate` and `Admin` services, their messages, clients and
+/// servers.
 #[allow(clippy::all, clippy::pedantic, missing_docs)]
 pub mod v1 {
     tonic::include_proto!("oncegate.v1");

@@ -72,3 +72,55 @@ fn unauthenticated(message: &str) -> Status {
         message.to_owned(),
     )
 }
+
+/// The admin service's credentials: one token hash, or open when the server runs without
+/// tenants (loopback only), or closed.
+#[derive(Clone, Debug)]
+pub enum AdminAuth {
+    /// Calls must carry the admin token.
+    Token([u8; 32]),
+    /// No tenants and no admin token: a local development server.
+    Open,
+    /// Tenants but no admin token: every admin call is refused.
+    Closed,
+}
+
+impl AdminAuth {
+    /// Builds it from checked configuration.
+    pub fn new(config: &crate::Config) -> Result<AdminAuth, String> {
+        let hash = config.admin.token_sha256.to_ascii_lowercase();
+        if !hash.is_empty() {
+            let mut bytes = [0u8; 32];
+            hex::decode_to_slice(&hash, &mut bytes).map_err(|e| format!("admin.token_sha256: {e}"))?;
+            return Ok(AdminAuth::Token(bytes));
+        }
+        Ok(if config.tenants.is_empty() { AdminAuth::Open } else { AdminAuth::Closed })
+    }
+
+    /// Checks a call's credentials.
+    pub fn check(&self, metadata: &MetadataMap) -> Result<(), Status> {
+        match self {
+            AdminAuth::Open => Ok(()),
+            AdminAuth::Closed => Err(unauthenticated(
+                "the admin service is disabled: set admin.token_sha256 in the configuration",
+            )),
+            AdminAuth::Token(hash) => {
+                let token = metadata
+                    .get("authorization")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+                    .ok_or_else(|| {
+                        unauthenticated(
+                            "missing admin credentials; send `authorization: Bearer <admin token>`",
+                        )
+                    })?;
+                let presented: [u8; 32] = Sha256::digest(token.trim().as_bytes()).into();
+                if bool::from(hash.ct_eq(&presented)) {
+                    Ok(())
+                } else {
+                    Err(unauthenticated("wrong admin token"))
+                }
+            }
+        }
+    }
+}

@@ -18,9 +18,20 @@ pub struct Config {
     pub engine: EngineConfig,
     /// Logging.
     pub log: LogConfig,
+    /// The operator's service.
+    pub admin: AdminConfig,
     /// Tenants and the SHA-256 of their bearer tokens. Empty: one `default` tenant, no
     /// authentication, loopback only.
     pub tenants: Vec<TenantConfig>,
+}
+
+/// The `Admin` service's credentials.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdminConfig {
+    /// The SHA-256 (hex) of the admin bearer token. Empty: the admin service is open when
+    /// no tenants are configured (loopback only), and refuses every call otherwise.
+    pub token_sha256: String,
 }
 
 /// Settings of the gRPC listener.
@@ -200,6 +211,20 @@ impl Config {
                 ));
             } else if !hashes.insert(hash) {
                 problems.push(format!("tenants[{i}].token_sha256 is the same as another tenant's"));
+            }
+        }
+        let admin = self.admin.token_sha256.to_ascii_lowercase();
+        if !admin.is_empty() {
+            if admin.len() != 64 || !admin.bytes().all(|b| b.is_ascii_hexdigit()) {
+                problems.push(
+                    "admin.token_sha256 must be 64 hex digits (the SHA-256 of the token, as `oncegate hash-token` prints it)"
+                        .to_owned(),
+                );
+            } else if hashes.contains(&admin) {
+                problems.push(
+                    "admin.token_sha256 is the same as a tenant's; the admin token must be its own"
+                        .to_owned(),
+                );
             }
         }
         if self.tenants.is_empty() && !server.listen.ip().is_loopback() {

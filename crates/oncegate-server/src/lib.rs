@@ -5,6 +5,7 @@
 //! The binary (`oncegate serve`) reads a [`Config`], opens the engine and calls
 //! [`serve`]; tests do the same on port 0.
 
+mod admin;
 mod auth;
 pub mod config;
 mod gate;
@@ -20,8 +21,9 @@ use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic_health::ServingStatus;
 
-pub use auth::{Auth, token_sha256};
-pub use config::{Config, ConfigError, LogConfig, LogFormat, ServerConfig, TenantConfig};
+pub use admin::AdminService;
+pub use auth::{AdminAuth, Auth, token_sha256};
+pub use config::{AdminConfig, Config, ConfigError, LogConfig, LogFormat, ServerConfig, TenantConfig};
 pub use gate::{GateService, key_digest};
 pub use status::{CODE_METADATA, FIELD_METADATA, grpc_code, status};
 
@@ -59,6 +61,9 @@ pub async fn serve(
         );
     }
     let engine_for_routes = engine.clone();
+    let admin_auth = AdminAuth::new(config).map_err(ServeError::Tenants)?;
+    let admin =
+        oncegate_proto::v1::admin_server::AdminServer::new(AdminService::new(engine.clone(), admin_auth));
     let gate = GateServer::new(GateService::new(engine.clone(), auth, server.requests_in_flight_max))
         .max_decoding_message_size(server.message_bytes_max)
         .max_encoding_message_size(server.message_bytes_max);
@@ -93,6 +98,7 @@ pub async fn serve(
     };
     // gRPC and the plain HTTP routes (metrics, liveness, readiness) share one port.
     let mut routes = tonic::service::Routes::new(gate)
+        .add_service(admin)
         .add_service(health)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha);

@@ -1,0 +1,168 @@
+//! The `oncegate.v1.Admin` service: inspect a key, list shard statistics, force-release
+//! a pending key, purge a record, reopen a shard. Every change is logged with its reason.
+
+use oncegate_core::{Invalid, State, Tenant};
+use oncegate_engine::Engine;
+use oncegate_proto::v1 as pb;
+use tonic::{Request, Response, Status};
+
+use crate::auth::AdminAuth;
+use crate::gate::key_digest;
+use crate::status::{invalid, status};
+
+/// The operator's service over an engine.
+pub struct AdminService {
+    engine: Engine,
+    auth: AdminAuth,
+}
+
+impl AdminService {
+    /// A service over `engine`, checking calls with `auth`.
+    pub fn new(engine: Engine, auth: AdminAuth) -> AdminService {
+        AdminService { engine, auth }
+    }
+
+    fn scope(&self, tenant: &str, namespace: &str, key: &str) -> Result<oncegate_core::Scope, Status> {
+        let tenant = Tenant::new(tenant).map_err(invalid)?;
+        self.engine.scope(&tenant, namespace, key).map_err(|e| status(&e))
+    }
+}
+
+fn state_to_wire(state: State) -> i32 {
+    (match state {
+        State::Free => pb::State::Free,
+        State::Pending => pb::State::Pending,
+        State::Abandoned => pb::State::Abandoned,
+        State::Completed => pb::State::Completed,
+    }) as i32
+}
+
+fn reason(request: &pb::AdminKeyRequest) -> Result<String, Status> {
+    let reason = request.reason.trim();
+    if reason.is_empty() {
+        return Err(invalid(Invalid::Empty { field: "reason" }));
+    }
+    if reason.len() > 1024 {
+        return Err(invalid(Invalid::TooLong { field: "reason", len: reason.len(), max: 1024 }));
+    }
+    Ok(reason.to_owned())
+}
+
+#[tonic::async_trait]
+impl pb::admin_server::Admin for AdminService {
+    async fn inspect(
+        &self,
+        request: Request<pb::InspectRequest>,
+    ) -> Result<Response<pb::InspectResponse>, Status> {
+        self.auth.check(request.metadata())?;
+        let r = request.into_inner();
+        let scope = self.scope(&r.tenant, &r.namespace, &r.key)?;
+        let (shard, state, record) = self.engine.inspect(scope).await.map_err(|e| status(&e))?;
+        let Some(record) = record else {
+            return Ok(Response::new(pb::InspectResponse {
+                shard,
+                state: pb::State::Free as i32,
+                ..Default::default()
+            }));
+        };
+        let completion = record.completion.as_ref();
+        Ok(Response::new(pb::InspectResponse {
+            shard,
+            state: state_to_wire(state),
+            token: record.token,
+            attempt: record.attempt,
+            lease_until_ms: record.lease_until_ms,
+            expires_at_ms: record.expires_at_ms,
+            ttl_ms: record.ttl_ms,
+            fingerprint: record.fingerprint.as_bytes().to_vec(),
+            outcome: completion.map_or(pb::Outcome::Unspecified as i32, |c| match c.outcome {
+                oncegate_core::Outcome::Succeeded => pb::Outcome::Succeeded as i32,
+                oncegate_core::Outcome::Failed => pb::Outcome::Failed as i32,
+            }),
+            response: completion.map(|c| c.response.clone()).unwrap_or_default(),
+            completed_at_ms: completion.map_or(0, |c| c.completed_at_ms),
+        }))
+    }
+
+    async fn shard_stats(
+        &self,
+        request: Request<pb::ShardStatsRequest>,
+    ) -> Result<Response<pb::ShardStatsResponse>, Status> {
+        self.auth.check(request.metadata())?;
+        let shards = self
+            .engine
+            .stats()
+            .into_iter()
+            .map(|s| pb::ShardStats {
+                shard: s.shard,
+                state: s.state.as_str().to_owned(),
+                mailbox_depth: s.mailbox_depth as u64,
+                batches: s.batches,
+                commands: s.commands,
+                batch_len_mean: s.batch_len_mean,
+                commits: s.commits,
+                failures: s.failures,
+                reclaimed: s.reclaimed,
+                waiters: s.waiters,
+                records_pending: s.records_pending,
+                records_completed: s.records_completed,
+                last_error: s.last_error.unwrap_or_default(),
+            })
+            .collect();
+        Ok(Response::new(pb::ShardStatsResponse { shards }))
+    }
+
+    async fn force_release(
+        &self,
+        request: Request<pb::AdminKeyRequest>,
+    ) -> Result<Response<pb::AdminKeyResponse>, Status> {
+        self.auth.check(request.metadata())?;
+        let r = request.into_inner();
+        let why = reason(&r)?;
+        let scope = self.scope(&r.tenant, &r.namespace, &r.key)?;
+        let (previous, token) = self.engine.force_release(scope).await.map_err(|e| status(&e))?;
+        tracing::warn!(
+            action = "force_release", who = "admin", reason = %why, tenant = %r.tenant, namespace = %r.namespace,
+            key = %key_digest(&r.key), token, previous = ?previous, "operator released a key"
+        );
+        Ok(Response::new(pb::AdminKeyResponse { previous: state_to_wire(previous), token }))
+    }
+
+    async fn purge(
+        &self,
+        request: Request<pb::AdminKeyRequest>,
+    ) -> Result<Response<pb::AdminKeyResponse>, Status> {
+        self.auth.check(request.metadata())?;
+        let r = request.into_inner();
+        let why = reason(&r)?;
+        let scope = self.scope(&r.tenant, &r.namespace, &r.key)?;
+        let (previous, token) = self.engine.purge(scope).await.map_err(|e| status(&e))?;
+        tracing::warn!(
+            action = "purge", who = "admin", reason = %why, tenant = %r.tenant, namespace = %r.namespace,
+            key = %key_digest(&r.key), token, previous = ?previous, "operator purged a key"
+        );
+        Ok(Response::new(pb::AdminKeyResponse { previous: state_to_wire(previous), token }))
+    }
+
+    async fn reopen_shard(
+        &self,
+        request: Request<pb::ReopenShardRequest>,
+    ) -> Result<Response<pb::ReopenShardResponse>, Status> {
+        self.auth.check(request.metadata())?;
+        let shard = request.into_inner().shard;
+        if shard >= self.engine.config().shards {
+            return Err(invalid(Invalid::OutOfRange {
+                field: "shard",
+                value: u64::from(shard),
+                min: 0,
+                max: u64::from(self.engine.config().shards - 1),
+            }));
+        }
+        let engine = self.engine.clone();
+        let serving = tokio::task::spawn_blocking(move || engine.reopen_shard(shard))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?;
+        tracing::warn!(action = "reopen_shard", who = "admin", shard, serving, "operator reopened a shard");
+        Ok(Response::new(pb::ReopenShardResponse { serving }))
+    }
+}

@@ -1,0 +1,159 @@
+//! The Admin service: its own token, inspect, shard statistics, force-release and purge
+//! (the next reserve is granted with a greater token), reopen after a fault.
+
+mod common;
+
+use common::{T0, start_in};
+use oncegate_engine::EngineConfig;
+use oncegate_proto::v1 as pb;
+use oncegate_proto::v1::admin_client::AdminClient;
+use oncegate_server::{AdminConfig, Config, TenantConfig, token_sha256};
+use tonic::{Code, Request};
+
+fn with_token<T>(token: &str, message: T) -> Request<T> {
+    let mut request = Request::new(message);
+    request.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
+    request
+}
+
+fn config(dir: &std::path::Path, admin: bool) -> Config {
+    Config {
+        engine: EngineConfig {
+            data_dir: dir.to_owned(),
+            reopen_backoff_ms_min: 60_000,
+            reopen_backoff_ms_max: 60_000,
+            ..EngineConfig::default()
+        },
+        tenants: vec![TenantConfig { name: "acme".into(), token_sha256: token_sha256("acme-secret") }],
+        admin: AdminConfig { token_sha256: if admin { token_sha256("admin-secret") } else { String::new() } },
+        ..Config::default()
+    }
+}
+
+fn key(name: &str, reason: &str) -> pb::AdminKeyRequest {
+    pb::AdminKeyRequest {
+        tenant: "acme".into(),
+        namespace: "live".into(),
+        key: name.into(),
+        reason: reason.into(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_calls_need_the_admin_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start_in(config(dir.path(), true), Some(dir)).await;
+    let mut admin = AdminClient::new(server.channel().await);
+    let refused = admin.shard_stats(pb::ShardStatsRequest {}).await.unwrap_err();
+    assert_eq!(refused.code(), Code::Unauthenticated);
+    let tenant_token =
+        admin.shard_stats(with_token("acme-secret", pb::ShardStatsRequest {})).await.unwrap_err();
+    assert_eq!(tenant_token.code(), Code::Unauthenticated, "a tenant's token is not an admin token");
+    let stats =
+        admin.shard_stats(with_token("admin-secret", pb::ShardStatsRequest {})).await.unwrap().into_inner();
+    assert_eq!(stats.shards.len(), 2);
+    assert!(stats.shards.iter().all(|s| s.state == "serving"));
+    drop(admin);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_an_admin_token_the_service_is_closed_once_there_are_tenants() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start_in(config(dir.path(), false), Some(dir)).await;
+    let mut admin = AdminClient::new(server.channel().await);
+    let refused = admin.shard_stats(with_token("anything", pb::ShardStatsRequest {})).await.unwrap_err();
+    assert_eq!(refused.code(), Code::Unauthenticated);
+    assert!(refused.message().contains("admin.token_sha256"), "{refused:?}");
+    drop(admin);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspect_force_release_and_purge() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start_in(config(dir.path(), true), Some(dir)).await;
+    let mut admin = AdminClient::new(server.channel().await);
+    let mut gate = server.client().await;
+    let reserve = |name: &str| {
+        with_token(
+            "acme-secret",
+            pb::ReserveRequest {
+                namespace: "live".into(),
+                key: name.into(),
+                fingerprint: b"fp".to_vec(),
+                ..Default::default()
+            },
+        )
+    };
+    let granted = |r: pb::ReserveResponse| match r.outcome {
+        Some(pb::reserve_response::Outcome::Granted(g)) => g.token,
+        other => panic!("expected a grant, got {other:?}"),
+    };
+
+    let first = granted(gate.reserve(reserve("stuck")).await.unwrap().into_inner());
+    let view = admin
+        .inspect(with_token(
+            "admin-secret",
+            pb::InspectRequest { tenant: "acme".into(), namespace: "live".into(), key: "stuck".into() },
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (view.state, view.token, view.fingerprint.as_slice()),
+        (pb::State::Pending as i32, first, &b"fp"[..])
+    );
+    assert_eq!(view.expires_at_ms, T0 + 24 * 3_600_000);
+
+    let no_reason = admin.force_release(with_token("admin-secret", key("stuck", " "))).await.unwrap_err();
+    assert_eq!(no_reason.code(), Code::InvalidArgument);
+    let removed = admin
+        .force_release(with_token("admin-secret", key("stuck", "worker host died")))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((removed.previous, removed.token), (pb::State::Pending as i32, first));
+    let second = granted(gate.reserve(reserve("stuck")).await.unwrap().into_inner());
+    assert!(second > first, "the next grant has a greater token: {second} > {first}");
+
+    gate.commit(with_token(
+        "acme-secret",
+        pb::CommitRequest {
+            namespace: "live".into(),
+            key: "stuck".into(),
+            token: second,
+            outcome: pb::Outcome::Failed as i32,
+            response: b"declined".to_vec(),
+        },
+    ))
+    .await
+    .unwrap();
+    let refused = admin.force_release(with_token("admin-secret", key("stuck", "retry"))).await.unwrap_err();
+    assert_eq!(refused.code(), Code::FailedPrecondition, "a completed key is purged, not released");
+    let purged = admin
+        .purge(with_token("admin-secret", key("stuck", "customer asked to retry")))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((purged.previous, purged.token), (pb::State::Completed as i32, second));
+    let third = granted(gate.reserve(reserve("stuck")).await.unwrap().into_inner());
+    assert!(third > second);
+    let missing = admin.purge(with_token("admin-secret", key("never", "typo"))).await.unwrap_err();
+    assert_eq!(missing.code(), Code::NotFound);
+
+    server.faults.fail_commits(1);
+    assert_eq!(gate.reserve(reserve("a")).await.unwrap_err().code(), Code::Unavailable);
+    for shard in 0..2 {
+        let reopened =
+            admin.reopen_shard(with_token("admin-secret", pb::ReopenShardRequest { shard })).await.unwrap();
+        assert!(reopened.into_inner().serving);
+    }
+    let out_of_range = admin
+        .reopen_shard(with_token("admin-secret", pb::ReopenShardRequest { shard: 9 }))
+        .await
+        .unwrap_err();
+    assert_eq!(out_of_range.code(), Code::InvalidArgument);
+    drop((admin, gate));
+    server.stop().await;
+}
