@@ -5,6 +5,7 @@
 //! 2 for a usage or connection problem.
 
 use oncegate_proto::v1 as pb;
+use oncegate_proto::v1::admin_client::AdminClient;
 use oncegate_proto::v1::gate_client::GateClient;
 use serde_json::{Value, json};
 use tonic::Request;
@@ -96,12 +97,79 @@ pub struct KeyArgs {
     key: String,
 }
 
+/// Where the Admin service is, and its token.
+#[derive(clap::Args)]
+pub struct AdminTarget {
+    /// The server's address.
+    #[arg(long, env = "ONCEGATE_ADDR", default_value = "http://127.0.0.1:50051")]
+    addr: String,
+    /// The admin bearer token (not needed when the server has no tenants and no admin token).
+    #[arg(long, env = "ONCEGATE_ADMIN_TOKEN", hide_env_values = true)]
+    admin_token: Option<String>,
+}
+
+#[derive(clap::Args)]
+pub struct InspectArgs {
+    #[command(flatten)]
+    target: AdminTarget,
+    /// The tenant that owns the key.
+    #[arg(long, default_value = "default")]
+    tenant: String,
+    /// The namespace.
+    #[arg(long, env = "ONCEGATE_NAMESPACE", default_value = "default")]
+    namespace: String,
+    /// The key.
+    key: String,
+}
+
+#[derive(clap::Args)]
+pub struct AdminKeyArgs {
+    #[command(flatten)]
+    inspect: InspectArgs,
+    /// Why: required, and logged by the server with the action.
+    #[arg(long)]
+    reason: String,
+}
+
+#[derive(clap::Subcommand)]
+pub enum AdminAction {
+    /// Frees a pending or abandoned key whatever its token.
+    Release(AdminKeyArgs),
+    /// Deletes a key's record in any state, completion included.
+    Purge(AdminKeyArgs),
+}
+
 pub enum Call {
     Reserve(ReserveArgs),
     Commit(CommitArgs),
     Release(TokenArgs),
     Heartbeat(HeartbeatArgs),
     Get(KeyArgs),
+    Status(AdminTarget),
+    Inspect(InspectArgs),
+    Admin(AdminAction),
+}
+
+fn admin_request<T>(target: &AdminTarget, message: T) -> anyhow::Result<Request<T>> {
+    let mut request = Request::new(message);
+    if let Some(token) = &target.admin_token {
+        request.metadata_mut().insert("authorization", format!("Bearer {token}").parse()?);
+    }
+    Ok(request)
+}
+
+async fn admin_client(target: &AdminTarget) -> anyhow::Result<AdminClient<tonic::transport::Channel>> {
+    AdminClient::connect(target.addr.clone()).await.map_err(|e| anyhow::anyhow!("{}: {e}", target.addr))
+}
+
+fn state_name(value: i32) -> &'static str {
+    match pb::State::try_from(value) {
+        Ok(pb::State::Free) => "free",
+        Ok(pb::State::Pending) => "pending",
+        Ok(pb::State::Abandoned) => "abandoned",
+        Ok(pb::State::Completed) => "completed",
+        _ => "unspecified",
+    }
 }
 
 fn bytes_json(bytes: &[u8]) -> Value {
@@ -255,18 +323,71 @@ async fn call_once(call: Call) -> anyhow::Result<Result<Value, tonic::Status>> {
             let message = pb::GetRequest { namespace: a.target.namespace.clone(), key: a.key.clone() };
             client.get(request(&a.target, message)?).await.map(|r| {
                 let r = r.into_inner();
-                let state = match pb::State::try_from(r.state) {
-                    Ok(pb::State::Free) => "free",
-                    Ok(pb::State::Pending) => "pending",
-                    Ok(pb::State::Abandoned) => "abandoned",
-                    Ok(pb::State::Completed) => "completed",
-                    _ => "unspecified",
-                };
                 json!({
-                    "state": state, "token": r.token, "attempt": r.attempt,
+                    "state": state_name(r.state), "token": r.token, "attempt": r.attempt,
                     "lease_until_ms": r.lease_until_ms, "expires_at_ms": r.expires_at_ms,
                     "result": outcome_name(r.outcome), "response": bytes_json(&r.response),
                 })
+            })
+        }
+        Call::Status(target) => {
+            let mut client = admin_client(&target).await?;
+            client.shard_stats(admin_request(&target, pb::ShardStatsRequest {})?).await.map(|r| {
+                let shards: Vec<Value> = r
+                    .into_inner()
+                    .shards
+                    .into_iter()
+                    .map(|s| {
+                        json!({
+                            "shard": s.shard, "state": s.state, "mailbox_depth": s.mailbox_depth,
+                            "batches": s.batches, "commands": s.commands, "batch_len_mean": s.batch_len_mean,
+                            "commits": s.commits, "failures": s.failures, "reclaimed": s.reclaimed,
+                            "waiters": s.waiters, "records_pending": s.records_pending,
+                            "records_completed": s.records_completed,
+                            "last_error": if s.last_error.is_empty() { Value::Null } else { json!(s.last_error) },
+                        })
+                    })
+                    .collect();
+                json!({ "shards": shards })
+            })
+        }
+        Call::Inspect(a) => {
+            let mut client = admin_client(&a.target).await?;
+            let message = pb::InspectRequest {
+                tenant: a.tenant.clone(),
+                namespace: a.namespace.clone(),
+                key: a.key.clone(),
+            };
+            client.inspect(admin_request(&a.target, message)?).await.map(|r| {
+                let r = r.into_inner();
+                json!({
+                    "shard": r.shard, "state": state_name(r.state), "token": r.token, "attempt": r.attempt,
+                    "lease_until_ms": r.lease_until_ms, "expires_at_ms": r.expires_at_ms, "ttl_ms": r.ttl_ms,
+                    "fingerprint": bytes_json(&r.fingerprint), "result": outcome_name(r.outcome),
+                    "response": bytes_json(&r.response), "completed_at_ms": r.completed_at_ms,
+                })
+            })
+        }
+        Call::Admin(action) => {
+            let (verb, a) = match &action {
+                AdminAction::Release(a) => ("release", a),
+                AdminAction::Purge(a) => ("purge", a),
+            };
+            let mut client = admin_client(&a.inspect.target).await?;
+            let message = pb::AdminKeyRequest {
+                tenant: a.inspect.tenant.clone(),
+                namespace: a.inspect.namespace.clone(),
+                key: a.inspect.key.clone(),
+                reason: a.reason.clone(),
+            };
+            let request = admin_request(&a.inspect.target, message)?;
+            let answer = match verb {
+                "release" => client.force_release(request).await,
+                _ => client.purge(request).await,
+            };
+            answer.map(|r| {
+                let r = r.into_inner();
+                json!({ "removed": true, "action": verb, "previous": state_name(r.previous), "token": r.token })
             })
         }
     })

@@ -1,5 +1,6 @@
-//! `oncegate`: the server (`serve`), a token helper (`hash-token`) and client verbs for
-//! operators (`reserve`, `commit`, `release`, `heartbeat`, `get`).
+//! `oncegate`: the server (`serve`), a token helper (`hash-token`), client verbs
+//! (`reserve`, `commit`, `release`, `heartbeat`, `get`) and operator verbs (`status`,
+//! `inspect`, `admin release|purge`).
 
 mod client;
 mod serve;
@@ -34,6 +35,15 @@ enum Verb {
     Heartbeat(client::HeartbeatArgs),
     /// Reads a key's state.
     Get(client::KeyArgs),
+    /// Operator: every shard's state and counters.
+    Status(client::AdminTarget),
+    /// Operator: the whole stored record of a key.
+    Inspect(client::InspectArgs),
+    /// Operator: force-release a pending key, or purge a record.
+    Admin {
+        #[command(subcommand)]
+        action: client::AdminAction,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -58,6 +68,9 @@ fn main() -> anyhow::Result<()> {
         Verb::Release(args) => client::run(client::Call::Release(args)),
         Verb::Heartbeat(args) => client::run(client::Call::Heartbeat(args)),
         Verb::Get(args) => client::run(client::Call::Get(args)),
+        Verb::Status(args) => client::run(client::Call::Status(args)),
+        Verb::Inspect(args) => client::run(client::Call::Inspect(args)),
+        Verb::Admin { action } => client::run(client::Call::Admin(action)),
     }
 }
 

@@ -110,6 +110,44 @@ fn tenants_from_a_config_file_and_tokens_from_the_environment() {
 }
 
 #[test]
+fn operator_verbs_status_inspect_and_admin() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path(), &[]);
+    let run = |args: &[&str]| {
+        let out = Command::new(BIN)
+            .args(args)
+            .args(["--addr", &server.addr])
+            .env_remove("ONCEGATE_ADMIN_TOKEN")
+            .output()
+            .unwrap();
+        let value: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {out:?}"));
+        (out.status.code().unwrap(), value)
+    };
+    let (code, status) = run(&["status"]);
+    assert_eq!(code, 0, "{status}");
+    let shards = status["shards"].as_array().unwrap();
+    assert_eq!(shards.len(), 2, "every shard is listed: {status}");
+    assert!(shards.iter().all(|s| s["state"] == "serving"));
+
+    let (_, granted) = server.call(&["reserve", "stuck"]);
+    let token = granted["token"].as_u64().unwrap();
+    let (code, view) = run(&["inspect", "--namespace", "live", "stuck"]);
+    assert_eq!(
+        (code, view["state"].as_str(), view["token"].as_u64()),
+        (0, Some("pending"), Some(token)),
+        "{view}"
+    );
+    let (code, removed) =
+        run(&["admin", "release", "--namespace", "live", "stuck", "--reason", "worker died"]);
+    assert_eq!((code, removed["previous"].as_str()), (0, Some("pending")), "{removed}");
+    let (_, again) = server.call(&["reserve", "stuck"]);
+    assert!(again["token"].as_u64().unwrap() > token, "{again}");
+    let (code, missing) = run(&["admin", "purge", "--namespace", "live", "never", "--reason", "typo"]);
+    assert_eq!((code, missing["error"]["code"].as_str()), (1, Some("not_found")), "{missing}");
+    assert!(server.terminate());
+}
+
+#[test]
 fn hash_token_makes_a_new_token_when_given_none() {
     let out = Command::new(BIN).arg("hash-token").output().unwrap();
     let text = String::from_utf8(out.stdout).unwrap();

@@ -30,7 +30,8 @@ struct Cli {
     /// Concurrent clients.
     #[arg(long, default_value_t = 64)]
     clients: u64,
-    /// SIGKILL-and-restart cycles, spread evenly over the run.
+    /// SIGKILL-and-restart cycles, spread evenly over the first half of the run (the
+    /// second half is one process, for the RSS trend).
     #[arg(long, default_value_t = 3)]
     kills: u32,
     /// Seconds between samples.
@@ -193,7 +194,7 @@ fn main() -> anyhow::Result<()> {
     println!("| t (s) | reserve+commit/s | p99 (ms) | errors | server RSS (MiB) | db (MiB) | wal (MiB) |");
     println!("| --- | --- | --- | --- | --- | --- | --- |");
     let started = Instant::now();
-    let kill_every = total.div_f64(f64::from(cli.kills + 1));
+    let kill_every = (total / 2).div_f64(f64::from(cli.kills + 1));
     let mut kills_done = 0;
     let mut samples: Vec<(f64, u64, u64)> = Vec::new();
     let mut db_max = 0;
@@ -245,7 +246,7 @@ fn main() -> anyhow::Result<()> {
     server.child.kill()?;
     server.child.wait()?;
 
-    // RSS growth over the second half, after the last restart's warm-up.
+    // RSS growth over the second half: one process, past its warm-up.
     let half = total.as_secs_f64() / 2.0;
     let second: Vec<_> = samples.iter().filter(|s| s.0 >= half).collect();
     if let (Some(first), Some(last)) = (second.first(), second.last()) {
