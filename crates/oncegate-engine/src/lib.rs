@@ -321,7 +321,9 @@ impl Engine {
         }
         let (reply, rx) = oneshot::channel();
         let handle = &self.inner.shards[shard as usize];
-        match handle.data.try_send(Request { scope, command, reply }) {
+        let span = tracing::Span::current();
+        span.record("shard", shard);
+        match handle.data.try_send(Request { scope, command, reply, span }) {
             Ok(()) => Ok(Pending { shard, rx }),
             Err(TrySendError::Full(_)) => Err(Error::ResourceExhausted {
                 what: format!("shard {shard} mailbox"),

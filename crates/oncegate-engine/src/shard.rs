@@ -37,6 +37,9 @@ pub(crate) struct Request {
     pub scope: Scope,
     pub command: Command,
     pub reply: oneshot::Sender<Result<Reply, Error>>,
+    /// The caller's span (disabled unless a subscriber wants it), so the batch that
+    /// serves the request can link to it.
+    pub span: tracing::Span,
 }
 
 /// Requests that must not wait behind data.
@@ -475,6 +478,11 @@ impl Shard {
             return;
         };
         self.faults.pass_gate();
+        let batch_span = tracing::debug_span!("batch", shard = self.id, len);
+        for request in &requests {
+            batch_span.follows_from(&request.span);
+        }
+        let _entered = batch_span.enter();
         let now = self.guard.read(self.clock.monotonic_ms());
         let token_before = self.book.next_token;
         let mut outbox: Outbox = Vec::with_capacity(requests.len());

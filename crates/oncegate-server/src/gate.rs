@@ -8,6 +8,7 @@ use oncegate_engine::{CommitRequest, Engine, KeyRequest, ReserveRequest};
 use oncegate_proto::v1 as pb;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 use crate::auth::Auth;
 use crate::status::{invalid, status, with_code};
@@ -142,6 +143,21 @@ fn refusal_name(status: &Status) -> &'static str {
     oncegate_core::Code::ALL.iter().map(|c| c.as_str()).find(|name| Some(*name) == code).unwrap_or("internal")
 }
 
+/// The span of one request: RPC, tenant, namespace, a digest of the key (never the key),
+/// the shard (recorded by the engine when it routes the call), outcome and duration.
+fn request_span(rpc: &'static str, namespace: &str, key: &str) -> tracing::Span {
+    tracing::debug_span!(
+        "request",
+        rpc,
+        tenant = tracing::field::Empty,
+        namespace,
+        key = %key_digest(key),
+        shard = tracing::field::Empty,
+        outcome = tracing::field::Empty,
+        duration_us = tracing::field::Empty,
+    )
+}
+
 /// Logs, counts and times one finished call. Keys are logged only as a digest.
 fn finish<T>(
     rpc: &'static str,
@@ -158,6 +174,10 @@ fn finish<T>(
     crate::telemetry::record_call(rpc, tenant, label, started);
     let tenant = tenant.map_or("-", |t| t.as_str());
     let duration_us = started.elapsed().as_micros() as u64;
+    let span = tracing::Span::current();
+    span.record("tenant", tenant);
+    span.record("outcome", label);
+    span.record("duration_us", duration_us);
     match result {
         Ok(_) => tracing::debug!(rpc, tenant, key = %key_digest(key), outcome = label, duration_us, "served"),
         Err(s) => {
@@ -172,106 +192,136 @@ impl pb::gate_server::Gate for GateService {
         &self,
         request: Request<pb::ReserveRequest>,
     ) -> Result<Response<pb::ReserveResponse>, Status> {
-        let started = std::time::Instant::now();
-        let (tenant, _permit) = self.admit("reserve", &request, started)?;
-        let r = request.into_inner();
-        let key_for_log = if r.key.is_empty() { r.key_parts.join(":") } else { r.key.clone() };
-        let call = ReserveRequest {
-            namespace: r.namespace,
-            key: r.key,
-            key_parts: r.key_parts,
-            bucket_ms: r.bucket_ms,
-            ttl_ms: r.ttl_ms,
-            lease_ms: r.lease_ms,
-            fingerprint: r.fingerprint,
-            wait_ms: r.wait_ms,
-        };
-        let result = self.engine.reserve(&tenant, call).await.map_err(|e| status(&e)).map(|reserved| {
-            pb::ReserveResponse {
-                key: reserved.key.as_str().to_owned(),
-                outcome: Some(reserve_to_wire(reserved.reply)),
-            }
-        });
-        let outcome = result.as_ref().ok().and_then(|r| r.outcome.as_ref()).map_or("", outcome_name);
-        finish("reserve", Some(&tenant), &key_for_log, started, &result, outcome);
-        result.map(Response::new)
+        let span = request_span("reserve", &request.get_ref().namespace, &request.get_ref().key);
+        async move {
+            let started = std::time::Instant::now();
+            let (tenant, _permit) = self.admit("reserve", &request, started)?;
+            let r = request.into_inner();
+            let key_for_log = if r.key.is_empty() { r.key_parts.join(":") } else { r.key.clone() };
+            let call = ReserveRequest {
+                namespace: r.namespace,
+                key: r.key,
+                key_parts: r.key_parts,
+                bucket_ms: r.bucket_ms,
+                ttl_ms: r.ttl_ms,
+                lease_ms: r.lease_ms,
+                fingerprint: r.fingerprint,
+                wait_ms: r.wait_ms,
+            };
+            let result = self.engine.reserve(&tenant, call).await.map_err(|e| status(&e)).map(|reserved| {
+                pb::ReserveResponse {
+                    key: reserved.key.as_str().to_owned(),
+                    outcome: Some(reserve_to_wire(reserved.reply)),
+                }
+            });
+            let outcome = result.as_ref().ok().and_then(|r| r.outcome.as_ref()).map_or("", outcome_name);
+            finish("reserve", Some(&tenant), &key_for_log, started, &result, outcome);
+            result.map(Response::new)
+        }
+        .instrument(span)
+        .await
     }
 
     async fn commit(
         &self,
         request: Request<pb::CommitRequest>,
     ) -> Result<Response<pb::CommitResponse>, Status> {
-        let started = std::time::Instant::now();
-        let (tenant, _permit) = self.admit("commit", &request, started)?;
-        let r = request.into_inner();
-        let key = r.key.clone();
-        let result = async {
-            let call = CommitRequest {
-                namespace: r.namespace,
-                key: r.key,
-                token: r.token,
-                outcome: outcome_from_wire(r.outcome)?,
-                response: r.response,
-            };
-            let expires_at_ms = self.engine.commit(&tenant, call).await.map_err(|e| status(&e))?;
-            Ok(pb::CommitResponse { expires_at_ms })
+        let span = request_span("commit", &request.get_ref().namespace, &request.get_ref().key);
+        async move {
+            let started = std::time::Instant::now();
+            let (tenant, _permit) = self.admit("commit", &request, started)?;
+            let r = request.into_inner();
+            let key = r.key.clone();
+            let result = async {
+                let call = CommitRequest {
+                    namespace: r.namespace,
+                    key: r.key,
+                    token: r.token,
+                    outcome: outcome_from_wire(r.outcome)?,
+                    response: r.response,
+                };
+                let expires_at_ms = self.engine.commit(&tenant, call).await.map_err(|e| status(&e))?;
+                Ok(pb::CommitResponse { expires_at_ms })
+            }
+            .await;
+            finish("commit", Some(&tenant), &key, started, &result, "ok");
+            result.map(Response::new)
         }
-        .await;
-        finish("commit", Some(&tenant), &key, started, &result, "ok");
-        result.map(Response::new)
+        .instrument(span)
+        .await
     }
 
     async fn release(
         &self,
         request: Request<pb::ReleaseRequest>,
     ) -> Result<Response<pb::ReleaseResponse>, Status> {
-        let started = std::time::Instant::now();
-        let (tenant, _permit) = self.admit("release", &request, started)?;
-        let r = request.into_inner();
-        let key = r.key.clone();
-        let call = KeyRequest { namespace: r.namespace, key: r.key, token: r.token, lease_ms: 0 };
-        let result =
-            self.engine.release(&tenant, call).await.map_err(|e| status(&e)).map(|()| pb::ReleaseResponse {});
-        finish("release", Some(&tenant), &key, started, &result, "ok");
-        result.map(Response::new)
+        let span = request_span("release", &request.get_ref().namespace, &request.get_ref().key);
+        async move {
+            let started = std::time::Instant::now();
+            let (tenant, _permit) = self.admit("release", &request, started)?;
+            let r = request.into_inner();
+            let key = r.key.clone();
+            let call = KeyRequest { namespace: r.namespace, key: r.key, token: r.token, lease_ms: 0 };
+            let result = self
+                .engine
+                .release(&tenant, call)
+                .await
+                .map_err(|e| status(&e))
+                .map(|()| pb::ReleaseResponse {});
+            finish("release", Some(&tenant), &key, started, &result, "ok");
+            result.map(Response::new)
+        }
+        .instrument(span)
+        .await
     }
 
     async fn heartbeat(
         &self,
         request: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
-        let started = std::time::Instant::now();
-        let (tenant, _permit) = self.admit("heartbeat", &request, started)?;
-        let r = request.into_inner();
-        let key = r.key.clone();
-        let call = KeyRequest { namespace: r.namespace, key: r.key, token: r.token, lease_ms: r.lease_ms };
-        let result = self.engine.heartbeat(&tenant, call).await.map_err(|e| status(&e)).map(|renewed| {
-            pb::HeartbeatResponse {
-                lease_until_ms: renewed.lease_until_ms,
-                expires_at_ms: renewed.expires_at_ms,
-            }
-        });
-        finish("heartbeat", Some(&tenant), &key, started, &result, "ok");
-        result.map(Response::new)
+        let span = request_span("heartbeat", &request.get_ref().namespace, &request.get_ref().key);
+        async move {
+            let started = std::time::Instant::now();
+            let (tenant, _permit) = self.admit("heartbeat", &request, started)?;
+            let r = request.into_inner();
+            let key = r.key.clone();
+            let call =
+                KeyRequest { namespace: r.namespace, key: r.key, token: r.token, lease_ms: r.lease_ms };
+            let result = self.engine.heartbeat(&tenant, call).await.map_err(|e| status(&e)).map(|renewed| {
+                pb::HeartbeatResponse {
+                    lease_until_ms: renewed.lease_until_ms,
+                    expires_at_ms: renewed.expires_at_ms,
+                }
+            });
+            finish("heartbeat", Some(&tenant), &key, started, &result, "ok");
+            result.map(Response::new)
+        }
+        .instrument(span)
+        .await
     }
 
     async fn get(&self, request: Request<pb::GetRequest>) -> Result<Response<pb::GetResponse>, Status> {
-        let started = std::time::Instant::now();
-        let (tenant, _permit) = self.admit("get", &request, started)?;
-        let r = request.into_inner();
-        let key = r.key.clone();
-        let call = KeyRequest { namespace: r.namespace, key: r.key, token: 0, lease_ms: 0 };
-        let result =
-            self.engine.get(&tenant, call).await.map_err(|e| status(&e)).map(|view| pb::GetResponse {
-                state: state_to_wire(view.state),
-                token: view.token,
-                attempt: view.attempt,
-                lease_until_ms: view.lease_until_ms,
-                expires_at_ms: view.expires_at_ms,
-                outcome: view.outcome.map_or(pb::Outcome::Unspecified as i32, outcome_to_wire),
-                response: view.response,
-            });
-        finish("get", Some(&tenant), &key, started, &result, "ok");
-        result.map(Response::new)
+        let span = request_span("get", &request.get_ref().namespace, &request.get_ref().key);
+        async move {
+            let started = std::time::Instant::now();
+            let (tenant, _permit) = self.admit("get", &request, started)?;
+            let r = request.into_inner();
+            let key = r.key.clone();
+            let call = KeyRequest { namespace: r.namespace, key: r.key, token: 0, lease_ms: 0 };
+            let result =
+                self.engine.get(&tenant, call).await.map_err(|e| status(&e)).map(|view| pb::GetResponse {
+                    state: state_to_wire(view.state),
+                    token: view.token,
+                    attempt: view.attempt,
+                    lease_until_ms: view.lease_until_ms,
+                    expires_at_ms: view.expires_at_ms,
+                    outcome: view.outcome.map_or(pb::Outcome::Unspecified as i32, outcome_to_wire),
+                    response: view.response,
+                });
+            finish("get", Some(&tenant), &key, started, &result, "ok");
+            result.map(Response::new)
+        }
+        .instrument(span)
+        .await
     }
 }
