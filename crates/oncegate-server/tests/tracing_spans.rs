@@ -71,7 +71,11 @@ async fn requests_have_spans_and_batches_link_to_them() {
     let mut client = server.client().await;
     let secret_key = "customer-4242-card-visa";
     client
-        .reserve(pb::ReserveRequest { namespace: "live".into(), key: secret_key.into(), ..Default::default() })
+        .reserve(pb::ReserveRequest {
+            namespace: "live".into(),
+            key: secret_key.into(),
+            ..Default::default()
+        })
         .await
         .unwrap();
     drop(client);
