@@ -365,6 +365,18 @@ async fn call_once(call: Call) -> anyhow::Result<Result<Value, tonic::Status>> {
                     "lease_until_ms": r.lease_until_ms, "expires_at_ms": r.expires_at_ms, "ttl_ms": r.ttl_ms,
                     "fingerprint": bytes_json(&r.fingerprint), "result": outcome_name(r.outcome),
                     "response": bytes_json(&r.response), "completed_at_ms": r.completed_at_ms,
+                    "history": r.history.iter().map(|e| json!({
+                        "kind": match pb::TransitionKind::try_from(e.kind) {
+                            Ok(pb::TransitionKind::TransitionGranted) => "granted",
+                            Ok(pb::TransitionKind::TransitionHeartbeat) => "heartbeat",
+                            Ok(pb::TransitionKind::TransitionAbandoned) => "abandoned",
+                            Ok(pb::TransitionKind::TransitionRegranted) => "regranted",
+                            Ok(pb::TransitionKind::TransitionCommitted) => "committed",
+                            _ => "unspecified",
+                        },
+                        "at_ms": e.at_ms,
+                        "token": e.token,
+                    })).collect::<Vec<_>>(),
                 })
             })
         }

@@ -5,7 +5,7 @@
 //! reply. It reads no clock and touches no storage, so the whole contract is tested
 //! against it directly.
 
-use crate::{Completion, Error, Fingerprint, Outcome, Record, State};
+use crate::{Completion, Error, Event, Fingerprint, Outcome, Record, State, Transition};
 
 /// The longest retry-after hint given with `in progress`: a holder may commit long before
 /// its lease ends, so retries should look again soon rather than at the lease deadline.
@@ -252,6 +252,7 @@ pub fn decide(record: Option<&Record>, command: &Command, now_ms: u64, next_toke
             Ok(held) => {
                 let mut renewed = held.clone();
                 renewed.lease_until_ms = now_ms.saturating_add(*lease_ms);
+                renewed.push_event(Transition::Heartbeat, now_ms, *token);
                 let reply = Reply::Heartbeat {
                     lease_until_ms: renewed.lease_until_ms,
                     expires_at_ms: renewed.expires_at_ms,
@@ -282,8 +283,8 @@ pub fn decide(record: Option<&Record>, command: &Command, now_ms: u64, next_toke
 }
 
 fn decide_reserve(live: Option<&Record>, reserve: &Reserve, now_ms: u64, next_token: u64) -> Decision {
-    let grant = |attempt: u32, previous: Previous, fingerprint: Fingerprint| {
-        let record = Record {
+    let grant = |attempt: u32, previous: Previous, fingerprint: Fingerprint, history: Vec<Event>| {
+        let mut record = Record {
             token: next_token,
             attempt,
             lease_until_ms: now_ms.saturating_add(reserve.lease_ms),
@@ -291,7 +292,13 @@ fn decide_reserve(live: Option<&Record>, reserve: &Reserve, now_ms: u64, next_to
             ttl_ms: reserve.ttl_ms,
             fingerprint,
             completion: None,
+            history,
         };
+        let transition = match previous {
+            Previous::None => Transition::Granted,
+            Previous::Abandoned => Transition::Regranted,
+        };
+        record.push_event(transition, now_ms, next_token);
         let reply = ReserveReply::Granted {
             token: record.token,
             attempt,
@@ -302,7 +309,7 @@ fn decide_reserve(live: Option<&Record>, reserve: &Reserve, now_ms: u64, next_to
         Decision { change: Change::Put(record), reply: Ok(Reply::Reserve(reply)) }
     };
     let Some(record) = live else {
-        return grant(1, Previous::None, reserve.fingerprint.clone());
+        return grant(1, Previous::None, reserve.fingerprint.clone(), Vec::new());
     };
     // A caller that sends a fingerprint asks for a check, and the check passes only when
     // the record is bound to the same payload; a caller that sends none opts out.
@@ -338,7 +345,13 @@ fn decide_reserve(live: Option<&Record>, reserve: &Reserve, now_ms: u64, next_to
             } else {
                 reserve.fingerprint.clone()
             };
-            grant(record.attempt.saturating_add(1), Previous::Abandoned, fingerprint)
+            let mut history = record.history.clone();
+            history.push(Event {
+                transition: Transition::Abandoned,
+                at_ms: record.lease_until_ms,
+                token: record.token,
+            });
+            grant(record.attempt.saturating_add(1), Previous::Abandoned, fingerprint, history)
         }
         State::Free => unreachable!("expired records were filtered out above"),
     }
@@ -364,6 +377,7 @@ fn decide_commit(live: Option<&Record>, commit: &Commit, now_ms: u64) -> Decisio
                 response: commit.response.clone(),
                 completed_at_ms: now_ms,
             });
+            completed.push_event(Transition::Committed, now_ms, commit.token);
             let reply = Reply::Commit { expires_at_ms: completed.expires_at_ms };
             Decision { change: Change::Put(completed), reply: Ok(reply) }
         }

@@ -19,4 +19,4 @@ pub use decide::{
 };
 pub use error::{Code, Error, Invalid};
 pub use limits::*;
-pub use record::{Completion, Outcome, Record, State};
+pub use record::{Completion, Event, HISTORY_LEN_MAX, Outcome, Record, State, Transition};

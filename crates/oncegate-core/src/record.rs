@@ -52,6 +52,71 @@ pub enum State {
     Completed,
 }
 
+/// The most transitions a record remembers; older ones are dropped first.
+pub const HISTORY_LEN_MAX: usize = 16;
+
+/// A change in a record's life, kept for operators (`inspect`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Transition {
+    /// A first grant of the key (or a grant after it expired).
+    Granted,
+    /// The holder renewed its lease.
+    Heartbeat,
+    /// The holder's lease ran out (recorded when the next attempt took over).
+    Abandoned,
+    /// A grant that took over an abandoned attempt.
+    Regranted,
+    /// The holder committed.
+    Committed,
+}
+
+impl Transition {
+    /// The stable number stored on disk.
+    pub const fn as_u8(self) -> u8 {
+        match self {
+            Transition::Granted => 1,
+            Transition::Heartbeat => 2,
+            Transition::Abandoned => 3,
+            Transition::Regranted => 4,
+            Transition::Committed => 5,
+        }
+    }
+
+    /// The inverse of [`Transition::as_u8`].
+    pub const fn from_u8(value: u8) -> Option<Transition> {
+        match value {
+            1 => Some(Transition::Granted),
+            2 => Some(Transition::Heartbeat),
+            3 => Some(Transition::Abandoned),
+            4 => Some(Transition::Regranted),
+            5 => Some(Transition::Committed),
+            _ => None,
+        }
+    }
+
+    /// The lowercase name shown to operators.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Transition::Granted => "granted",
+            Transition::Heartbeat => "heartbeat",
+            Transition::Abandoned => "abandoned",
+            Transition::Regranted => "regranted",
+            Transition::Committed => "committed",
+        }
+    }
+}
+
+/// One entry of a record's history.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Event {
+    /// What happened.
+    pub transition: Transition,
+    /// When, by the shard's clock.
+    pub at_ms: u64,
+    /// The token of the attempt it happened to.
+    pub token: u64,
+}
+
 /// What a committed attempt left behind for replays.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Completion {
@@ -82,9 +147,21 @@ pub struct Record {
     pub fingerprint: Fingerprint,
     /// Present once the holder committed.
     pub completion: Option<Completion>,
+    /// The record's transitions, oldest first, at most [`HISTORY_LEN_MAX`]. A record that
+    /// is released, purged or reclaimed takes its history with it.
+    pub history: Vec<Event>,
 }
 
 impl Record {
+    /// Appends a transition, dropping the oldest beyond [`HISTORY_LEN_MAX`].
+    pub fn push_event(&mut self, transition: Transition, at_ms: u64, token: u64) {
+        self.history.push(Event { transition, at_ms, token });
+        if self.history.len() > HISTORY_LEN_MAX {
+            let excess = self.history.len() - HISTORY_LEN_MAX;
+            self.history.drain(..excess);
+        }
+    }
+
     /// The instant from which the record is free and its storage may be reclaimed.
     ///
     /// A pending record with a live lease never expires, so for pending records this is
@@ -161,6 +238,7 @@ mod tests {
             ttl_ms: expires_at_ms,
             fingerprint: Fingerprint::NONE,
             completion: None,
+            history: Vec::new(),
         }
     }
 
@@ -195,6 +273,26 @@ mod tests {
 
         let mut after_a_short_stop = pending(50_000, 100_000);
         assert!(!after_a_short_stop.apply_restart_grace(500, 500, 2_000), "no downtime, nothing to add");
+    }
+
+    #[test]
+    fn history_is_bounded_and_keeps_the_newest() {
+        let mut r = pending(100, 1_000);
+        for i in 0..(HISTORY_LEN_MAX as u64 + 5) {
+            r.push_event(Transition::Heartbeat, i, 1);
+        }
+        assert_eq!(r.history.len(), HISTORY_LEN_MAX);
+        assert_eq!(r.history.first().unwrap().at_ms, 5);
+        assert_eq!(r.history.last().unwrap().at_ms, HISTORY_LEN_MAX as u64 + 4);
+        for t in [
+            Transition::Granted,
+            Transition::Heartbeat,
+            Transition::Abandoned,
+            Transition::Regranted,
+            Transition::Committed,
+        ] {
+            assert_eq!(Transition::from_u8(t.as_u8()), Some(t));
+        }
     }
 
     #[test]

@@ -3,8 +3,8 @@
 //! expected decision (the change to store and the reply).
 
 use oncegate_core::{
-    Change, Command, Commit, Completion, Decision, Error, Fingerprint, Outcome, Previous, Record, Reply,
-    Reserve, ReserveReply, State, View, decide,
+    Change, Command, Commit, Completion, Decision, Error, Event, Fingerprint, Outcome, Previous, Record,
+    Reply, Reserve, ReserveReply, State, Transition, View, decide,
 };
 
 const T0: u64 = 1_000_000;
@@ -31,7 +31,12 @@ fn held() -> Record {
         ttl_ms: TTL,
         fingerprint: fp(b"A"),
         completion: None,
+        history: vec![event(Transition::Granted, T0, CUR)],
     }
+}
+
+fn event(transition: Transition, at_ms: u64, token: u64) -> Event {
+    Event { transition, at_ms, token }
 }
 
 /// `held()` committed at T0 + 10 s with outcome succeeded.
@@ -69,6 +74,15 @@ fn granted_at(now: u64, attempt: u32, previous: Previous, fingerprint: &[u8]) ->
         ttl_ms: TTL,
         fingerprint: fp(fingerprint),
         completion: None,
+        history: match previous {
+            Previous::None => vec![event(Transition::Granted, now, NEXT)],
+            Previous::Abandoned => {
+                let mut history = held().history;
+                history.push(event(Transition::Abandoned, T0 + LEASE, CUR));
+                history.push(event(Transition::Regranted, now, NEXT));
+                history
+            }
+        },
     };
     let reply = ReserveReply::Granted {
         token: NEXT,
@@ -111,6 +125,7 @@ fn completed_by_commit(now: u64, outcome: Outcome) -> Decision {
     let mut record = held();
     record.expires_at_ms = (T0 + TTL).max(now + TTL);
     record.completion = Some(Completion { outcome, response: b"fill-2".to_vec(), completed_at_ms: now });
+    record.history.push(event(Transition::Committed, now, CUR));
     let expires_at_ms = record.expires_at_ms;
     Decision { change: Change::Put(record), reply: Ok(Reply::Commit { expires_at_ms }) }
 }
@@ -118,6 +133,7 @@ fn completed_by_commit(now: u64, outcome: Outcome) -> Decision {
 fn renewed(now: u64) -> Decision {
     let mut record = held();
     record.lease_until_ms = now + 5_000;
+    record.history.push(event(Transition::Heartbeat, now, CUR));
     let reply = Reply::Heartbeat { lease_until_ms: now + 5_000, expires_at_ms: T0 + TTL };
     Decision { change: Change::Put(record), reply: Ok(reply) }
 }

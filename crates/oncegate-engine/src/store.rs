@@ -6,13 +6,15 @@
 
 use std::path::Path;
 
-use oncegate_core::{Completion, Fingerprint, Key, Namespace, Outcome, Record, Scope, Tenant};
+use oncegate_core::{
+    Completion, Event, Fingerprint, Key, Namespace, Outcome, Record, Scope, Tenant, Transition,
+};
 use rusqlite::{Connection, OptionalExtension, Transaction, TransactionBehavior, params};
 
 use crate::{Durability, Faults};
 
 /// The schema version this code reads and writes (`PRAGMA user_version`).
-const SCHEMA_VERSION: i64 = 1;
+const SCHEMA_VERSION: i64 = 2;
 
 /// `records` is keyed by the full scope and holds only pending and completed records.
 /// `reclaim_at_ms` is `Record::reclaim_at_ms()`, indexed so the alarm finds the next
@@ -33,6 +35,7 @@ CREATE TABLE records (
     outcome         INTEGER,
     response        BLOB,
     completed_at_ms INTEGER,
+    history         BLOB,
     PRIMARY KEY (tenant, namespace, key)
 ) WITHOUT ROWID;
 CREATE INDEX records_by_reclaim_at ON records (reclaim_at_ms);
@@ -49,7 +52,7 @@ INSERT INTO meta (id, next_token, high_water_ms) VALUES (0, 1, 0);
 /// of formatting).
 macro_rules! columns {
     () => {
-        "token, attempt, lease_until_ms, expires_at_ms, ttl_ms, fingerprint, outcome, response, completed_at_ms"
+        "token, attempt, lease_until_ms, expires_at_ms, ttl_ms, fingerprint, outcome, response, completed_at_ms, history"
     };
 }
 
@@ -59,12 +62,12 @@ const SELECT_RECORD: &str =
 const UPSERT_RECORD: &str = concat!(
     "INSERT INTO records (tenant, namespace, key, reclaim_at_ms, ",
     columns!(),
-    ") VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)
+    ") VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)
      ON CONFLICT (tenant, namespace, key) DO UPDATE SET
         reclaim_at_ms = excluded.reclaim_at_ms, token = excluded.token, attempt = excluded.attempt,
         lease_until_ms = excluded.lease_until_ms, expires_at_ms = excluded.expires_at_ms,
         ttl_ms = excluded.ttl_ms, fingerprint = excluded.fingerprint, outcome = excluded.outcome,
-        response = excluded.response, completed_at_ms = excluded.completed_at_ms"
+        response = excluded.response, completed_at_ms = excluded.completed_at_ms, history = excluded.history"
 );
 const SELECT_LEASED: &str = concat!(
     "SELECT tenant, namespace, key, ",
@@ -160,6 +163,13 @@ impl Store {
                 tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
                 tx.commit()?;
             }
+            // Version 1 had no history column; records written by it start with none.
+            1 => {
+                let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+                tx.execute_batch("ALTER TABLE records ADD COLUMN history BLOB")?;
+                tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
+                tx.commit()?;
+            }
             SCHEMA_VERSION => {}
             found => return Err(StoreError::Schema { found }),
         }
@@ -219,7 +229,35 @@ fn read_record(row: &rusqlite::Row<'_>, offset: usize) -> rusqlite::Result<Recor
         ttl_ms: from_sql(row.get(offset + 4)?),
         fingerprint: Fingerprint::from_stored(row.get(offset + 5)?),
         completion,
+        history: decode_history(&row.get::<_, Option<Vec<u8>>>(offset + 9)?.unwrap_or_default()),
     })
+}
+
+/// Bytes per history entry: the transition (1), `at_ms` (8, little-endian), the token (8).
+const EVENT_BYTES: usize = 17;
+
+fn encode_history(history: &[Event]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(history.len() * EVENT_BYTES);
+    for event in history {
+        out.push(event.transition.as_u8());
+        out.extend_from_slice(&event.at_ms.to_le_bytes());
+        out.extend_from_slice(&event.token.to_le_bytes());
+    }
+    out
+}
+
+/// Unknown transitions (from a newer version) are skipped rather than failing the read:
+/// the history is for operators, the record itself is what decisions use.
+fn decode_history(bytes: &[u8]) -> Vec<Event> {
+    bytes
+        .chunks_exact(EVENT_BYTES)
+        .filter_map(|chunk| {
+            let transition = Transition::from_u8(chunk[0])?;
+            let at_ms = u64::from_le_bytes(chunk[1..9].try_into().ok()?);
+            let token = u64::from_le_bytes(chunk[9..17].try_into().ok()?);
+            Some(Event { transition, at_ms, token })
+        })
+        .collect()
 }
 
 impl Txn<'_> {
@@ -261,6 +299,7 @@ impl Txn<'_> {
             completion.map(|c| i64::from(c.outcome.as_u8())),
             completion.map(|c| c.response.as_slice()),
             completion.map(|c| to_sql(c.completed_at_ms)),
+            encode_history(&record.history),
         ])?;
         Ok(())
     }

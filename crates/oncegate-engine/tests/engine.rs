@@ -418,3 +418,64 @@ fn stats_report_batches() {
     assert_eq!(stats.state, ShardState::Serving);
     assert!(engine.wait_shard_state(0, ShardState::Serving, Duration::from_millis(1)));
 }
+
+#[test]
+fn inspect_shows_the_history_of_a_record() {
+    use oncegate_core::Transition;
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let engine = open(config(dir.path()), &clock, &Faults::default());
+    let t = tenant();
+    let first = granted(&engine.reserve_blocking(&t, reserve_for("h", 1_000, 60_000, 0)).unwrap().reply);
+    clock.advance(500);
+    engine
+        .heartbeat_blocking(&t, oncegate_engine::KeyRequest { lease_ms: 1_000, ..key("h", first) })
+        .unwrap();
+    clock.advance(1_000);
+    let second = granted(&engine.reserve_blocking(&t, reserve_for("h", 1_000, 60_000, 0)).unwrap().reply);
+    clock.advance(10);
+    engine.commit_blocking(&t, commit("h", second, b"done")).unwrap();
+
+    let scope = engine.scope(&t, "live", "h").unwrap();
+    let (_, state, record) = block_on(engine.inspect(scope)).unwrap();
+    assert_eq!(state, State::Completed);
+    let history: Vec<(Transition, u64, u64)> =
+        record.unwrap().history.iter().map(|e| (e.transition, e.at_ms, e.token)).collect();
+    assert_eq!(
+        history,
+        [
+            (Transition::Granted, T0, first),
+            (Transition::Heartbeat, T0 + 500, first),
+            (Transition::Abandoned, T0 + 1_500, first),
+            (Transition::Regranted, T0 + 1_500, second),
+            (Transition::Committed, T0 + 1_510, second),
+        ]
+    );
+    // The history survives a restart with the record.
+    drop(engine);
+    let engine = open(config(dir.path()), &clock, &Faults::default());
+    let (_, _, record) = block_on(engine.inspect(engine.scope(&t, "live", "h").unwrap())).unwrap();
+    assert_eq!(record.unwrap().history.len(), 5);
+}
+
+#[test]
+fn a_version_one_store_is_upgraded_in_place() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let t = tenant();
+    let engine = open(EngineConfig { shards: 1, ..config(dir.path()) }, &clock, &Faults::default());
+    let token = granted(&engine.reserve_blocking(&t, reserve("old")).unwrap().reply);
+    engine.commit_blocking(&t, commit("old", token, b"kept")).unwrap();
+    drop(engine);
+    // Turn the file back into the first schema: no history column, user_version 1.
+    let conn = rusqlite::Connection::open(dir.path().join("shard-0000.sqlite")).unwrap();
+    conn.execute_batch("ALTER TABLE records DROP COLUMN history; PRAGMA user_version = 1;").unwrap();
+    drop(conn);
+    let engine = open(EngineConfig { shards: 1, ..config(dir.path()) }, &clock, &Faults::default());
+    let view = engine.get_blocking(&t, key("old", 0)).unwrap();
+    assert_eq!((view.state, view.response.as_slice()), (State::Completed, &b"kept"[..]));
+    let (_, _, record) = block_on(engine.inspect(engine.scope(&t, "live", "old").unwrap())).unwrap();
+    assert!(record.unwrap().history.is_empty(), "records from version 1 have no history");
+    let next = granted(&engine.reserve_blocking(&t, reserve("new")).unwrap().reply);
+    engine.commit_blocking(&t, commit("new", next, b"x")).unwrap();
+}

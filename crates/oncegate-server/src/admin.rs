@@ -1,7 +1,7 @@
 //! The `oncegate.v1.Admin` service: inspect a key, list shard statistics, force-release
 //! a pending key, purge a record, reopen a shard. Every change is logged with its reason.
 
-use oncegate_core::{Invalid, State, Tenant};
+use oncegate_core::{Invalid, State, Tenant, Transition};
 use oncegate_engine::Engine;
 use oncegate_proto::v1 as pb;
 use tonic::{Request, Response, Status};
@@ -81,6 +81,21 @@ impl pb::admin_server::Admin for AdminService {
             }),
             response: completion.map(|c| c.response.clone()).unwrap_or_default(),
             completed_at_ms: completion.map_or(0, |c| c.completed_at_ms),
+            history: record
+                .history
+                .iter()
+                .map(|e| pb::HistoryEvent {
+                    kind: match e.transition {
+                        Transition::Granted => pb::TransitionKind::TransitionGranted,
+                        Transition::Heartbeat => pb::TransitionKind::TransitionHeartbeat,
+                        Transition::Abandoned => pb::TransitionKind::TransitionAbandoned,
+                        Transition::Regranted => pb::TransitionKind::TransitionRegranted,
+                        Transition::Committed => pb::TransitionKind::TransitionCommitted,
+                    } as i32,
+                    at_ms: e.at_ms,
+                    token: e.token,
+                })
+                .collect(),
         }))
     }
 

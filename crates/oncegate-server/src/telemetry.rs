@@ -21,6 +21,9 @@ const SECONDS_BUCKETS: &[f64] =
 /// Histogram buckets for batch lengths, in commands.
 const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0];
 
+/// How often histogram samples are folded into their buckets.
+const UPKEEP_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// The process-wide recorder: the `metrics` facade allows one, so every server in the
 /// process (tests start several) shares it.
 pub fn handle() -> &'static PrometheusHandle {
@@ -43,6 +46,17 @@ pub fn handle() -> &'static PrometheusHandle {
         // Another recorder may already be installed by an embedding program; then its
         // recorder gets the figures and this handle renders only what it saw.
         let _ = metrics::set_global_recorder(recorder);
+        // Histogram samples pile up in the recorder until upkeep drains them into their
+        // buckets; without it memory grows with every request when nobody scrapes (the
+        // soak test found this). The exporter's own installer runs upkeep on a task; this
+        // recorder is built by hand, so a thread does it.
+        let upkeep = handle.clone();
+        let _ = std::thread::Builder::new().name("oncegate-metrics-upkeep".into()).spawn(move || {
+            loop {
+                std::thread::sleep(UPKEEP_INTERVAL);
+                upkeep.run_upkeep();
+            }
+        });
         handle
     })
 }

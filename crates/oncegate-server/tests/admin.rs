@@ -105,6 +105,8 @@ async fn inspect_force_release_and_purge() {
         (pb::State::Pending as i32, first, &b"fp"[..])
     );
     assert_eq!(view.expires_at_ms, T0 + 24 * 3_600_000);
+    assert_eq!(view.history.len(), 1);
+    assert_eq!(view.history[0].kind, pb::TransitionKind::TransitionGranted as i32);
 
     let no_reason = admin.force_release(with_token("admin-secret", key("stuck", " "))).await.unwrap_err();
     assert_eq!(no_reason.code(), Code::InvalidArgument);
@@ -129,6 +131,21 @@ async fn inspect_force_release_and_purge() {
     ))
     .await
     .unwrap();
+    let view = admin
+        .inspect(with_token(
+            "admin-secret",
+            pb::InspectRequest { tenant: "acme".into(), namespace: "live".into(), key: "stuck".into() },
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    let kinds: Vec<i32> = view.history.iter().map(|e| e.kind).collect();
+    assert_eq!(
+        kinds,
+        [pb::TransitionKind::TransitionGranted as i32, pb::TransitionKind::TransitionCommitted as i32],
+        "the history starts again after a force-release"
+    );
+    assert_eq!(view.history[1].token, second);
     let refused = admin.force_release(with_token("admin-secret", key("stuck", "retry"))).await.unwrap_err();
     assert_eq!(refused.code(), Code::FailedPrecondition, "a completed key is purged, not released");
     let purged = admin
