@@ -1,13 +1,13 @@
 //! The `oncegate.v1.Admin` service: inspect a key, list shard statistics, force-release
 //! a pending key, purge a record, reopen a shard. Every change is logged with its reason.
 
-use oncegate_core::{Invalid, State, Tenant, Transition};
+use oncegate_core::{Invalid, Tenant, Transition};
 use oncegate_engine::Engine;
 use oncegate_proto::v1 as pb;
 use tonic::{Request, Response, Status};
 
 use crate::auth::AdminAuth;
-use crate::gate::key_digest;
+use crate::gate::{key_digest, state_to_wire};
 use crate::status::{invalid, status};
 
 /// The operator's service over an engine.
@@ -22,19 +22,32 @@ impl AdminService {
         AdminService { engine, auth }
     }
 
+    /// Force-release or purge: the same checks, the engine call, and the log line.
+    async fn remove(
+        &self,
+        request: Request<pb::AdminKeyRequest>,
+        action: &'static str,
+    ) -> Result<Response<pb::AdminKeyResponse>, Status> {
+        self.auth.check(request.metadata())?;
+        let r = request.into_inner();
+        let why = reason(&r)?;
+        let scope = self.scope(&r.tenant, &r.namespace, &r.key)?;
+        let removed = match action {
+            "force_release" => self.engine.force_release(scope).await,
+            _ => self.engine.purge(scope).await,
+        };
+        let (previous, token) = removed.map_err(|e| status(&e))?;
+        tracing::warn!(
+            action, who = "admin", reason = %why, tenant = %r.tenant, namespace = %r.namespace,
+            key = %key_digest(&r.key), token, previous = ?previous, "operator removed a key's record"
+        );
+        Ok(Response::new(pb::AdminKeyResponse { previous: state_to_wire(previous), token }))
+    }
+
     fn scope(&self, tenant: &str, namespace: &str, key: &str) -> Result<oncegate_core::Scope, Status> {
         let tenant = Tenant::new(tenant).map_err(invalid)?;
         self.engine.scope(&tenant, namespace, key).map_err(|e| status(&e))
     }
-}
-
-fn state_to_wire(state: State) -> i32 {
-    (match state {
-        State::Free => pb::State::Free,
-        State::Pending => pb::State::Pending,
-        State::Abandoned => pb::State::Abandoned,
-        State::Completed => pb::State::Completed,
-    }) as i32
 }
 
 fn reason(request: &pb::AdminKeyRequest) -> Result<String, Status> {
@@ -131,32 +144,14 @@ impl pb::admin_server::Admin for AdminService {
         &self,
         request: Request<pb::AdminKeyRequest>,
     ) -> Result<Response<pb::AdminKeyResponse>, Status> {
-        self.auth.check(request.metadata())?;
-        let r = request.into_inner();
-        let why = reason(&r)?;
-        let scope = self.scope(&r.tenant, &r.namespace, &r.key)?;
-        let (previous, token) = self.engine.force_release(scope).await.map_err(|e| status(&e))?;
-        tracing::warn!(
-            action = "force_release", who = "admin", reason = %why, tenant = %r.tenant, namespace = %r.namespace,
-            key = %key_digest(&r.key), token, previous = ?previous, "operator released a key"
-        );
-        Ok(Response::new(pb::AdminKeyResponse { previous: state_to_wire(previous), token }))
+        self.remove(request, "force_release").await
     }
 
     async fn purge(
         &self,
         request: Request<pb::AdminKeyRequest>,
     ) -> Result<Response<pb::AdminKeyResponse>, Status> {
-        self.auth.check(request.metadata())?;
-        let r = request.into_inner();
-        let why = reason(&r)?;
-        let scope = self.scope(&r.tenant, &r.namespace, &r.key)?;
-        let (previous, token) = self.engine.purge(scope).await.map_err(|e| status(&e))?;
-        tracing::warn!(
-            action = "purge", who = "admin", reason = %why, tenant = %r.tenant, namespace = %r.namespace,
-            key = %key_digest(&r.key), token, previous = ?previous, "operator purged a key"
-        );
-        Ok(Response::new(pb::AdminKeyResponse { previous: state_to_wire(previous), token }))
+        self.remove(request, "purge").await
     }
 
     async fn reopen_shard(

@@ -47,7 +47,8 @@ fn outcome_to_wire(outcome: Outcome) -> i32 {
     }
 }
 
-fn state_to_wire(state: State) -> i32 {
+/// The wire number of a state.
+pub(crate) fn state_to_wire(state: State) -> i32 {
     (match state {
         State::Free => pb::State::Free,
         State::Pending => pb::State::Pending,

@@ -70,14 +70,7 @@ fn start(data_dir: &Path, shards: u32) -> anyhow::Result<Server> {
 }
 
 fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-        })
-        .unwrap_or(0)
+    oncegate_bench::rss_bytes(pid) / 1024
 }
 
 /// (database bytes, WAL bytes) of every shard file.
