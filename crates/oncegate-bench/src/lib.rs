@@ -416,6 +416,21 @@ pub fn markdown(reports: &[Report]) -> String {
     out
 }
 
+/// The hidden mode in which a load tool runs the server it measures, as a child process
+/// of itself (see [`start_child`]).
+#[derive(clap::Subcommand)]
+pub enum ChildMode {
+    /// Internal: run the server on a data directory and print its address.
+    Serve {
+        /// The data directory.
+        #[arg(long)]
+        data_dir: std::path::PathBuf,
+        /// Shards, for a new directory.
+        #[arg(long)]
+        shards: u32,
+    },
+}
+
 /// Runs an oncegate server for a load tool's child process: opens `data_dir` with
 /// `shards`, listens on a free loopback port, prints `addr=...` on standard output, and
 /// serves until killed.

@@ -11,14 +11,14 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Parser, Subcommand};
+use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
-use oncegate_bench::{Load, Report, Target, Work, markdown};
+use oncegate_bench::{ChildMode, Load, Report, Target, Work, markdown};
 
 #[derive(Parser)]
 struct Cli {
     #[command(subcommand)]
-    mode: Option<Mode>,
+    mode: Option<ChildMode>,
     /// Targets, in the order they run: grpc, embedded, redis, postgres.
     #[arg(long, value_delimiter = ',', default_value = "grpc,embedded")]
     targets: Vec<String>,
@@ -71,20 +71,9 @@ struct Cli {
     plot: Option<PathBuf>,
 }
 
-#[derive(Subcommand)]
-enum Mode {
-    /// Internal: the oncegate server the tool starts.
-    Serve {
-        #[arg(long)]
-        data_dir: PathBuf,
-        #[arg(long)]
-        shards: u32,
-    },
-}
-
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    if let Some(Mode::Serve { data_dir, shards }) = cli.mode {
+    if let Some(ChildMode::Serve { data_dir, shards }) = cli.mode {
         return oncegate_bench::serve_child(data_dir, shards);
     }
     let base = cli.dir.clone().unwrap_or_else(std::env::temp_dir);

@@ -15,15 +15,16 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use clap::{Parser, Subcommand};
+use clap::Parser;
 use hdrhistogram::Histogram;
+use oncegate_bench::ChildMode;
 use oncegate_proto::v1 as pb;
 use oncegate_proto::v1::gate_client::GateClient;
 
 #[derive(Parser)]
 struct Cli {
     #[command(subcommand)]
-    mode: Option<Mode>,
+    mode: Option<ChildMode>,
     /// How long to run.
     #[arg(long, default_value_t = 10.0)]
     minutes: f64,
@@ -46,17 +47,6 @@ struct Cli {
     /// Shards.
     #[arg(long, default_value_t = 2)]
     shards: u32,
-}
-
-#[derive(Subcommand)]
-enum Mode {
-    /// Internal: run the server on a data directory and print its address.
-    Serve {
-        #[arg(long)]
-        data_dir: PathBuf,
-        #[arg(long)]
-        shards: u32,
-    },
 }
 
 struct Server {
@@ -156,7 +146,7 @@ async fn client(id: u64, ttl_ms: u64, shared: Arc<Shared>) {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    if let Some(Mode::Serve { data_dir, shards }) = cli.mode {
+    if let Some(ChildMode::Serve { data_dir, shards }) = cli.mode {
         return oncegate_bench::serve_child(data_dir, shards);
     }
     let base = cli.dir.clone().unwrap_or_else(std::env::temp_dir);
