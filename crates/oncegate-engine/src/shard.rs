@@ -457,15 +457,21 @@ impl Shard {
     }
 
     fn batch(&mut self, first: Request) {
+        let requests = self.drain(Some(first));
+        self.apply_batch(requests);
+    }
+
+    /// Takes what the mailbox holds now, after `first`, up to `batch_len_max` in all.
+    fn drain(&self, first: Option<Request>) -> Vec<Request> {
         let mut requests = Vec::with_capacity(self.config.batch_len_max.min(64));
-        requests.push(first);
+        requests.extend(first);
         while requests.len() < self.config.batch_len_max {
             match self.data.try_recv() {
                 Ok(request) => requests.push(request),
                 Err(_) => break,
             }
         }
-        self.apply_batch(requests);
+        requests
     }
 
     fn apply_batch(&mut self, requests: Vec<Request>) {
@@ -580,13 +586,7 @@ impl Shard {
     /// Shutdown: serve what was accepted, answer waiters, close the file.
     fn finish(mut self) {
         loop {
-            let mut requests = Vec::new();
-            while requests.len() < self.config.batch_len_max {
-                match self.data.try_recv() {
-                    Ok(request) => requests.push(request),
-                    Err(_) => break,
-                }
-            }
+            let requests = self.drain(None);
             if requests.is_empty() {
                 break;
             }
