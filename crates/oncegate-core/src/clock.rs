@@ -37,6 +37,17 @@ impl ClockGuard {
         self.high_water_ms
     }
 
+    /// Whether [`ClockGuard::anchor`] has fixed the frame.
+    pub const fn is_anchored(&self) -> bool {
+        self.frame.is_some()
+    }
+
+    /// Raises the high-water mark (a reopened store's persisted mark) without touching
+    /// the frame: an in-process reopen keeps the process's one time frame.
+    pub fn raise(&mut self, high_water_ms: u64) {
+        self.high_water_ms = self.high_water_ms.max(high_water_ms);
+    }
+
     /// `now` from a monotonic reading, in an anchored frame. Without an anchor, the
     /// high-water mark.
     pub fn read(&mut self, monotonic_ms: u64) -> u64 {
@@ -94,6 +105,17 @@ mod tests {
             3_613_000,
             "a forward step is taken at the anchor (downtime)"
         );
+    }
+
+    #[test]
+    fn raising_the_mark_keeps_the_frame() {
+        let mut guard = ClockGuard::new(0);
+        guard.anchor(10_000, 0);
+        guard.raise(3_610_000);
+        assert!(guard.is_anchored());
+        assert_eq!(guard.read(2_000), 3_610_000, "time holds at the raised mark");
+        guard.raise(5);
+        assert_eq!(guard.read(3_600_001), 3_610_001, "then moves with the monotonic clock");
     }
 
     #[test]

@@ -90,12 +90,18 @@ pub enum OpenError {
         /// The configured count.
         configured: u32,
     },
-    /// A shard file failed to open or failed its integrity check.
-    #[error("shard {shard}: {reason}")]
-    Shard {
-        /// The shard.
-        shard: u32,
-        /// What went wrong.
-        reason: String,
+    /// The directory holds shard files but its manifest is gone: starting would route
+    /// keys by a guessed shard count.
+    #[error(
+        "{path} is missing, but the data directory holds {shard_files} shard files; the manifest fixes \
+         which shard owns each key, so oncegate will not guess it. Restore the manifest from a backup \
+         of this directory (or recreate it with `shards = {shard_files}` only if you are sure every \
+         shard file of the directory is present), then start again"
+    )]
+    ManifestMissing {
+        /// The manifest's expected path.
+        path: PathBuf,
+        /// How many `shard-*.sqlite` files the directory holds.
+        shard_files: usize,
     },
 }

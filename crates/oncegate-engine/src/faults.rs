@@ -25,6 +25,10 @@ struct FaultsInner {
     /// When non-zero, overrides the shard file size limit, in SQLite pages, at every
     /// open: a real "disk full" from SQLite itself.
     page_count_max: AtomicU64,
+    /// The next this many integrity checks report corruption.
+    integrity_checks_failing: AtomicU32,
+    /// The next batch of any shard panics (a bug in the shard's thread, simulated).
+    panic_next_batch: AtomicBool,
     /// While closed, shards stop before applying a batch: tests use it to hold a shard
     /// busy and fill its mailbox deterministically.
     gate_closed: AtomicBool,
@@ -57,6 +61,17 @@ impl Faults {
     /// Makes the next `n` shard opens fail.
     pub fn fail_opens(&self, n: u32) {
         self.inner.opens_failing.store(n, Ordering::SeqCst);
+    }
+
+    /// Makes the next `n` integrity checks (`quick_check` at a shard's first open in the
+    /// process) report corruption.
+    pub fn fail_integrity_checks(&self, n: u32) {
+        self.inner.integrity_checks_failing.store(n, Ordering::SeqCst);
+    }
+
+    /// Makes the next batch of any shard panic, as a bug in the shard's thread would.
+    pub fn panic_next_batch(&self) {
+        self.inner.panic_next_batch.store(true, Ordering::SeqCst);
     }
 
     /// Limits every shard file opened from now on to `pages` SQLite pages (0 lifts the
@@ -107,6 +122,19 @@ impl Faults {
 
     pub(crate) fn commit_should_fail(&self) -> bool {
         self.inner.commits_failing.load(Ordering::Relaxed) > 0 && take_one(&self.inner.commits_failing)
+    }
+
+    pub(crate) fn integrity_check_should_fail(&self) -> bool {
+        self.inner.integrity_checks_failing.load(Ordering::Relaxed) > 0
+            && take_one(&self.inner.integrity_checks_failing)
+    }
+
+    pub(crate) fn maybe_panic(&self) {
+        if self.inner.panic_next_batch.load(Ordering::Relaxed)
+            && self.inner.panic_next_batch.swap(false, Ordering::SeqCst)
+        {
+            panic!("injected panic in a shard thread");
+        }
     }
 
     pub(crate) fn open_should_fail(&self) -> bool {

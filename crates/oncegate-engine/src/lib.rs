@@ -9,6 +9,7 @@
 //! methods are `async` (usable from any runtime; the answer travels on a oneshot
 //! channel) with `_blocking` twins for synchronous callers.
 
+mod book;
 mod clock;
 mod config;
 mod error;
@@ -16,6 +17,7 @@ mod faults;
 pub mod manifest;
 mod shard;
 mod store;
+pub mod token;
 
 use std::fs::File;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -35,7 +37,7 @@ pub use error::{Error, OpenError};
 pub use faults::Faults;
 pub use shard::ShardState;
 
-use shard::{Control, Request, Shard, Shared};
+use shard::{Control, Parts, Request, Shard, Shared, Start};
 
 /// A reserve as a caller sends it, before validation.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -140,6 +142,8 @@ pub struct ShardStats {
 struct ShardHandle {
     data: Sender<Request>,
     control: Sender<Control>,
+    /// Callers that stop waiting nudge the shard here (capacity 1: nudges coalesce).
+    gone: Sender<()>,
     shared: Arc<Shared>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
@@ -165,10 +169,14 @@ pub struct Engine {
     inner: Arc<Inner>,
 }
 
-/// An answer on its way from a shard.
+/// An answer on its way from a shard. Dropped before the answer came (the caller was
+/// cancelled or gave up), it closes its channel and nudges the shard, which drops the
+/// request if it is still parked: a gone caller is never granted.
 struct Pending {
     shard: u32,
     rx: oneshot::Receiver<Result<Reply, Error>>,
+    gone: Sender<()>,
+    answered: bool,
 }
 
 impl Pending {
@@ -176,14 +184,28 @@ impl Pending {
         Error::Unavailable { shard, reason: "the shard stopped before answering".to_owned() }
     }
 
-    async fn wait(self) -> Result<Reply, Error> {
-        let shard = self.shard;
-        self.rx.await.unwrap_or_else(|_| Err(Pending::lost(shard)))
+    async fn wait(mut self) -> Result<Reply, Error> {
+        let answer = (&mut self.rx).await;
+        self.answered = true;
+        answer.unwrap_or_else(|_| Err(Pending::lost(self.shard)))
     }
 
-    fn wait_blocking(self) -> Result<Reply, Error> {
-        let shard = self.shard;
-        self.rx.blocking_recv().unwrap_or_else(|_| Err(Pending::lost(shard)))
+    fn wait_blocking(mut self) -> Result<Reply, Error> {
+        // A blocked thread cannot give up, so its answer is as good as received.
+        self.answered = true;
+        let (_, rx) = oneshot::channel();
+        let rx = std::mem::replace(&mut self.rx, rx);
+        rx.blocking_recv().unwrap_or_else(|_| Err(Pending::lost(self.shard)))
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if !self.answered {
+            // Closed before the nudge, so the shard sees the caller gone when it looks.
+            self.rx.close();
+            let _ = self.gone.try_send(());
+        }
     }
 }
 
@@ -239,49 +261,58 @@ impl Engine {
         let lock = manifest::lock(&config.data_dir)?;
         manifest::open_or_create(&config.data_dir, config.shards)?;
         let config = Arc::new(config);
+        // The one wall-clock reading of the process: every shard's frame, and the frame of
+        // derived keys, is anchored to it; nothing re-anchors until the next process.
+        let start = Start { wall_ms: clock.now_ms(), monotonic_ms: clock.monotonic_ms() };
         let (started_tx, started_rx) = crossbeam_channel::bounded(config.shards as usize);
         let mut shards = Vec::with_capacity(config.shards as usize);
         for id in 0..config.shards {
-            let (data_tx, data_rx) = crossbeam_channel::bounded(config.mailbox_depth_max);
+            let (data_tx, data) = crossbeam_channel::bounded(config.mailbox_depth_max);
             // Control messages are rare (shutdown, alarms on demand, reopen); a few slots
             // are plenty and keep the channel bounded.
-            let (control_tx, control_rx) = crossbeam_channel::bounded(16);
+            let (control_tx, control) = crossbeam_channel::bounded(16);
+            let (gone_tx, gone) = crossbeam_channel::bounded(1);
             let shared = Arc::new(Shared::default());
-            let shard = Shard::new(
+            let parts = Parts {
                 id,
-                Arc::clone(&config),
-                manifest::shard_file(&config.data_dir, id),
-                Arc::clone(&clock),
-                faults.clone(),
-                Arc::clone(&shared),
-                data_rx,
-                control_rx,
-            );
-            let started = started_tx.clone();
-            let thread = std::thread::Builder::new()
-                .name(format!("oncegate-shard-{id:04}"))
-                .spawn(move || shard.run(started))
+                config: Arc::clone(&config),
+                clock: Arc::clone(&clock),
+                start,
+                faults: faults.clone(),
+                shared: Arc::clone(&shared),
+                data,
+                control,
+                gone,
+            };
+            let thread = spawn_shard(Shard::new(parts), id, Arc::clone(&shared), started_tx.clone())
                 .map_err(|source| OpenError::Io { path: config.data_dir.clone(), source })?;
             shards.push(ShardHandle {
                 data: data_tx,
                 control: control_tx,
+                gone: gone_tx,
                 shared,
                 thread: Mutex::new(Some(thread)),
             });
         }
+        drop(started_tx);
         // Every shard has made its first open attempt before `open` returns, so states
         // read right after are meaningful. A shard whose file failed to open is not fatal:
         // it answers `unavailable` and keeps retrying while the others serve.
+        let mut high_water_ms = 0;
         for _ in 0..config.shards {
-            let _ = started_rx.recv();
+            match started_rx.recv() {
+                Ok((_, mark)) => high_water_ms = high_water_ms.max(mark),
+                Err(_) => break,
+            }
         }
         for (id, shard) in shards.iter().enumerate() {
             if shard.shared.state() != ShardState::Serving {
                 tracing::warn!(shard = id, "shard failed to open; it answers unavailable and keeps retrying");
             }
         }
-        let mut frame = ClockGuard::new(0);
-        frame.anchor(clock.now_ms(), clock.monotonic_ms());
+        // Derived keys use the same frame, never below any shard's persisted mark.
+        let mut frame = ClockGuard::new(high_water_ms);
+        frame.anchor(start.wall_ms, start.monotonic_ms);
         Ok(Engine {
             inner: Arc::new(Inner {
                 config,
@@ -324,7 +355,7 @@ impl Engine {
         let span = tracing::Span::current();
         span.record("shard", shard);
         match handle.data.try_send(Request { scope, command, reply, span }) {
-            Ok(()) => Ok(Pending { shard, rx }),
+            Ok(()) => Ok(Pending { shard, rx, gone: handle.gone.clone(), answered: false }),
             Err(TrySendError::Full(_)) => Err(Error::ResourceExhausted {
                 what: format!("shard {shard} mailbox"),
                 limit_name: "mailbox_depth_max",
@@ -536,38 +567,29 @@ impl Engine {
     /// Operators and tests use it to wait for recovery without polling.
     pub fn wait_shard_state(&self, shard: u32, state: ShardState, timeout: std::time::Duration) -> bool {
         match self.inner.shards.get(shard as usize) {
-            Some(handle) => handle.shared.wait_state(state, timeout),
+            Some(handle) => handle.shared.wait_until(timeout, |shared| shared.state() == state),
             None => false,
         }
     }
 
     /// Each shard's counters.
     pub fn stats(&self) -> Vec<ShardStats> {
-        self.inner
-            .shards
-            .iter()
-            .enumerate()
-            .map(|(id, s)| {
-                let batches = s.shared.batches.load(Ordering::Relaxed);
-                let commands = s.shared.commands.load(Ordering::Relaxed);
-                ShardStats {
-                    shard: id as u32,
-                    state: s.shared.state(),
-                    mailbox_depth: s.data.len(),
-                    batches,
-                    commands,
-                    batch_len_mean: if batches == 0 { 0.0 } else { commands as f64 / batches as f64 },
-                    commits: s.shared.commits.load(Ordering::Relaxed),
-                    failures: s.shared.failures.load(Ordering::Relaxed),
-                    reclaimed: s.shared.reclaimed.load(Ordering::Relaxed),
-                    alarms: s.shared.alarms.load(Ordering::Relaxed),
-                    waiters: s.shared.waiters.load(Ordering::Relaxed),
-                    records_pending: s.shared.records_pending.load(Ordering::Relaxed),
-                    records_completed: s.shared.records_completed.load(Ordering::Relaxed),
-                    last_error: s.shared.last_error.lock().unwrap_or_else(|p| p.into_inner()).clone(),
-                }
-            })
-            .collect()
+        self.inner.shards.iter().enumerate().map(|(id, s)| s.stats(id as u32)).collect()
+    }
+
+    /// Waits until one shard's counters satisfy `done` (checked whenever the shard
+    /// publishes them) or `timeout` passes; returns whether they did. Tests and operators
+    /// use it to wait for an effect without polling or sleeping.
+    pub fn wait_stats(
+        &self,
+        shard: u32,
+        timeout: std::time::Duration,
+        done: impl Fn(&ShardStats) -> bool,
+    ) -> bool {
+        match self.inner.shards.get(shard as usize) {
+            Some(handle) => handle.shared.wait_until(timeout, |_| done(&handle.stats(shard))),
+            None => false,
+        }
     }
 
     /// Makes every shard run its alarm now and waits until all have: reclaim, lease
@@ -604,6 +626,64 @@ impl Engine {
     pub fn shutdown(&self) {
         self.inner.shutdown();
     }
+}
+
+impl ShardHandle {
+    fn stats(&self, shard: u32) -> ShardStats {
+        let shared = &self.shared;
+        let batches = shared.batches.load(Ordering::Relaxed);
+        let commands = shared.commands.load(Ordering::Relaxed);
+        ShardStats {
+            shard,
+            state: shared.state(),
+            mailbox_depth: self.data.len(),
+            batches,
+            commands,
+            batch_len_mean: if batches == 0 { 0.0 } else { commands as f64 / batches as f64 },
+            commits: shared.commits.load(Ordering::Relaxed),
+            failures: shared.failures.load(Ordering::Relaxed),
+            reclaimed: shared.reclaimed.load(Ordering::Relaxed),
+            alarms: shared.alarms.load(Ordering::Relaxed),
+            waiters: shared.waiters.load(Ordering::Relaxed),
+            records_pending: shared.records_pending.load(Ordering::Relaxed),
+            records_completed: shared.records_completed.load(Ordering::Relaxed),
+            last_error: shared.last_error.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+        }
+    }
+}
+
+/// Runs a shard on its own thread. A panic (a bug) is caught at the thread's edge and
+/// reported: the shard's state becomes `Panicked` (health and readiness fail), the reason
+/// is logged and kept as its last error, and its callers hear `unavailable` because its
+/// mailbox is gone. It never looks healthy while dead.
+fn spawn_shard(
+    shard: Shard,
+    id: u32,
+    shared: Arc<Shared>,
+    started: shard::Started,
+) -> std::io::Result<JoinHandle<()>> {
+    std::thread::Builder::new().name(format!("oncegate-shard-{id:04}")).spawn(move || {
+        let mut started = Some(started);
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| shard.run(&mut started)));
+        if let Err(payload) = ran {
+            let reason = payload
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic without a message".to_owned());
+            tracing::error!(
+                shard = id,
+                reason,
+                "shard thread panicked; the shard answers unavailable until the process restarts"
+            );
+            shared.set_last_error(format!("the shard's thread panicked: {reason}"));
+            shared.waiters.store(0, Ordering::Relaxed);
+            shared.set_state(ShardState::Panicked);
+            if let Some(started) = started.take() {
+                let _ = started.send((id, 0));
+            }
+        }
+    })
 }
 
 impl Inner {

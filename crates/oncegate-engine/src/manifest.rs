@@ -1,8 +1,15 @@
-//! The data directory's manifest and lock.
+//! The data directory's files beside the shard files: the manifest, the lock and the
+//! token epochs.
 //!
 //! The manifest records what must never change for the life of a directory: its format
-//! version and its shard count (and, later, a slot map). It is written once, atomically
-//! (temporary file, fsync, rename, fsync of the directory).
+//! version and its shard count (and, later, a slot map). It is written once. A directory
+//! that holds shard files but no manifest is refused, never given a new one: the shard
+//! count decides where every key lives, and a guess would route completed keys to
+//! shards that have never seen them.
+//!
+//! Each shard's token epoch (see `token.rs`) is its own small file. Every file here is
+//! written the same way ([`write_atomically`]): temporary file, fsync, rename, fsync of
+//! the directory, so a crash leaves the old or the new contents, never a mix.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
@@ -36,6 +43,55 @@ pub struct Manifest {
 /// The shard file name for a shard number: `shard-NNNN.sqlite`.
 pub fn shard_file(data_dir: &Path, shard: u32) -> PathBuf {
     data_dir.join(format!("shard-{shard:04}.sqlite"))
+}
+
+/// The token epoch file of a shard: `shard-NNNN.epoch`.
+pub fn epoch_file(data_dir: &Path, shard: u32) -> PathBuf {
+    data_dir.join(format!("shard-{shard:04}.epoch"))
+}
+
+/// Writes `bytes` to `path` so that a crash leaves either the old file or the new one:
+/// temporary file, fsync, rename over, fsync of the directory.
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let mut tmp_name = path.file_name().unwrap_or_default().to_owned();
+    tmp_name.push(".tmp");
+    let tmp = dir.join(tmp_name);
+    let mut file = File::create(&tmp)?;
+    file.write_all(bytes)?;
+    file.sync_all()?;
+    fs::rename(&tmp, path)?;
+    File::open(dir)?.sync_all()
+}
+
+/// Reads a shard's token epoch; `None` when the file does not exist.
+pub fn read_epoch(path: &Path) -> std::io::Result<Option<u64>> {
+    match fs::read_to_string(path) {
+        Ok(text) => text.trim().parse().map(Some).map_err(|e| {
+            std::io::Error::new(std::io::ErrorKind::InvalidData, format!("token epoch {text:?}: {e}"))
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Persists a shard's token epoch; returns only once it is durable.
+pub fn write_epoch(path: &Path, epoch: u64) -> std::io::Result<()> {
+    write_atomically(path, format!("{epoch}\n").as_bytes())
+}
+
+/// The shard files (`shard-*.sqlite`) in a data directory.
+fn shard_files(data_dir: &Path) -> Result<Vec<PathBuf>, OpenError> {
+    let mut found = Vec::new();
+    for entry in fs::read_dir(data_dir).map_err(io(data_dir))? {
+        let path = entry.map_err(io(data_dir))?.path();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        if name.starts_with("shard-") && name.ends_with(".sqlite") {
+            found.push(path);
+        }
+    }
+    found.sort();
+    Ok(found)
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> OpenError + '_ {
@@ -86,17 +142,16 @@ pub fn open_or_create(data_dir: &Path, shards: u32) -> Result<Manifest, OpenErro
             Ok(manifest)
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let existing = shard_files(data_dir)?;
+            if !existing.is_empty() {
+                return Err(OpenError::ManifestMissing { path, shard_files: existing.len() });
+            }
             let manifest = Manifest { format_version: FORMAT_VERSION, shards, routing: ROUTING.to_owned() };
             let text = format!(
                 "# Written once when this data directory was created; never edit it.\n{}",
                 toml::to_string(&manifest).expect("the manifest serialises")
             );
-            let tmp = data_dir.join(format!("{MANIFEST_FILE}.tmp"));
-            let mut file = File::create(&tmp).map_err(io(&tmp))?;
-            file.write_all(text.as_bytes()).map_err(io(&tmp))?;
-            file.sync_all().map_err(io(&tmp))?;
-            fs::rename(&tmp, &path).map_err(io(&path))?;
-            File::open(data_dir).and_then(|dir| dir.sync_all()).map_err(io(data_dir))?;
+            write_atomically(&path, text.as_bytes()).map_err(io(&path))?;
             Ok(manifest)
         }
         Err(source) => Err(OpenError::Io { path, source }),

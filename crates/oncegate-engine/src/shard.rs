@@ -7,30 +7,36 @@
 //! 2. **Batch.** The actor drains up to `batch_len_max` requests from its bounded
 //!    mailbox, decides each with the core (later ones see earlier ones' effects because
 //!    each reads inside the same transaction), writes the token counter and the clock
-//!    high-water mark, commits, and only then replies to every request of the batch.
+//!    high-water mark, commits, and only then replies to every request of the batch. A
+//!    batch of reads only takes no write transaction and no fsync.
 //! 3. **Alarm.** Between batches, the actor sleeps on the mailbox until its next deadline:
 //!    the earliest reclaimable record, a waited key's lease end, a waiter's deadline, or
 //!    a reopen attempt. An alarm serves waiters and reclaims at most `reclaim_batch_max`
 //!    records, in one transaction.
-//! 4. **Failure.** Any storage error rolls the transaction back, answers `unavailable` to
-//!    every request of the batch and every parked waiter, closes the file and marks the
-//!    shard failed. A failed shard answers `unavailable` at once and retries a clean open
-//!    with exponential backoff.
+//! 4. **Gone callers.** A caller that stops waiting (its future dropped) nudges the
+//!    shard, which drops its parked reserve at once; a request whose caller has gone is
+//!    never granted and never parked.
+//! 5. **Failure.** A write that does not fit in the file is refused alone
+//!    (`resource_exhausted`) and the batch goes on. Any other storage error rolls the
+//!    transaction back, answers `unavailable` to every request of the batch and every
+//!    parked waiter, closes the file and marks the shard failed. A failed shard answers
+//!    `unavailable` at once and retries a clean open with exponential backoff.
+//!
+//! Time: the shard's clock guard is anchored once per process (at the engine's start);
+//! an in-process reopen keeps that frame, so a wall-clock step never reaches a decision.
 
-use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, at, never, select};
-use oncegate_core::{
-    Change, ClockGuard, Command, Decision, Record, Reply, Reserve, ReserveReply, Scope, decide,
-};
+use oncegate_core::{ClockGuard, Command, Reply, ReserveReply, Scope, decide};
 use tokio::sync::oneshot;
 
+use crate::book::{Book, Outbox, failed_alone, file_full};
 use crate::store::{Meta, Store, StoreError, Tuning, Txn};
-use crate::{Clock, EngineConfig, Error, Faults};
+use crate::{Clock, EngineConfig, Error, Faults, manifest, token};
 
 /// A data request: one command on one key, and where to send the answer.
 pub(crate) struct Request {
@@ -63,16 +69,26 @@ pub enum ShardState {
     Failed,
     /// Shut down.
     Stopped,
+    /// The shard's thread panicked (a bug): it answers `unavailable` until the process
+    /// restarts.
+    Panicked,
 }
 
 impl ShardState {
+    const ALL: [ShardState; 5] = [
+        ShardState::Starting,
+        ShardState::Serving,
+        ShardState::Failed,
+        ShardState::Stopped,
+        ShardState::Panicked,
+    ];
+
     fn from_u8(v: u8) -> ShardState {
-        match v {
-            0 => ShardState::Starting,
-            1 => ShardState::Serving,
-            2 => ShardState::Failed,
-            _ => ShardState::Stopped,
-        }
+        ShardState::ALL.get(usize::from(v)).copied().unwrap_or(ShardState::Stopped)
+    }
+
+    fn as_u8(self) -> u8 {
+        ShardState::ALL.iter().position(|s| *s == self).unwrap_or(3) as u8
     }
 
     /// The lowercase name used in logs and status output.
@@ -82,6 +98,7 @@ impl ShardState {
             ShardState::Serving => "serving",
             ShardState::Failed => "failed",
             ShardState::Stopped => "stopped",
+            ShardState::Panicked => "panicked",
         }
     }
 }
@@ -89,10 +106,11 @@ impl ShardState {
 /// Counters the actor publishes for `Engine::stats` without being asked.
 #[derive(Default)]
 pub(crate) struct Shared {
-    /// The state for cheap reads; `state_lock` and `state_changed` let waiters block.
+    /// The state for cheap reads; `lock` and `changed` let others wait for a change of
+    /// the state or of any counter.
     state: AtomicU8,
-    state_lock: Mutex<()>,
-    state_changed: Condvar,
+    lock: Mutex<()>,
+    changed: Condvar,
     pub batches: AtomicU64,
     pub commands: AtomicU64,
     pub commits: AtomicU64,
@@ -111,211 +129,100 @@ impl Shared {
         ShardState::from_u8(self.state.load(Ordering::Acquire))
     }
 
-    fn set_state(&self, state: ShardState) {
-        let v = match state {
-            ShardState::Starting => 0,
-            ShardState::Serving => 1,
-            ShardState::Failed => 2,
-            ShardState::Stopped => 3,
-        };
-        let _guard = self.state_lock.lock().unwrap_or_else(|p| p.into_inner());
-        self.state.store(v, Ordering::Release);
-        self.state_changed.notify_all();
+    pub fn set_state(&self, state: ShardState) {
+        let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        self.state.store(state.as_u8(), Ordering::Release);
+        self.changed.notify_all();
     }
 
-    pub fn wait_state(&self, state: ShardState, timeout: Duration) -> bool {
-        let guard = self.state_lock.lock().unwrap_or_else(|p| p.into_inner());
+    /// Wakes whoever waits in [`Shared::wait_until`]: counters changed.
+    pub fn publish(&self) {
+        let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        self.changed.notify_all();
+    }
+
+    /// Blocks until `done` holds (checked at each state change or publication) or
+    /// `timeout` passes; returns whether it held.
+    pub fn wait_until(&self, timeout: Duration, done: impl Fn(&Shared) -> bool) -> bool {
+        let guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
         let (_guard, result) = self
-            .state_changed
-            .wait_timeout_while(guard, timeout, |_| self.state() != state)
+            .changed
+            .wait_timeout_while(guard, timeout, |_| !done(self))
             .unwrap_or_else(|p| p.into_inner());
         !result.timed_out()
     }
-}
 
-/// A reserve parked until its key changes or its wait runs out.
-struct Waiter {
-    reserve: Reserve,
-    deadline_ms: u64,
-    reply: oneshot::Sender<Result<Reply, Error>>,
-}
-
-/// The parked reserves of one key, first come first served.
-struct WaitQueue {
-    waiters: VecDeque<Waiter>,
-    /// The holder's lease deadline as last seen: when it passes, a waiter may be granted.
-    lease_until_ms: u64,
-}
-
-/// Answers to send once the batch's transaction has committed.
-type Outbox = Vec<(oneshot::Sender<Result<Reply, Error>>, Result<Reply, Error>)>;
-
-/// The actor's in-memory state that a batch changes alongside the store.
-struct Book {
-    next_token: u64,
-    queues: HashMap<Scope, WaitQueue>,
-    waiters_len: usize,
-    /// The earliest instant a stored record becomes reclaimable, if known.
-    next_reclaim_ms: Option<u64>,
-    /// Stored records by state (pending, completed), as of the last commit.
-    records: (i64, i64),
-    /// Changes to `records` by the transaction in progress.
-    records_delta: (i64, i64),
-}
-
-impl Book {
-    /// Writes a decision's change and keeps the alarm index, token counter and record
-    /// counts in step. `prior` is the stored record the decision was made on.
-    fn apply(
-        &mut self,
-        txn: &Txn<'_>,
-        scope: &Scope,
-        prior: Option<&Record>,
-        decision: &Decision,
-    ) -> Result<(), StoreError> {
-        if decision.consumes_token() {
-            self.next_token += 1;
-        }
-        let count = |record: Option<&Record>, sign: i64| match record {
-            None => (0, 0),
-            Some(r) if r.completion.is_some() => (0, sign),
-            Some(_) => (sign, 0),
-        };
-        let (before, after) = match &decision.change {
-            Change::Keep => return Ok(()),
-            Change::Put(record) => {
-                txn.put(scope, record)?;
-                let at = record.reclaim_at_ms();
-                self.next_reclaim_ms = Some(self.next_reclaim_ms.map_or(at, |n| n.min(at)));
-                (count(prior, -1), count(Some(record), 1))
-            }
-            Change::Delete => {
-                txn.delete(scope)?;
-                (count(prior, -1), (0, 0))
-            }
-        };
-        self.records_delta.0 += before.0 + after.0;
-        self.records_delta.1 += before.1 + after.1;
-        Ok(())
-    }
-
-    /// The transaction committed: its record counts become true.
-    fn settle(&mut self, shared: &Shared) {
-        self.records.0 += std::mem::take(&mut self.records_delta.0);
-        self.records.1 += std::mem::take(&mut self.records_delta.1);
-        shared.records_pending.store(self.records.0.max(0) as u64, Ordering::Relaxed);
-        shared.records_completed.store(self.records.1.max(0) as u64, Ordering::Relaxed);
-    }
-
-    /// Answers the parked reserves of `scope` that can be answered now: a replay for all
-    /// when the key completed, a grant for the first when it is free or abandoned, and
-    /// `in progress` for those whose wait ran out (all of them when `closing`).
-    fn serve_waiters(
-        &mut self,
-        txn: &Txn<'_>,
-        scope: &Scope,
-        now_ms: u64,
-        closing: bool,
-        outbox: &mut Outbox,
-    ) -> Result<(), StoreError> {
-        let Some(mut queue) = self.queues.remove(scope) else { return Ok(()) };
-        let mut in_progress = None;
-        while let Some(waiter) = queue.waiters.front() {
-            let command = Command::Reserve(waiter.reserve.clone());
-            let step = txn.get(scope).and_then(|record| {
-                let decision = decide(record.as_ref(), &command, now_ms, self.next_token);
-                self.apply(txn, scope, record.as_ref(), &decision)?;
-                Ok(decision)
-            });
-            let decision = match step {
-                Ok(decision) => decision,
-                Err(error) => {
-                    // Put the queue back so the failure path answers every waiter.
-                    self.queues.insert(scope.clone(), queue);
-                    return Err(error);
-                }
-            };
-            if let Ok(Reply::Reserve(ReserveReply::InProgress { lease_until_ms, .. })) = &decision.reply {
-                queue.lease_until_ms = *lease_until_ms;
-                in_progress = Some(decision.reply);
-                break;
-            }
-            let waiter = queue.waiters.pop_front().expect("front exists");
-            outbox.push((waiter.reply, decision.reply.map_err(Error::from)));
-        }
-        if let Some(reply) = in_progress {
-            let (done, kept): (VecDeque<_>, VecDeque<_>) =
-                queue.waiters.into_iter().partition(|w| closing || w.deadline_ms <= now_ms);
-            for waiter in done {
-                outbox.push((waiter.reply, reply.clone().map_err(Error::from)));
-            }
-            queue.waiters = kept;
-        }
-        if !queue.waiters.is_empty() {
-            self.queues.insert(scope.clone(), queue);
-        }
-        self.waiters_len = self.queues.values().map(|q| q.waiters.len()).sum();
-        Ok(())
-    }
-
-    /// The earliest deadline among parked reserves and the leases they wait on.
-    fn waiters_alarm_ms(&self) -> Option<u64> {
-        self.queues
-            .values()
-            .flat_map(|q| std::iter::once(q.lease_until_ms).chain(q.waiters.iter().map(|w| w.deadline_ms)))
-            .min()
+    pub fn set_last_error(&self, error: String) {
+        *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(error);
     }
 }
+
+/// The engine's start: the one wall-clock reading every shard anchors its frame to.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Start {
+    pub wall_ms: u64,
+    pub monotonic_ms: u64,
+}
+
+/// What a shard is made of, handed over by the engine.
+pub(crate) struct Parts {
+    pub id: u32,
+    pub config: Arc<EngineConfig>,
+    pub clock: Arc<dyn Clock>,
+    pub start: Start,
+    pub faults: Faults,
+    pub shared: Arc<Shared>,
+    pub data: Receiver<Request>,
+    pub control: Receiver<Control>,
+    /// Nudges from callers that stopped waiting.
+    pub gone: Receiver<()>,
+}
+
+/// Sent once per shard when its first open attempt is over: the shard and the clock
+/// high-water mark it opened with (0 when the open failed).
+pub(crate) type Started = Sender<(u32, u64)>;
 
 pub(crate) struct Shard {
     id: u32,
     config: Arc<EngineConfig>,
     path: PathBuf,
+    epoch_path: PathBuf,
     clock: Arc<dyn Clock>,
+    start: Start,
     faults: Faults,
     shared: Arc<Shared>,
     data: Receiver<Request>,
     control: Receiver<Control>,
+    gone: Receiver<()>,
     store: Option<Store>,
     guard: ClockGuard,
+    /// The token epoch of the current open (see `token.rs`).
+    epoch: u64,
     book: Book,
     backoff_ms: u64,
     reopen_at: Option<Instant>,
 }
 
 impl Shard {
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        id: u32,
-        config: Arc<EngineConfig>,
-        path: PathBuf,
-        clock: Arc<dyn Clock>,
-        faults: Faults,
-        shared: Arc<Shared>,
-        data: Receiver<Request>,
-        control: Receiver<Control>,
-    ) -> Shard {
-        let backoff_ms = config.reopen_backoff_ms_min;
+    pub fn new(parts: Parts) -> Shard {
+        let Parts { id, config, clock, start, faults, shared, data, control, gone } = parts;
         Shard {
             id,
+            path: manifest::shard_file(&config.data_dir, id),
+            epoch_path: manifest::epoch_file(&config.data_dir, id),
+            backoff_ms: config.reopen_backoff_ms_min,
             config,
-            path,
             clock,
+            start,
             faults,
             shared,
             data,
             control,
+            gone,
             store: None,
             guard: ClockGuard::new(0),
-            book: Book {
-                next_token: 1,
-                queues: HashMap::new(),
-                waiters_len: 0,
-                next_reclaim_ms: None,
-                records: (0, 0),
-                records_delta: (0, 0),
-            },
-            backoff_ms,
+            epoch: 0,
+            book: Book::new(),
             reopen_at: None,
         }
     }
@@ -324,8 +231,9 @@ impl Shard {
         Error::Unavailable { shard: self.id, reason: reason.to_owned() }
     }
 
-    /// Opens the file cleanly: integrity check, counters, restart grace. On failure the
-    /// shard stays failed and schedules the next attempt.
+    /// Opens the file cleanly: integrity check (at process start only), token epoch,
+    /// counters, restart grace. On failure the shard stays failed and schedules the next
+    /// attempt.
     fn open(&mut self) -> bool {
         match self.try_open() {
             Ok(store) => {
@@ -333,7 +241,7 @@ impl Shard {
                 self.backoff_ms = self.config.reopen_backoff_ms_min;
                 self.reopen_at = None;
                 self.shared.set_state(ShardState::Serving);
-                tracing::info!(shard = self.id, path = %self.path.display(), "shard serving");
+                tracing::info!(shard = self.id, path = %self.path.display(), epoch = self.epoch, "shard serving");
                 true
             }
             Err(error) => {
@@ -350,54 +258,116 @@ impl Shard {
             page_cache_bytes_max: self.config.page_cache_bytes_max,
             wal_checkpoint_pages: self.config.wal_checkpoint_pages,
         };
-        let (mut store, meta) = Store::open(&self.path, &tuning, &self.faults)?;
-        self.guard = ClockGuard::new(meta.high_water_ms);
-        let now = self.guard.anchor(self.clock.now_ms(), self.clock.monotonic_ms());
+        // Only the first open of the process checks the file and re-anchors the clock;
+        // an in-process reopen keeps the frame, so a wall-clock step cannot age records.
+        let process_start = !self.guard.is_anchored();
+        let (mut store, meta, created) = Store::open(&self.path, &tuning, &self.faults, process_start)?;
+        let epoch_path = self.epoch_path.clone();
+        let epoch_io = |source| StoreError::Io { path: epoch_path.clone(), source };
+        let stored_epoch = manifest::read_epoch(&self.epoch_path).map_err(epoch_io)?;
+        let epoch = token::epoch_at_open(stored_epoch, meta.next_token, created);
+        // Durable before the first grant of this open, so no later open can reuse it.
+        manifest::write_epoch(&self.epoch_path, epoch).map_err(epoch_io)?;
+        let now = if process_start { self.anchor(meta.high_water_ms) } else { self.keep_frame(meta) };
         let txn = store.begin()?;
+        if process_start {
+            self.restart_grace(&txn, meta.high_water_ms, now)?;
+        }
+        let next_token = meta.next_token.max(token::first_of(epoch));
+        txn.set_meta(Meta { next_token, high_water_ms: now })?;
+        txn.commit()?;
+        self.epoch = epoch;
+        self.book.next_token = next_token;
+        self.book.next_reclaim_ms = store.min_reclaim_at_ms()?;
+        let (pending, completed) = store.count()?;
+        self.book.reset_records(pending, completed);
+        self.book.settle(&self.shared);
+        Ok(store)
+    }
+
+    /// The process's first open: anchors the frame at the engine's start, lifted to the
+    /// persisted mark, and says how far the wall clock moved while the shard was down.
+    fn anchor(&mut self, high_water_ms: u64) -> u64 {
+        self.guard = ClockGuard::new(high_water_ms);
+        self.guard.anchor(self.start.wall_ms, self.start.monotonic_ms);
+        if high_water_ms > 0 && self.start.wall_ms > high_water_ms {
+            tracing::info!(
+                shard = self.id,
+                forward_ms = self.start.wall_ms - high_water_ms,
+                "the wall clock is past the persisted high-water mark (downtime, or a step while stopped); records and leases aged by that much"
+            );
+        } else if self.start.wall_ms < high_water_ms {
+            tracing::warn!(
+                shard = self.id,
+                behind_ms = high_water_ms - self.start.wall_ms,
+                "the wall clock is behind the persisted high-water mark; time continues from the mark"
+            );
+        }
+        self.guard.read(self.clock.monotonic_ms())
+    }
+
+    /// An in-process reopen: the frame stays; only a higher persisted mark lifts it.
+    fn keep_frame(&mut self, meta: Meta) -> u64 {
+        self.guard.raise(meta.high_water_ms);
+        self.guard.read(self.clock.monotonic_ms())
+    }
+
+    /// After a process restart every lease that was live at the stop runs at least
+    /// `lease_restart_grace_ms` more, so a holder that was working is not overtaken by
+    /// the downtime.
+    fn restart_grace(&self, txn: &Txn<'_>, high_water_ms: u64, now: u64) -> Result<(), StoreError> {
         let mut extended = 0usize;
-        for (scope, mut record) in txn.pending_leased_after(meta.high_water_ms)? {
-            if record.apply_restart_grace(meta.high_water_ms, now, self.config.lease_restart_grace_ms) {
+        for (scope, mut record) in txn.pending_leased_after(high_water_ms)? {
+            if record.apply_restart_grace(high_water_ms, now, self.config.lease_restart_grace_ms) {
                 txn.put(&scope, &record)?;
                 extended += 1;
             }
         }
-        txn.set_meta(Meta { next_token: meta.next_token, high_water_ms: now })?;
-        txn.commit()?;
         if extended > 0 {
             tracing::info!(shard = self.id, leases = extended, "restart grace extended live leases");
         }
-        self.book.next_token = meta.next_token;
-        self.book.next_reclaim_ms = store.min_reclaim_at_ms()?;
-        let (pending, completed) = store.count()?;
-        self.book.records = (pending as i64, completed as i64);
-        self.book.records_delta = (0, 0);
-        self.book.settle(&self.shared);
-        Ok(store)
+        Ok(())
+    }
+
+    /// Moves to a new token epoch when the current one could run out within one batch
+    /// and one round of waiters: the new epoch is durable before any token of it is used.
+    fn ensure_token_room(&mut self) -> Result<(), StoreError> {
+        let room = (self.config.batch_len_max + self.config.waiters_per_shard_max + 1) as u64;
+        if !token::needs_new_epoch(self.book.next_token, room) {
+            return Ok(());
+        }
+        let epoch = self.epoch + 1;
+        manifest::write_epoch(&self.epoch_path, epoch)
+            .map_err(|source| StoreError::Io { path: self.epoch_path.clone(), source })?;
+        self.epoch = epoch;
+        self.book.next_token = token::first_of(epoch);
+        tracing::info!(shard = self.id, epoch, "token counter moved to a new epoch");
+        Ok(())
     }
 
     fn record_failure(&mut self, error: &StoreError) {
         tracing::error!(shard = self.id, %error, "storage failure; answering unavailable until a clean reopen");
         self.store = None;
         self.shared.failures.fetch_add(1, Ordering::Relaxed);
-        *self.shared.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(error.to_string());
-        self.shared.set_state(ShardState::Failed);
+        self.shared.set_last_error(error.to_string());
         // Fail closed: nobody parked on this shard may be granted by a later open.
-        let reason = format!("storage failure: {error}");
-        for (_, queue) in self.book.queues.drain() {
-            for waiter in queue.waiters {
-                let _ = waiter.reply.send(Err(Error::Unavailable { shard: self.id, reason: reason.clone() }));
-            }
+        let refusal = self.unavailable(&format!("storage failure: {error}"));
+        for reply in self.book.drain_waiters() {
+            let _ = reply.send(Err(refusal.clone()));
         }
-        self.book.waiters_len = 0;
         self.shared.waiters.store(0, Ordering::Relaxed);
         self.reopen_at = Some(Instant::now() + Duration::from_millis(self.backoff_ms));
         self.backoff_ms = (self.backoff_ms * 2).min(self.config.reopen_backoff_ms_max);
+        self.shared.set_state(ShardState::Failed);
     }
 
-    /// The actor's loop; returns when shut down or when the engine is dropped.
-    pub fn run(mut self, started: Sender<u32>) {
+    /// The actor's loop; returns when shut down or when the engine is dropped. `started`
+    /// is taken (and sent on) once the first open attempt is over.
+    pub fn run(mut self, started: &mut Option<Started>) {
         self.open();
-        let _ = started.send(self.id);
+        if let Some(started) = started.take() {
+            let _ = started.send((self.id, self.guard.high_water_ms()));
+        }
         loop {
             while let Ok(control) = self.control.try_recv() {
                 if self.handle_control(control) {
@@ -419,6 +389,7 @@ impl Shard {
                     Ok(request) => self.batch(request),
                     Err(_) => return self.finish(),
                 },
+                recv(self.gone) -> _ => self.forget_gone(),
                 recv(timer) -> _ => self.alarm(),
             }
         }
@@ -440,6 +411,16 @@ impl Shard {
                 false
             }
         }
+    }
+
+    /// Callers went away: their parked reserves stop waiting and stop counting.
+    fn forget_gone(&mut self) {
+        let dropped = self.book.forget_gone();
+        if dropped > 0 {
+            tracing::debug!(shard = self.id, dropped, "dropped waiters whose caller has gone");
+        }
+        self.shared.waiters.store(self.book.waiters_len as u64, Ordering::Relaxed);
+        self.shared.publish();
     }
 
     /// When the loop must wake up even if no request arrives.
@@ -476,6 +457,11 @@ impl Shard {
 
     fn apply_batch(&mut self, requests: Vec<Request>) {
         let len = requests.len() as u64;
+        if self.store.is_some()
+            && let Err(error) = self.ensure_token_room()
+        {
+            self.record_failure(&error);
+        }
         let Some(store) = self.store.as_mut() else {
             let error = self.unavailable("the shard failed and is reopening");
             for request in requests {
@@ -484,6 +470,7 @@ impl Shard {
             return;
         };
         self.faults.pass_gate();
+        self.faults.maybe_panic();
         let batch_span = tracing::debug_span!("batch", shard = self.id, len);
         for request in &requests {
             batch_span.follows_from(&request.span);
@@ -492,8 +479,9 @@ impl Shard {
         let now = self.guard.read(self.clock.monotonic_ms());
         let token_before = self.book.next_token;
         let mut outbox: Outbox = Vec::with_capacity(requests.len());
-        let mut requests = requests.into_iter();
-        let result = apply(store, &mut self.book, &self.config, &mut requests, &mut outbox, now, self.id);
+        let mut batch =
+            Batch { book: &mut self.book, config: &self.config, shard: self.id, now, outbox: &mut outbox };
+        let result = batch.apply(store, requests);
         metrics::histogram!("oncegate_shard_batch_len", "shard" => self.id.to_string()).record(len as f64);
         self.shared.batches.fetch_add(1, Ordering::Relaxed);
         self.shared.commands.fetch_add(len, Ordering::Relaxed);
@@ -501,9 +489,12 @@ impl Shard {
         // sees stats that include its request.
         self.shared.waiters.store(self.book.waiters_len as u64, Ordering::Relaxed);
         match result {
-            Ok(()) => {
+            Ok(wrote) => {
                 self.book.settle(&self.shared);
-                self.shared.commits.fetch_add(1, Ordering::Relaxed);
+                if wrote {
+                    self.shared.commits.fetch_add(1, Ordering::Relaxed);
+                }
+                self.shared.publish();
                 for (reply, answer) in outbox {
                     let _ = reply.send(answer);
                 }
@@ -518,14 +509,16 @@ impl Shard {
                 for (reply, _) in outbox {
                     let _ = reply.send(Err(refusal.clone()));
                 }
-                for request in requests {
-                    let _ = request.reply.send(Err(refusal.clone()));
-                }
             }
         }
     }
 
     fn alarm(&mut self) {
+        if self.store.is_some()
+            && let Err(error) = self.ensure_token_room()
+        {
+            self.record_failure(&error);
+        }
         let Some(store) = self.store.as_mut() else {
             if self.reopen_at.is_some_and(|at| at <= Instant::now()) {
                 self.open();
@@ -534,18 +527,13 @@ impl Shard {
         };
         let now = self.guard.read(self.clock.monotonic_ms());
         let limit = self.config.reclaim_batch_max;
+        let full = file_full(self.id, &self.config);
         let mut outbox: Outbox = Vec::new();
         let book = &mut self.book;
         let result = (|| -> Result<usize, StoreError> {
             let txn = store.begin()?;
-            let due: Vec<Scope> = book
-                .queues
-                .iter()
-                .filter(|(_, q)| q.lease_until_ms <= now || q.waiters.iter().any(|w| w.deadline_ms <= now))
-                .map(|(scope, _)| scope.clone())
-                .collect();
-            for scope in &due {
-                book.serve_waiters(&txn, scope, now, false, &mut outbox)?;
+            for scope in &book.due(now) {
+                book.serve_waiters(&txn, scope, now, false, &full, &mut outbox)?;
             }
             let (pending, completed) = txn.reclaim(now, limit)?;
             book.records_delta.0 -= pending as i64;
@@ -561,6 +549,7 @@ impl Shard {
                 self.shared.reclaimed.fetch_add(reclaimed as u64, Ordering::Relaxed);
                 self.shared.alarms.fetch_add(1, Ordering::Relaxed);
                 self.shared.commits.fetch_add(1, Ordering::Relaxed);
+                self.shared.publish();
                 // The transaction committed: these answers are true whatever happens next.
                 for (reply, answer) in outbox {
                     let _ = reply.send(answer);
@@ -594,13 +583,13 @@ impl Shard {
         }
         if let Some(store) = self.store.as_mut() {
             let now = self.guard.read(self.clock.monotonic_ms());
+            let full = file_full(self.id, &self.config);
             let mut outbox: Outbox = Vec::new();
             let book = &mut self.book;
             let result = (|| -> Result<(), StoreError> {
                 let txn = store.begin()?;
-                let scopes: Vec<Scope> = book.queues.keys().cloned().collect();
-                for scope in &scopes {
-                    book.serve_waiters(&txn, scope, now, true, &mut outbox)?;
+                for scope in &book.waited_keys() {
+                    book.serve_waiters(&txn, scope, now, true, &full, &mut outbox)?;
                 }
                 txn.set_meta(Meta { next_token: book.next_token, high_water_ms: now })?;
                 txn.commit()
@@ -633,105 +622,95 @@ impl Shard {
     }
 }
 
-/// Applies a batch inside one transaction. Answers go to `outbox` (or, for parked
-/// reserves, to the waiter queues) and are sent by the caller only after this returns
-/// `Ok`, that is, after the commit is durable.
-fn apply(
-    store: &mut Store,
-    book: &mut Book,
-    config: &EngineConfig,
-    requests: &mut impl Iterator<Item = Request>,
-    outbox: &mut Outbox,
-    now: u64,
+/// One batch being applied: the book it changes and where its answers go. Answers go to
+/// `outbox` (or, for parked reserves, to the waiter queues) and are sent by the shard
+/// only after `apply` returns `Ok`, that is, after the commit is durable.
+struct Batch<'a> {
+    book: &'a mut Book,
+    config: &'a EngineConfig,
     shard: u32,
-) -> Result<(), StoreError> {
-    let txn = store.begin()?;
-    let mut touched: Vec<Scope> = Vec::new();
-    for request in requests.by_ref() {
-        let step = txn.get(&request.scope).and_then(|record| {
-            let decision = decide(record.as_ref(), &request.command, now, book.next_token);
-            book.apply(&txn, &request.scope, record.as_ref(), &decision).map(|()| decision)
+    now: u64,
+    outbox: &'a mut Outbox,
+}
+
+impl Batch<'_> {
+    /// Applies the requests inside one transaction: a write transaction committed with
+    /// the counters, or, when every request only reads, a read transaction that writes
+    /// and syncs nothing. Returns whether it wrote.
+    fn apply(&mut self, store: &mut Store, requests: Vec<Request>) -> Result<bool, StoreError> {
+        let writes = requests.iter().any(|r| !r.command.is_read_only());
+        let txn = if writes { store.begin()? } else { store.begin_read()? };
+        let mut touched: Vec<Scope> = Vec::new();
+        let mut requests = requests.into_iter();
+        for request in requests.by_ref() {
+            if let Err(error) = self.step(&txn, request, &mut touched) {
+                // The unanswered rest goes into the outbox too: the failure path answers
+                // everyone there.
+                let placeholder = Error::Unavailable { shard: self.shard, reason: String::new() };
+                self.outbox.extend(requests.map(|r| (r.reply, Err(placeholder.clone()))));
+                return Err(error);
+            }
+        }
+        if !writes {
+            txn.finish_read();
+            return Ok(false);
+        }
+        touched.sort();
+        touched.dedup();
+        let full = file_full(self.shard, self.config);
+        for scope in &touched {
+            self.book.serve_waiters(&txn, scope, self.now, false, &full, self.outbox)?;
+        }
+        // `now` came from the guard, so it is the high-water mark to persist.
+        txn.set_meta(Meta { next_token: self.book.next_token, high_water_ms: self.now })?;
+        let started = Instant::now();
+        txn.commit()?;
+        metrics::histogram!("oncegate_shard_commit_seconds", "shard" => self.shard.to_string())
+            .record(started.elapsed().as_secs_f64());
+        Ok(true)
+    }
+
+    /// Decides one request. A reserve or read whose caller has gone is skipped: never
+    /// granted, never parked. A write that does not fit is refused alone.
+    fn step(&mut self, txn: &Txn<'_>, request: Request, touched: &mut Vec<Scope>) -> Result<(), StoreError> {
+        let Request { scope, command, reply, .. } = request;
+        if reply.is_closed() && matches!(command, Command::Reserve(_) | Command::Get | Command::Inspect) {
+            return Ok(());
+        }
+        let book = &mut *self.book;
+        let step = txn.get(&scope).and_then(|record| {
+            let decision = decide(record.as_ref(), &command, self.now, book.next_token);
+            book.apply(txn, &scope, record.as_ref(), &decision).map(|()| decision)
         });
         let decision = match step {
             Ok(decision) => decision,
+            Err(error) if failed_alone(&error, txn) => {
+                self.outbox.push((reply, Err(file_full(self.shard, self.config))));
+                return Ok(());
+            }
             Err(error) => {
-                // Keep the caller's sender: the failure path answers everyone in the outbox.
-                let placeholder = Error::Unavailable { shard: 0, reason: String::new() };
-                outbox.push((request.reply, Err(placeholder)));
+                self.outbox
+                    .push((reply, Err(Error::Unavailable { shard: self.shard, reason: String::new() })));
                 return Err(error);
             }
         };
-        if book.queues.contains_key(&request.scope) && !matches!(decision.change, Change::Keep) {
-            touched.push(request.scope.clone());
+        if book.has_waiters(&scope) && !matches!(decision.change, oncegate_core::Change::Keep) {
+            touched.push(scope.clone());
         }
         if let (
             Command::Reserve(reserve),
             Ok(Reply::Reserve(ReserveReply::InProgress { lease_until_ms, .. })),
-        ) = (&request.command, &decision.reply)
+        ) = (&command, &decision.reply)
             && reserve.wait_ms > 0
         {
             if let Err((reply, error)) =
-                park(book, config, &request.scope, reserve, now, *lease_until_ms, request.reply)
+                book.park(self.config, &scope, reserve, self.now, *lease_until_ms, reply)
             {
-                outbox.push((reply, Err(error)));
+                self.outbox.push((reply, Err(error)));
             }
-            continue;
+            return Ok(());
         }
-        outbox.push((request.reply, decision.reply.map_err(Error::from)));
+        self.outbox.push((reply, decision.reply.map_err(Error::from)));
+        Ok(())
     }
-    touched.sort();
-    touched.dedup();
-    for scope in &touched {
-        book.serve_waiters(&txn, scope, now, false, outbox)?;
-    }
-    // `now` came from the guard, so it is the high-water mark to persist.
-    txn.set_meta(Meta { next_token: book.next_token, high_water_ms: now })?;
-    let started = std::time::Instant::now();
-    txn.commit()?;
-    metrics::histogram!("oncegate_shard_commit_seconds", "shard" => shard.to_string())
-        .record(started.elapsed().as_secs_f64());
-    Ok(())
-}
-
-/// Parks a reserve behind the key's holder, within the per-key and per-shard bounds; on
-/// refusal the reply sender comes back with the error.
-fn park(
-    book: &mut Book,
-    config: &EngineConfig,
-    scope: &Scope,
-    reserve: &Reserve,
-    now: u64,
-    lease_until_ms: u64,
-    reply: oneshot::Sender<Result<Reply, Error>>,
-) -> Result<(), (oneshot::Sender<Result<Reply, Error>>, Error)> {
-    if book.waiters_len >= config.waiters_per_shard_max {
-        let error = Error::ResourceExhausted {
-            what: "the shard's waiter list".to_owned(),
-            limit_name: "waiters_per_shard_max",
-            limit: config.waiters_per_shard_max,
-        };
-        return Err((reply, error));
-    }
-    if book.queues.get(scope).is_some_and(|q| q.waiters.len() >= config.waiters_per_key_max)
-        || config.waiters_per_key_max == 0
-    {
-        let error = Error::ResourceExhausted {
-            what: "the key's waiter list".to_owned(),
-            limit_name: "waiters_per_key_max",
-            limit: config.waiters_per_key_max,
-        };
-        return Err((reply, error));
-    }
-    let queue = book
-        .queues
-        .entry(scope.clone())
-        .or_insert_with(|| WaitQueue { waiters: VecDeque::new(), lease_until_ms });
-    queue.lease_until_ms = lease_until_ms;
-    queue.waiters.push_back(Waiter {
-        reserve: reserve.clone(),
-        deadline_ms: now.saturating_add(reserve.wait_ms),
-        reply,
-    });
-    book.waiters_len += 1;
-    Ok(())
 }

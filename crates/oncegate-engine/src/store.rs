@@ -14,7 +14,7 @@ use rusqlite::{Connection, OptionalExtension, Transaction, TransactionBehavior, 
 use crate::{Durability, Faults};
 
 /// The schema version this code reads and writes (`PRAGMA user_version`).
-const SCHEMA_VERSION: i64 = 2;
+const SCHEMA_VERSION: i64 = 3;
 
 /// `records` is keyed by the full scope and holds only pending and completed records.
 /// `reclaim_at_ms` is `Record::reclaim_at_ms()`, indexed so the alarm finds the next
@@ -45,6 +45,16 @@ CREATE TABLE meta (
     high_water_ms INTEGER NOT NULL
 );
 INSERT INTO meta (id, next_token, high_water_ms) VALUES (0, 1, 0);
+";
+
+/// SQLite undoes just the failing statement on `SQLITE_FULL` only when the statement keeps
+/// a statement journal, which it does when a trigger may run (and a constraint may
+/// abort). Without one, a write that does not fit cancels the whole batch's transaction.
+/// This trigger never fires (`WHEN 0`); it exists so that every write to `records` is
+/// undone on its own when the file is full, and only that request is refused.
+const STATEMENT_JOURNAL: &str = "
+CREATE TRIGGER IF NOT EXISTS records_insert_undoable AFTER INSERT ON records WHEN 0 BEGIN SELECT 0; END;
+CREATE TRIGGER IF NOT EXISTS records_update_undoable AFTER UPDATE ON records WHEN 0 BEGIN SELECT 0; END;
 ";
 
 /// The record's columns in the order `read_record` expects (a macro so that statements
@@ -86,6 +96,16 @@ pub(crate) enum StoreError {
     Schema { found: i64 },
     #[error("injected fault: {0}")]
     Injected(&'static str),
+    #[error("{path}: {source}")]
+    Io { path: std::path::PathBuf, source: std::io::Error },
+}
+
+impl StoreError {
+    /// Whether the error is SQLite's `SQLITE_FULL`: the file reached
+    /// `shard_file_bytes_max` (SQLite's `max_page_count`) or the disk is full.
+    pub fn is_full(&self) -> bool {
+        matches!(self, StoreError::Sqlite(e) if e.sqlite_error_code() == Some(rusqlite::ErrorCode::DiskFull))
+    }
 }
 
 /// The persisted counters of a shard.
@@ -124,8 +144,15 @@ fn from_sql(value: i64) -> u64 {
 }
 
 impl Store {
-    /// Opens (creating if needed) a shard file, checks it, and reads its counters.
-    pub fn open(path: &Path, tuning: &Tuning, faults: &Faults) -> Result<(Store, Meta), StoreError> {
+    /// Opens (creating if needed) a shard file, checks it when `check_integrity` (at
+    /// process start: a `quick_check` reads the whole file), and reads its counters.
+    /// Returns whether the file was new.
+    pub fn open(
+        path: &Path,
+        tuning: &Tuning,
+        faults: &Faults,
+        check_integrity: bool,
+    ) -> Result<(Store, Meta, bool), StoreError> {
         if faults.open_should_fail() {
             return Err(StoreError::Injected("open"));
         }
@@ -151,22 +178,31 @@ impl Store {
         conn.pragma_update(None, "cache_size", -((tuning.page_cache_bytes_max / 1024) as i64))?;
         let pages = faults.page_count_max().unwrap_or(tuning.file_bytes_max / PAGE_BYTES);
         let _: i64 = conn.query_row(&format!("PRAGMA max_page_count = {pages}"), [], |row| row.get(0))?;
-        let check: String = conn.query_row("PRAGMA quick_check", [], |row| row.get(0))?;
-        if check != "ok" {
-            return Err(StoreError::Corrupt(check));
+        if check_integrity {
+            let check: String = conn.query_row("PRAGMA quick_check", [], |row| row.get(0))?;
+            let check =
+                if faults.integrity_check_should_fail() { "injected corruption".to_owned() } else { check };
+            if check != "ok" {
+                return Err(StoreError::Corrupt(check));
+            }
         }
         let version: i64 = conn.query_row("PRAGMA user_version", [], |row| row.get(0))?;
         match version {
             0 => {
                 let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
                 tx.execute_batch(SCHEMA)?;
+                tx.execute_batch(STATEMENT_JOURNAL)?;
                 tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
                 tx.commit()?;
             }
-            // Version 1 had no history column; records written by it start with none.
-            1 => {
+            // Version 1 had no history column (records written by it start with none);
+            // versions 1 and 2 had no statement-journal triggers.
+            1 | 2 => {
                 let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-                tx.execute_batch("ALTER TABLE records ADD COLUMN history BLOB")?;
+                if version == 1 {
+                    tx.execute_batch("ALTER TABLE records ADD COLUMN history BLOB")?;
+                }
+                tx.execute_batch(STATEMENT_JOURNAL)?;
                 tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
                 tx.commit()?;
             }
@@ -176,12 +212,19 @@ impl Store {
         let meta = conn.query_row("SELECT next_token, high_water_ms FROM meta WHERE id = 0", [], |row| {
             Ok(Meta { next_token: from_sql(row.get(0)?), high_water_ms: from_sql(row.get(1)?) })
         })?;
-        Ok((Store { conn, faults: faults.clone() }, meta))
+        Ok((Store { conn, faults: faults.clone() }, meta, version == 0))
     }
 
     /// Starts the batch's write transaction.
     pub fn begin(&mut self) -> Result<Txn<'_>, StoreError> {
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        Ok(Txn { tx, faults: &self.faults })
+    }
+
+    /// Starts a read transaction for a batch of reads: one consistent snapshot, no write
+    /// lock, nothing to sync. End it with [`Txn::finish_read`].
+    pub fn begin_read(&mut self) -> Result<Txn<'_>, StoreError> {
+        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Deferred)?;
         Ok(Txn { tx, faults: &self.faults })
     }
 
@@ -363,6 +406,18 @@ impl Txn<'_> {
             self.tx.prepare_cached("UPDATE meta SET next_token = ?1, high_water_ms = ?2 WHERE id = 0")?;
         stmt.execute(params![to_sql(meta.next_token), to_sql(meta.high_water_ms)])?;
         Ok(())
+    }
+
+    /// Whether the transaction is still open. SQLite may cancel a whole transaction on
+    /// some errors (`SQLITE_FULL` among them) instead of undoing just the statement.
+    pub fn is_alive(&self) -> bool {
+        !self.tx.is_autocommit()
+    }
+
+    /// Ends a read transaction: it wrote nothing, so rolling back costs nothing and
+    /// syncs nothing.
+    pub fn finish_read(self) {
+        drop(self);
     }
 
     /// Makes the batch durable. Returns only once SQLite reports the commit done (with

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::*;
 use oncegate_core::{Code, Key, Namespace, ReserveReply, Scope, State};
-use oncegate_engine::{Engine, EngineConfig, Faults, ManualClock, ShardState};
+use oncegate_engine::{Engine, EngineConfig, Error, Faults, ManualClock, ShardState};
 
 /// Finds a key that routes to `shard` of `shards`.
 fn key_on(engine: &Engine, shard: u32, prefix: &str) -> String {
@@ -95,9 +95,9 @@ fn parked_waiters_hear_unavailable_when_the_shard_fails() {
     let t = tenant();
     assert!(matches!(engine.reserve_blocking(&t, reserve("w")).unwrap().reply, ReserveReply::Granted { .. }));
     let waiter = engine.reserve(&t, reserve_for("w", 0, 0, 10_000));
-    engine.get_blocking(&t, key("w", 0)).unwrap();
+    assert!(engine.wait_stats(0, Duration::from_secs(10), |s| s.waiters == 1), "parked");
     faults.fail_commits(1);
-    assert_eq!(engine.get_blocking(&t, key("w", 0)).unwrap_err().code(), Code::Unavailable);
+    assert_eq!(engine.reserve_blocking(&t, reserve("other")).unwrap_err().code(), Code::Unavailable);
     assert_eq!(block_on(waiter).unwrap_err().code(), Code::Unavailable);
 }
 
@@ -140,8 +140,27 @@ fn a_failed_shard_reopens_by_itself_with_backoff() {
     ));
 }
 
+/// Fills a one-shard engine limited to `pages` SQLite pages with completed keys until a
+/// write is refused; returns the keys acknowledged and the refusal.
+fn fill(engine: &Engine, response: &[u8]) -> (Vec<String>, Error) {
+    let t = tenant();
+    let mut acknowledged = Vec::new();
+    loop {
+        let name = format!("big-{}", acknowledged.len());
+        let token = match engine.reserve_blocking(&t, reserve(&name)) {
+            Ok(r) => granted(&r.reply),
+            Err(e) => return (acknowledged, e),
+        };
+        match engine.commit_blocking(&t, commit(&name, token, response)) {
+            Ok(_) => acknowledged.push(name),
+            Err(e) => return (acknowledged, e),
+        }
+        assert!(acknowledged.len() < 1_000, "the page limit never bit");
+    }
+}
+
 #[test]
-fn a_full_shard_file_fails_closed_and_keeps_acknowledged_records() {
+fn a_full_shard_file_refuses_only_the_write_that_does_not_fit() {
     let dir = tempfile::tempdir().unwrap();
     let clock = ManualClock::new(T0);
     let faults = Faults::default();
@@ -149,34 +168,47 @@ fn a_full_shard_file_fails_closed_and_keeps_acknowledged_records() {
     faults.limit_pages(48);
     let engine = open(EngineConfig { shards: 1, ..config(dir.path()) }, &clock, &faults);
     let t = tenant();
+    // Two holders granted before the file fills up.
+    let a = granted(&engine.reserve_blocking(&t, reserve_for("holder-a", 600_000, 0, 0)).unwrap().reply);
+    let b = granted(&engine.reserve_blocking(&t, reserve_for("holder-b", 600_000, 0, 0)).unwrap().reply);
     let response = vec![7u8; 16 * 1024];
-    let mut acknowledged = Vec::new();
-    let failure = loop {
-        let name = format!("big-{}", acknowledged.len());
-        let token = match engine.reserve_blocking(&t, reserve(&name)) {
-            Ok(r) => match r.reply {
-                ReserveReply::Granted { token, .. } => token,
-                other => panic!("{other:?}"),
-            },
-            Err(e) => break e,
-        };
-        match engine.commit_blocking(&t, commit(&name, token, &response)) {
-            Ok(_) => acknowledged.push(name),
-            Err(e) => break e,
-        }
-        assert!(acknowledged.len() < 1_000, "the page limit never bit");
-    };
-    assert_eq!(failure.code(), Code::Unavailable);
-    assert!(failure.to_string().contains("full"), "{failure}");
-    assert_eq!(engine.stats()[0].state, ShardState::Failed);
+    let (acknowledged, refusal) = fill(&engine, &response);
+    assert_eq!(refusal.code(), Code::ResourceExhausted, "{refusal}");
+    assert!(refusal.to_string().contains("shard_file_bytes_max"), "{refusal}");
+    assert_eq!(engine.stats()[0].state, ShardState::Serving, "a full file is not a failed shard");
+    assert_eq!(engine.stats()[0].failures, 0);
     assert!(!acknowledged.is_empty());
 
+    // One batch: a commit too big to fit, then a heartbeat, a small commit, a release and
+    // a read. The gate holds the shard on a first request so the rest queue together.
+    faults.close_gate();
+    let first = engine.get(&t, key("holder-a", 0));
+    faults.wait_held(1);
+    let too_big = engine.commit(&t, commit("holder-a", a, &response));
+    let renewed = engine.heartbeat(&t, key("holder-a", a));
+    let small = engine.commit(&t, commit("holder-b", b, b"ok"));
+    let released = engine.release(&t, key(&acknowledged[0], 1));
+    let read = engine.get(&t, key(&acknowledged[1], 0));
+    faults.open_gate();
+    block_on(first).unwrap();
+    assert_eq!(block_on(too_big).unwrap_err().code(), Code::ResourceExhausted);
+    block_on(renewed).unwrap();
+    block_on(small).unwrap();
+    assert_eq!(block_on(released).unwrap_err().code(), Code::AlreadyCompleted, "answered from the store");
+    assert_eq!(block_on(read).unwrap().response.len(), response.len());
+    assert_eq!(engine.stats()[0].state, ShardState::Serving);
+    assert_eq!(engine.get_blocking(&t, key("holder-a", 0)).unwrap().state, State::Pending);
+    assert_eq!(engine.get_blocking(&t, key("holder-b", 0)).unwrap().response, b"ok");
+    engine.release_blocking(&t, key("holder-a", a)).unwrap();
+
+    // After a clean reopen every acknowledged record is still there.
     faults.limit_pages(0);
     assert!(engine.reopen_shard(0));
     for name in &acknowledged {
         let view = engine.get_blocking(&t, key(name, 0)).unwrap();
         assert_eq!((view.state, view.response.len()), (State::Completed, response.len()), "{name}");
     }
+    assert_eq!(engine.get_blocking(&t, key("holder-b", 0)).unwrap().response, b"ok");
 }
 
 #[test]
@@ -217,6 +249,10 @@ fn an_unopenable_shard_file_at_start_fails_that_shard_until_it_is_fixed() {
     // SQLite cannot open it, whoever runs the test.
     let dir = tempfile::tempdir().unwrap();
     let clock = ManualClock::new(T0);
+    drop(open(config(dir.path()), &clock, &Faults::default()));
+    for suffix in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(dir.path().join(format!("shard-0000.sqlite{suffix}")));
+    }
     std::fs::create_dir_all(dir.path().join("shard-0000.sqlite")).unwrap();
     let engine = open(config(dir.path()), &clock, &Faults::default());
     assert_eq!(engine.shard_states(), [ShardState::Failed, ShardState::Serving]);
