@@ -394,3 +394,64 @@ async fn graceful_shutdown_keeps_acknowledged_data() {
     assert_eq!((view.state, view.response.as_slice()), (pb::State::Completed as i32, &b"durable"[..]));
     server.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_whose_client_gave_up_is_never_granted() {
+    let server = start_with(|c| c.engine.shards = 1).await;
+    let mut client = server.client().await;
+    let a = granted(&client.reserve(reserve("k")).await.unwrap().into_inner());
+    // B waits up to 20 s for a 10 min lease, but its own deadline is 200 ms.
+    let mut b = Request::new(pb::ReserveRequest { wait_ms: 20_000, lease_ms: 600_000, ..reserve("k") });
+    b.set_timeout(std::time::Duration::from_millis(200));
+    let b = tokio::spawn({
+        let mut client = client.clone();
+        async move { client.reserve(b).await }
+    });
+    let waiters = |n: u64| {
+        let engine = server.engine.clone();
+        tokio::task::spawn_blocking(move || {
+            engine.wait_stats(0, std::time::Duration::from_secs(10), |s| s.waiters == n)
+        })
+    };
+    assert!(waiters(1).await.unwrap(), "B is parked");
+    let gave_up = b.await.unwrap().unwrap_err();
+    assert!(matches!(gave_up.code(), Code::DeadlineExceeded | Code::Cancelled), "{gave_up:?}");
+    assert!(waiters(0).await.unwrap(), "the server drops B when its caller goes");
+    client.release(pb::ReleaseRequest { namespace: "live".into(), key: "k".into(), token: a }).await.unwrap();
+    let c = client.reserve(reserve("k")).await.unwrap().into_inner();
+    match c.outcome {
+        Some(pb::reserve_response::Outcome::Granted(g)) => {
+            assert_eq!(g.previous, pb::Previous::None as i32, "nobody held the key in between")
+        }
+        other => panic!("the gone B must not hold the key: {other:?}"),
+    }
+    drop(client);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_shard_fails_health_and_readiness() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+
+    let server = start_with(|_| {}).await;
+    let mut health = HealthClient::new(server.channel().await);
+    let mut watch =
+        health.watch(HealthCheckRequest { service: "oncegate.v1.Gate".into() }).await.unwrap().into_inner();
+    server.faults.panic_next_batch();
+    let mut client = server.client().await;
+    refused(&client.reserve(reserve("x")).await.unwrap_err(), Code::Unavailable, "unavailable");
+    loop {
+        let status = watch.message().await.unwrap().expect("a status").status;
+        if status == ServingStatus::NotServing as i32 {
+            break;
+        }
+    }
+    let addr = server.addr;
+    let (status, body) =
+        tokio::task::spawn_blocking(move || common::http_get(addr, "/readyz")).await.unwrap();
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("panicked"), "{body}");
+    drop((watch, health, client));
+    server.stop().await;
+}

@@ -5,23 +5,11 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
 
-use common::start_in;
+use common::{http_get, start_in};
 use oncegate_engine::EngineConfig;
 use oncegate_proto::v1 as pb;
 use oncegate_server::Config;
-
-/// `GET path` over HTTP/1.1; returns the status code and the body.
-fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
-    let mut socket = std::net::TcpStream::connect(addr).unwrap();
-    write!(socket, "GET {path} HTTP/1.1\r\nHost: oncegate\r\nConnection: close\r\n\r\n").unwrap();
-    let mut response = String::new();
-    socket.read_to_string(&mut response).unwrap();
-    let status = response.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
-    let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
-    (status, body)
-}
 
 /// The samples of a Prometheus exposition: `name{labels}` -> value. Chunked transfer
 /// framing lines do not parse as samples and are skipped.

@@ -1,6 +1,7 @@
 //! The real server, in-process on port 0, for the server's integration tests.
 #![allow(dead_code)]
 
+use std::io::{Read, Write};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -60,4 +61,15 @@ pub async fn start_in(config: Config, dir: Option<tempfile::TempDir>) -> Running
         })
     };
     Running { addr, engine, faults, stop: Some(stop), served, _dir: dir }
+}
+
+/// `GET path` over HTTP/1.1; returns the status code and the body.
+pub fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    let mut socket = std::net::TcpStream::connect(addr).unwrap();
+    write!(socket, "GET {path} HTTP/1.1\r\nHost: oncegate\r\nConnection: close\r\n\r\n").unwrap();
+    let mut response = String::new();
+    socket.read_to_string(&mut response).unwrap();
+    let status = response.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    (status, body)
 }
