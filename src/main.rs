@@ -46,8 +46,20 @@ enum Verb {
     },
 }
 
-fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+/// Runs the verb; an error (a configuration typo, a refused data directory, a refusal
+/// from the server) is printed as its message and causes, never as a backtrace, and the
+/// process exits with status 1.
+fn main() -> std::process::ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Verb::Serve(args) => serve::run(args),
         Verb::HashToken { token } => {

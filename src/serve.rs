@@ -47,6 +47,7 @@ fn load(args: &ServeArgs) -> anyhow::Result<Config> {
         config.log.format = if format == "json" { LogFormat::Json } else { LogFormat::Text };
     }
     if let Err(problems) = config.check() {
+        let problems: Vec<String> = problems.iter().map(ToString::to_string).collect();
         anyhow::bail!("configuration refused:\n  {}", problems.join("\n  "));
     }
     Ok(config)

@@ -98,17 +98,22 @@ pub enum Invalid {
         /// The configured limit.
         max: usize,
     },
-    /// A duration is outside its allowed range.
-    #[error("{field} is {value} ms; it must be between {min} and {max} ms")]
+    /// A number is outside its allowed range.
+    #[error(
+        "{field} is {value}{u}; it must be between {min}{u} and {max}{u}",
+        u = unit.suffix()
+    )]
     OutOfRange {
         /// The field's wire name.
         field: &'static str,
-        /// The value received, in milliseconds.
+        /// The value received.
         value: u64,
-        /// The smallest allowed value, in milliseconds.
+        /// The smallest allowed value.
         min: u64,
-        /// The largest allowed value, in milliseconds.
+        /// The largest allowed value.
         max: u64,
+        /// The unit of all three.
+        unit: crate::Unit,
     },
     /// A character outside the field's alphabet.
     #[error("{field} has {found:?} at byte {at}; only {allowed} are allowed")]
@@ -242,7 +247,8 @@ mod tests {
     fn messages_are_lowercase_without_trailing_period() {
         let samples: Vec<String> = vec![
             Invalid::TooLong { field: "key", len: 700, max: 512 }.to_string(),
-            Invalid::OutOfRange { field: "ttl_ms", value: 5, min: 1000, max: 2000 }.to_string(),
+            Invalid::OutOfRange { field: "ttl_ms", value: 5, min: 1000, max: 2000, unit: crate::Unit::Ms }
+                .to_string(),
             Error::NotFound.to_string(),
             Error::LeaseLost { token: 3, current: 4 }.to_string(),
             Error::AlreadyCompleted.to_string(),

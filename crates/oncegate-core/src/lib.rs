@@ -9,6 +9,7 @@ mod clock;
 mod decide;
 mod error;
 mod limits;
+mod problem;
 mod record;
 pub mod route;
 
@@ -19,4 +20,5 @@ pub use decide::{
 };
 pub use error::{Code, Error, Invalid};
 pub use limits::*;
+pub use problem::{Problem, Problems, Unit};
 pub use record::{Completion, Event, HISTORY_LEN_MAX, Outcome, Record, State, Transition};

@@ -7,7 +7,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::Invalid;
+use crate::{Invalid, Problem, Problems, Unit};
 
 const SECOND_MS: u64 = 1_000;
 const MINUTE_MS: u64 = 60 * SECOND_MS;
@@ -96,50 +96,61 @@ impl Default for Limits {
     }
 }
 
-/// One problem in a [`Limits`] configuration.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("limits.{field} is {value}; {rule}")]
-pub struct LimitsProblem {
-    /// The setting at fault.
-    pub field: &'static str,
-    /// Its configured value.
-    pub value: u64,
-    /// The bound it breaks, in words with the number.
-    pub rule: String,
-}
-
 impl Limits {
     /// Checks the configuration against the hard bounds and the relations between its
     /// own fields, returning every problem rather than the first.
-    pub fn check(&self) -> Result<(), Vec<LimitsProblem>> {
-        let mut problems = Vec::new();
-        let mut within = |field: &'static str, value: u64, min: u64, max: u64| {
-            if value < min || value > max {
-                problems.push(LimitsProblem {
-                    field,
-                    value,
-                    rule: format!("it must be between {min} and {max}"),
-                });
-            }
-        };
-        within("key_bytes_max", self.key_bytes_max as u64, 1, KEY_BYTES_CEILING as u64);
-        within("key_parts_len_max", self.key_parts_len_max as u64, 1, KEY_PARTS_LEN_CEILING as u64);
-        within(
+    pub fn check(&self) -> Result<(), Vec<Problem>> {
+        let mut problems = Problems::default();
+        problems.within("key_bytes_max", self.key_bytes_max as u64, 1, KEY_BYTES_CEILING as u64, Unit::Bytes);
+        problems.within(
+            "key_parts_len_max",
+            self.key_parts_len_max as u64,
+            1,
+            KEY_PARTS_LEN_CEILING as u64,
+            Unit::Count,
+        );
+        let fingerprint = self.fingerprint_bytes_max as u64;
+        problems.within(
             "fingerprint_bytes_max",
-            self.fingerprint_bytes_max as u64,
+            fingerprint,
             0,
             FINGERPRINT_BYTES_CEILING as u64,
+            Unit::Bytes,
         );
-        within("response_bytes_max", self.response_bytes_max as u64, 0, RESPONSE_BYTES_CEILING as u64);
-        within("ttl_ms_min", self.ttl_ms_min, TTL_MS_FLOOR, TTL_MS_CEILING);
-        within("ttl_ms_max", self.ttl_ms_max, self.ttl_ms_min.max(TTL_MS_FLOOR), TTL_MS_CEILING);
-        within("ttl_ms_default", self.ttl_ms_default, self.ttl_ms_min, self.ttl_ms_max);
-        within("lease_ms_min", self.lease_ms_min, LEASE_MS_FLOOR, LEASE_MS_CEILING);
-        within("lease_ms_max", self.lease_ms_max, self.lease_ms_min.max(LEASE_MS_FLOOR), LEASE_MS_CEILING);
-        within("lease_ms_default", self.lease_ms_default, self.lease_ms_min, self.lease_ms_max);
-        within("wait_ms_max", self.wait_ms_max, 0, WAIT_MS_CEILING);
-        within("bucket_ms_max", self.bucket_ms_max, 1, BUCKET_MS_CEILING);
-        if problems.is_empty() { Ok(()) } else { Err(problems) }
+        problems.within(
+            "response_bytes_max",
+            self.response_bytes_max as u64,
+            0,
+            RESPONSE_BYTES_CEILING as u64,
+            Unit::Bytes,
+        );
+        problems.within("ttl_ms_min", self.ttl_ms_min, TTL_MS_FLOOR, TTL_MS_CEILING, Unit::Ms);
+        problems.within(
+            "ttl_ms_max",
+            self.ttl_ms_max,
+            self.ttl_ms_min.max(TTL_MS_FLOOR),
+            TTL_MS_CEILING,
+            Unit::Ms,
+        );
+        problems.within("ttl_ms_default", self.ttl_ms_default, self.ttl_ms_min, self.ttl_ms_max, Unit::Ms);
+        problems.within("lease_ms_min", self.lease_ms_min, LEASE_MS_FLOOR, LEASE_MS_CEILING, Unit::Ms);
+        problems.within(
+            "lease_ms_max",
+            self.lease_ms_max,
+            self.lease_ms_min.max(LEASE_MS_FLOOR),
+            LEASE_MS_CEILING,
+            Unit::Ms,
+        );
+        problems.within(
+            "lease_ms_default",
+            self.lease_ms_default,
+            self.lease_ms_min,
+            self.lease_ms_max,
+            Unit::Ms,
+        );
+        problems.within("wait_ms_max", self.wait_ms_max, 0, WAIT_MS_CEILING, Unit::Ms);
+        problems.within("bucket_ms_max", self.bucket_ms_max, 1, BUCKET_MS_CEILING, Unit::Ms);
+        problems.into_result().map_err(|all| all.into_iter().map(|p| p.under("limits")).collect())
     }
 
     /// The ttl for a reserve: zero selects the default, anything else must be in range.
@@ -160,6 +171,7 @@ impl Limits {
                 value: requested_ms,
                 min: 0,
                 max: self.wait_ms_max,
+                unit: Unit::Ms,
             });
         }
         Ok(requested_ms)
@@ -236,6 +248,7 @@ impl Limits {
                 value: bucket_ms,
                 min: 1,
                 max: self.bucket_ms_max,
+                unit: Unit::Ms,
             });
         }
         for (index, part) in parts.iter().enumerate() {
@@ -261,7 +274,7 @@ fn duration(field: &'static str, requested: u64, default: u64, min: u64, max: u6
         return Ok(default);
     }
     if requested < min || requested > max {
-        return Err(Invalid::OutOfRange { field, value: requested, min, max });
+        return Err(Invalid::OutOfRange { field, value: requested, min, max, unit: Unit::Ms });
     }
     Ok(requested)
 }

@@ -3,7 +3,7 @@
 
 use oncegate_core::{
     FINGERPRINT_BYTES_CEILING, Invalid, KEY_BYTES_CEILING, LEASE_MS_FLOOR, Limits, Namespace,
-    RESPONSE_BYTES_CEILING, TTL_MS_CEILING, Tenant, derive_key,
+    RESPONSE_BYTES_CEILING, TTL_MS_CEILING, Tenant, Unit, derive_key,
 };
 
 /// A named check: does a value of this size pass?
@@ -137,11 +137,17 @@ fn zero_ttl_and_lease_select_defaults() {
     assert_eq!(limits.lease_ms(0), Ok(30_000));
     assert_eq!(
         limits.ttl_ms(999),
-        Err(Invalid::OutOfRange { field: "ttl_ms", value: 999, min: 1_000, max: 7 * 86_400_000 })
+        Err(Invalid::OutOfRange {
+            field: "ttl_ms",
+            value: 999,
+            min: 1_000,
+            max: 7 * 86_400_000,
+            unit: Unit::Ms
+        })
     );
     assert_eq!(
         limits.lease_ms(99),
-        Err(Invalid::OutOfRange { field: "lease_ms", value: 99, min: 100, max: 3_600_000 })
+        Err(Invalid::OutOfRange { field: "lease_ms", value: 99, min: 100, max: 3_600_000, unit: Unit::Ms })
     );
 }
 
@@ -214,19 +220,28 @@ fn limits_check_reports_every_problem_at_once() {
         ..Limits::default()
     };
     let problems = limits.check().unwrap_err();
-    let fields: Vec<_> = problems.iter().map(|p| p.field).collect();
+    let fields: Vec<_> = problems.iter().map(|p| p.field.clone()).collect();
     assert_eq!(
         fields,
-        ["key_bytes_max", "fingerprint_bytes_max", "response_bytes_max", "ttl_ms_max", "lease_ms_min"]
+        [
+            "limits.key_bytes_max",
+            "limits.fingerprint_bytes_max",
+            "limits.response_bytes_max",
+            "limits.ttl_ms_max",
+            "limits.lease_ms_min"
+        ]
     );
-    assert_eq!(problems[0].to_string(), "limits.key_bytes_max is 1025; it must be between 1 and 1024");
+    assert_eq!(
+        problems[0].to_string(),
+        "limits.key_bytes_max is 1025 bytes; it must be between 1 bytes and 1024 bytes"
+    );
 }
 
 #[test]
 fn limits_check_enforces_relations() {
     let limits = Limits { ttl_ms_default: 8 * 86_400_000, lease_ms_max: 50, ..Limits::default() };
-    let fields: Vec<_> = limits.check().unwrap_err().iter().map(|p| p.field).collect();
-    assert_eq!(fields, ["ttl_ms_default", "lease_ms_max", "lease_ms_default"]);
+    let fields: Vec<_> = limits.check().unwrap_err().iter().map(|p| p.field.clone()).collect();
+    assert_eq!(fields, ["limits.ttl_ms_default", "limits.lease_ms_max", "limits.lease_ms_default"]);
 }
 
 #[test]

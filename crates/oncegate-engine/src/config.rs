@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use oncegate_core::Limits;
+use oncegate_core::{Limits, Problem, Problems, Unit};
 use serde::{Deserialize, Serialize};
 
 /// How hard a commit waits for the disk.
@@ -93,38 +93,68 @@ const LEASE_RESTART_GRACE_MS_CEILING: u64 = 3_600_000;
 impl EngineConfig {
     /// Checks every setting and returns every problem, each naming the setting, its value
     /// and the bound it breaks.
-    pub fn check(&self) -> Result<(), Vec<String>> {
-        let mut problems: Vec<String> = Vec::new();
+    pub fn check(&self) -> Result<(), Vec<Problem>> {
+        let mut problems = Problems::default();
         if let Err(limits) = self.limits.check() {
-            problems.extend(limits.iter().map(ToString::to_string));
+            limits.into_iter().for_each(|p| problems.push(p));
         }
-        let mut within = |field: &str, value: u64, min: u64, max: u64| {
-            if value < min || value > max {
-                problems.push(format!("{field} is {value}; it must be between {min} and {max}"));
-            }
-        };
-        within("shards", u64::from(self.shards), 1, u64::from(SHARDS_MAX));
-        within("mailbox_depth_max", self.mailbox_depth_max as u64, 1, MAILBOX_DEPTH_CEILING as u64);
-        within("batch_len_max", self.batch_len_max as u64, 1, BATCH_LEN_CEILING as u64);
-        within("reclaim_batch_max", self.reclaim_batch_max as u64, 1, RECLAIM_BATCH_CEILING as u64);
-        within("lease_restart_grace_ms", self.lease_restart_grace_ms, 0, LEASE_RESTART_GRACE_MS_CEILING);
-        within(
-            "waiters_per_shard_max",
-            self.waiters_per_shard_max as u64,
-            0,
-            WAITERS_PER_SHARD_CEILING as u64,
+        let count = |n: usize| n as u64;
+        problems.within("shards", u64::from(self.shards), 1, u64::from(SHARDS_MAX), Unit::Count);
+        problems.within(
+            "mailbox_depth_max",
+            count(self.mailbox_depth_max),
+            1,
+            count(MAILBOX_DEPTH_CEILING),
+            Unit::Count,
         );
-        within("waiters_per_key_max", self.waiters_per_key_max as u64, 0, self.waiters_per_shard_max as u64);
-        within("reopen_backoff_ms_min", self.reopen_backoff_ms_min, 1, REOPEN_BACKOFF_MS_CEILING);
-        within(
+        problems.within("batch_len_max", count(self.batch_len_max), 1, count(BATCH_LEN_CEILING), Unit::Count);
+        problems.within(
+            "reclaim_batch_max",
+            count(self.reclaim_batch_max),
+            1,
+            count(RECLAIM_BATCH_CEILING),
+            Unit::Count,
+        );
+        problems.within(
+            "lease_restart_grace_ms",
+            self.lease_restart_grace_ms,
+            0,
+            LEASE_RESTART_GRACE_MS_CEILING,
+            Unit::Ms,
+        );
+        let shard_waiters = count(self.waiters_per_shard_max);
+        problems.within(
+            "waiters_per_shard_max",
+            shard_waiters,
+            0,
+            count(WAITERS_PER_SHARD_CEILING),
+            Unit::Count,
+        );
+        problems.within(
+            "waiters_per_key_max",
+            count(self.waiters_per_key_max),
+            0,
+            shard_waiters,
+            Unit::Count,
+        );
+        problems.within(
+            "reopen_backoff_ms_min",
+            self.reopen_backoff_ms_min,
+            1,
+            REOPEN_BACKOFF_MS_CEILING,
+            Unit::Ms,
+        );
+        let backoff_min = self.reopen_backoff_ms_min;
+        problems.within(
             "reopen_backoff_ms_max",
             self.reopen_backoff_ms_max,
-            self.reopen_backoff_ms_min,
+            backoff_min,
             REOPEN_BACKOFF_MS_CEILING,
+            Unit::Ms,
         );
-        within("shard_file_bytes_max", self.shard_file_bytes_max, 1 << 20, u64::MAX);
-        within("page_cache_bytes_max", self.page_cache_bytes_max, 1 << 20, 16 << 30);
-        within("wal_checkpoint_pages", self.wal_checkpoint_pages, 100, 1 << 20);
-        if problems.is_empty() { Ok(()) } else { Err(problems) }
+        problems.within("shard_file_bytes_max", self.shard_file_bytes_max, 1 << 20, u64::MAX, Unit::Bytes);
+        problems.within("page_cache_bytes_max", self.page_cache_bytes_max, 1 << 20, 16 << 30, Unit::Bytes);
+        problems.within("wal_checkpoint_pages", self.wal_checkpoint_pages, 100, 1 << 20, Unit::Count);
+        problems.into_result()
     }
 }

@@ -54,8 +54,8 @@ impl From<oncegate_core::Invalid> for Error {
 #[non_exhaustive]
 pub enum OpenError {
     /// The configuration breaks its own bounds.
-    #[error("invalid engine configuration: {}", .0.join("; "))]
-    Config(Vec<String>),
+    #[error("invalid engine configuration: {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
+    Config(Vec<oncegate_core::Problem>),
     /// A file in the data directory could not be read or written.
     #[error("{path}: {source}")]
     Io {

@@ -37,7 +37,7 @@ pub use error::{Error, OpenError};
 pub use faults::Faults;
 pub use shard::ShardState;
 
-use shard::{Control, Parts, Request, Shard, Shared, Start};
+use shard::{Control, FrameFloor, Parts, Request, Shard, Shared, Start};
 
 /// A reserve as a caller sends it, before validation.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -156,6 +156,8 @@ struct Inner {
     /// The time frame for deriving keys, anchored like the shards' (wall clock at open,
     /// then monotonic time), so a clock step cannot move a derived key into another bucket.
     frame: Mutex<ClockGuard>,
+    /// The shards' persisted marks, which the frame never goes below.
+    floor: Arc<FrameFloor>,
     /// Held for the engine's life: one process owns a data directory.
     _lock: File,
 }
@@ -264,6 +266,8 @@ impl Engine {
         // The one wall-clock reading of the process: every shard's frame, and the frame of
         // derived keys, is anchored to it; nothing re-anchors until the next process.
         let start = Start { wall_ms: clock.now_ms(), monotonic_ms: clock.monotonic_ms() };
+        let floor = Arc::new(FrameFloor::default());
+        floor.unopened.store(config.shards, Ordering::SeqCst);
         let (started_tx, started_rx) = crossbeam_channel::bounded(config.shards as usize);
         let mut shards = Vec::with_capacity(config.shards as usize);
         for id in 0..config.shards {
@@ -278,6 +282,7 @@ impl Engine {
                 config: Arc::clone(&config),
                 clock: Arc::clone(&clock),
                 start,
+                floor: Arc::clone(&floor),
                 faults: faults.clone(),
                 shared: Arc::clone(&shared),
                 data,
@@ -298,11 +303,9 @@ impl Engine {
         // Every shard has made its first open attempt before `open` returns, so states
         // read right after are meaningful. A shard whose file failed to open is not fatal:
         // it answers `unavailable` and keeps retrying while the others serve.
-        let mut high_water_ms = 0;
         for _ in 0..config.shards {
-            match started_rx.recv() {
-                Ok((_, mark)) => high_water_ms = high_water_ms.max(mark),
-                Err(_) => break,
+            if started_rx.recv().is_err() {
+                break;
             }
         }
         for (id, shard) in shards.iter().enumerate() {
@@ -311,7 +314,7 @@ impl Engine {
             }
         }
         // Derived keys use the same frame, never below any shard's persisted mark.
-        let mut frame = ClockGuard::new(high_water_ms);
+        let mut frame = ClockGuard::new(0);
         frame.anchor(start.wall_ms, start.monotonic_ms);
         Ok(Engine {
             inner: Arc::new(Inner {
@@ -320,6 +323,7 @@ impl Engine {
                 shards,
                 closing: AtomicBool::new(false),
                 frame: Mutex::new(frame),
+                floor,
                 _lock: lock,
             }),
         })
@@ -340,9 +344,22 @@ impl Engine {
         route::shard_of(scope, self.inner.config.shards)
     }
 
-    fn now_ms(&self) -> u64 {
+    /// `now` for deriving keys: the process's frame, never below any shard's persisted
+    /// mark. Until every shard has opened once the marks are not all known, and a key
+    /// bucketed by a clock that may be behind could land on another shard than its first
+    /// attempt: derived keys are refused until then.
+    fn derive_now_ms(&self) -> Result<u64, Error> {
+        let floor = &self.inner.floor;
+        if floor.unopened.load(Ordering::SeqCst) > 0 {
+            let shard =
+                self.shard_states().iter().position(|s| *s != ShardState::Serving).unwrap_or(0) as u32;
+            let reason = "derived keys wait until every shard has opened once (its clock mark is unknown)";
+            return Err(Error::Unavailable { shard, reason: reason.to_owned() });
+        }
         let monotonic = self.inner.clock.monotonic_ms();
-        self.inner.frame.lock().unwrap_or_else(|p| p.into_inner()).read(monotonic)
+        let mut frame = self.inner.frame.lock().unwrap_or_else(|p| p.into_inner());
+        frame.raise(floor.high_water_ms.load(Ordering::SeqCst));
+        Ok(frame.read(monotonic))
     }
 
     fn submit(&self, scope: Scope, command: Command) -> Result<Pending, Error> {
@@ -379,7 +396,9 @@ impl Engine {
         let namespace = Namespace::new(&request.namespace)?;
         let key = match (request.key.is_empty(), request.key_parts.is_empty()) {
             (false, true) => limits.key(&request.key)?,
-            (true, false) => limits.derive_key(&request.key_parts, request.bucket_ms, self.now_ms())?,
+            (true, false) => {
+                limits.derive_key(&request.key_parts, request.bucket_ms, self.derive_now_ms()?)?
+            }
             (false, false) => {
                 return Err(oncegate_core::Invalid::Rule {
                     field: "key_parts",
@@ -665,6 +684,7 @@ fn spawn_shard(
     std::thread::Builder::new().name(format!("oncegate-shard-{id:04}")).spawn(move || {
         let mut started = Some(started);
         let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| shard.run(&mut started)));
+        // A panic before the first send still reports the open attempt as over.
         if let Err(payload) = ran {
             let reason = payload
                 .downcast_ref::<&str>()
@@ -680,7 +700,7 @@ fn spawn_shard(
             shared.waiters.store(0, Ordering::Relaxed);
             shared.set_state(ShardState::Panicked);
             if let Some(started) = started.take() {
-                let _ = started.send((id, 0));
+                let _ = started.send(id);
             }
         }
     })

@@ -157,6 +157,15 @@ impl Shared {
     }
 }
 
+/// What derived keys need from the shards: the greatest persisted high-water mark, and
+/// how many shards have not opened yet in this process (until all have, the mark is not
+/// known and derived keys are refused rather than bucketed by a clock that may be behind).
+#[derive(Debug, Default)]
+pub(crate) struct FrameFloor {
+    pub high_water_ms: AtomicU64,
+    pub unopened: std::sync::atomic::AtomicU32,
+}
+
 /// The engine's start: the one wall-clock reading every shard anchors its frame to.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Start {
@@ -170,6 +179,7 @@ pub(crate) struct Parts {
     pub config: Arc<EngineConfig>,
     pub clock: Arc<dyn Clock>,
     pub start: Start,
+    pub floor: Arc<FrameFloor>,
     pub faults: Faults,
     pub shared: Arc<Shared>,
     pub data: Receiver<Request>,
@@ -178,9 +188,8 @@ pub(crate) struct Parts {
     pub gone: Receiver<()>,
 }
 
-/// Sent once per shard when its first open attempt is over: the shard and the clock
-/// high-water mark it opened with (0 when the open failed).
-pub(crate) type Started = Sender<(u32, u64)>;
+/// Sent once per shard when its first open attempt is over.
+pub(crate) type Started = Sender<u32>;
 
 pub(crate) struct Shard {
     id: u32,
@@ -189,6 +198,10 @@ pub(crate) struct Shard {
     epoch_path: PathBuf,
     clock: Arc<dyn Clock>,
     start: Start,
+    floor: Arc<FrameFloor>,
+    /// Whether a clean open has completed in this process (the first one anchors the
+    /// clock, runs the integrity check and the restart grace).
+    opened: bool,
     faults: Faults,
     shared: Arc<Shared>,
     data: Receiver<Request>,
@@ -205,7 +218,7 @@ pub(crate) struct Shard {
 
 impl Shard {
     pub fn new(parts: Parts) -> Shard {
-        let Parts { id, config, clock, start, faults, shared, data, control, gone } = parts;
+        let Parts { id, config, clock, start, floor, faults, shared, data, control, gone } = parts;
         Shard {
             id,
             path: manifest::shard_file(&config.data_dir, id),
@@ -214,6 +227,8 @@ impl Shard {
             config,
             clock,
             start,
+            floor,
+            opened: false,
             faults,
             shared,
             data,
@@ -238,6 +253,11 @@ impl Shard {
         match self.try_open() {
             Ok(store) => {
                 self.store = Some(store);
+                if !self.opened {
+                    self.opened = true;
+                    self.floor.high_water_ms.fetch_max(self.guard.high_water_ms(), Ordering::SeqCst);
+                    self.floor.unopened.fetch_sub(1, Ordering::SeqCst);
+                }
                 self.backoff_ms = self.config.reopen_backoff_ms_min;
                 self.reopen_at = None;
                 self.shared.set_state(ShardState::Serving);
@@ -260,12 +280,18 @@ impl Shard {
         };
         // Only the first open of the process checks the file and re-anchors the clock;
         // an in-process reopen keeps the frame, so a wall-clock step cannot age records.
-        let process_start = !self.guard.is_anchored();
+        let process_start = !self.opened;
         let (mut store, meta, created) = Store::open(&self.path, &tuning, &self.faults, process_start)?;
         let epoch_path = self.epoch_path.clone();
         let epoch_io = |source| StoreError::Io { path: epoch_path.clone(), source };
         let stored_epoch = manifest::read_epoch(&self.epoch_path).map_err(epoch_io)?;
         let epoch = token::epoch_at_open(stored_epoch, meta.next_token, created);
+        if epoch > token::EPOCH_MAX {
+            return Err(StoreError::Corrupt(format!(
+                "token epoch {epoch} is past the last one ({}); tokens would no longer increase",
+                token::EPOCH_MAX
+            )));
+        }
         // Durable before the first grant of this open, so no later open can reuse it.
         manifest::write_epoch(&self.epoch_path, epoch).map_err(epoch_io)?;
         let now = if process_start { self.anchor(meta.high_water_ms) } else { self.keep_frame(meta) };
@@ -288,7 +314,7 @@ impl Shard {
     /// The process's first open: anchors the frame at the engine's start, lifted to the
     /// persisted mark, and says how far the wall clock moved while the shard was down.
     fn anchor(&mut self, high_water_ms: u64) -> u64 {
-        self.guard = ClockGuard::new(high_water_ms);
+        self.guard = ClockGuard::new(high_water_ms.max(self.guard.high_water_ms()));
         self.guard.anchor(self.start.wall_ms, self.start.monotonic_ms);
         if high_water_ms > 0 && self.start.wall_ms > high_water_ms {
             tracing::info!(
@@ -366,7 +392,7 @@ impl Shard {
     pub fn run(mut self, started: &mut Option<Started>) {
         self.open();
         if let Some(started) = started.take() {
-            let _ = started.send((self.id, self.guard.high_water_ms()));
+            let _ = started.send(self.id);
         }
         loop {
             while let Ok(control) = self.control.try_recv() {
@@ -405,6 +431,13 @@ impl Shard {
                 false
             }
             Control::Reopen(done) => {
+                // Parked reserves were decided against the file being closed: they hear
+                // `unavailable` and retry against the reopened one.
+                let refusal = self.unavailable("the shard was reopened by an operator");
+                for reply in self.book.drain_waiters() {
+                    let _ = reply.send(Err(refusal.clone()));
+                }
+                self.shared.waiters.store(0, Ordering::Relaxed);
                 self.store = None;
                 let ok = self.open();
                 let _ = done.send(ok);

@@ -12,6 +12,11 @@ pub const COUNTER_BITS: u32 = 40;
 
 const COUNTER_MASK: u64 = (1 << COUNTER_BITS) - 1;
 
+/// The last usable epoch: tokens are stored as SQLite's signed 64-bit integers, so every
+/// token stays at or below `i64::MAX`. A shard that would need a later epoch (about
+/// eight million opens) refuses to open rather than hand out a smaller token.
+pub const EPOCH_MAX: u64 = (i64::MAX as u64) >> COUNTER_BITS;
+
 /// The epoch a token was issued in.
 pub const fn epoch_of(token: u64) -> u64 {
     token >> COUNTER_BITS

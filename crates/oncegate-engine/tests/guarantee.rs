@@ -231,3 +231,23 @@ fn a_panicking_shard_is_reported_never_silently_dead() {
         ReserveReply::Granted { .. }
     ));
 }
+
+#[test]
+fn derived_keys_are_refused_until_every_shard_has_opened_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let faults = Faults::default();
+    faults.fail_opens(1);
+    let engine = open(EngineConfig { shards: 1, ..config(dir.path()) }, &clock, &faults);
+    let derived = ReserveRequest {
+        namespace: "live".into(),
+        key_parts: vec!["order".into(), "1".into()],
+        bucket_ms: 60_000,
+        ..ReserveRequest::default()
+    };
+    let t = tenant();
+    let refused = engine.reserve_blocking(&t, derived.clone()).unwrap_err();
+    assert_eq!(refused.code(), Code::Unavailable, "the shard's clock mark is unknown: {refused}");
+    assert!(engine.reopen_shard(0));
+    assert!(matches!(engine.reserve_blocking(&t, derived).unwrap().reply, ReserveReply::Granted { .. }));
+}

@@ -7,10 +7,7 @@ use std::marker::PhantomData;
 
 use tonic::Status;
 use tonic::codec::{BufferSettings, Codec, DecodeBuf, Decoder};
-use tonic::metadata::MetadataValue;
 use tonic_prost::ProstCodec;
-
-use crate::{CODE_METADATA, FIELD_METADATA};
 
 /// `tonic_prost::ProstCodec` with decode errors mapped to `INVALID_ARGUMENT`.
 #[derive(Debug, Clone)]
@@ -77,12 +74,5 @@ fn refuse(status: Status) -> Status {
         Some(field) => format!("{field} could not be decoded: {detail}"),
         None => format!("the request could not be decoded: {detail}"),
     };
-    let mut refused = Status::invalid_argument(text);
-    refused.metadata_mut().insert(CODE_METADATA, MetadataValue::from_static("invalid_argument"));
-    if let Some(field) = field
-        && let Ok(value) = MetadataValue::try_from(field.as_str())
-    {
-        refused.metadata_mut().insert(FIELD_METADATA, value);
-    }
-    refused
+    crate::status::invalid_field(field.as_deref(), text)
 }

@@ -10,6 +10,24 @@ use crate::auth::AdminAuth;
 use crate::gate::{key_digest, state_to_wire};
 use crate::status::{invalid, status};
 
+/// The two ways an operator removes a key's record.
+#[derive(Clone, Copy, Debug)]
+enum Removal {
+    /// Frees a pending or abandoned key.
+    ForceRelease,
+    /// Deletes a record in any state.
+    Purge,
+}
+
+impl Removal {
+    fn as_str(self) -> &'static str {
+        match self {
+            Removal::ForceRelease => "force_release",
+            Removal::Purge => "purge",
+        }
+    }
+}
+
 /// The operator's service over an engine.
 pub struct AdminService {
     engine: Engine,
@@ -26,16 +44,17 @@ impl AdminService {
     async fn remove(
         &self,
         request: Request<pb::AdminKeyRequest>,
-        action: &'static str,
+        removal: Removal,
     ) -> Result<Response<pb::AdminKeyResponse>, Status> {
         self.auth.check(request.metadata())?;
         let r = request.into_inner();
         let why = reason(&r)?;
         let scope = self.scope(&r.tenant, &r.namespace, &r.key)?;
-        let removed = match action {
-            "force_release" => self.engine.force_release(scope).await,
-            _ => self.engine.purge(scope).await,
+        let removed = match removal {
+            Removal::ForceRelease => self.engine.force_release(scope).await,
+            Removal::Purge => self.engine.purge(scope).await,
         };
+        let action = removal.as_str();
         let (previous, token) = removed.map_err(|e| status(&e))?;
         tracing::warn!(
             action, who = "admin", reason = %why, tenant = %r.tenant, namespace = %r.namespace,
@@ -144,14 +163,14 @@ impl pb::admin_server::Admin for AdminService {
         &self,
         request: Request<pb::AdminKeyRequest>,
     ) -> Result<Response<pb::AdminKeyResponse>, Status> {
-        self.remove(request, "force_release").await
+        self.remove(request, Removal::ForceRelease).await
     }
 
     async fn purge(
         &self,
         request: Request<pb::AdminKeyRequest>,
     ) -> Result<Response<pb::AdminKeyResponse>, Status> {
-        self.remove(request, "purge").await
+        self.remove(request, Removal::Purge).await
     }
 
     async fn reopen_shard(
@@ -166,12 +185,13 @@ impl pb::admin_server::Admin for AdminService {
                 value: u64::from(shard),
                 min: 0,
                 max: u64::from(self.engine.config().shards - 1),
+                unit: oncegate_core::Unit::Count,
             }));
         }
         let engine = self.engine.clone();
         let serving = tokio::task::spawn_blocking(move || engine.reopen_shard(shard))
             .await
-            .map_err(|e| Status::internal(e.to_string()))?;
+            .map_err(|e| status(&oncegate_engine::Error::Unavailable { shard, reason: e.to_string() }))?;
         tracing::warn!(action = "reopen_shard", who = "admin", shard, serving, "operator reopened a shard");
         Ok(Response::new(pb::ReopenShardResponse { serving }))
     }

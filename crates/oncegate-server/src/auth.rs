@@ -6,11 +6,13 @@ use subtle::ConstantTimeEq;
 use tonic::Status;
 use tonic::metadata::MetadataMap;
 
-use crate::TenantConfig;
+use oncegate_core::Problem;
 
-/// The SHA-256 of a token, as hex: what the configuration stores.
-pub fn token_sha256(token: &str) -> String {
-    hex::encode(Sha256::digest(token.as_bytes()))
+use crate::{TenantConfig, TokenSha256};
+
+/// The SHA-256 of a token: what the configuration stores (printed as hex).
+pub fn token_sha256(token: &str) -> TokenSha256 {
+    TokenSha256::Hash(Sha256::digest(token.as_bytes()).into())
 }
 
 /// Maps a request's credentials to its tenant.
@@ -21,15 +23,18 @@ pub struct Auth {
 }
 
 impl Auth {
-    /// Builds the table from checked configuration.
-    pub fn new(tenants: &[TenantConfig]) -> Result<Auth, String> {
+    /// Builds the table from configuration; a tenant whose name or hash is invalid is
+    /// refused (`Config::check` reports the same problems, all at once).
+    pub fn new(tenants: &[TenantConfig]) -> Result<Auth, Problem> {
         let mut table = Vec::with_capacity(tenants.len());
-        for tenant in tenants {
-            let name = Tenant::new(&tenant.name).map_err(|e| e.to_string())?;
-            let mut hash = [0u8; 32];
-            hex::decode_to_slice(tenant.token_sha256.to_ascii_lowercase(), &mut hash)
-                .map_err(|e| format!("tenant {}: token_sha256: {e}", tenant.name))?;
-            table.push((name, hash));
+        for (i, tenant) in tenants.iter().enumerate() {
+            let name = Tenant::new(&tenant.name)
+                .map_err(|e| Problem::new(format!("tenants[{i}].name"), format!("is invalid: {e}")))?;
+            let hash = tenant
+                .token_sha256
+                .hash()
+                .ok_or_else(|| Problem::new(format!("tenants[{i}].token_sha256"), "must be 64 hex digits"))?;
+            table.push((name, *hash));
         }
         Ok(Auth { tenants: table })
     }
@@ -66,11 +71,7 @@ impl Auth {
 }
 
 fn unauthenticated(message: &str) -> Status {
-    crate::status::with_code(
-        tonic::Code::Unauthenticated,
-        oncegate_core::Code::Unauthenticated,
-        message.to_owned(),
-    )
+    crate::status::with_code(oncegate_core::Code::Unauthenticated, message.to_owned())
 }
 
 /// The admin service's credentials: one token hash, or open when the server runs without
@@ -86,15 +87,14 @@ pub enum AdminAuth {
 }
 
 impl AdminAuth {
-    /// Builds it from checked configuration.
-    pub fn new(config: &crate::Config) -> Result<AdminAuth, String> {
-        let hash = config.admin.token_sha256.to_ascii_lowercase();
-        if !hash.is_empty() {
-            let mut bytes = [0u8; 32];
-            hex::decode_to_slice(&hash, &mut bytes).map_err(|e| format!("admin.token_sha256: {e}"))?;
-            return Ok(AdminAuth::Token(bytes));
+    /// Builds it from configuration.
+    pub fn new(config: &crate::Config) -> Result<AdminAuth, Problem> {
+        match &config.admin.token_sha256 {
+            TokenSha256::Hash(hash) => Ok(AdminAuth::Token(*hash)),
+            TokenSha256::Malformed(_) => Err(Problem::new("admin.token_sha256", "must be 64 hex digits")),
+            TokenSha256::Unset if config.tenants.is_empty() => Ok(AdminAuth::Open),
+            TokenSha256::Unset => Ok(AdminAuth::Closed),
         }
-        Ok(if config.tenants.is_empty() { AdminAuth::Open } else { AdminAuth::Closed })
     }
 
     /// Checks a call's credentials.

@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 use std::path::Path;
 
-use oncegate_core::Tenant;
+use oncegate_core::{Problem, Problems, Tenant, Unit};
 use oncegate_engine::EngineConfig;
 use serde::{Deserialize, Serialize};
 
@@ -25,13 +25,72 @@ pub struct Config {
     pub tenants: Vec<TenantConfig>,
 }
 
+/// The SHA-256 of a bearer token, parsed once from its 64 hex digits when the file is
+/// read. What does not parse is kept as written, so that `Config::check` reports it with
+/// every other problem.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum TokenSha256 {
+    /// Not set (an empty string in the file).
+    #[default]
+    Unset,
+    /// A well-formed hash.
+    Hash([u8; 32]),
+    /// Anything else, as written.
+    Malformed(String),
+}
+
+impl TokenSha256 {
+    /// Parses 64 hex digits (either case); empty is `Unset`.
+    pub fn parse(text: &str) -> TokenSha256 {
+        let mut hash = [0u8; 32];
+        match text {
+            "" => TokenSha256::Unset,
+            _ if hex::decode_to_slice(text, &mut hash).is_ok() => TokenSha256::Hash(hash),
+            _ => TokenSha256::Malformed(text.to_owned()),
+        }
+    }
+
+    /// The hash, when well-formed.
+    pub fn hash(&self) -> Option<&[u8; 32]> {
+        match self {
+            TokenSha256::Hash(hash) => Some(hash),
+            TokenSha256::Unset | TokenSha256::Malformed(_) => None,
+        }
+    }
+}
+
+impl std::fmt::Display for TokenSha256 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TokenSha256::Unset => Ok(()),
+            TokenSha256::Hash(hash) => f.write_str(&hex::encode(hash)),
+            TokenSha256::Malformed(text) => f.write_str(text),
+        }
+    }
+}
+
+impl Serialize for TokenSha256 {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for TokenSha256 {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        Ok(TokenSha256::parse(&String::deserialize(deserializer)?))
+    }
+}
+
+const TOKEN_SHA256_RULE: &str =
+    "must be 64 hex digits (the SHA-256 of the token, as `oncegate hash-token` prints it)";
+
 /// The `Admin` service's credentials.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AdminConfig {
     /// The SHA-256 (hex) of the admin bearer token. Empty: the admin service is open when
     /// no tenants are configured (loopback only), and refuses every call otherwise.
-    pub token_sha256: String,
+    pub token_sha256: TokenSha256,
 }
 
 /// Settings of the gRPC listener.
@@ -108,7 +167,7 @@ pub struct TenantConfig {
     /// 1 to 64 bytes of `[A-Za-z0-9._-]`.
     pub name: String,
     /// `oncegate hash-token` prints it.
-    pub token_sha256: String,
+    pub token_sha256: TokenSha256,
 }
 
 /// Why a configuration was refused; every problem found, one per line.
@@ -149,7 +208,7 @@ impl Config {
         unknown_keys(&table, &known, "", &mut problems);
         if let Some(toml::Value::Array(tenants)) = table.get("tenants") {
             let sample =
-                toml::Table::try_from(TenantConfig { name: String::new(), token_sha256: String::new() })
+                toml::Table::try_from(TenantConfig { name: String::new(), token_sha256: TokenSha256::Unset })
                     .expect("a tenant serialises");
             for (i, tenant) in tenants.iter().enumerate() {
                 if let toml::Value::Table(tenant) = tenant {
@@ -172,69 +231,93 @@ impl Config {
     }
 
     /// Checks every setting and every relation between settings; returns all problems.
-    pub fn check(&self) -> Result<(), Vec<String>> {
-        let mut problems = Vec::new();
+    pub fn check(&self) -> Result<(), Vec<Problem>> {
+        let mut problems = Problems::default();
         if let Err(engine) = self.engine.check() {
-            problems.extend(engine.into_iter().map(|p| format!("engine.{p}")));
+            problems.extend_under("engine", engine);
         }
+        self.check_server(&mut problems);
+        self.check_credentials(&mut problems);
+        problems.into_result()
+    }
+
+    fn check_server(&self, problems: &mut Problems) {
         let server = &self.server;
-        let mut within = |field: &str, value: u64, min: u64, max: u64, why: &str| {
-            if value < min || value > max {
-                problems.push(format!("server.{field} is {value}; it must be between {min}{why} and {max}"));
-            }
-        };
+        let field = |name: &str| format!("server.{name}");
         // A commit carries the response plus key, namespace and a few numbers.
         let message_min = self.engine.limits.response_bytes_max as u64 + 4 * 1024;
         let message_why = " (engine.limits.response_bytes_max plus 4 KiB)";
-        within("message_bytes_max", server.message_bytes_max as u64, message_min, 64 << 20, message_why);
-        within("metadata_bytes_max", u64::from(server.metadata_bytes_max), 1024, 1 << 20, "");
-        within("streams_per_connection_max", u64::from(server.streams_per_connection_max), 1, 65_536, "");
+        let message = server.message_bytes_max as u64;
+        problems.within_because(
+            &field("message_bytes_max"),
+            message,
+            message_min,
+            64 << 20,
+            Unit::Bytes,
+            message_why,
+        );
+        let metadata = u64::from(server.metadata_bytes_max);
+        problems.within(&field("metadata_bytes_max"), metadata, 1024, 1 << 20, Unit::Bytes);
+        let streams = u64::from(server.streams_per_connection_max);
+        problems.within(&field("streams_per_connection_max"), streams, 1, 65_536, Unit::Count);
         let timeout_min = self.engine.limits.wait_ms_max + 1_000;
         let timeout_why = " (engine.limits.wait_ms_max plus 1 s)";
-        within("request_timeout_ms", server.request_timeout_ms, timeout_min, 3_600_000, timeout_why);
-        within("requests_in_flight_max", server.requests_in_flight_max as u64, 1, 1 << 20, "");
-        within("health_poll_ms", server.health_poll_ms, 10, 60_000, "");
-        within("shutdown_grace_ms", server.shutdown_grace_ms, 0, 600_000, "");
+        let timeout = server.request_timeout_ms;
+        problems.within_because(
+            &field("request_timeout_ms"),
+            timeout,
+            timeout_min,
+            3_600_000,
+            Unit::Ms,
+            timeout_why,
+        );
+        let in_flight = server.requests_in_flight_max as u64;
+        problems.within(&field("requests_in_flight_max"), in_flight, 1, 1 << 20, Unit::Count);
+        problems.within(&field("health_poll_ms"), server.health_poll_ms, 10, 60_000, Unit::Ms);
+        problems.within(&field("shutdown_grace_ms"), server.shutdown_grace_ms, 0, 600_000, Unit::Ms);
+        if self.tenants.is_empty() && !server.listen.ip().is_loopback() {
+            problems.push(Problem::new(
+                "server.listen",
+                format!(
+                    "is {}, but no tenants are configured: without tenants oncegate runs one unauthenticated \
+                     `default` tenant and listens on loopback only. Add a [[tenants]] entry with a name and the \
+                     token_sha256 that `oncegate hash-token` prints for its token",
+                    server.listen
+                ),
+            ));
+        }
+    }
+
+    fn check_credentials(&self, problems: &mut Problems) {
         let mut names = std::collections::HashSet::new();
         let mut hashes = std::collections::HashSet::new();
         for (i, tenant) in self.tenants.iter().enumerate() {
             if let Err(e) = Tenant::new(&tenant.name) {
-                problems.push(format!("tenants[{i}].name: {e}"));
+                problems.push(Problem::new(format!("tenants[{i}].name"), format!("is invalid: {e}")));
             }
             if !names.insert(tenant.name.as_str()) {
-                problems.push(format!("tenants[{i}].name: {:?} is declared twice", tenant.name));
-            }
-            let hash = tenant.token_sha256.to_ascii_lowercase();
-            if hash.len() != 64 || !hash.bytes().all(|b| b.is_ascii_hexdigit()) {
-                problems.push(format!(
-                    "tenants[{i}].token_sha256 must be 64 hex digits (the SHA-256 of the token, as `oncegate hash-token` prints it)"
+                problems.push(Problem::new(
+                    format!("tenants[{i}].name"),
+                    format!("is {:?}, which an earlier tenant already uses", tenant.name),
                 ));
-            } else if !hashes.insert(hash) {
-                problems.push(format!("tenants[{i}].token_sha256 is the same as another tenant's"));
+            }
+            match tenant.token_sha256.hash() {
+                None => problems.push(Problem::new(format!("tenants[{i}].token_sha256"), TOKEN_SHA256_RULE)),
+                Some(hash) if !hashes.insert(*hash) => problems.push(Problem::new(
+                    format!("tenants[{i}].token_sha256"),
+                    "is the same as another tenant's",
+                )),
+                Some(_) => {}
             }
         }
-        let admin = self.admin.token_sha256.to_ascii_lowercase();
-        if !admin.is_empty() {
-            if admin.len() != 64 || !admin.bytes().all(|b| b.is_ascii_hexdigit()) {
-                problems.push(
-                    "admin.token_sha256 must be 64 hex digits (the SHA-256 of the token, as `oncegate hash-token` prints it)"
-                        .to_owned(),
-                );
-            } else if hashes.contains(&admin) {
-                problems.push(
-                    "admin.token_sha256 is the same as a tenant's; the admin token must be its own"
-                        .to_owned(),
-                );
-            }
+        match &self.admin.token_sha256 {
+            TokenSha256::Unset => {}
+            TokenSha256::Malformed(_) => problems.push(Problem::new("admin.token_sha256", TOKEN_SHA256_RULE)),
+            TokenSha256::Hash(hash) if hashes.contains(hash) => problems.push(Problem::new(
+                "admin.token_sha256",
+                "is the same as a tenant's; the admin token must be its own",
+            )),
+            TokenSha256::Hash(_) => {}
         }
-        if self.tenants.is_empty() && !server.listen.ip().is_loopback() {
-            problems.push(format!(
-                "server.listen is {}, but no tenants are configured: without tenants oncegate runs one unauthenticated \
-                 `default` tenant and listens on loopback only. Add a [[tenants]] entry with a name and the \
-                 token_sha256 that `oncegate hash-token` prints for its token",
-                server.listen
-            ));
-        }
-        if problems.is_empty() { Ok(()) } else { Err(problems) }
     }
 }

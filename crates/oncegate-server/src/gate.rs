@@ -126,7 +126,6 @@ impl GateService {
         let permit = Arc::clone(&self.in_flight).try_acquire_owned().map_err(|_| {
             crate::telemetry::record_call(rpc, Some(&tenant), "resource_exhausted", started);
             with_code(
-                tonic::Code::ResourceExhausted,
                 oncegate_core::Code::ResourceExhausted,
                 format!(
                     "the server is at its in-flight limit; requests_in_flight_max is {}",

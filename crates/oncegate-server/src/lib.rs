@@ -23,7 +23,9 @@ use tonic_health::ServingStatus;
 
 pub use admin::AdminService;
 pub use auth::{AdminAuth, Auth, token_sha256};
-pub use config::{AdminConfig, Config, ConfigError, LogConfig, LogFormat, ServerConfig, TenantConfig};
+pub use config::{
+    AdminConfig, Config, ConfigError, LogConfig, LogFormat, ServerConfig, TenantConfig, TokenSha256,
+};
 pub use gate::{GateService, key_digest};
 pub use status::{CODE_METADATA, FIELD_METADATA, grpc_code, status};
 
@@ -34,9 +36,9 @@ pub const GATE_SERVICE_NAME: &str = "oncegate.v1.Gate";
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ServeError {
-    /// The configuration's tenants could not be loaded.
-    #[error("tenants: {0}")]
-    Tenants(String),
+    /// The configuration's credentials could not be loaded.
+    #[error("configuration: {0}")]
+    Credentials(#[from] oncegate_core::Problem),
     /// The reflection service could not be built from the descriptor set.
     #[error("reflection: {0}")]
     Reflection(String),
@@ -54,14 +56,14 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
     let server = &config.server;
-    let auth = Auth::new(&config.tenants).map_err(ServeError::Tenants)?;
+    let auth = Auth::new(&config.tenants)?;
     if auth.is_open() {
         tracing::warn!(
             "no tenants configured: serving the `default` tenant without authentication (loopback only)"
         );
     }
     let engine_for_routes = engine.clone();
-    let admin_auth = AdminAuth::new(config).map_err(ServeError::Tenants)?;
+    let admin_auth = AdminAuth::new(config)?;
     let admin =
         oncegate_proto::v1::admin_server::AdminServer::new(AdminService::new(engine.clone(), admin_auth));
     let gate = GateServer::new(GateService::new(engine.clone(), auth, server.requests_in_flight_max))

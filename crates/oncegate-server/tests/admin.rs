@@ -7,7 +7,7 @@ use common::{T0, start_in};
 use oncegate_engine::EngineConfig;
 use oncegate_proto::v1 as pb;
 use oncegate_proto::v1::admin_client::AdminClient;
-use oncegate_server::{AdminConfig, Config, TenantConfig, token_sha256};
+use oncegate_server::{AdminConfig, Config, TenantConfig, TokenSha256, token_sha256};
 use tonic::{Code, Request};
 
 fn with_token<T>(token: &str, message: T) -> Request<T> {
@@ -25,7 +25,9 @@ fn config(dir: &std::path::Path, admin: bool) -> Config {
             ..EngineConfig::default()
         },
         tenants: vec![TenantConfig { name: "acme".into(), token_sha256: token_sha256("acme-secret") }],
-        admin: AdminConfig { token_sha256: if admin { token_sha256("admin-secret") } else { String::new() } },
+        admin: AdminConfig {
+            token_sha256: if admin { token_sha256("admin-secret") } else { TokenSha256::Unset },
+        },
         ..Config::default()
     }
 }

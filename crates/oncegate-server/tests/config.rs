@@ -16,7 +16,9 @@ fn every_file_under_config_loads_and_checks() {
             continue;
         }
         let config = Config::load(&path).unwrap_or_else(|e| panic!("{e}"));
-        config.check().unwrap_or_else(|p| panic!("{}: {}", path.display(), p.join("; ")));
+        config.check().unwrap_or_else(|p| {
+            panic!("{}: {}", path.display(), p.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))
+        });
         seen += 1;
     }
     assert!(seen >= 2, "config/ holds the documented file and an example");
@@ -66,11 +68,11 @@ fn semantic_problems_are_all_reported_at_once() {
     ";
     let config = Config::from_toml(text, "test").unwrap();
     let problems = config.check().unwrap_err();
-    let joined = problems.join("\n");
+    let joined = problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n");
     for expected in [
         "engine.shards is 0",
         "engine.limits.response_bytes_max is 2000000",
-        "server.request_timeout_ms is 10",
+        "server.request_timeout_ms is 10 ms",
         "no tenants are configured",
         "oncegate hash-token",
     ] {
@@ -92,11 +94,11 @@ fn tenant_problems_name_the_entry() {
         token_sha256 = \"c695b42d79a2420ca858fe997c67cab0749a72f3875834c654113b9cb2219478\"
     ";
     let problems = Config::from_toml(text, "test").unwrap().check().unwrap_err();
-    let joined = problems.join("\n");
+    let joined = problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n");
     for expected in [
         "tenants[0].name",
         "tenants[0].token_sha256 must be 64 hex digits",
-        "tenants[2].name: \"ok\" is declared twice",
+        "tenants[2].name is \"ok\", which an earlier tenant already uses",
         "tenants[2].token_sha256 is the same",
     ] {
         assert!(joined.contains(expected), "missing {expected:?} in:\n{joined}");
