@@ -51,7 +51,8 @@ pub struct EngineConfig {
     pub reopen_backoff_ms_min: u64,
     /// The longest pause between reopen attempts.
     pub reopen_backoff_ms_max: u64,
-    /// The largest a shard file may grow, in bytes; writes beyond answer `unavailable`.
+    /// The largest a shard file may grow, in bytes; a write that would pass it is refused
+    /// alone with `resource_exhausted`.
     pub shard_file_bytes_max: u64,
     /// SQLite's page cache per shard, in bytes.
     pub page_cache_bytes_max: u64,
