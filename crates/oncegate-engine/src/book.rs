@@ -52,13 +52,6 @@ pub(crate) fn file_full(shard: u32, config: &EngineConfig) -> Error {
     }
 }
 
-/// Whether a failed statement was undone on its own, so that the request alone is
-/// refused and the batch goes on. SQLite undoes just the statement on `SQLITE_FULL`
-/// unless it had to cancel the whole transaction, which `alive` tells.
-pub(crate) fn failed_alone(error: &StoreError, txn: &Txn<'_>) -> bool {
-    error.is_full() && txn.is_alive()
-}
-
 pub(crate) struct Book {
     pub next_token: u64,
     queues: HashMap<Scope, WaitQueue>,
@@ -196,7 +189,7 @@ impl Book {
             let decision = decide(record.as_ref(), &command, now_ms, self.next_token);
             match self.apply(txn, scope, record.as_ref(), &decision) {
                 Ok(()) => {}
-                Err(error) if failed_alone(&error, txn) => {
+                Err(error) if txn.failed_alone(&error) => {
                     outbox.push((waiter.reply, Err(full.clone())));
                     continue;
                 }

@@ -176,9 +176,10 @@ pub struct Engine {
 /// request if it is still parked: a gone caller is never granted.
 struct Pending {
     shard: u32,
-    rx: oneshot::Receiver<Result<Reply, Error>>,
+    /// Taken once the answer arrived (or a blocked thread waits for it): a `Pending`
+    /// dropped with its receiver still here was given up by its caller.
+    rx: Option<oneshot::Receiver<Result<Reply, Error>>>,
     gone: Sender<()>,
-    answered: bool,
 }
 
 impl Pending {
@@ -187,25 +188,23 @@ impl Pending {
     }
 
     async fn wait(mut self) -> Result<Reply, Error> {
-        let answer = (&mut self.rx).await;
-        self.answered = true;
+        let answer = self.rx.as_mut().expect("waited once").await;
+        self.rx = None;
         answer.unwrap_or_else(|_| Err(Pending::lost(self.shard)))
     }
 
     fn wait_blocking(mut self) -> Result<Reply, Error> {
-        // A blocked thread cannot give up, so its answer is as good as received.
-        self.answered = true;
-        let (_, rx) = oneshot::channel();
-        let rx = std::mem::replace(&mut self.rx, rx);
+        // A blocked thread cannot give up, so the receiver is taken before it blocks.
+        let rx = self.rx.take().expect("waited once");
         rx.blocking_recv().unwrap_or_else(|_| Err(Pending::lost(self.shard)))
     }
 }
 
 impl Drop for Pending {
     fn drop(&mut self) {
-        if !self.answered {
+        if let Some(rx) = self.rx.as_mut() {
             // Closed before the nudge, so the shard sees the caller gone when it looks.
-            self.rx.close();
+            rx.close();
             let _ = self.gone.try_send(());
         }
     }
@@ -372,7 +371,7 @@ impl Engine {
         let span = tracing::Span::current();
         span.record("shard", shard);
         match handle.data.try_send(Request { scope, command, reply, span }) {
-            Ok(()) => Ok(Pending { shard, rx, gone: handle.gone.clone(), answered: false }),
+            Ok(()) => Ok(Pending { shard, rx: Some(rx), gone: handle.gone.clone() }),
             Err(TrySendError::Full(_)) => Err(Error::ResourceExhausted {
                 what: format!("shard {shard} mailbox"),
                 limit_name: "mailbox_depth_max",

@@ -80,18 +80,15 @@ pub fn write_epoch(path: &Path, epoch: u64) -> std::io::Result<()> {
     write_atomically(path, format!("{epoch}\n").as_bytes())
 }
 
-/// The shard files (`shard-*.sqlite`) in a data directory.
-fn shard_files(data_dir: &Path) -> Result<Vec<PathBuf>, OpenError> {
-    let mut found = Vec::new();
+/// How many shard files (`shard-*.sqlite`) a data directory holds.
+fn shard_file_count(data_dir: &Path) -> Result<usize, OpenError> {
+    let mut count = 0;
     for entry in fs::read_dir(data_dir).map_err(io(data_dir))? {
-        let path = entry.map_err(io(data_dir))?.path();
-        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-        if name.starts_with("shard-") && name.ends_with(".sqlite") {
-            found.push(path);
-        }
+        let name = entry.map_err(io(data_dir))?.file_name();
+        let name = name.to_string_lossy();
+        count += usize::from(name.starts_with("shard-") && name.ends_with(".sqlite"));
     }
-    found.sort();
-    Ok(found)
+    Ok(count)
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> OpenError + '_ {
@@ -142,9 +139,9 @@ pub fn open_or_create(data_dir: &Path, shards: u32) -> Result<Manifest, OpenErro
             Ok(manifest)
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            let existing = shard_files(data_dir)?;
-            if !existing.is_empty() {
-                return Err(OpenError::ManifestMissing { path, shard_files: existing.len() });
+            let shard_files = shard_file_count(data_dir)?;
+            if shard_files > 0 {
+                return Err(OpenError::ManifestMissing { path, shard_files });
             }
             let manifest = Manifest { format_version: FORMAT_VERSION, shards, routing: ROUTING.to_owned() };
             let text = format!(

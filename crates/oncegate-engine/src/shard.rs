@@ -34,7 +34,7 @@ use crossbeam_channel::{Receiver, Sender, at, never, select};
 use oncegate_core::{ClockGuard, Command, Reply, ReserveReply, Scope, decide};
 use tokio::sync::oneshot;
 
-use crate::book::{Book, Outbox, failed_alone, file_full};
+use crate::book::{Book, Outbox, file_full};
 use crate::store::{Meta, Store, StoreError, Tuning, Txn};
 use crate::{Clock, EngineConfig, Error, Faults, manifest, token};
 
@@ -60,6 +60,7 @@ pub(crate) enum Control {
 
 /// A shard's lifecycle state, visible to health checks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
 pub enum ShardState {
     /// Opening its file for the first time.
     Starting,
@@ -83,12 +84,9 @@ impl ShardState {
         ShardState::Panicked,
     ];
 
+    /// The inverse of `state as u8`: `ALL` lists the states in declaration order.
     fn from_u8(v: u8) -> ShardState {
         ShardState::ALL.get(usize::from(v)).copied().unwrap_or(ShardState::Stopped)
-    }
-
-    fn as_u8(self) -> u8 {
-        ShardState::ALL.iter().position(|s| *s == self).unwrap_or(3) as u8
     }
 
     /// The lowercase name used in logs and status output.
@@ -131,7 +129,7 @@ impl Shared {
 
     pub fn set_state(&self, state: ShardState) {
         let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
-        self.state.store(state.as_u8(), Ordering::Release);
+        self.state.store(state as u8, Ordering::Release);
         self.changed.notify_all();
     }
 
@@ -282,9 +280,7 @@ impl Shard {
         // an in-process reopen keeps the frame, so a wall-clock step cannot age records.
         let process_start = !self.opened;
         let (mut store, meta, created) = Store::open(&self.path, &tuning, &self.faults, process_start)?;
-        let epoch_path = self.epoch_path.clone();
-        let epoch_io = |source| StoreError::Io { path: epoch_path.clone(), source };
-        let stored_epoch = manifest::read_epoch(&self.epoch_path).map_err(epoch_io)?;
+        let stored_epoch = manifest::read_epoch(&self.epoch_path).map_err(|e| self.epoch_error(e))?;
         let epoch = token::epoch_at_open(stored_epoch, meta.next_token, created);
         if epoch > token::EPOCH_MAX {
             return Err(StoreError::Corrupt(format!(
@@ -293,7 +289,7 @@ impl Shard {
             )));
         }
         // Durable before the first grant of this open, so no later open can reuse it.
-        manifest::write_epoch(&self.epoch_path, epoch).map_err(epoch_io)?;
+        self.write_epoch(epoch)?;
         let now = if process_start { self.anchor(meta.high_water_ms) } else { self.keep_frame(meta) };
         let txn = store.begin()?;
         if process_start {
@@ -355,20 +351,29 @@ impl Shard {
         Ok(())
     }
 
+    fn epoch_error(&self, source: std::io::Error) -> StoreError {
+        StoreError::Io { path: self.epoch_path.clone(), source }
+    }
+
+    fn write_epoch(&self, epoch: u64) -> Result<(), StoreError> {
+        manifest::write_epoch(&self.epoch_path, epoch).map_err(|e| self.epoch_error(e))
+    }
+
     /// Moves to a new token epoch when the current one could run out within one batch
     /// and one round of waiters: the new epoch is durable before any token of it is used.
-    fn ensure_token_room(&mut self) -> Result<(), StoreError> {
+    /// A failure to write it fails the shard like any I/O error.
+    fn ensure_token_room(&mut self) {
         let room = (self.config.batch_len_max + self.config.waiters_per_shard_max + 1) as u64;
-        if !token::needs_new_epoch(self.book.next_token, room) {
-            return Ok(());
+        if self.store.is_none() || !token::needs_new_epoch(self.book.next_token, room) {
+            return;
         }
         let epoch = self.epoch + 1;
-        manifest::write_epoch(&self.epoch_path, epoch)
-            .map_err(|source| StoreError::Io { path: self.epoch_path.clone(), source })?;
+        if let Err(error) = self.write_epoch(epoch) {
+            return self.record_failure(&error);
+        }
         self.epoch = epoch;
         self.book.next_token = token::first_of(epoch);
         tracing::info!(shard = self.id, epoch, "token counter moved to a new epoch");
-        Ok(())
     }
 
     fn record_failure(&mut self, error: &StoreError) {
@@ -490,11 +495,7 @@ impl Shard {
 
     fn apply_batch(&mut self, requests: Vec<Request>) {
         let len = requests.len() as u64;
-        if self.store.is_some()
-            && let Err(error) = self.ensure_token_room()
-        {
-            self.record_failure(&error);
-        }
+        self.ensure_token_room();
         let Some(store) = self.store.as_mut() else {
             let error = self.unavailable("the shard failed and is reopening");
             for request in requests {
@@ -547,11 +548,7 @@ impl Shard {
     }
 
     fn alarm(&mut self) {
-        if self.store.is_some()
-            && let Err(error) = self.ensure_token_room()
-        {
-            self.record_failure(&error);
-        }
+        self.ensure_token_room();
         let Some(store) = self.store.as_mut() else {
             if self.reopen_at.is_some_and(|at| at <= Instant::now()) {
                 self.open();
@@ -587,7 +584,9 @@ impl Shard {
                 for (reply, answer) in outbox {
                     let _ = reply.send(answer);
                 }
-                // A full chunk means more may be due: look again at once, after queued data.
+                // A full chunk means more may be due: look again at once. The loop runs due
+                // alarms before reading the mailbox, so a backlog is reclaimed ahead of
+                // queued data (one chunk per tick).
                 let next = if reclaimed == limit { Ok(Some(now)) } else { store.min_reclaim_at_ms() };
                 match next {
                     Ok(next) => self.book.next_reclaim_ms = next,
@@ -717,7 +716,7 @@ impl Batch<'_> {
         });
         let decision = match step {
             Ok(decision) => decision,
-            Err(error) if failed_alone(&error, txn) => {
+            Err(error) if txn.failed_alone(&error) => {
                 self.outbox.push((reply, Err(file_full(self.shard, self.config))));
                 return Ok(());
             }

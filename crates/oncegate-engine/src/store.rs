@@ -408,10 +408,12 @@ impl Txn<'_> {
         Ok(())
     }
 
-    /// Whether the transaction is still open. SQLite may cancel a whole transaction on
-    /// some errors (`SQLITE_FULL` among them) instead of undoing just the statement.
-    pub fn is_alive(&self) -> bool {
-        !self.tx.is_autocommit()
+    /// Whether `error` undid only the statement that raised it, so that its request alone
+    /// is refused and the batch goes on: `SQLITE_FULL`, with the transaction still open
+    /// (SQLite cancels the whole transaction instead when the statement kept no statement
+    /// journal; the schema's triggers make every write to `records` keep one).
+    pub fn failed_alone(&self, error: &StoreError) -> bool {
+        error.is_full() && !self.tx.is_autocommit()
     }
 
     /// Ends a read transaction: it wrote nothing, so rolling back costs nothing and

@@ -55,6 +55,14 @@ fn granted(response: &pb::ReserveResponse) -> u64 {
     }
 }
 
+/// Reads a health watch until it reports `status`.
+async fn watch_until(
+    watch: &mut tonic::Streaming<tonic_health::pb::HealthCheckResponse>,
+    status: tonic_health::pb::health_check_response::ServingStatus,
+) {
+    while watch.message().await.unwrap().expect("a status").status != status as i32 {}
+}
+
 /// Checks a refusal's gRPC code and stable code trailer.
 fn refused(status: &tonic::Status, grpc: Code, code: &str) {
     assert_eq!(status.code(), grpc, "{status:?}");
@@ -264,24 +272,14 @@ async fn health_follows_the_shards() {
         let mut watch =
             health.watch(HealthCheckRequest { service: service.into() }).await.unwrap().into_inner();
         // The reporter publishes its first status shortly after start; wait for SERVING.
-        loop {
-            let status = watch.message().await.unwrap().expect("a status").status;
-            if status == ServingStatus::Serving as i32 {
-                break;
-            }
-        }
+        watch_until(&mut watch, ServingStatus::Serving).await;
     }
     let mut watch =
         health.watch(HealthCheckRequest { service: "oncegate.v1.Gate".into() }).await.unwrap().into_inner();
     server.faults.fail_commits(1);
     let mut client = server.client().await;
     refused(&client.reserve(reserve("x")).await.unwrap_err(), Code::Unavailable, "unavailable");
-    loop {
-        let status = watch.message().await.unwrap().expect("a status").status;
-        if status == ServingStatus::NotServing as i32 {
-            break;
-        }
-    }
+    watch_until(&mut watch, ServingStatus::NotServing).await;
     assert!(
         tokio::task::spawn_blocking({
             let engine = server.engine.clone();
@@ -295,12 +293,7 @@ async fn health_follows_the_shards() {
         .await
         .unwrap()
     );
-    loop {
-        let status = watch.message().await.unwrap().expect("a status").status;
-        if status == ServingStatus::Serving as i32 {
-            break;
-        }
-    }
+    watch_until(&mut watch, ServingStatus::Serving).await;
     drop((watch, health, client));
     server.stop().await;
 }
@@ -441,12 +434,7 @@ async fn a_panicking_shard_fails_health_and_readiness() {
     server.faults.panic_next_batch();
     let mut client = server.client().await;
     refused(&client.reserve(reserve("x")).await.unwrap_err(), Code::Unavailable, "unavailable");
-    loop {
-        let status = watch.message().await.unwrap().expect("a status").status;
-        if status == ServingStatus::NotServing as i32 {
-            break;
-        }
-    }
+    watch_until(&mut watch, ServingStatus::NotServing).await;
     let addr = server.addr;
     let (status, body) =
         tokio::task::spawn_blocking(move || common::http_get(addr, "/readyz")).await.unwrap();
