@@ -4,18 +4,73 @@
 //! 1 for a refusal (the JSON then has an `error` object with the gRPC and stable codes),
 //! 2 for a usage or connection problem.
 
+use std::path::PathBuf;
+
+use anyhow::Context;
 use oncegate_proto::v1 as pb;
 use oncegate_proto::v1::admin_client::AdminClient;
 use oncegate_proto::v1::gate_client::GateClient;
 use serde_json::{Value, json};
 use tonic::Request;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+
+/// The server's address and, for an `https://` address, how to trust it and how to
+/// present this client to a server that requires mutual TLS.
+#[derive(clap::Args)]
+pub struct Connection {
+    /// The server's address: `http://HOST:PORT`, or `https://HOST:PORT` for TLS.
+    #[arg(long, env = "ONCEGATE_ADDR", default_value = "http://127.0.0.1:50051")]
+    addr: String,
+    /// The CA certificate (PEM) that signed the server's certificate; without it, the
+    /// system's trusted roots.
+    #[arg(long, env = "ONCEGATE_TLS_CA")]
+    tls_ca: Option<PathBuf>,
+    /// This client's certificate (PEM), for a server that requires mutual TLS.
+    #[arg(long, env = "ONCEGATE_TLS_CERT", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --tls-cert.
+    #[arg(long, env = "ONCEGATE_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// The name the server's certificate must carry, when it is not the address's host.
+    #[arg(long, env = "ONCEGATE_TLS_DOMAIN")]
+    tls_domain: Option<String>,
+}
+
+impl Connection {
+    /// Connects, over TLS when the address is `https://`.
+    async fn channel(&self) -> anyhow::Result<Channel> {
+        let mut endpoint = Endpoint::from_shared(self.addr.clone()).with_context(|| self.addr.clone())?;
+        if self.addr.starts_with("https://") {
+            endpoint = endpoint.tls_config(self.tls()?)?;
+        } else if self.tls_ca.is_some() || self.tls_cert.is_some() {
+            anyhow::bail!("--tls-ca and --tls-cert need an https:// address; {} is plaintext", self.addr);
+        }
+        // The causes matter (a handshake failure says why only in one); `{:#}` prints them.
+        endpoint.connect().await.map_err(|e| anyhow::Error::new(e).context(self.addr.clone()))
+    }
+
+    fn tls(&self) -> anyhow::Result<ClientTlsConfig> {
+        let read = |path: &PathBuf| std::fs::read(path).with_context(|| path.display().to_string());
+        let mut tls = ClientTlsConfig::new();
+        tls = match &self.tls_ca {
+            Some(ca) => tls.ca_certificate(Certificate::from_pem(read(ca)?)),
+            None => tls.with_native_roots(),
+        };
+        if let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) {
+            tls = tls.identity(Identity::from_pem(read(cert)?, read(key)?));
+        }
+        if let Some(domain) = &self.tls_domain {
+            tls = tls.domain_name(domain.clone());
+        }
+        Ok(tls)
+    }
+}
 
 /// Where and as whom to call.
 #[derive(clap::Args)]
 pub struct Target {
-    /// The server's address.
-    #[arg(long, env = "ONCEGATE_ADDR", default_value = "http://127.0.0.1:50051")]
-    addr: String,
+    #[command(flatten)]
+    connection: Connection,
     /// The bearer token (not needed when the server has no tenants).
     #[arg(long, env = "ONCEGATE_TOKEN", hide_env_values = true)]
     token: Option<String>,
@@ -100,9 +155,8 @@ pub struct KeyArgs {
 /// Where the Admin service is, and its token.
 #[derive(clap::Args)]
 pub struct AdminTarget {
-    /// The server's address.
-    #[arg(long, env = "ONCEGATE_ADDR", default_value = "http://127.0.0.1:50051")]
-    addr: String,
+    #[command(flatten)]
+    connection: Connection,
     /// The admin bearer token (not needed when the server has no tenants and no admin token).
     #[arg(long, env = "ONCEGATE_ADMIN_TOKEN", hide_env_values = true)]
     admin_token: Option<String>,
@@ -150,16 +204,32 @@ pub enum Call {
     Admin(AdminAction),
 }
 
-fn admin_request<T>(target: &AdminTarget, message: T) -> anyhow::Result<Request<T>> {
+/// A verb's answer: the outer error is a local problem (usage, connection); the inner
+/// one is the server's refusal.
+type Answer = anyhow::Result<Result<Value, tonic::Status>>;
+
+fn with_token<T>(token: Option<&String>, message: T) -> anyhow::Result<Request<T>> {
     let mut request = Request::new(message);
-    if let Some(token) = &target.admin_token {
+    if let Some(token) = token {
         request.metadata_mut().insert("authorization", format!("Bearer {token}").parse()?);
     }
     Ok(request)
 }
 
-async fn admin_client(target: &AdminTarget) -> anyhow::Result<AdminClient<tonic::transport::Channel>> {
-    AdminClient::connect(target.addr.clone()).await.map_err(|e| anyhow::anyhow!("{}: {e}", target.addr))
+fn request<T>(target: &Target, message: T) -> anyhow::Result<Request<T>> {
+    with_token(target.token.as_ref(), message)
+}
+
+fn admin_request<T>(target: &AdminTarget, message: T) -> anyhow::Result<Request<T>> {
+    with_token(target.admin_token.as_ref(), message)
+}
+
+async fn gate(target: &Target) -> anyhow::Result<GateClient<Channel>> {
+    Ok(GateClient::new(target.connection.channel().await?))
+}
+
+async fn admin(target: &AdminTarget) -> anyhow::Result<AdminClient<Channel>> {
+    Ok(AdminClient::new(target.connection.channel().await?))
 }
 
 fn state_name(value: i32) -> &'static str {
@@ -187,12 +257,15 @@ fn outcome_name(value: i32) -> &'static str {
     }
 }
 
-fn request<T>(target: &Target, message: T) -> anyhow::Result<Request<T>> {
-    let mut request = Request::new(message);
-    if let Some(token) = &target.token {
-        request.metadata_mut().insert("authorization", format!("Bearer {token}").parse()?);
+fn transition_name(value: i32) -> &'static str {
+    match pb::TransitionKind::try_from(value) {
+        Ok(pb::TransitionKind::TransitionGranted) => "granted",
+        Ok(pb::TransitionKind::TransitionHeartbeat) => "heartbeat",
+        Ok(pb::TransitionKind::TransitionAbandoned) => "abandoned",
+        Ok(pb::TransitionKind::TransitionRegranted) => "regranted",
+        Ok(pb::TransitionKind::TransitionCommitted) => "committed",
+        _ => "unspecified",
     }
-    Ok(request)
 }
 
 /// The canonical gRPC name of a code, such as `FAILED_PRECONDITION`.
@@ -209,9 +282,14 @@ fn canonical(code: tonic::Code) -> String {
 }
 
 fn refusal(status: &tonic::Status) -> Value {
-    let code = status.metadata().get(oncegate_server::CODE_METADATA).and_then(|v| v.to_str().ok());
-    let field = status.metadata().get(oncegate_server::FIELD_METADATA).and_then(|v| v.to_str().ok());
-    json!({ "error": { "grpc": canonical(status.code()), "code": code, "field": field, "message": status.message() } })
+    let trailer = |name: &str| status.metadata().get(name).and_then(|v| v.to_str().ok());
+    json!({ "error": {
+        "grpc": canonical(status.code()),
+        "code": trailer(oncegate_proto::CODE_METADATA),
+        "field": trailer(oncegate_proto::FIELD_METADATA),
+        "limit": trailer(oncegate_proto::LIMIT_METADATA),
+        "message": status.message(),
+    } })
 }
 
 pub fn run(call: Call) -> anyhow::Result<()> {
@@ -233,174 +311,166 @@ pub fn run(call: Call) -> anyhow::Result<()> {
     }
 }
 
-async fn connect(target: &Target) -> anyhow::Result<GateClient<tonic::transport::Channel>> {
-    let client = GateClient::connect(target.addr.clone())
-        .await
-        .map_err(|e| anyhow::anyhow!("{}: {e}", target.addr))?;
-    Ok(client)
+async fn call_once(call: Call) -> Answer {
+    match call {
+        Call::Reserve(a) => reserve(a).await,
+        Call::Commit(a) => commit(a).await,
+        Call::Release(a) => release(a).await,
+        Call::Heartbeat(a) => heartbeat(a).await,
+        Call::Get(a) => get(a).await,
+        Call::Status(target) => status(target).await,
+        Call::Inspect(a) => inspect(a).await,
+        Call::Admin(action) => admin_action(action).await,
+    }
 }
 
-/// The outer error is a local problem; the inner one is the server's refusal.
-async fn call_once(call: Call) -> anyhow::Result<Result<Value, tonic::Status>> {
-    Ok(match call {
-        Call::Reserve(a) => {
-            let mut client = connect(&a.target).await?;
-            let message = pb::ReserveRequest {
-                namespace: a.target.namespace.clone(),
-                key: a.key.clone().unwrap_or_default(),
-                key_parts: a.parts.clone(),
-                bucket_ms: a.bucket_ms,
-                ttl_ms: a.ttl_ms,
-                lease_ms: a.lease_ms,
-                fingerprint: a.fingerprint.clone().into_bytes(),
-                wait_ms: a.wait_ms,
-            };
-            client.reserve(request(&a.target, message)?).await.map(|r| {
-                let r = r.into_inner();
-                let mut out = match r.outcome {
-                    Some(pb::reserve_response::Outcome::Granted(g)) => json!({
-                        "outcome": "granted", "token": g.token, "attempt": g.attempt,
-                        "lease_until_ms": g.lease_until_ms, "expires_at_ms": g.expires_at_ms,
-                        "previous": if g.previous == pb::Previous::Abandoned as i32 { "abandoned" } else { "none" },
-                    }),
-                    Some(pb::reserve_response::Outcome::InProgress(p)) => json!({
-                        "outcome": "in_progress", "attempt": p.attempt,
-                        "lease_until_ms": p.lease_until_ms, "retry_after_ms": p.retry_after_ms,
-                    }),
-                    Some(pb::reserve_response::Outcome::Completed(c)) => json!({
-                        "outcome": "completed", "token": c.token, "result": outcome_name(c.outcome),
-                        "response": bytes_json(&c.response), "completed_at_ms": c.completed_at_ms,
-                        "expires_at_ms": c.expires_at_ms,
-                    }),
-                    Some(pb::reserve_response::Outcome::Mismatch(m)) => {
-                        json!({ "outcome": "mismatch", "expires_at_ms": m.expires_at_ms })
-                    }
-                    None => json!({ "outcome": null }),
-                };
-                out["key"] = json!(r.key);
-                out
-            })
-        }
-        Call::Commit(a) => {
-            let mut client = connect(&a.target).await?;
-            let outcome = if a.failed { pb::Outcome::Failed } else { pb::Outcome::Succeeded };
-            let message = pb::CommitRequest {
-                namespace: a.target.namespace.clone(),
-                key: a.key.clone(),
-                token: a.fencing_token,
-                outcome: outcome as i32,
-                response: a.response.clone().into_bytes(),
-            };
-            client
-                .commit(request(&a.target, message)?)
-                .await
-                .map(|r| json!({ "committed": true, "expires_at_ms": r.into_inner().expires_at_ms }))
-        }
-        Call::Release(a) => {
-            let mut client = connect(&a.target).await?;
-            let message = pb::ReleaseRequest {
-                namespace: a.target.namespace.clone(),
-                key: a.key.clone(),
-                token: a.fencing_token,
-            };
-            client.release(request(&a.target, message)?).await.map(|_| json!({ "released": true }))
-        }
-        Call::Heartbeat(a) => {
-            let mut client = connect(&a.target).await?;
-            let message = pb::HeartbeatRequest {
-                namespace: a.target.namespace.clone(),
-                key: a.key.clone(),
-                token: a.fencing_token,
-                lease_ms: a.lease_ms,
-            };
-            client.heartbeat(request(&a.target, message)?).await.map(|r| {
-                let r = r.into_inner();
-                json!({ "lease_until_ms": r.lease_until_ms, "expires_at_ms": r.expires_at_ms })
-            })
-        }
-        Call::Get(a) => {
-            let mut client = connect(&a.target).await?;
-            let message = pb::GetRequest { namespace: a.target.namespace.clone(), key: a.key.clone() };
-            client.get(request(&a.target, message)?).await.map(|r| {
-                let r = r.into_inner();
-                json!({
-                    "state": state_name(r.state), "token": r.token, "attempt": r.attempt,
-                    "lease_until_ms": r.lease_until_ms, "expires_at_ms": r.expires_at_ms,
-                    "result": outcome_name(r.outcome), "response": bytes_json(&r.response),
-                })
-            })
-        }
-        Call::Status(target) => {
-            let mut client = admin_client(&target).await?;
-            client.shard_stats(admin_request(&target, pb::ShardStatsRequest {})?).await.map(|r| {
-                let shards: Vec<Value> = r
-                    .into_inner()
-                    .shards
-                    .into_iter()
-                    .map(|s| {
-                        json!({
-                            "shard": s.shard, "state": s.state, "mailbox_depth": s.mailbox_depth,
-                            "batches": s.batches, "commands": s.commands, "batch_len_mean": s.batch_len_mean,
-                            "commits": s.commits, "failures": s.failures, "reclaimed": s.reclaimed,
-                            "waiters": s.waiters, "records_pending": s.records_pending,
-                            "records_completed": s.records_completed,
-                            "last_error": if s.last_error.is_empty() { Value::Null } else { json!(s.last_error) },
-                        })
-                    })
-                    .collect();
-                json!({ "shards": shards })
-            })
-        }
-        Call::Inspect(a) => {
-            let mut client = admin_client(&a.target).await?;
-            let message = pb::InspectRequest {
-                tenant: a.tenant.clone(),
-                namespace: a.namespace.clone(),
-                key: a.key.clone(),
-            };
-            client.inspect(admin_request(&a.target, message)?).await.map(|r| {
-                let r = r.into_inner();
-                json!({
-                    "shard": r.shard, "state": state_name(r.state), "token": r.token, "attempt": r.attempt,
-                    "lease_until_ms": r.lease_until_ms, "expires_at_ms": r.expires_at_ms, "ttl_ms": r.ttl_ms,
-                    "fingerprint": bytes_json(&r.fingerprint), "result": outcome_name(r.outcome),
-                    "response": bytes_json(&r.response), "completed_at_ms": r.completed_at_ms,
-                    "history": r.history.iter().map(|e| json!({
-                        "kind": match pb::TransitionKind::try_from(e.kind) {
-                            Ok(pb::TransitionKind::TransitionGranted) => "granted",
-                            Ok(pb::TransitionKind::TransitionHeartbeat) => "heartbeat",
-                            Ok(pb::TransitionKind::TransitionAbandoned) => "abandoned",
-                            Ok(pb::TransitionKind::TransitionRegranted) => "regranted",
-                            Ok(pb::TransitionKind::TransitionCommitted) => "committed",
-                            _ => "unspecified",
-                        },
-                        "at_ms": e.at_ms,
-                        "token": e.token,
-                    })).collect::<Vec<_>>(),
-                })
-            })
-        }
-        Call::Admin(action) => {
-            let (verb, a) = match &action {
-                AdminAction::Release(a) => ("release", a),
-                AdminAction::Purge(a) => ("purge", a),
-            };
-            let mut client = admin_client(&a.inspect.target).await?;
-            let message = pb::AdminKeyRequest {
-                tenant: a.inspect.tenant.clone(),
-                namespace: a.inspect.namespace.clone(),
-                key: a.inspect.key.clone(),
-                reason: a.reason.clone(),
-            };
-            let request = admin_request(&a.inspect.target, message)?;
-            let answer = match verb {
-                "release" => client.force_release(request).await,
-                _ => client.purge(request).await,
-            };
-            answer.map(|r| {
-                let r = r.into_inner();
-                json!({ "removed": true, "action": verb, "previous": state_name(r.previous), "token": r.token })
-            })
-        }
+fn reserve_json(r: pb::ReserveResponse) -> Value {
+    use pb::reserve_response::Outcome as O;
+    let mut out = match r.outcome {
+        Some(O::Granted(g)) => json!({
+            "outcome": "granted", "token": g.token, "attempt": g.attempt,
+            "lease_until_ms": g.lease_until_ms, "expires_at_ms": g.expires_at_ms,
+            "previous": if g.previous == pb::Previous::Abandoned as i32 { "abandoned" } else { "none" },
+        }),
+        Some(O::InProgress(p)) => json!({
+            "outcome": "in_progress", "attempt": p.attempt,
+            "lease_until_ms": p.lease_until_ms, "retry_after_ms": p.retry_after_ms,
+        }),
+        Some(O::Completed(c)) => json!({
+            "outcome": "completed", "token": c.token, "result": outcome_name(c.outcome),
+            "response": bytes_json(&c.response), "completed_at_ms": c.completed_at_ms,
+            "expires_at_ms": c.expires_at_ms,
+        }),
+        Some(O::Mismatch(m)) => json!({ "outcome": "mismatch", "expires_at_ms": m.expires_at_ms }),
+        None => json!({ "outcome": null }),
+    };
+    out["key"] = json!(r.key);
+    out
+}
+
+async fn reserve(a: ReserveArgs) -> Answer {
+    let message = pb::ReserveRequest {
+        namespace: a.target.namespace.clone(),
+        key: a.key.clone().unwrap_or_default(),
+        key_parts: a.parts.clone(),
+        bucket_ms: a.bucket_ms,
+        ttl_ms: a.ttl_ms,
+        lease_ms: a.lease_ms,
+        fingerprint: a.fingerprint.clone().into_bytes(),
+        wait_ms: a.wait_ms,
+    };
+    let answer = gate(&a.target).await?.reserve(request(&a.target, message)?).await;
+    Ok(answer.map(|r| reserve_json(r.into_inner())))
+}
+
+async fn commit(a: CommitArgs) -> Answer {
+    let outcome = if a.failed { pb::Outcome::Failed } else { pb::Outcome::Succeeded };
+    let message = pb::CommitRequest {
+        namespace: a.target.namespace.clone(),
+        key: a.key.clone(),
+        token: a.fencing_token,
+        outcome: outcome as i32,
+        response: a.response.clone().into_bytes(),
+    };
+    let answer = gate(&a.target).await?.commit(request(&a.target, message)?).await;
+    Ok(answer.map(|r| json!({ "committed": true, "expires_at_ms": r.into_inner().expires_at_ms })))
+}
+
+async fn release(a: TokenArgs) -> Answer {
+    let message = pb::ReleaseRequest {
+        namespace: a.target.namespace.clone(),
+        key: a.key.clone(),
+        token: a.fencing_token,
+    };
+    let answer = gate(&a.target).await?.release(request(&a.target, message)?).await;
+    Ok(answer.map(|_| json!({ "released": true })))
+}
+
+async fn heartbeat(a: HeartbeatArgs) -> Answer {
+    let message = pb::HeartbeatRequest {
+        namespace: a.target.namespace.clone(),
+        key: a.key.clone(),
+        token: a.fencing_token,
+        lease_ms: a.lease_ms,
+    };
+    let answer = gate(&a.target).await?.heartbeat(request(&a.target, message)?).await;
+    Ok(answer.map(|r| {
+        let r = r.into_inner();
+        json!({ "lease_until_ms": r.lease_until_ms, "expires_at_ms": r.expires_at_ms })
+    }))
+}
+
+async fn get(a: KeyArgs) -> Answer {
+    let message = pb::GetRequest { namespace: a.target.namespace.clone(), key: a.key.clone() };
+    let answer = gate(&a.target).await?.get(request(&a.target, message)?).await;
+    Ok(answer.map(|r| {
+        let r = r.into_inner();
+        json!({
+            "state": state_name(r.state), "token": r.token, "attempt": r.attempt,
+            "lease_until_ms": r.lease_until_ms, "expires_at_ms": r.expires_at_ms,
+            "result": outcome_name(r.outcome), "response": bytes_json(&r.response),
+        })
+    }))
+}
+
+fn shard_json(s: pb::ShardStats) -> Value {
+    json!({
+        "shard": s.shard, "state": s.state, "mailbox_depth": s.mailbox_depth,
+        "batches": s.batches, "commands": s.commands, "batch_len_mean": s.batch_len_mean,
+        "commits": s.commits, "failures": s.failures, "reclaimed": s.reclaimed,
+        "waiters": s.waiters, "records_pending": s.records_pending,
+        "records_completed": s.records_completed,
+        "last_error": if s.last_error.is_empty() { Value::Null } else { json!(s.last_error) },
     })
+}
+
+async fn status(target: AdminTarget) -> Answer {
+    let answer = admin(&target).await?.shard_stats(admin_request(&target, pb::ShardStatsRequest {})?).await;
+    Ok(answer
+        .map(|r| json!({ "shards": r.into_inner().shards.into_iter().map(shard_json).collect::<Vec<_>>() })))
+}
+
+fn inspect_json(r: pb::InspectResponse) -> Value {
+    let history: Vec<Value> = r
+        .history
+        .iter()
+        .map(|e| json!({ "kind": transition_name(e.kind), "at_ms": e.at_ms, "token": e.token }))
+        .collect();
+    json!({
+        "shard": r.shard, "state": state_name(r.state), "token": r.token, "attempt": r.attempt,
+        "lease_until_ms": r.lease_until_ms, "expires_at_ms": r.expires_at_ms, "ttl_ms": r.ttl_ms,
+        "fingerprint": bytes_json(&r.fingerprint), "result": outcome_name(r.outcome),
+        "response": bytes_json(&r.response), "completed_at_ms": r.completed_at_ms,
+        "history": history,
+    })
+}
+
+async fn inspect(a: InspectArgs) -> Answer {
+    let message =
+        pb::InspectRequest { tenant: a.tenant.clone(), namespace: a.namespace.clone(), key: a.key.clone() };
+    let answer = admin(&a.target).await?.inspect(admin_request(&a.target, message)?).await;
+    Ok(answer.map(|r| inspect_json(r.into_inner())))
+}
+
+async fn admin_action(action: AdminAction) -> Answer {
+    let (verb, a) = match &action {
+        AdminAction::Release(a) => ("release", a),
+        AdminAction::Purge(a) => ("purge", a),
+    };
+    let mut client = admin(&a.inspect.target).await?;
+    let message = pb::AdminKeyRequest {
+        tenant: a.inspect.tenant.clone(),
+        namespace: a.inspect.namespace.clone(),
+        key: a.inspect.key.clone(),
+        reason: a.reason.clone(),
+    };
+    let request = admin_request(&a.inspect.target, message)?;
+    let answer = match action {
+        AdminAction::Release(_) => client.force_release(request).await,
+        AdminAction::Purge(_) => client.purge(request).await,
+    };
+    Ok(answer.map(|r| {
+        let r = r.into_inner();
+        json!({ "removed": true, "action": verb, "previous": state_name(r.previous), "token": r.token })
+    }))
 }

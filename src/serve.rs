@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use oncegate_engine::Engine;
-use oncegate_server::{Config, LogFormat};
+use oncegate_server::{Config, Listeners, LogFormat};
 use tracing_subscriber::EnvFilter;
 
 /// Flags override the environment, which overrides the file, which overrides defaults.
@@ -18,6 +18,9 @@ pub struct ServeArgs {
     /// The address to listen on (`server.listen`).
     #[arg(long, env = "ONCEGATE_LISTEN")]
     listen: Option<SocketAddr>,
+    /// The address of `/metrics`, `/healthz` and `/readyz` (`server.metrics_listen`).
+    #[arg(long, env = "ONCEGATE_METRICS_LISTEN")]
+    metrics_listen: Option<SocketAddr>,
     /// Where the shard files live (`engine.data_dir`).
     #[arg(long, env = "ONCEGATE_DATA_DIR")]
     data_dir: Option<PathBuf>,
@@ -36,6 +39,9 @@ fn load(args: &ServeArgs) -> anyhow::Result<Config> {
     };
     if let Some(listen) = args.listen {
         config.server.listen = listen;
+    }
+    if let Some(metrics_listen) = args.metrics_listen {
+        config.server.metrics_listen = metrics_listen;
     }
     if let Some(dir) = &args.data_dir {
         config.engine.data_dir = dir.clone();
@@ -74,20 +80,23 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
 }
 
 async fn serve(config: Config) -> anyhow::Result<()> {
+    // Bind first: a port in use is found before the data directory is opened and checked.
+    let listeners = Listeners::bind(&config.server).await?;
     let engine = Engine::open(config.engine.clone())
         .with_context(|| format!("opening data directory {}", config.engine.data_dir.display()))?;
-    let listener = tokio::net::TcpListener::bind(config.server.listen)
-        .await
-        .with_context(|| format!("listening on {}", config.server.listen))?;
-    let addr = listener.local_addr()?;
+    let addr = listeners.gate.local_addr()?;
+    let metrics = listeners.metrics.as_ref().map(|l| l.local_addr()).transpose()?;
+    let metrics = metrics.map_or_else(|| "-".to_owned(), |a| a.to_string());
     tracing::info!(
         %addr,
+        tls = config.server.tls_enabled(),
+        %metrics,
         data_dir = %config.engine.data_dir.display(),
         shards = config.engine.shards,
         durability = ?config.engine.durability,
         "listening"
     );
-    let served = oncegate_server::serve(engine.clone(), &config, listener, shutdown_signal()).await;
+    let served = oncegate_server::serve(engine.clone(), &config, listeners, shutdown_signal()).await;
     tracing::info!("stopped accepting; in-flight calls finished; closing the shards");
     tokio::task::spawn_blocking(move || engine.shutdown()).await?;
     tracing::info!("shut down");

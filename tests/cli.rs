@@ -1,7 +1,10 @@
 //! The built `oncegate` binary as a child process: `serve` on port 0, the client verbs
 //! against it, authentication from a config file, SIGTERM keeping acknowledged data, and
-//! the start-up refusal of a non-loopback address without tenants.
+//! the start-up refusal of a non-loopback address without tenants, and the verbs over TLS
+//! and mutual TLS.
 
+#[path = "../crates/oncegate-server/tests/common/certs.rs"]
+mod certs;
 mod common;
 
 use std::process::Command;
@@ -13,9 +16,24 @@ use serde_json::Value;
 trait Call {
     fn call(&self, args: &[&str]) -> (i32, Value);
     fn call_with_env(&self, args: &[&str], env: &[(&str, &str)]) -> (i32, Value);
+    /// A call that may fail before the server answers: its exit code and its JSON answer,
+    /// if it printed one.
+    fn call_quietly(&self, args: &[&str]) -> (i32, Option<Value>);
 }
 
 impl Call for Server {
+    fn call_quietly(&self, args: &[&str]) -> (i32, Option<Value>) {
+        let (verb, rest) = args.split_first().expect("a verb");
+        let out = Command::new(BIN)
+            .arg(verb)
+            .args(["--addr", &self.addr, "--namespace", "live"])
+            .args(rest)
+            .output()
+            .expect("client runs");
+        let value = serde_json::from_slice(&out.stdout).ok();
+        (out.status.code().expect("exit code"), value)
+    }
+
     fn call(&self, args: &[&str]) -> (i32, Value) {
         self.call_with_env(args, &[])
     }
@@ -169,4 +187,46 @@ fn no_tenants_and_a_public_address_is_refused_at_start() {
     assert!(!out.status.success());
     let message = String::from_utf8(out.stderr).unwrap();
     assert!(message.contains("no tenants are configured") && message.contains("[[tenants]]"), "{message}");
+}
+
+/// `oncegate hash-token TOKEN`.
+fn hash_token(token: &str) -> String {
+    let out = Command::new(BIN).args(["hash-token", token]).output().unwrap();
+    String::from_utf8(out.stdout).unwrap().trim().to_owned()
+}
+
+#[test]
+fn client_verbs_speak_tls_and_mutual_tls() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = certs::Pki::new(dir.path(), "ours");
+    let config = dir.path().join("tls.toml");
+    let text = format!(
+        "[server]\ntls_cert_path = {:?}\ntls_key_path = {:?}\ntls_client_ca_path = {:?}\n\
+         [[tenants]]\nname = \"acme\"\ntoken_sha256 = \"{}\"\n",
+        pki.server.cert,
+        pki.server.key,
+        pki.ca,
+        hash_token("acme-token")
+    );
+    std::fs::write(&config, text).unwrap();
+    let mut server = Server::start(&dir.path().join("data"), &["--config", config.to_str().unwrap()]);
+    let plaintext = server.addr.clone();
+    server.addr = plaintext.replace("http://", "https://");
+    let path = |p: &std::path::Path| p.to_str().unwrap().to_owned();
+    let (ca, cert, key) = (path(&pki.ca), path(&pki.client.cert), path(&pki.client.key));
+
+    let tls = ["--token", "acme-token", "--tls-ca", &ca, "--tls-cert", &cert, "--tls-key", &key];
+    let (code, granted) = server.call(&[&["reserve", "over-tls"][..], &tls].concat());
+    assert_eq!((code, granted["outcome"].as_str()), (0, Some("granted")), "{granted}");
+    let (code, view) = server.call(&[&["get", "over-tls"][..], &tls].concat());
+    assert_eq!((code, view["state"].as_str()), (0, Some("pending")), "{view}");
+
+    // Without a client certificate the server does not serve the call.
+    let (code, answer) = server.call_quietly(&["get", "over-tls", "--token", "acme-token", "--tls-ca", &ca]);
+    assert_ne!(code, 0, "{answer:?}");
+    // Nor to a plaintext client.
+    server.addr = plaintext;
+    let (code, answer) = server.call_quietly(&["get", "over-tls", "--token", "acme-token"]);
+    assert_ne!(code, 0, "{answer:?}");
+    assert!(server.terminate());
 }

@@ -13,6 +13,14 @@ pub struct Server {
     pub child: Child,
     /// `http://127.0.0.1:PORT`.
     pub addr: String,
+    /// The metrics listener, `127.0.0.1:PORT`.
+    pub metrics: String,
+}
+
+/// The value of a `name=value` field of a log line.
+fn field(line: &str, name: &str) -> String {
+    let at = line.find(name).map_or(line.len(), |at| at + name.len());
+    line[at..].split_whitespace().next().unwrap_or("").to_owned()
 }
 
 impl Server {
@@ -20,7 +28,7 @@ impl Server {
     /// "listening" log line, which carries the port.
     pub fn start(data_dir: &Path, extra: &[&str]) -> Server {
         let mut child = Command::new(BIN)
-            .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+            .args(["serve", "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--data-dir"])
             .arg(data_dir)
             .args(extra)
             .env("ONCEGATE_LOG_FORMAT", "text")
@@ -36,16 +44,15 @@ impl Server {
         std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines() {
                 let Ok(line) = line else { break };
-                if let Some(at) = line.find("addr=") {
-                    let addr: String = line[at + 5..].split_whitespace().next().unwrap_or("").to_owned();
-                    let _ = tx.send(Ok(addr));
+                if line.contains("listening") {
+                    let _ = tx.send(Ok((field(&line, "addr="), field(&line, "metrics="))));
                 } else if line.contains("ERROR") || line.starts_with("Error") {
                     let _ = tx.send(Err(line));
                 }
             }
         });
-        let addr = rx.recv().expect("the server logs its address").expect("the server starts");
-        Server { child, addr: format!("http://{addr}") }
+        let (addr, metrics) = rx.recv().expect("the server logs its address").expect("the server starts");
+        Server { child, addr: format!("http://{addr}"), metrics }
     }
 
     /// Sends SIGTERM and waits; returns whether the exit was clean.

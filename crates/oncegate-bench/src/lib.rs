@@ -444,7 +444,8 @@ pub fn serve_child(data_dir: std::path::PathBuf, shards: u32) -> anyhow::Result<
         let engine = oncegate_engine::Engine::open(config.engine.clone())?;
         let listener = tokio::net::TcpListener::bind(config.server.listen).await?;
         println!("addr={}", listener.local_addr()?);
-        oncegate_server::serve(engine, &config, listener, std::future::pending()).await?;
+        let listeners = oncegate_server::Listeners { gate: listener, metrics: None };
+        oncegate_server::serve(engine, &config, listeners, std::future::pending()).await?;
         anyhow::Ok(())
     })
 }

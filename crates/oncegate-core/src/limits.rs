@@ -180,6 +180,9 @@ impl Limits {
     /// Validates a client's key.
     pub fn key(&self, key: &str) -> Result<Key, Invalid> {
         check_len("key", key.len(), self.key_bytes_max)?;
+        if let Some(at) = key.find('\0') {
+            return Err(Invalid::BadChar { field: "key", found: '\0', at, allowed: NUL_FREE });
+        }
         Ok(Key(key.to_owned()))
     }
 
@@ -256,6 +259,9 @@ impl Limits {
             if part.is_empty() {
                 return Err(Invalid::KeyPart { index, problem: "is empty" });
             }
+            if part.contains('\0') {
+                return Err(Invalid::KeyPart { index, problem: "contains NUL" });
+            }
             if part.contains(KEY_PART_SEPARATOR) {
                 return Err(Invalid::KeyPart {
                     index,
@@ -268,6 +274,10 @@ impl Limits {
         Ok(Key(key))
     }
 }
+
+/// Keys may hold any UTF-8 but NUL: SQLite's text functions and C clients stop at the
+/// first NUL, so a key holding one could be stored under one name and shown under another.
+const NUL_FREE: &str = "characters other than NUL";
 
 fn duration(field: &'static str, requested: u64, default: u64, min: u64, max: u64) -> Result<u64, Invalid> {
     if requested == 0 {

@@ -80,6 +80,11 @@ impl Problems {
         self.0.push(problem);
     }
 
+    /// Adds problems found elsewhere, as they are.
+    pub fn extend(&mut self, problems: Vec<Problem>) {
+        self.0.extend(problems);
+    }
+
     /// Adds the problems of a section, each under the section's name.
     pub fn extend_under(&mut self, section: &str, problems: Vec<Problem>) {
         self.0.extend(problems.into_iter().map(|p| p.under(section)));

@@ -165,6 +165,17 @@ fn messages_name_field_value_and_limit() {
 }
 
 #[test]
+fn a_key_holding_nul_is_refused_naming_the_field() {
+    let limits = Limits::default();
+    let err = limits.key("order\u{0}42").unwrap_err();
+    assert_eq!(err.field(), "key");
+    assert_eq!(err.to_string(), "key has '\\0' at byte 5; only characters other than NUL are allowed");
+    assert_eq!(limits.key_from_bytes(b"\0").unwrap_err().field(), "key");
+    // Every other character, control characters and non-ASCII included, is a key.
+    assert!(limits.key("tab\there \u{1}ключ").is_ok());
+}
+
+#[test]
 fn namespace_alphabet() {
     for ok in ["live", "test", "a.b_c-D9"] {
         assert!(Namespace::new(ok).is_ok(), "{ok}");
@@ -195,6 +206,7 @@ fn derived_key_refusals() {
         (limits.derive_key(&["a", ""], 60_000, 0), "key_parts[1] is empty"),
         (limits.derive_key(&["a:b"], 60_000, 0), "key_parts[0] contains ':', the separator of derived keys"),
         (limits.derive_key(&["a"], 0, 0), "bucket_ms must not be zero"),
+        (limits.derive_key(&["a", "b\0c"], 60_000, 0), "key_parts[1] contains NUL"),
     ];
     for (result, message) in refused {
         assert_eq!(result.unwrap_err().to_string(), message);

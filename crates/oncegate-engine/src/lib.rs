@@ -14,6 +14,7 @@ mod clock;
 mod config;
 mod error;
 mod faults;
+pub mod files;
 pub mod manifest;
 mod shard;
 mod store;
@@ -326,6 +327,12 @@ impl Engine {
                 _lock: lock,
             }),
         })
+    }
+
+    /// The clock every decision reads; fronts that keep time of their own (rate limits)
+    /// read it too, so that tests drive them with the same manual clock.
+    pub fn clock(&self) -> &Arc<dyn Clock> {
+        &self.inner.clock
     }
 
     /// The configuration the engine runs with.

@@ -11,7 +11,7 @@
 //! written the same way ([`write_atomically`]): temporary file, fsync, rename, fsync of
 //! the directory, so a crash leaves the old or the new contents, never a mix.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -57,7 +57,7 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let mut tmp_name = path.file_name().unwrap_or_default().to_owned();
     tmp_name.push(".tmp");
     let tmp = dir.join(tmp_name);
-    let mut file = File::create(&tmp)?;
+    let mut file = crate::files::options().write(true).create(true).truncate(true).open(&tmp)?;
     file.write_all(bytes)?;
     file.sync_all()?;
     fs::rename(&tmp, path)?;
@@ -97,9 +97,17 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> OpenError + '_ {
 
 /// Takes the directory's exclusive lock; the lock lasts as long as the returned file.
 pub fn lock(data_dir: &Path) -> Result<File, OpenError> {
-    fs::create_dir_all(data_dir).map_err(io(data_dir))?;
+    crate::files::create_dir(data_dir).map_err(io(data_dir))?;
+    if let Ok(Some(bits)) = crate::files::shared_bits(data_dir) {
+        tracing::warn!(
+            data_dir = %data_dir.display(),
+            mode = format!("{bits:03o}"),
+            "the data directory gives its group or others access; keys and stored responses are customer data (chmod 700 it)"
+        );
+    }
     let path = data_dir.join(LOCK_FILE);
-    let file = OpenOptions::new().create(true).truncate(false).write(true).open(&path).map_err(io(&path))?;
+    let file =
+        crate::files::options().create(true).truncate(false).write(true).open(&path).map_err(io(&path))?;
     match file.try_lock() {
         Ok(()) => Ok(file),
         Err(fs::TryLockError::WouldBlock) => Err(OpenError::Locked { path }),

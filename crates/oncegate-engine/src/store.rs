@@ -156,6 +156,7 @@ impl Store {
         if faults.open_should_fail() {
             return Err(StoreError::Injected("open"));
         }
+        crate::files::create_file(path).map_err(|source| StoreError::Io { path: path.to_owned(), source })?;
         let mut conn = Connection::open(path)?;
         let mode: String = conn.query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))?;
         if !mode.eq_ignore_ascii_case("wal") {

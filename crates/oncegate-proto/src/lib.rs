@@ -18,3 +18,7 @@ pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "
 pub const CODE_METADATA: &str = "oncegate-code";
 /// The trailer that names the field at fault when the code is `invalid_argument`.
 pub const FIELD_METADATA: &str = "oncegate-field";
+/// The trailer that names the limit reached when the code is `resource_exhausted`
+/// (`waiters_per_key_max`, `tenants[].requests_per_s`, ...), so a client can tell its own
+/// quota from the server's load.
+pub const LIMIT_METADATA: &str = "oncegate-limit";

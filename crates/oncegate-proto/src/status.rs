@@ -6,7 +6,7 @@
 use oncegate_core::Code;
 use tonic::metadata::MetadataValue;
 
-use crate::{CODE_METADATA, FIELD_METADATA};
+use crate::{CODE_METADATA, FIELD_METADATA, LIMIT_METADATA};
 
 /// The gRPC code for each stable code, as the contract's table gives it.
 pub fn grpc_code(code: Code) -> tonic::Code {
@@ -27,6 +27,13 @@ pub fn grpc_code(code: Code) -> tonic::Code {
 pub fn with_code(code: Code, message: String) -> tonic::Status {
     let mut status = tonic::Status::new(grpc_code(code), message);
     status.metadata_mut().insert(CODE_METADATA, MetadataValue::from_static(code.as_str()));
+    status
+}
+
+/// The status of a `resource_exhausted` refusal, naming the limit reached in the trailer.
+pub fn exhausted(limit: &'static str, message: String) -> tonic::Status {
+    let mut status = with_code(Code::ResourceExhausted, message);
+    status.metadata_mut().insert(LIMIT_METADATA, MetadataValue::from_static(limit));
     status
 }
 

@@ -55,7 +55,7 @@ impl AdminService {
             Removal::Purge => self.engine.purge(scope).await,
         };
         let action = removal.as_str();
-        let (previous, token) = removed.map_err(|e| status(&e))?;
+        let (previous, token) = removed.map_err(status)?;
         tracing::warn!(
             action, who = "admin", reason = %why, tenant = %r.tenant, namespace = %r.namespace,
             key = %key_digest(&r.key), token, previous = ?previous, "operator removed a key's record"
@@ -65,7 +65,7 @@ impl AdminService {
 
     fn scope(&self, tenant: &str, namespace: &str, key: &str) -> Result<oncegate_core::Scope, Status> {
         let tenant = Tenant::new(tenant).map_err(invalid)?;
-        self.engine.scope(&tenant, namespace, key).map_err(|e| status(&e))
+        self.engine.scope(&tenant, namespace, key).map_err(status)
     }
 }
 
@@ -89,7 +89,7 @@ impl pb::admin_server::Admin for AdminService {
         self.auth.check(request.metadata())?;
         let r = request.into_inner();
         let scope = self.scope(&r.tenant, &r.namespace, &r.key)?;
-        let (shard, state, record) = self.engine.inspect(scope).await.map_err(|e| status(&e))?;
+        let (shard, state, record) = self.engine.inspect(scope).await.map_err(status)?;
         let Some(record) = record else {
             return Ok(Response::new(pb::InspectResponse {
                 shard,
@@ -191,7 +191,7 @@ impl pb::admin_server::Admin for AdminService {
         let engine = self.engine.clone();
         let serving = tokio::task::spawn_blocking(move || engine.reopen_shard(shard))
             .await
-            .map_err(|e| status(&oncegate_engine::Error::Unavailable { shard, reason: e.to_string() }))?;
+            .map_err(|e| status(oncegate_engine::Error::Unavailable { shard, reason: e.to_string() }))?;
         tracing::warn!(action = "reopen_shard", who = "admin", shard, serving, "operator reopened a shard");
         Ok(Response::new(pb::ReopenShardResponse { serving }))
     }

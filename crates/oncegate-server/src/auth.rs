@@ -6,9 +6,8 @@ use subtle::ConstantTimeEq;
 use tonic::Status;
 use tonic::metadata::MetadataMap;
 
-use oncegate_core::Problem;
-
-use crate::{TenantConfig, TokenSha256};
+use crate::status::Refusal;
+use crate::{TenantEntry, TokenSha256};
 
 /// The SHA-256 of a token: what the configuration stores (printed as hex).
 pub fn token_sha256(token: &str) -> TokenSha256 {
@@ -23,20 +22,9 @@ pub struct Auth {
 }
 
 impl Auth {
-    /// Builds the table from configuration; a tenant whose name or hash is invalid is
-    /// refused (`Config::check` reports the same problems, all at once).
-    pub fn new(tenants: &[TenantConfig]) -> Result<Auth, Problem> {
-        let mut table = Vec::with_capacity(tenants.len());
-        for (i, tenant) in tenants.iter().enumerate() {
-            let name = Tenant::new(&tenant.name)
-                .map_err(|e| Problem::new(format!("tenants[{i}].name"), format!("is invalid: {e}")))?;
-            let hash = tenant
-                .token_sha256
-                .hash()
-                .ok_or_else(|| Problem::new(format!("tenants[{i}].token_sha256"), "must be 64 hex digits"))?;
-            table.push((name, *hash));
-        }
-        Ok(Auth { tenants: table })
+    /// Builds the table from the validated tenants (`Config::tenant_entries`).
+    pub fn new(tenants: &[TenantEntry]) -> Auth {
+        Auth { tenants: tenants.iter().map(|t| (t.tenant.clone(), t.token_sha256)).collect() }
     }
 
     /// Whether any tenant is configured (otherwise every call is the `default` tenant).
@@ -45,18 +33,19 @@ impl Auth {
     }
 
     /// The tenant whose token the request carries in `authorization: Bearer <token>`.
-    pub fn tenant(&self, metadata: &MetadataMap) -> Result<Tenant, Status> {
+    pub fn tenant(&self, metadata: &MetadataMap) -> Result<Tenant, Refusal> {
         if self.tenants.is_empty() {
             return Ok(Tenant::default_tenant());
         }
-        let header = metadata.get("authorization").ok_or_else(|| {
-            unauthenticated("missing authorization metadata; send `authorization: Bearer <token>`")
-        })?;
-        let value = header.to_str().map_err(|_| unauthenticated("authorization metadata is not ascii"))?;
+        let header = metadata.get("authorization").ok_or(Refusal::Unauthenticated(
+            "missing authorization metadata; send `authorization: Bearer <token>`",
+        ))?;
+        let value =
+            header.to_str().map_err(|_| Refusal::Unauthenticated("authorization metadata is not ascii"))?;
         let token = value
             .strip_prefix("Bearer ")
             .or_else(|| value.strip_prefix("bearer "))
-            .ok_or_else(|| unauthenticated("authorization metadata must be `Bearer <token>`"))?;
+            .ok_or(Refusal::Unauthenticated("authorization metadata must be `Bearer <token>`"))?;
         let presented: [u8; 32] = Sha256::digest(token.trim().as_bytes()).into();
         // Compare against every tenant without stopping early, so timing does not reveal
         // which tenant (if any) came close.
@@ -66,12 +55,12 @@ impl Auth {
                 found = Some(tenant);
             }
         }
-        found.cloned().ok_or_else(|| unauthenticated("unknown bearer token"))
+        found.cloned().ok_or(Refusal::Unauthenticated("unknown bearer token"))
     }
 }
 
-fn unauthenticated(message: &str) -> Status {
-    crate::status::with_code(oncegate_core::Code::Unauthenticated, message.to_owned())
+fn unauthenticated(message: &'static str) -> Status {
+    Refusal::Unauthenticated(message).to_status()
 }
 
 /// The admin service's credentials: one token hash, or open when the server runs without
@@ -87,13 +76,13 @@ pub enum AdminAuth {
 }
 
 impl AdminAuth {
-    /// Builds it from configuration.
-    pub fn new(config: &crate::Config) -> Result<AdminAuth, Problem> {
+    /// Builds it from a configuration that passed `Config::check` (which refuses a
+    /// malformed hash; were one to get here, the service would stay closed).
+    pub fn new(config: &crate::Config) -> AdminAuth {
         match &config.admin.token_sha256 {
-            TokenSha256::Hash(hash) => Ok(AdminAuth::Token(*hash)),
-            TokenSha256::Malformed(_) => Err(Problem::new("admin.token_sha256", "must be 64 hex digits")),
-            TokenSha256::Unset if config.tenants.is_empty() => Ok(AdminAuth::Open),
-            TokenSha256::Unset => Ok(AdminAuth::Closed),
+            TokenSha256::Hash(hash) => AdminAuth::Token(*hash),
+            TokenSha256::Unset if config.tenants.is_empty() => AdminAuth::Open,
+            TokenSha256::Unset | TokenSha256::Malformed(_) => AdminAuth::Closed,
         }
     }
 

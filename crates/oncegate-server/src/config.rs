@@ -2,7 +2,7 @@
 //! refused, and every problem reported at once.
 
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use oncegate_core::{Problem, Problems, Tenant, Unit};
 use oncegate_engine::EngineConfig;
@@ -115,6 +115,31 @@ pub struct ServerConfig {
     /// After SIGTERM, how long in-flight calls (and watch streams) may run before their
     /// connections are closed.
     pub shutdown_grace_ms: u64,
+    /// Open connections; a connection past it is closed as soon as it is accepted.
+    pub connections_max: usize,
+    /// The listener of `/metrics`, `/healthz` and `/readyz`, kept off the gRPC port
+    /// because the metrics name every tenant and its traffic.
+    pub metrics_listen: SocketAddr,
+    /// The server's certificate chain (PEM); with `tls_key_path`, the gRPC port speaks
+    /// TLS only.
+    pub tls_cert_path: Option<PathBuf>,
+    /// The private key of `tls_cert_path` (PEM).
+    pub tls_key_path: Option<PathBuf>,
+    /// CA certificates (PEM) that must have signed every client's certificate (mutual
+    /// TLS); unset, clients present none.
+    pub tls_client_ca_path: Option<PathBuf>,
+    /// A TLS handshake that takes longer is abandoned and its connection closed.
+    pub tls_handshake_timeout_ms: u64,
+    /// Serve tenants in plaintext on a non-loopback address (their bearer tokens then
+    /// cross the network readable); only behind something that encrypts the hop.
+    pub plaintext_allowed: bool,
+}
+
+impl ServerConfig {
+    /// Whether the gRPC port speaks TLS.
+    pub fn tls_enabled(&self) -> bool {
+        self.tls_cert_path.is_some()
+    }
 }
 
 impl Default for ServerConfig {
@@ -128,6 +153,13 @@ impl Default for ServerConfig {
             requests_in_flight_max: 16_384,
             health_poll_ms: 1_000,
             shutdown_grace_ms: 10_000,
+            connections_max: 4_096,
+            metrics_listen: SocketAddr::from(([127, 0, 0, 1], 9464)),
+            tls_cert_path: None,
+            tls_key_path: None,
+            tls_client_ca_path: None,
+            tls_handshake_timeout_ms: 10_000,
+            plaintext_allowed: false,
         }
     }
 }
@@ -160,14 +192,56 @@ impl Default for LogConfig {
     }
 }
 
-/// One tenant: its name and the SHA-256 (hex) of its bearer token, never the token.
+/// One tenant: its name, the SHA-256 (hex) of its bearer token (never the token), and
+/// the limits that keep it from taking what all tenants share.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct TenantConfig {
     /// 1 to 64 bytes of `[A-Za-z0-9._-]`.
     pub name: String,
     /// `oncegate hash-token` prints it.
     pub token_sha256: TokenSha256,
+    /// The tenant's calls served at once; more are refused with `resource_exhausted`.
+    pub requests_in_flight_max: usize,
+    /// The tenant's reserves that may wait (`wait_ms > 0`) at once.
+    pub waiters_max: usize,
+    /// Reserves, heartbeats and gets per second, refilled evenly; 0 sets no rate limit.
+    /// Commits and releases are never rate-limited: each ends work already admitted.
+    pub requests_per_s: u32,
+    /// Requests admitted at once after a quiet spell; 0 means one second's worth.
+    pub requests_burst_max: u32,
+}
+
+impl Default for TenantConfig {
+    fn default() -> Self {
+        TenantConfig {
+            name: String::new(),
+            token_sha256: TokenSha256::Unset,
+            requests_in_flight_max: 1_024,
+            waiters_max: 256,
+            requests_per_s: 0,
+            requests_burst_max: 0,
+        }
+    }
+}
+
+impl TenantConfig {
+    /// The burst the rate limiter allows.
+    pub fn burst(&self) -> u32 {
+        if self.requests_burst_max == 0 { self.requests_per_s } else { self.requests_burst_max }
+    }
+}
+
+/// A configured tenant whose name and token hash are valid: what authentication and the
+/// per-tenant limits are built from, once `Config::check` has passed.
+#[derive(Clone, Debug)]
+pub struct TenantEntry {
+    /// Its name.
+    pub tenant: Tenant,
+    /// The SHA-256 of its bearer token.
+    pub token_sha256: [u8; 32],
+    /// Its limits, as configured.
+    pub config: TenantConfig,
 }
 
 /// Why a configuration was refused; every problem found, one per line.
@@ -204,12 +278,15 @@ impl Config {
         let error = |problems| ConfigError { source_name: source_name.to_owned(), problems };
         let table: toml::Table = toml::from_str(text).map_err(|e| error(vec![e.to_string()]))?;
         let mut problems = Vec::new();
-        let known = toml::Table::try_from(Config::default()).expect("the defaults serialise");
+        // Optional keys are absent from the serialised defaults, so the sample sets them.
+        let mut sample = Config::default();
+        sample.server.tls_cert_path = Some(PathBuf::new());
+        sample.server.tls_key_path = Some(PathBuf::new());
+        sample.server.tls_client_ca_path = Some(PathBuf::new());
+        let known = toml::Table::try_from(sample).expect("the defaults serialise");
         unknown_keys(&table, &known, "", &mut problems);
         if let Some(toml::Value::Array(tenants)) = table.get("tenants") {
-            let sample =
-                toml::Table::try_from(TenantConfig { name: String::new(), token_sha256: TokenSha256::Unset })
-                    .expect("a tenant serialises");
+            let sample = toml::Table::try_from(TenantConfig::default()).expect("a tenant serialises");
             for (i, tenant) in tenants.iter().enumerate() {
                 if let toml::Value::Table(tenant) = tenant {
                     unknown_keys(tenant, &sample, &format!("tenants[{i}]"), &mut problems);
@@ -232,12 +309,23 @@ impl Config {
 
     /// Checks every setting and every relation between settings; returns all problems.
     pub fn check(&self) -> Result<(), Vec<Problem>> {
+        self.check_serving_on(self.server.listen)
+    }
+
+    /// [`Config::check`] for a server whose gRPC listener is bound to `listen`, which may
+    /// differ from `server.listen` (port 0, or a listener the embedding program bound):
+    /// the exposure rules look at the address that really serves.
+    pub fn check_serving_on(&self, listen: SocketAddr) -> Result<(), Vec<Problem>> {
         let mut problems = Problems::default();
         if let Err(engine) = self.engine.check() {
             problems.extend_under("engine", engine);
         }
         self.check_server(&mut problems);
-        self.check_credentials(&mut problems);
+        self.check_exposure(listen, &mut problems);
+        if let Err(tenants) = self.tenant_entries() {
+            problems.extend(tenants);
+        }
+        self.check_admin(&mut problems);
         problems.into_result()
     }
 
@@ -275,45 +363,140 @@ impl Config {
         problems.within(&field("requests_in_flight_max"), in_flight, 1, 1 << 20, Unit::Count);
         problems.within(&field("health_poll_ms"), server.health_poll_ms, 10, 60_000, Unit::Ms);
         problems.within(&field("shutdown_grace_ms"), server.shutdown_grace_ms, 0, 600_000, Unit::Ms);
-        if self.tenants.is_empty() && !server.listen.ip().is_loopback() {
+        problems.within(&field("connections_max"), server.connections_max as u64, 1, 1 << 20, Unit::Count);
+        let handshake = server.tls_handshake_timeout_ms;
+        problems.within(&field("tls_handshake_timeout_ms"), handshake, 100, 60_000, Unit::Ms);
+        self.check_tls_paths(problems);
+    }
+
+    /// The TLS keys come as a set: a certificate needs its key, and a client CA needs
+    /// the server to speak TLS at all.
+    fn check_tls_paths(&self, problems: &mut Problems) {
+        let server = &self.server;
+        let set = |path: &Option<PathBuf>| path.as_ref().is_some_and(|p| !p.as_os_str().is_empty());
+        match (set(&server.tls_cert_path), set(&server.tls_key_path)) {
+            (true, false) => problems.push(Problem::new(
+                "server.tls_key_path",
+                "is not set, but server.tls_cert_path is; TLS needs the certificate's private key",
+            )),
+            (false, true) => problems.push(Problem::new(
+                "server.tls_cert_path",
+                "is not set, but server.tls_key_path is; TLS needs the certificate the key belongs to",
+            )),
+            _ => {}
+        }
+        if set(&server.tls_client_ca_path) && !set(&server.tls_cert_path) {
+            problems.push(Problem::new(
+                "server.tls_client_ca_path",
+                "is set, but server.tls_cert_path is not; client certificates are checked only over TLS",
+            ));
+        }
+    }
+
+    /// Who may reach the gRPC port, and how: without tenants, loopback only; with
+    /// tenants on another address, TLS unless plaintext is allowed explicitly.
+    fn check_exposure(&self, listen: SocketAddr, problems: &mut Problems) {
+        let server = &self.server;
+        if listen.ip().is_loopback() {
+            return;
+        }
+        if self.tenants.is_empty() {
             problems.push(Problem::new(
                 "server.listen",
                 format!(
-                    "is {}, but no tenants are configured: without tenants oncegate runs one unauthenticated \
+                    "is {listen}, but no tenants are configured: without tenants oncegate runs one unauthenticated \
                      `default` tenant and listens on loopback only. Add a [[tenants]] entry with a name and the \
-                     token_sha256 that `oncegate hash-token` prints for its token",
-                    server.listen
+                     token_sha256 that `oncegate hash-token` prints for its token"
+                ),
+            ));
+        } else if !server.tls_enabled() && !server.plaintext_allowed {
+            problems.push(Problem::new(
+                "server.tls_cert_path",
+                format!(
+                    "is not set, and server.listen is {listen}: tenants' bearer tokens would cross the network in \
+                     plaintext. Set server.tls_cert_path and server.tls_key_path (docs/operations.md shows how to \
+                     make them), or set server.plaintext_allowed = true when something else encrypts the hop"
                 ),
             ));
         }
     }
 
-    fn check_credentials(&self, problems: &mut Problems) {
+    /// The configured tenants with their names and token hashes parsed, or every problem
+    /// with them: the one place tenant entries are validated.
+    pub fn tenant_entries(&self) -> Result<Vec<TenantEntry>, Vec<Problem>> {
+        let mut problems = Problems::default();
         let mut names = std::collections::HashSet::new();
         let mut hashes = std::collections::HashSet::new();
-        for (i, tenant) in self.tenants.iter().enumerate() {
-            if let Err(e) = Tenant::new(&tenant.name) {
-                problems.push(Problem::new(format!("tenants[{i}].name"), format!("is invalid: {e}")));
-            }
-            if !names.insert(tenant.name.as_str()) {
+        let mut entries = Vec::with_capacity(self.tenants.len());
+        for (i, config) in self.tenants.iter().enumerate() {
+            let field = |name: &str| format!("tenants[{i}].{name}");
+            let tenant = Tenant::new(&config.name)
+                .map_err(|e| problems.push(Problem::new(field("name"), format!("is invalid: {e}"))))
+                .ok();
+            if !names.insert(config.name.as_str()) {
                 problems.push(Problem::new(
-                    format!("tenants[{i}].name"),
-                    format!("is {:?}, which an earlier tenant already uses", tenant.name),
+                    field("name"),
+                    format!("is {:?}, which an earlier tenant already uses", config.name),
                 ));
             }
-            match tenant.token_sha256.hash() {
-                None => problems.push(Problem::new(format!("tenants[{i}].token_sha256"), TOKEN_SHA256_RULE)),
-                Some(hash) if !hashes.insert(*hash) => problems.push(Problem::new(
-                    format!("tenants[{i}].token_sha256"),
-                    "is the same as another tenant's",
-                )),
-                Some(_) => {}
+            let hash = match config.token_sha256.hash() {
+                None => {
+                    problems.push(Problem::new(field("token_sha256"), TOKEN_SHA256_RULE));
+                    None
+                }
+                Some(hash) if !hashes.insert(*hash) => {
+                    problems.push(Problem::new(field("token_sha256"), "is the same as another tenant's"));
+                    None
+                }
+                Some(hash) => Some(*hash),
+            };
+            self.check_tenant_limits(config, &field, &mut problems);
+            if let (Some(tenant), Some(token_sha256)) = (tenant, hash) {
+                entries.push(TenantEntry { tenant, token_sha256, config: config.clone() });
             }
         }
+        problems.into_result().map(|()| entries)
+    }
+
+    fn check_tenant_limits(
+        &self,
+        config: &TenantConfig,
+        field: &dyn Fn(&str) -> String,
+        problems: &mut Problems,
+    ) {
+        // A tenant may have the whole server's in-flight limit, never more.
+        let server_in_flight = (self.server.requests_in_flight_max as u64).max(1);
+        let in_flight = config.requests_in_flight_max as u64;
+        problems.within(&field("requests_in_flight_max"), in_flight, 1, server_in_flight, Unit::Count);
+        problems.within(&field("waiters_max"), config.waiters_max as u64, 0, 1 << 20, Unit::Count);
+        problems.within(
+            &field("requests_per_s"),
+            u64::from(config.requests_per_s),
+            0,
+            10_000_000,
+            Unit::Count,
+        );
+        problems.within(
+            &field("requests_burst_max"),
+            u64::from(config.requests_burst_max),
+            0,
+            10_000_000,
+            Unit::Count,
+        );
+        if config.requests_per_s == 0 && config.requests_burst_max != 0 {
+            problems.push(Problem::new(
+                field("requests_burst_max"),
+                "is set, but requests_per_s is 0 (no rate limit); set the rate the burst belongs to",
+            ));
+        }
+    }
+
+    fn check_admin(&self, problems: &mut Problems) {
+        let tenant_hashes = || self.tenants.iter().filter_map(|t| t.token_sha256.hash());
         match &self.admin.token_sha256 {
             TokenSha256::Unset => {}
             TokenSha256::Malformed(_) => problems.push(Problem::new("admin.token_sha256", TOKEN_SHA256_RULE)),
-            TokenSha256::Hash(hash) if hashes.contains(hash) => problems.push(Problem::new(
+            TokenSha256::Hash(hash) if tenant_hashes().any(|h| h == hash) => problems.push(Problem::new(
                 "admin.token_sha256",
                 "is the same as a tenant's; the admin token must be its own",
             )),

@@ -1,25 +1,27 @@
 //! The `oncegate.v1.Gate` service: authenticate, admit, translate, call the engine,
 //! translate back. No decision is made here; every answer comes from the engine.
 
+use std::borrow::Cow;
+use std::future::Future;
 use std::sync::Arc;
+use std::time::Instant;
 
 use oncegate_core::{Invalid, Outcome, Previous, ReserveReply, State, Tenant};
 use oncegate_engine::{CommitRequest, Engine, KeyRequest, ReserveRequest};
 use oncegate_proto::v1 as pb;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 use crate::auth::Auth;
-use crate::status::{invalid, status, with_code};
+use crate::status::Refusal;
+use crate::tenants::{Admit, Demand};
 
 /// The gRPC `Gate` service over an engine.
 #[derive(Clone)]
 pub struct GateService {
     engine: Engine,
     auth: Arc<Auth>,
-    in_flight: Arc<Semaphore>,
-    in_flight_max: usize,
+    admit: Arc<Admit>,
 }
 
 /// A short, stable digest of a key for logs: keys can carry customer data, so the raw
@@ -28,15 +30,14 @@ pub fn key_digest(key: &str) -> String {
     format!("{:08x}", xxhash_rust::xxh3::xxh3_64(key.as_bytes()) as u32)
 }
 
-fn outcome_from_wire(value: i32) -> Result<Outcome, Status> {
+fn outcome_from_wire(value: i32) -> Result<Outcome, Invalid> {
     match pb::Outcome::try_from(value) {
         Ok(pb::Outcome::Succeeded) => Ok(Outcome::Succeeded),
         Ok(pb::Outcome::Failed) => Ok(Outcome::Failed),
-        Ok(pb::Outcome::Unspecified) => Err(invalid(Invalid::Rule {
-            field: "outcome",
-            rule: "must be OUTCOME_SUCCEEDED or OUTCOME_FAILED",
-        })),
-        Err(_) => Err(invalid(Invalid::UnknownEnum { field: "outcome", value: i64::from(value) })),
+        Ok(pb::Outcome::Unspecified) => {
+            Err(Invalid::Rule { field: "outcome", rule: "must be OUTCOME_SUCCEEDED or OUTCOME_FAILED" })
+        }
+        Err(_) => Err(Invalid::UnknownEnum { field: "outcome", value: i64::from(value) }),
     }
 }
 
@@ -100,49 +101,6 @@ fn outcome_name(outcome: &pb::reserve_response::Outcome) -> &'static str {
     }
 }
 
-impl GateService {
-    /// A service answering from `engine`, authenticating with `auth`, serving at most
-    /// `in_flight_max` calls at once.
-    pub fn new(engine: Engine, auth: Auth, in_flight_max: usize) -> GateService {
-        GateService {
-            engine,
-            auth: Arc::new(auth),
-            in_flight: Arc::new(Semaphore::new(in_flight_max)),
-            in_flight_max,
-        }
-    }
-
-    /// Authenticates first (an unauthenticated caller learns nothing, not even load),
-    /// then takes an in-flight slot or sheds the call.
-    fn admit<T>(
-        &self,
-        rpc: &'static str,
-        request: &Request<T>,
-        started: std::time::Instant,
-    ) -> Result<(Tenant, OwnedSemaphorePermit), Status> {
-        let tenant = self.auth.tenant(request.metadata()).inspect_err(|status| {
-            crate::telemetry::record_call(rpc, None, refusal_name(status), started);
-        })?;
-        let permit = Arc::clone(&self.in_flight).try_acquire_owned().map_err(|_| {
-            crate::telemetry::record_call(rpc, Some(&tenant), "resource_exhausted", started);
-            with_code(
-                oncegate_core::Code::ResourceExhausted,
-                format!(
-                    "the server is at its in-flight limit; requests_in_flight_max is {}",
-                    self.in_flight_max
-                ),
-            )
-        })?;
-        Ok((tenant, permit))
-    }
-}
-
-/// The metric label of a refusal: its stable code.
-fn refusal_name(status: &Status) -> &'static str {
-    let code = status.metadata().get(crate::CODE_METADATA).and_then(|v| v.to_str().ok());
-    oncegate_core::Code::ALL.iter().map(|c| c.as_str()).find(|name| Some(*name) == code).unwrap_or("internal")
-}
-
 /// The span of one request: RPC, tenant, namespace, a digest of the key (never the key),
 /// the shard (recorded by the engine when it routes the call), outcome and duration.
 fn request_span(rpc: &'static str, namespace: &str, key: &str) -> tracing::Span {
@@ -159,17 +117,10 @@ fn request_span(rpc: &'static str, namespace: &str, key: &str) -> tracing::Span 
 }
 
 /// Logs, counts and times one finished call. Keys are logged only as a digest.
-fn finish<T>(
-    rpc: &'static str,
-    tenant: Option<&Tenant>,
-    key: &str,
-    started: std::time::Instant,
-    result: &Result<T, Status>,
-    outcome: &'static str,
-) {
-    let label = match result {
-        Ok(_) => outcome,
-        Err(status) => refusal_name(status),
+fn finish<T>(rpc: &'static str, tenant: Option<&Tenant>, key: &str, started: Instant, answer: &Answer<T>) {
+    let label = match answer {
+        Ok((_, outcome)) => outcome,
+        Err(refusal) => refusal.code().as_str(),
     };
     crate::telemetry::record_call(rpc, tenant, label, started);
     let tenant = tenant.map_or("-", |t| t.as_str());
@@ -178,11 +129,104 @@ fn finish<T>(
     span.record("tenant", tenant);
     span.record("outcome", label);
     span.record("duration_us", duration_us);
-    match result {
+    match answer {
         Ok(_) => tracing::debug!(rpc, tenant, key = %key_digest(key), outcome = label, duration_us, "served"),
-        Err(s) => {
-            tracing::debug!(rpc, tenant, key = %key_digest(key), outcome = label, duration_us, error = s.message(), "refused")
+        Err(refusal) => {
+            tracing::debug!(rpc, tenant, key = %key_digest(key), outcome = label, duration_us, error = %refusal, "refused")
         }
+    }
+}
+
+/// What the one call path needs to know of each request message.
+trait Call: Send + 'static {
+    /// The RPC's name, as metrics and logs label it.
+    const RPC: &'static str;
+    /// Whether the tenant's request rate applies (see [`Demand::rated`]).
+    const RATED: bool = true;
+    fn namespace(&self) -> &str;
+    /// The key as logs digest it (a derived key's parts, joined, before it is derived).
+    fn key(&self) -> Cow<'_, str>;
+    /// Whether the call may park as a waiter.
+    fn waits(&self) -> bool {
+        false
+    }
+}
+
+macro_rules! keyed_call {
+    ($message:ty, $rpc:literal, $rated:literal) => {
+        impl Call for $message {
+            const RPC: &'static str = $rpc;
+            const RATED: bool = $rated;
+            fn namespace(&self) -> &str {
+                &self.namespace
+            }
+            fn key(&self) -> Cow<'_, str> {
+                Cow::Borrowed(&self.key)
+            }
+        }
+    };
+}
+
+keyed_call!(pb::CommitRequest, "commit", false);
+keyed_call!(pb::ReleaseRequest, "release", false);
+keyed_call!(pb::HeartbeatRequest, "heartbeat", true);
+keyed_call!(pb::GetRequest, "get", true);
+
+impl Call for pb::ReserveRequest {
+    const RPC: &'static str = "reserve";
+    fn namespace(&self) -> &str {
+        &self.namespace
+    }
+    fn key(&self) -> Cow<'_, str> {
+        if self.key.is_empty() { Cow::Owned(self.key_parts.join(":")) } else { Cow::Borrowed(&self.key) }
+    }
+    fn waits(&self) -> bool {
+        self.wait_ms > 0
+    }
+}
+
+/// A call's answer and its metric label (`granted`, `ok`, ...).
+type Answer<T> = Result<(T, &'static str), Refusal>;
+
+impl GateService {
+    /// A service answering from `engine`, authenticating with `auth`, admitting calls
+    /// through `admit`'s server and tenant limits.
+    pub(crate) fn new(engine: Engine, auth: Auth, admit: Admit) -> GateService {
+        GateService { engine, auth: Arc::new(auth), admit: Arc::new(admit) }
+    }
+
+    /// The one path of every call: authenticate (an unauthenticated caller learns
+    /// nothing, not even load), admit, run `work`, then count, time and log the call.
+    async fn call<M, T, F, Fut>(&self, request: Request<M>, work: F) -> Result<Response<T>, Status>
+    where
+        M: Call,
+        F: FnOnce(Engine, Tenant, M) -> Fut,
+        Fut: Future<Output = Answer<T>>,
+    {
+        let started = Instant::now();
+        let message = request.get_ref();
+        let span = request_span(M::RPC, message.namespace(), &message.key());
+        async move {
+            let key = request.get_ref().key().into_owned();
+            let demand = Demand { rated: M::RATED, waits: request.get_ref().waits() };
+            let (tenant, answer) = match self.auth.tenant(request.metadata()) {
+                Err(refusal) => (None, Err(refusal)),
+                Ok(tenant) => {
+                    let answer = match self.admit.admit(&tenant, demand) {
+                        // The admission holds the call's slots until the engine answers.
+                        Ok(_admission) => {
+                            work(self.engine.clone(), tenant.clone(), request.into_inner()).await
+                        }
+                        Err(refusal) => Err(refusal),
+                    };
+                    (Some(tenant), answer)
+                }
+            };
+            finish(M::RPC, tenant.as_ref(), &key, started, &answer);
+            answer.map(|(reply, _)| Response::new(reply)).map_err(|refusal| refusal.to_status())
+        }
+        .instrument(span)
+        .await
     }
 }
 
@@ -192,12 +236,7 @@ impl pb::gate_server::Gate for GateService {
         &self,
         request: Request<pb::ReserveRequest>,
     ) -> Result<Response<pb::ReserveResponse>, Status> {
-        let span = request_span("reserve", &request.get_ref().namespace, &request.get_ref().key);
-        async move {
-            let started = std::time::Instant::now();
-            let (tenant, _permit) = self.admit("reserve", &request, started)?;
-            let r = request.into_inner();
-            let key_for_log = if r.key.is_empty() { r.key_parts.join(":") } else { r.key.clone() };
+        self.call(request, |engine, tenant, r| async move {
             let call = ReserveRequest {
                 namespace: r.namespace,
                 key: r.key,
@@ -208,17 +247,11 @@ impl pb::gate_server::Gate for GateService {
                 fingerprint: r.fingerprint,
                 wait_ms: r.wait_ms,
             };
-            let result = self.engine.reserve(&tenant, call).await.map_err(|e| status(&e)).map(|reserved| {
-                pb::ReserveResponse {
-                    key: reserved.key.as_str().to_owned(),
-                    outcome: Some(reserve_to_wire(reserved.reply)),
-                }
-            });
-            let outcome = result.as_ref().ok().and_then(|r| r.outcome.as_ref()).map_or("", outcome_name);
-            finish("reserve", Some(&tenant), &key_for_log, started, &result, outcome);
-            result.map(Response::new)
-        }
-        .instrument(span)
+            let reserved = engine.reserve(&tenant, call).await?;
+            let outcome = reserve_to_wire(reserved.reply);
+            let label = outcome_name(&outcome);
+            Ok((pb::ReserveResponse { key: reserved.key.as_str().to_owned(), outcome: Some(outcome) }, label))
+        })
         .await
     }
 
@@ -226,28 +259,17 @@ impl pb::gate_server::Gate for GateService {
         &self,
         request: Request<pb::CommitRequest>,
     ) -> Result<Response<pb::CommitResponse>, Status> {
-        let span = request_span("commit", &request.get_ref().namespace, &request.get_ref().key);
-        async move {
-            let started = std::time::Instant::now();
-            let (tenant, _permit) = self.admit("commit", &request, started)?;
-            let r = request.into_inner();
-            let key = r.key.clone();
-            let result = async {
-                let call = CommitRequest {
-                    namespace: r.namespace,
-                    key: r.key,
-                    token: r.token,
-                    outcome: outcome_from_wire(r.outcome)?,
-                    response: r.response,
-                };
-                let expires_at_ms = self.engine.commit(&tenant, call).await.map_err(|e| status(&e))?;
-                Ok(pb::CommitResponse { expires_at_ms })
-            }
-            .await;
-            finish("commit", Some(&tenant), &key, started, &result, "ok");
-            result.map(Response::new)
-        }
-        .instrument(span)
+        self.call(request, |engine, tenant, r| async move {
+            let call = CommitRequest {
+                namespace: r.namespace,
+                key: r.key,
+                token: r.token,
+                outcome: outcome_from_wire(r.outcome)?,
+                response: r.response,
+            };
+            let expires_at_ms = engine.commit(&tenant, call).await?;
+            Ok((pb::CommitResponse { expires_at_ms }, "ok"))
+        })
         .await
     }
 
@@ -255,23 +277,11 @@ impl pb::gate_server::Gate for GateService {
         &self,
         request: Request<pb::ReleaseRequest>,
     ) -> Result<Response<pb::ReleaseResponse>, Status> {
-        let span = request_span("release", &request.get_ref().namespace, &request.get_ref().key);
-        async move {
-            let started = std::time::Instant::now();
-            let (tenant, _permit) = self.admit("release", &request, started)?;
-            let r = request.into_inner();
-            let key = r.key.clone();
+        self.call(request, |engine, tenant, r| async move {
             let call = KeyRequest { namespace: r.namespace, key: r.key, token: r.token, lease_ms: 0 };
-            let result = self
-                .engine
-                .release(&tenant, call)
-                .await
-                .map_err(|e| status(&e))
-                .map(|()| pb::ReleaseResponse {});
-            finish("release", Some(&tenant), &key, started, &result, "ok");
-            result.map(Response::new)
-        }
-        .instrument(span)
+            engine.release(&tenant, call).await?;
+            Ok((pb::ReleaseResponse {}, "ok"))
+        })
         .await
     }
 
@@ -279,49 +289,34 @@ impl pb::gate_server::Gate for GateService {
         &self,
         request: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
-        let span = request_span("heartbeat", &request.get_ref().namespace, &request.get_ref().key);
-        async move {
-            let started = std::time::Instant::now();
-            let (tenant, _permit) = self.admit("heartbeat", &request, started)?;
-            let r = request.into_inner();
-            let key = r.key.clone();
+        self.call(request, |engine, tenant, r| async move {
             let call =
                 KeyRequest { namespace: r.namespace, key: r.key, token: r.token, lease_ms: r.lease_ms };
-            let result = self.engine.heartbeat(&tenant, call).await.map_err(|e| status(&e)).map(|renewed| {
-                pb::HeartbeatResponse {
-                    lease_until_ms: renewed.lease_until_ms,
-                    expires_at_ms: renewed.expires_at_ms,
-                }
-            });
-            finish("heartbeat", Some(&tenant), &key, started, &result, "ok");
-            result.map(Response::new)
-        }
-        .instrument(span)
+            let renewed = engine.heartbeat(&tenant, call).await?;
+            let reply = pb::HeartbeatResponse {
+                lease_until_ms: renewed.lease_until_ms,
+                expires_at_ms: renewed.expires_at_ms,
+            };
+            Ok((reply, "ok"))
+        })
         .await
     }
 
     async fn get(&self, request: Request<pb::GetRequest>) -> Result<Response<pb::GetResponse>, Status> {
-        let span = request_span("get", &request.get_ref().namespace, &request.get_ref().key);
-        async move {
-            let started = std::time::Instant::now();
-            let (tenant, _permit) = self.admit("get", &request, started)?;
-            let r = request.into_inner();
-            let key = r.key.clone();
+        self.call(request, |engine, tenant, r| async move {
             let call = KeyRequest { namespace: r.namespace, key: r.key, token: 0, lease_ms: 0 };
-            let result =
-                self.engine.get(&tenant, call).await.map_err(|e| status(&e)).map(|view| pb::GetResponse {
-                    state: state_to_wire(view.state),
-                    token: view.token,
-                    attempt: view.attempt,
-                    lease_until_ms: view.lease_until_ms,
-                    expires_at_ms: view.expires_at_ms,
-                    outcome: view.outcome.map_or(pb::Outcome::Unspecified as i32, outcome_to_wire),
-                    response: view.response,
-                });
-            finish("get", Some(&tenant), &key, started, &result, "ok");
-            result.map(Response::new)
-        }
-        .instrument(span)
+            let view = engine.get(&tenant, call).await?;
+            let reply = pb::GetResponse {
+                state: state_to_wire(view.state),
+                token: view.token,
+                attempt: view.attempt,
+                lease_until_ms: view.lease_until_ms,
+                expires_at_ms: view.expires_at_ms,
+                outcome: view.outcome.map_or(pb::Outcome::Unspecified as i32, outcome_to_wire),
+                response: view.response,
+            };
+            Ok((reply, "ok"))
+        })
         .await
     }
 }

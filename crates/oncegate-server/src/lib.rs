@@ -9,25 +9,32 @@ mod admin;
 mod auth;
 pub mod config;
 mod gate;
+mod listen;
 mod status;
 pub mod telemetry;
+mod tenants;
+mod tls;
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use oncegate_engine::{Engine, ShardState};
 use oncegate_proto::v1::gate_server::GateServer;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
+use tonic::service::Routes;
 use tonic_health::ServingStatus;
+use tonic_health::server::HealthReporter;
 
 pub use admin::AdminService;
 pub use auth::{AdminAuth, Auth, token_sha256};
 pub use config::{
-    AdminConfig, Config, ConfigError, LogConfig, LogFormat, ServerConfig, TenantConfig, TokenSha256,
+    AdminConfig, Config, ConfigError, LogConfig, LogFormat, ServerConfig, TenantConfig, TenantEntry,
+    TokenSha256,
 };
 pub use gate::{GateService, key_digest};
-pub use status::{CODE_METADATA, FIELD_METADATA, grpc_code, status};
+pub use status::{CODE_METADATA, FIELD_METADATA, LIMIT_METADATA, Refusal, grpc_code, status};
+pub use tls::TlsError;
 
 /// The fully qualified name of the gate service, as health checks name it.
 pub const GATE_SERVICE_NAME: &str = "oncegate.v1.Gate";
@@ -36,48 +43,158 @@ pub const GATE_SERVICE_NAME: &str = "oncegate.v1.Gate";
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ServeError {
-    /// The configuration's credentials could not be loaded.
-    #[error("configuration: {0}")]
-    Credentials(#[from] oncegate_core::Problem),
+    /// The configuration breaks a rule (every problem, each naming its key).
+    #[error("configuration refused:\n  {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n  "))]
+    Config(Vec<oncegate_core::Problem>),
+    /// A TLS file could not be used.
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    /// A listener could not be bound.
+    #[error("{field} {addr}: {source}")]
+    Bind {
+        /// The setting that names the address.
+        field: &'static str,
+        /// The address.
+        addr: SocketAddr,
+        /// What the operating system said.
+        source: std::io::Error,
+    },
     /// The reflection service could not be built from the descriptor set.
     #[error("reflection: {0}")]
     Reflection(String),
-    /// The listener failed.
-    #[error("transport: {0}")]
+    /// The gRPC server failed.
+    #[error("transport: {}", tls::error_chain(.0))]
     Transport(#[from] tonic::transport::Error),
 }
 
-/// Serves `engine` on `listener` until `shutdown` resolves, then finishes in-flight calls
+/// The sockets a server serves on.
+pub struct Listeners {
+    /// The gRPC port: `Gate`, `Admin`, health and reflection.
+    pub gate: TcpListener,
+    /// `/metrics`, `/healthz` and `/readyz`; `None` serves them nowhere.
+    pub metrics: Option<TcpListener>,
+}
+
+impl Listeners {
+    /// Binds `server.listen` and `server.metrics_listen`.
+    pub async fn bind(server: &ServerConfig) -> Result<Listeners, ServeError> {
+        let bind = |field, addr| async move {
+            TcpListener::bind(addr).await.map_err(|source| ServeError::Bind { field, addr, source })
+        };
+        let gate = bind("server.listen", server.listen).await?;
+        let metrics = bind("server.metrics_listen", server.metrics_listen).await?;
+        Ok(Listeners { gate, metrics: Some(metrics) })
+    }
+}
+
+/// Serves `engine` on `listeners` until `shutdown` resolves, then finishes in-flight calls
 /// and returns. The caller shuts the engine down afterwards.
+///
+/// The configuration is checked first, with the exposure rules applied to the address
+/// the gRPC listener is really bound to: an embedding program gets the same refusals as
+/// `oncegate serve` (no tenants off loopback, tenants off loopback without TLS, an admin
+/// token shared with a tenant, ...).
 pub async fn serve(
     engine: Engine,
     config: &Config,
-    listener: TcpListener,
+    listeners: Listeners,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
     let server = &config.server;
-    let auth = Auth::new(&config.tenants)?;
+    let gate_addr = listeners.gate.local_addr().map_err(|source| ServeError::Bind {
+        field: "server.listen",
+        addr: server.listen,
+        source,
+    })?;
+    config.check_serving_on(gate_addr).map_err(ServeError::Config)?;
+    let tls = tls::server_tls(server)?;
+    if tls.is_none() && !gate_addr.ip().is_loopback() {
+        tracing::warn!(%gate_addr, "serving tenants in plaintext off loopback (server.plaintext_allowed = true)");
+    }
+    let (routes, reporter) = routes(&engine, config).await?;
+    // On the signal: report NOT_SERVING (so balancers stop sending), stop accepting, and
+    // give in-flight calls `shutdown_grace_ms` to finish. Long-lived streams (health
+    // watches) would otherwise hold the shutdown open for ever.
+    let (stopping_tx, stopping) = tokio::sync::watch::channel(false);
+    let poll = Duration::from_millis(server.health_poll_ms);
+    let health_task = tokio::spawn(report_health(engine.clone(), reporter, poll, stopping.clone()));
+    let metrics_task = listeners.metrics.map(|listener| {
+        let engine = engine.clone();
+        tokio::spawn(async move {
+            if let Err(error) = telemetry::serve(listener, engine, std::future::pending()).await {
+                tracing::error!(%error, "the metrics listener failed");
+            }
+        })
+    });
+    let signal = async move {
+        shutdown.await;
+        let _ = stopping_tx.send(true);
+    };
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        builder = builder.tls_config(tls).map_err(|e| TlsError {
+            field: "server.tls_cert_path",
+            path: server.tls_cert_path.clone().unwrap_or_default(),
+            reason: tls::error_chain(&e),
+        })?;
+    }
+    let serving = builder
+        .accept_http1(true)
+        .timeout(Duration::from_millis(server.request_timeout_ms))
+        .max_concurrent_streams(Some(server.streams_per_connection_max))
+        .http2_max_header_list_size(Some(server.metadata_bytes_max))
+        .add_routes(routes)
+        .serve_with_incoming_shutdown(listen::incoming(listeners.gate, server.connections_max), signal);
+    let grace = Duration::from_millis(server.shutdown_grace_ms);
+    let deadline = async move {
+        let mut stopping = stopping;
+        // `false`: the server ended without a signal, so there is no grace to count.
+        let signalled = stopping.wait_for(|stopping| *stopping).await.is_ok();
+        if signalled {
+            tokio::time::sleep(grace).await;
+        } else {
+            std::future::pending::<()>().await;
+        }
+    };
+    let served = tokio::select! {
+        result = serving => result.map_err(ServeError::from),
+        () = deadline => {
+            tracing::warn!(grace_ms = server.shutdown_grace_ms, "shutdown grace elapsed; closing the remaining connections");
+            Ok(())
+        }
+    };
+    // Both tasks hold the engine; they have ended when `serve` returns, so the caller's
+    // shutdown releases the data directory.
+    for task in std::iter::once(health_task).chain(metrics_task) {
+        task.abort();
+        let _ = task.await;
+    }
+    served
+}
+
+/// The gRPC services (Gate, Admin, health, reflection) and the health reporter, whose
+/// first status is set before the listener accepts anything, so that a health check
+/// right after start-up never finds the service unregistered.
+async fn routes(engine: &Engine, config: &Config) -> Result<(Routes, HealthReporter), ServeError> {
+    let server = &config.server;
+    let tenants = config.tenant_entries().map_err(ServeError::Config)?;
+    let auth = Auth::new(&tenants);
     if auth.is_open() {
         tracing::warn!(
             "no tenants configured: serving the `default` tenant without authentication (loopback only)"
         );
     }
-    let engine_for_routes = engine.clone();
-    let admin_auth = AdminAuth::new(config)?;
-    let admin =
-        oncegate_proto::v1::admin_server::AdminServer::new(AdminService::new(engine.clone(), admin_auth));
-    let gate = GateServer::new(GateService::new(engine.clone(), auth, server.requests_in_flight_max))
+    let admit = tenants::Admit::new(server.requests_in_flight_max, &tenants, engine.clock().clone());
+    let admin = oncegate_proto::v1::admin_server::AdminServer::new(AdminService::new(
+        engine.clone(),
+        AdminAuth::new(config),
+    ));
+    let gate = GateServer::new(GateService::new(engine.clone(), auth, admit))
         .max_decoding_message_size(server.message_bytes_max)
         .max_encoding_message_size(server.message_bytes_max);
-
     let (reporter, health) = tonic_health::server::health_reporter();
-    // The first status is set before the listener accepts anything, so a health check
-    // right after start-up never finds the service unregistered.
     let all_serving = engine.shard_states().iter().all(|s| *s == ShardState::Serving);
     set_health(&reporter, all_serving).await;
-    let poll = Duration::from_millis(server.health_poll_ms);
-    let health_task = tokio::spawn(report_health(engine, reporter.clone(), poll));
-
     let reflection = |builder: tonic_reflection::server::Builder<'static>| {
         builder
             .register_encoded_file_descriptor_set(oncegate_proto::FILE_DESCRIPTOR_SET)
@@ -89,74 +206,32 @@ pub async fn serve(
     let reflection_v1alpha = reflection(tonic_reflection::server::Builder::configure())
         .build_v1alpha()
         .map_err(|e| ServeError::Reflection(e.to_string()))?;
-
-    // On the signal: report NOT_SERVING (so balancers stop sending), stop accepting, and
-    // give in-flight calls `shutdown_grace_ms` to finish. Long-lived streams (health
-    // watches) would otherwise hold the shutdown open for ever.
-    let (signalled_tx, signalled_rx) = tokio::sync::oneshot::channel::<()>();
-    let signal = async move {
-        shutdown.await;
-        let _ = signalled_tx.send(());
-    };
-    // gRPC and the plain HTTP routes (metrics, liveness, readiness) share one port.
-    let mut routes = tonic::service::Routes::new(gate)
+    let routes = Routes::new(gate)
         .add_service(admin)
         .add_service(health)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha);
-    let grpc = std::mem::replace(routes.axum_router_mut(), axum::Router::new());
-    *routes.axum_router_mut() = grpc.merge(telemetry::routes(engine_for_routes));
-    telemetry::handle();
-    let serving = tonic::transport::Server::builder()
-        .accept_http1(true)
-        .timeout(Duration::from_millis(server.request_timeout_ms))
-        .max_concurrent_streams(Some(server.streams_per_connection_max))
-        .http2_max_header_list_size(Some(server.metadata_bytes_max))
-        .tcp_nodelay(true)
-        .add_routes(routes)
-        .serve_with_incoming_shutdown(incoming(listener), signal);
-    let grace = Duration::from_millis(server.shutdown_grace_ms);
-    let deadline = async move {
-        if signalled_rx.await.is_ok() {
-            health_task.abort();
-            let _ = health_task.await;
-            reporter.set_service_status("", ServingStatus::NotServing).await;
-            reporter.set_service_status(GATE_SERVICE_NAME, ServingStatus::NotServing).await;
-            tokio::time::sleep(grace).await;
-        } else {
-            std::future::pending::<()>().await;
-        }
-    };
-    tokio::select! {
-        result = serving => result.map_err(ServeError::from),
-        () = deadline => {
-            tracing::warn!(grace_ms = server.shutdown_grace_ms, "shutdown grace elapsed; closing the remaining connections");
-            Ok(())
-        }
-    }
+    Ok((routes, reporter))
 }
-
-/// The accepted connections, with Nagle's algorithm off. tonic's own `tcp_nodelay`
-/// applies only to listeners it binds itself; without this, small replies wait for the
-/// peer's delayed ACK (about 40 ms on Linux).
-fn incoming(
-    listener: TcpListener,
-) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> + Send + 'static {
-    use tokio_stream::StreamExt;
-    TcpListenerStream::new(listener).map(|accepted| {
-        let stream = accepted?;
-        stream.set_nodelay(true)?;
-        Ok(stream)
-    })
-}
-
 /// Keeps the health service in step with the shards: `SERVING` when every shard serves,
 /// `NOT_SERVING` otherwise, for the whole server and for `oncegate.v1.Gate`.
-async fn report_health(engine: Engine, reporter: tonic_health::server::HealthReporter, poll: Duration) {
+async fn report_health(
+    engine: Engine,
+    reporter: HealthReporter,
+    poll: Duration,
+    mut stopping: tokio::sync::watch::Receiver<bool>,
+) {
     let mut last = engine.shard_states().iter().all(|s| *s == ShardState::Serving);
     set_health(&reporter, last).await;
     loop {
-        tokio::time::sleep(poll).await;
+        let stop = tokio::select! {
+            () = tokio::time::sleep(poll) => false,
+            changed = stopping.wait_for(|stopping| *stopping) => changed.is_ok(),
+        };
+        if stop {
+            set_health(&reporter, false).await;
+            return;
+        }
         let all_serving = engine.shard_states().iter().all(|s| *s == ShardState::Serving);
         if all_serving != last {
             set_health(&reporter, all_serving).await;
@@ -166,7 +241,7 @@ async fn report_health(engine: Engine, reporter: tonic_health::server::HealthRep
     }
 }
 
-async fn set_health(reporter: &tonic_health::server::HealthReporter, all_serving: bool) {
+async fn set_health(reporter: &HealthReporter, all_serving: bool) {
     let status = if all_serving { ServingStatus::Serving } else { ServingStatus::NotServing };
     reporter.set_service_status("", status).await;
     reporter.set_service_status(GATE_SERVICE_NAME, status).await;

@@ -1,26 +1,99 @@
-//! The server's one mapping from engine errors to gRPC status: each error becomes its
-//! stable code (and field), and `oncegate_proto::status` turns that into the status.
+//! The server's one mapping to gRPC status: every refusal, the engine's and the front's
+//! own, is a [`Refusal`]; its stable code (and field, or limit) goes through
+//! `oncegate_proto::status`, and its code is also the metric label, taken from the
+//! refusal itself rather than read back from the status it became.
+
+use oncegate_core::Code;
 
 pub use oncegate_proto::status::grpc_code;
-pub use oncegate_proto::{CODE_METADATA, FIELD_METADATA};
+pub use oncegate_proto::{CODE_METADATA, FIELD_METADATA, LIMIT_METADATA};
 
-/// A refusal the front makes itself (authentication, load shedding), by stable code.
-pub(crate) fn with_code(code: oncegate_core::Code, message: String) -> tonic::Status {
-    oncegate_proto::status::with_code(code, message)
+/// Why the gRPC front did not answer a call about its key.
+#[derive(Debug, thiserror::Error)]
+pub enum Refusal {
+    /// The engine's answer (a contract refusal, an unavailable shard, a full queue).
+    #[error(transparent)]
+    Engine(#[from] oncegate_engine::Error),
+    /// Missing or wrong credentials.
+    #[error("{0}")]
+    Unauthenticated(&'static str),
+    /// A limit of the front: the server's, or the calling tenant's.
+    #[error("{what}; {limit} is {value}")]
+    Exhausted {
+        /// What is used up, in words.
+        what: &'static str,
+        /// The configuration key of the limit, as the `oncegate-limit` trailer names it.
+        limit: &'static str,
+        /// Its value.
+        value: u64,
+    },
+    /// The tenant sent more requests than its rate allows.
+    #[error(
+        "tenant {tenant} is over its request rate; tenants[].requests_per_s is {per_s} (burst {burst}); retry in {retry_after_ms} ms"
+    )]
+    RateLimited {
+        /// The tenant.
+        tenant: oncegate_core::Tenant,
+        /// Its configured rate.
+        per_s: u32,
+        /// Its configured burst.
+        burst: u32,
+        /// When the next request would be admitted.
+        retry_after_ms: u64,
+    },
 }
 
-/// Maps an engine error to its status, with the stable code (and the field, when there
-/// is one) in the trailers and the error's own message.
-pub fn status(error: &oncegate_engine::Error) -> tonic::Status {
-    match error {
-        oncegate_engine::Error::Refused(oncegate_core::Error::Invalid(invalid)) => {
-            oncegate_proto::status::invalid_field(Some(invalid.field()), error.to_string())
+/// The limit name of a rate refusal.
+pub const RATE_LIMIT: &str = "tenants[].requests_per_s";
+
+impl Refusal {
+    /// The stable code of this refusal.
+    pub fn code(&self) -> Code {
+        match self {
+            Refusal::Engine(error) => error.code(),
+            Refusal::Unauthenticated(_) => Code::Unauthenticated,
+            Refusal::Exhausted { .. } | Refusal::RateLimited { .. } => Code::ResourceExhausted,
         }
-        other => with_code(other.code(), other.to_string()),
+    }
+
+    /// The gRPC status: the code, and the field or limit, in trailers.
+    pub fn to_status(&self) -> tonic::Status {
+        use oncegate_engine::Error as E;
+        let message = self.to_string();
+        match self {
+            Refusal::Engine(E::Refused(oncegate_core::Error::Invalid(invalid))) => {
+                oncegate_proto::status::invalid_field(Some(invalid.field()), message)
+            }
+            Refusal::Engine(E::ResourceExhausted { limit_name, .. }) => {
+                oncegate_proto::status::exhausted(limit_name, message)
+            }
+            Refusal::Exhausted { limit, .. } => oncegate_proto::status::exhausted(limit, message),
+            Refusal::RateLimited { .. } => oncegate_proto::status::exhausted(RATE_LIMIT, message),
+            Refusal::Engine(_) | Refusal::Unauthenticated(_) => {
+                oncegate_proto::status::with_code(self.code(), message)
+            }
+        }
     }
 }
 
-/// A field-level refusal raised by the front itself (wire enums and the like).
+impl From<oncegate_core::Invalid> for Refusal {
+    fn from(invalid: oncegate_core::Invalid) -> Self {
+        Refusal::Engine(invalid.into())
+    }
+}
+
+impl From<Refusal> for tonic::Status {
+    fn from(refusal: Refusal) -> Self {
+        refusal.to_status()
+    }
+}
+
+/// Maps an engine error to its status (the admin service's calls).
+pub fn status(error: oncegate_engine::Error) -> tonic::Status {
+    Refusal::Engine(error).to_status()
+}
+
+/// A field-level refusal raised by a service itself (wire enums, admin reasons).
 pub fn invalid(invalid: oncegate_core::Invalid) -> tonic::Status {
-    status(&oncegate_engine::Error::from(invalid))
+    Refusal::from(invalid).to_status()
 }

@@ -1,5 +1,7 @@
-//! Prometheus metrics and the plain HTTP routes served beside gRPC on the same port:
-//! `/metrics`, `/healthz` (the process answers) and `/readyz` (every shard serves).
+//! Prometheus metrics and the plain HTTP routes `/metrics`, `/healthz` (the process
+//! answers) and `/readyz` (every shard serves), on their own listener
+//! (`server.metrics_listen`, loopback by default): the metrics name every tenant and its
+//! traffic, so they stay off the port that tenants reach.
 //!
 //! Metrics go through the `metrics` facade; the exposition format is
 //! `metrics-exporter-prometheus`'s. The engine records its own histograms (batch length,
@@ -106,7 +108,17 @@ fn process_rss_bytes() -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// The HTTP routes, to merge into the gRPC router.
+/// Serves the routes on `listener` until `stop` resolves.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    engine: Engine,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    handle();
+    axum::serve(listener, routes(engine)).with_graceful_shutdown(stop).await
+}
+
+/// The HTTP routes.
 pub fn routes(engine: Engine) -> axum::Router {
     let metrics_engine = engine.clone();
     axum::Router::new()

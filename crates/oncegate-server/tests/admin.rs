@@ -24,7 +24,11 @@ fn config(dir: &std::path::Path, admin: bool) -> Config {
             reopen_backoff_ms_max: 60_000,
             ..EngineConfig::default()
         },
-        tenants: vec![TenantConfig { name: "acme".into(), token_sha256: token_sha256("acme-secret") }],
+        tenants: vec![TenantConfig {
+            name: "acme".into(),
+            token_sha256: token_sha256("acme-secret"),
+            ..TenantConfig::default()
+        }],
         admin: AdminConfig {
             token_sha256: if admin { token_sha256("admin-secret") } else { TokenSha256::Unset },
         },

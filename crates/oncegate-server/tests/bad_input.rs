@@ -119,6 +119,8 @@ async fn malformed_requests_are_refused_naming_the_field() {
     case!("key empty, no parts", g.reserve(reserve("")), Expect::Invalid("key"));
     case!("key 512 bytes (at the limit)", g.reserve(reserve(&long(512))), Expect::Ok);
     case!("key 513 bytes", g.reserve(reserve(&long(513))), Expect::Invalid("key"));
+    case!("key holding NUL", g.reserve(reserve("order\u{0}42")), Expect::Invalid("key"));
+    case!("key part holding NUL", g.reserve(parts(&["a", "b\u{0}"], 60_000)), Expect::Invalid("key_parts"));
     case!(
         "key and key_parts together",
         g.reserve(pb::ReserveRequest { key: "a".into(), ..parts(&["p"], 1000) }),

@@ -110,3 +110,50 @@ fn a_wrong_type_names_its_line() {
     let error = Config::from_toml("[engine]\nshards = \"two\"\n", "test").unwrap_err();
     assert!(error.to_string().contains("line 2"), "{error}");
 }
+
+fn fields(text: &str) -> Vec<String> {
+    match Config::from_toml(text, "test").unwrap().check() {
+        Ok(()) => Vec::new(),
+        Err(problems) => problems.into_iter().map(|p| p.field).collect(),
+    }
+}
+
+const ONE_TENANT: &str = "
+    [[tenants]]
+    name = \"acme\"
+    token_sha256 = \"c695b42d79a2420ca858fe997c67cab0749a72f3875834c654113b9cb2219478\"
+";
+
+#[test]
+fn tenants_off_loopback_need_tls_or_plaintext_allowed_in_so_many_words() {
+    let public = format!("[server]\nlisten = \"0.0.0.0:50051\"\n{ONE_TENANT}");
+    assert_eq!(fields(&public), ["server.tls_cert_path"]);
+    let allowed = public.replace("[server]\n", "[server]\nplaintext_allowed = true\n");
+    assert_eq!(fields(&allowed), Vec::<String>::new());
+    let tls = public.replace("[server]\n", "[server]\ntls_cert_path = \"s.crt\"\ntls_key_path = \"s.key\"\n");
+    assert_eq!(fields(&tls), Vec::<String>::new());
+    let loopback = format!("[server]\nlisten = \"127.0.0.1:50051\"\n{ONE_TENANT}");
+    assert_eq!(fields(&loopback), Vec::<String>::new());
+}
+
+#[test]
+fn tls_settings_come_as_a_set() {
+    assert_eq!(fields("[server]\ntls_cert_path = \"s.crt\""), ["server.tls_key_path"]);
+    assert_eq!(fields("[server]\ntls_key_path = \"s.key\""), ["server.tls_cert_path"]);
+    assert_eq!(fields("[server]\ntls_client_ca_path = \"ca.crt\""), ["server.tls_client_ca_path"]);
+    assert_eq!(fields("[server]\ntls_handshake_timeout_ms = 0"), ["server.tls_handshake_timeout_ms"]);
+    assert_eq!(fields("[server]\nconnections_max = 0"), ["server.connections_max"]);
+}
+
+#[test]
+fn tenant_limits_are_checked_naming_the_entry() {
+    let limits = "requests_in_flight_max = 0\nwaiters_max = 2000000\nrequests_burst_max = 5\n";
+    let text = format!("{ONE_TENANT}{limits}");
+    assert_eq!(
+        fields(&text),
+        ["tenants[0].requests_in_flight_max", "tenants[0].waiters_max", "tenants[0].requests_burst_max"]
+    );
+    let over_server =
+        format!("[server]\nrequests_in_flight_max = 10\n{ONE_TENANT}requests_in_flight_max = 11\n");
+    assert_eq!(fields(&over_server), ["tenants[0].requests_in_flight_max"]);
+}

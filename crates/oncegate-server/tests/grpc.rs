@@ -2,41 +2,14 @@
 //! error mapping, auth, health, reflection, message limits, load shedding and graceful
 //! shutdown.
 
-use oncegate_engine::EngineConfig;
 use oncegate_proto::v1 as pb;
-use oncegate_server::{CODE_METADATA, Config, FIELD_METADATA, TenantConfig, token_sha256};
+use oncegate_server::{FIELD_METADATA, TenantConfig, token_sha256};
 use tonic::transport::Channel;
 use tonic::{Code, Request};
 
 mod common;
 
-use common::{Running, T0, start_in};
-
-fn config_in(dir: &std::path::Path) -> Config {
-    let mut config = Config {
-        engine: EngineConfig {
-            data_dir: dir.to_owned(),
-            reopen_backoff_ms_min: 60_000,
-            reopen_backoff_ms_max: 60_000,
-            ..EngineConfig::default()
-        },
-        ..Config::default()
-    };
-    config.server.health_poll_ms = 10;
-    config
-}
-
-async fn start_with(edit: impl FnOnce(&mut Config)) -> Running {
-    let dir = tempfile::tempdir().unwrap();
-    let mut config = config_in(dir.path());
-    edit(&mut config);
-    config.check().expect("test configuration is valid");
-    start_in(config, Some(dir)).await
-}
-
-fn reserve(key: &str) -> pb::ReserveRequest {
-    pb::ReserveRequest { namespace: "live".into(), key: key.into(), ..Default::default() }
-}
+use common::{T0, config_in, granted, refused, reserve, start_in, start_with};
 
 fn commit(key: &str, token: u64, response: &[u8]) -> pb::CommitRequest {
     pb::CommitRequest {
@@ -48,26 +21,12 @@ fn commit(key: &str, token: u64, response: &[u8]) -> pb::CommitRequest {
     }
 }
 
-fn granted(response: &pb::ReserveResponse) -> u64 {
-    match &response.outcome {
-        Some(pb::reserve_response::Outcome::Granted(g)) => g.token,
-        other => panic!("expected a grant, got {other:?}"),
-    }
-}
-
 /// Reads a health watch until it reports `status`.
 async fn watch_until(
     watch: &mut tonic::Streaming<tonic_health::pb::HealthCheckResponse>,
     status: tonic_health::pb::health_check_response::ServingStatus,
 ) {
     while watch.message().await.unwrap().expect("a status").status != status as i32 {}
-}
-
-/// Checks a refusal's gRPC code and stable code trailer.
-fn refused(status: &tonic::Status, grpc: Code, code: &str) {
-    assert_eq!(status.code(), grpc, "{status:?}");
-    let trailer = status.metadata().get(CODE_METADATA).and_then(|v| v.to_str().ok());
-    assert_eq!(trailer, Some(code), "{status:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -231,8 +190,16 @@ async fn oversized_messages_are_refused_and_the_server_stays_up() {
 async fn tenants_authenticate_and_never_share_keys() {
     let server = start_with(|c| {
         c.tenants = vec![
-            TenantConfig { name: "acme".into(), token_sha256: token_sha256("acme-secret") },
-            TenantConfig { name: "globex".into(), token_sha256: token_sha256("globex-secret") },
+            TenantConfig {
+                name: "acme".into(),
+                token_sha256: token_sha256("acme-secret"),
+                ..TenantConfig::default()
+            },
+            TenantConfig {
+                name: "globex".into(),
+                token_sha256: token_sha256("globex-secret"),
+                ..TenantConfig::default()
+            },
         ];
     })
     .await;
@@ -435,7 +402,7 @@ async fn a_panicking_shard_fails_health_and_readiness() {
     let mut client = server.client().await;
     refused(&client.reserve(reserve("x")).await.unwrap_err(), Code::Unavailable, "unavailable");
     watch_until(&mut watch, ServingStatus::NotServing).await;
-    let addr = server.addr;
+    let addr = server.metrics_addr;
     let (status, body) =
         tokio::task::spawn_blocking(move || common::http_get(addr, "/readyz")).await.unwrap();
     assert_eq!(status, 503, "{body}");

@@ -52,7 +52,7 @@ async fn metrics_health_and_readiness_follow_the_traffic() {
     };
     config.server.health_poll_ms = 10;
     let server = start_in(config, Some(dir)).await;
-    let addr = server.addr;
+    let addr = server.metrics_addr;
     let scrape = move || tokio::task::spawn_blocking(move || samples(&http_get(addr, "/metrics").1));
 
     assert_eq!(tokio::task::spawn_blocking(move || http_get(addr, "/healthz")).await.unwrap().0, 200);

@@ -5,9 +5,12 @@ use std::io::{Read, Write};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use oncegate_engine::{Engine, Faults, ManualClock};
+pub mod certs;
+
+use oncegate_engine::{Engine, EngineConfig, Faults, ManualClock};
+use oncegate_proto::v1 as pb;
 use oncegate_proto::v1::gate_client::GateClient;
-use oncegate_server::Config;
+use oncegate_server::{Config, Listeners};
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
 
@@ -16,9 +19,14 @@ pub const T0: u64 = 1_700_000_000_000;
 
 /// A server running in this process until `stop`.
 pub struct Running {
+    /// The gRPC port.
     pub addr: SocketAddr,
+    /// The metrics listener (`/metrics`, `/healthz`, `/readyz`).
+    pub metrics_addr: SocketAddr,
     pub engine: Engine,
     pub faults: Faults,
+    /// The clock of every decision and of the tenants' rate limits.
+    pub clock: ManualClock,
     stop: Option<oneshot::Sender<()>>,
     served: tokio::task::JoinHandle<()>,
     _dir: Option<tempfile::TempDir>,
@@ -45,22 +53,25 @@ impl Running {
 /// the server when given.
 pub async fn start_in(config: Config, dir: Option<tempfile::TempDir>) -> Running {
     let faults = Faults::default();
-    let engine = Engine::open_with(config.engine.clone(), Arc::new(ManualClock::new(T0)), faults.clone())
+    let clock = ManualClock::new(T0);
+    let engine = Engine::open_with(config.engine.clone(), Arc::new(clock.clone()), faults.clone())
         .expect("engine opens");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().unwrap();
+    let metrics = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let (addr, metrics_addr) = (listener.local_addr().unwrap(), metrics.local_addr().unwrap());
     let (stop, stopped) = oneshot::channel::<()>();
     let served = {
         let engine = engine.clone();
+        let listeners = Listeners { gate: listener, metrics: Some(metrics) };
         tokio::spawn(async move {
-            oncegate_server::serve(engine, &config, listener, async {
+            oncegate_server::serve(engine, &config, listeners, async {
                 let _ = stopped.await;
             })
             .await
             .expect("serves");
         })
     };
-    Running { addr, engine, faults, stop: Some(stop), served, _dir: dir }
+    Running { addr, metrics_addr, engine, faults, clock, stop: Some(stop), served, _dir: dir }
 }
 
 /// `GET path` over HTTP/1.1; returns the status code and the body.
@@ -72,4 +83,55 @@ pub fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
     let status = response.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
     let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
     (status, body)
+}
+
+/// The tests' base configuration: data in `dir`, failed shards that stay failed (no
+/// reopen within a test), health polled often.
+pub fn config_in(dir: &std::path::Path) -> Config {
+    let mut config = Config {
+        engine: EngineConfig {
+            data_dir: dir.to_owned(),
+            reopen_backoff_ms_min: 60_000,
+            reopen_backoff_ms_max: 60_000,
+            ..EngineConfig::default()
+        },
+        ..Config::default()
+    };
+    config.server.health_poll_ms = 10;
+    config
+}
+
+/// Starts a server on [`config_in`] a new directory, edited by `edit`.
+pub async fn start_with(edit: impl FnOnce(&mut Config)) -> Running {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config_in(dir.path());
+    edit(&mut config);
+    config.check().expect("test configuration is valid");
+    start_in(config, Some(dir)).await
+}
+
+pub fn reserve(key: &str) -> pb::ReserveRequest {
+    pb::ReserveRequest { namespace: "live".into(), key: key.into(), ..Default::default() }
+}
+
+/// The token of a grant; panics on any other outcome.
+pub fn granted(response: &pb::ReserveResponse) -> u64 {
+    match &response.outcome {
+        Some(pb::reserve_response::Outcome::Granted(g)) => g.token,
+        other => panic!("expected a grant, got {other:?}"),
+    }
+}
+
+/// Checks a refusal's gRPC code and stable code trailer.
+pub fn refused(status: &tonic::Status, grpc: tonic::Code, code: &str) {
+    assert_eq!(status.code(), grpc, "{status:?}");
+    let trailer = status.metadata().get(oncegate_server::CODE_METADATA).and_then(|v| v.to_str().ok());
+    assert_eq!(trailer, Some(code), "{status:?}");
+}
+
+/// Checks a `resource_exhausted` refusal and the limit its trailer names.
+pub fn exhausted(status: &tonic::Status, limit: &str) {
+    refused(status, tonic::Code::ResourceExhausted, "resource_exhausted");
+    let trailer = status.metadata().get(oncegate_server::LIMIT_METADATA).and_then(|v| v.to_str().ok());
+    assert_eq!(trailer, Some(limit), "{status:?}");
 }

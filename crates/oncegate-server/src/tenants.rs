@@ -1,0 +1,169 @@
+//! Admission: the limits a call must pass before it reaches the engine. The server's
+//! in-flight limit sheds load; each tenant's in-flight, waiter and rate limits keep one
+//! tenant from taking what all tenants share (the shards' mailboxes and waiter lists, and
+//! the disk that every write fills).
+//!
+//! The per-tenant table is a `DashMap` read by every tokio worker on every call; the rate
+//! limiters are `governor`'s (GCRA), reading the engine's monotonic clock so that tests
+//! drive them with the same manual clock as every other decision.
+
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dashmap::DashMap;
+use governor::clock::Clock as _;
+use governor::middleware::NoOpMiddleware;
+use governor::state::{InMemoryState, NotKeyed};
+use governor::{Quota, RateLimiter};
+use oncegate_core::Tenant;
+use oncegate_engine::Clock;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::TenantEntry;
+use crate::status::Refusal;
+
+/// What a call asks of the limits.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Demand {
+    /// Whether the tenant's request rate applies: to reserves, heartbeats and gets, never
+    /// to commits and releases, which end work the gate already admitted.
+    pub rated: bool,
+    /// Whether the call may park as a waiter (a reserve with `wait_ms > 0`).
+    pub waits: bool,
+}
+
+/// What an admitted call holds until it finishes; dropping it gives the slots back.
+pub(crate) struct Admission {
+    _server: OwnedSemaphorePermit,
+    _tenant: Option<OwnedSemaphorePermit>,
+    _waiter: Option<OwnedSemaphorePermit>,
+}
+
+/// The engine's monotonic clock, in the form `governor` reads.
+#[derive(Clone)]
+struct MonotonicClock(Arc<dyn Clock>);
+
+impl governor::clock::Clock for MonotonicClock {
+    type Instant = Duration;
+
+    fn now(&self) -> Duration {
+        Duration::from_millis(self.0.monotonic_ms())
+    }
+}
+
+type Limiter = RateLimiter<NotKeyed, InMemoryState, MonotonicClock, NoOpMiddleware<Duration>>;
+
+struct Rate {
+    limiter: Limiter,
+    per_s: u32,
+    burst: u32,
+}
+
+/// One tenant's limits and what it holds of them.
+struct TenantLimits {
+    in_flight: Arc<Semaphore>,
+    in_flight_max: usize,
+    waiters: Arc<Semaphore>,
+    waiters_max: usize,
+    rate: Option<Rate>,
+}
+
+impl TenantLimits {
+    fn new(entry: &TenantEntry, clock: &MonotonicClock) -> TenantLimits {
+        let config = &entry.config;
+        let rate = NonZeroU32::new(config.requests_per_s).map(|per_s| {
+            let burst = NonZeroU32::new(config.burst()).unwrap_or(per_s);
+            Rate {
+                limiter: RateLimiter::direct_with_clock(
+                    Quota::per_second(per_s).allow_burst(burst),
+                    clock.clone(),
+                ),
+                per_s: per_s.get(),
+                burst: burst.get(),
+            }
+        });
+        TenantLimits {
+            in_flight: Arc::new(Semaphore::new(config.requests_in_flight_max)),
+            in_flight_max: config.requests_in_flight_max,
+            waiters: Arc::new(Semaphore::new(config.waiters_max)),
+            waiters_max: config.waiters_max,
+            rate,
+        }
+    }
+
+    fn in_flight_slot(&self) -> Result<OwnedSemaphorePermit, Refusal> {
+        Arc::clone(&self.in_flight).try_acquire_owned().map_err(|_| Refusal::Exhausted {
+            what: "the tenant's calls in flight are at its limit",
+            limit: "tenants[].requests_in_flight_max",
+            value: self.in_flight_max as u64,
+        })
+    }
+
+    fn waiter_slot(&self) -> Result<OwnedSemaphorePermit, Refusal> {
+        Arc::clone(&self.waiters).try_acquire_owned().map_err(|_| Refusal::Exhausted {
+            what: "the tenant's waiting reserves are at its limit",
+            limit: "tenants[].waiters_max",
+            value: self.waiters_max as u64,
+        })
+    }
+
+    fn spend_rate(&self, tenant: &Tenant, clock: &MonotonicClock) -> Result<(), Refusal> {
+        let Some(rate) = &self.rate else { return Ok(()) };
+        rate.limiter.check().map_err(|not_until| Refusal::RateLimited {
+            tenant: tenant.clone(),
+            per_s: rate.per_s,
+            burst: rate.burst,
+            retry_after_ms: not_until.wait_time_from(clock.now()).as_millis().max(1) as u64,
+        })
+    }
+}
+
+/// The server's and every tenant's limits.
+pub(crate) struct Admit {
+    server: Arc<Semaphore>,
+    server_max: usize,
+    tenants: DashMap<Tenant, TenantLimits>,
+    clock: MonotonicClock,
+}
+
+impl Admit {
+    /// Limits for the configured tenants; without tenants, the open `default` tenant has
+    /// the server's limits only.
+    pub fn new(server_max: usize, tenants: &[TenantEntry], clock: Arc<dyn Clock>) -> Admit {
+        let clock = MonotonicClock(clock);
+        let table = DashMap::with_capacity(tenants.len());
+        for entry in tenants {
+            table.insert(entry.tenant.clone(), TenantLimits::new(entry, &clock));
+        }
+        Admit { server: Arc::new(Semaphore::new(server_max)), server_max, tenants: table, clock }
+    }
+
+    /// Takes the call's slots, or refuses it naming the limit it would pass. The
+    /// tenant's own limits are tried first, so a tenant over its quota is told so rather
+    /// than that the server is busy; the rate is taken last, so that a call refused for
+    /// another reason does not spend it.
+    pub fn admit(&self, tenant: &Tenant, demand: Demand) -> Result<Admission, Refusal> {
+        let limits = self.tenants.get(tenant);
+        let tenant_slot = limits.as_ref().map(|l| l.in_flight_slot()).transpose()?;
+        let waiter = match (&limits, demand.waits) {
+            (Some(limits), true) => Some(limits.waiter_slot()?),
+            _ => None,
+        };
+        let server = self.server_slot()?;
+        if let Some(limits) = &limits
+            && demand.rated
+        {
+            limits.spend_rate(tenant, &self.clock)?;
+        }
+        Ok(Admission { _server: server, _tenant: tenant_slot, _waiter: waiter })
+    }
+
+    fn server_slot(&self) -> Result<OwnedSemaphorePermit, Refusal> {
+        Arc::clone(&self.server).try_acquire_owned().map_err(|_| Refusal::Exhausted {
+            what: "the server's calls in flight are at its limit",
+            limit: "server.requests_in_flight_max",
+            value: self.server_max as u64,
+        })
+    }
+}
