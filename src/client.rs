@@ -283,12 +283,21 @@ fn canonical(code: tonic::Code) -> String {
 
 fn refusal(status: &tonic::Status) -> Value {
     let trailer = |name: &str| status.metadata().get(name).and_then(|v| v.to_str().ok());
+    // A status made by the client's transport (a refused handshake, a reset) says why
+    // only in its causes.
+    let mut causes = Vec::new();
+    let mut source = std::error::Error::source(status);
+    while let Some(cause) = source {
+        causes.push(cause.to_string());
+        source = cause.source();
+    }
     json!({ "error": {
         "grpc": canonical(status.code()),
         "code": trailer(oncegate_proto::CODE_METADATA),
         "field": trailer(oncegate_proto::FIELD_METADATA),
         "limit": trailer(oncegate_proto::LIMIT_METADATA),
         "message": status.message(),
+        "causes": causes,
     } })
 }
 

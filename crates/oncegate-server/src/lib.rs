@@ -118,31 +118,12 @@ pub async fn serve(
     let (stopping_tx, stopping) = tokio::sync::watch::channel(false);
     let poll = Duration::from_millis(server.health_poll_ms);
     let health_task = tokio::spawn(report_health(engine.clone(), reporter, poll, stopping.clone()));
-    let metrics_task = listeners.metrics.map(|listener| {
-        let engine = engine.clone();
-        tokio::spawn(async move {
-            if let Err(error) = telemetry::serve(listener, engine, std::future::pending()).await {
-                tracing::error!(%error, "the metrics listener failed");
-            }
-        })
-    });
+    let metrics_task = listeners.metrics.map(|listener| spawn_metrics(listener, engine.clone()));
     let signal = async move {
         shutdown.await;
         let _ = stopping_tx.send(true);
     };
-    let mut builder = tonic::transport::Server::builder();
-    if let Some(tls) = tls {
-        builder = builder.tls_config(tls).map_err(|e| TlsError {
-            field: "server.tls_cert_path",
-            path: server.tls_cert_path.clone().unwrap_or_default(),
-            reason: tls::error_chain(&e),
-        })?;
-    }
-    let serving = builder
-        .accept_http1(true)
-        .timeout(Duration::from_millis(server.request_timeout_ms))
-        .max_concurrent_streams(Some(server.streams_per_connection_max))
-        .http2_max_header_list_size(Some(server.metadata_bytes_max))
+    let serving = transport(server, tls)?
         .add_routes(routes)
         .serve_with_incoming_shutdown(listen::incoming(listeners.gate, server.connections_max), signal);
     let grace = Duration::from_millis(server.shutdown_grace_ms);
@@ -170,6 +151,40 @@ pub async fn serve(
         let _ = task.await;
     }
     served
+}
+
+/// tonic's server with the configuration's transport settings and TLS.
+fn transport(
+    server: &ServerConfig,
+    tls: Option<tonic::transport::ServerTlsConfig>,
+) -> Result<tonic::transport::Server, ServeError> {
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        builder = builder.tls_config(tls).map_err(|e| TlsError {
+            field: "server.tls_cert_path",
+            path: server.tls_cert_path.clone().unwrap_or_default(),
+            reason: tls::error_chain(&e),
+        })?;
+    }
+    Ok(builder
+        .accept_http1(true)
+        .timeout(Duration::from_millis(server.request_timeout_ms))
+        .max_concurrent_streams(Some(server.streams_per_connection_max))
+        .http2_max_header_list_size(Some(server.metadata_bytes_max)))
+}
+
+/// Serves `/metrics`, `/healthz` and `/readyz` until the task is aborted.
+fn spawn_metrics(listener: TcpListener, engine: Engine) -> tokio::task::JoinHandle<()> {
+    if let Ok(addr) = listener.local_addr()
+        && !addr.ip().is_loopback()
+    {
+        tracing::warn!(%addr, "metrics are served off loopback; they name every tenant and its traffic");
+    }
+    tokio::spawn(async move {
+        if let Err(error) = telemetry::serve(listener, engine, std::future::pending()).await {
+            tracing::error!(%error, "the metrics listener failed");
+        }
+    })
 }
 
 /// The gRPC services (Gate, Admin, health, reflection) and the health reporter, whose
