@@ -38,12 +38,18 @@ pub struct Connection {
 
 impl Connection {
     /// Connects, over TLS when the address is `https://`.
-    async fn channel(&self) -> anyhow::Result<Channel> {
+    async fn channel(&self, token: Option<&String>) -> anyhow::Result<Channel> {
         let mut endpoint = Endpoint::from_shared(self.addr.clone()).with_context(|| self.addr.clone())?;
-        if self.addr.starts_with("https://") {
+        let uri = endpoint.uri().clone();
+        if uri.scheme_str() == Some("https") {
             endpoint = endpoint.tls_config(self.tls()?)?;
         } else if self.tls_ca.is_some() || self.tls_cert.is_some() {
             anyhow::bail!("--tls-ca and --tls-cert need an https:// address; {} is plaintext", self.addr);
+        } else if token.is_some() && !is_loopback(uri.host().unwrap_or_default()) {
+            eprintln!(
+                "oncegate: warning: sending the bearer token in plaintext to {}; use https://",
+                self.addr
+            );
         }
         // The causes matter (a handshake failure says why only in one); `{:#}` prints them.
         endpoint.connect().await.map_err(|e| anyhow::Error::new(e).context(self.addr.clone()))
@@ -64,6 +70,12 @@ impl Connection {
         }
         Ok(tls)
     }
+}
+
+/// Whether a URI host names this machine.
+fn is_loopback(host: &str) -> bool {
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host == "localhost" || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
 /// Where and as whom to call.
@@ -225,11 +237,11 @@ fn admin_request<T>(target: &AdminTarget, message: T) -> anyhow::Result<Request<
 }
 
 async fn gate(target: &Target) -> anyhow::Result<GateClient<Channel>> {
-    Ok(GateClient::new(target.connection.channel().await?))
+    Ok(GateClient::new(target.connection.channel(target.token.as_ref()).await?))
 }
 
 async fn admin(target: &AdminTarget) -> anyhow::Result<AdminClient<Channel>> {
-    Ok(AdminClient::new(target.connection.channel().await?))
+    Ok(AdminClient::new(target.connection.channel(target.admin_token.as_ref()).await?))
 }
 
 fn state_name(value: i32) -> &'static str {
@@ -285,12 +297,9 @@ fn refusal(status: &tonic::Status) -> Value {
     let trailer = |name: &str| status.metadata().get(name).and_then(|v| v.to_str().ok());
     // A status made by the client's transport (a refused handshake, a reset) says why
     // only in its causes.
-    let mut causes = Vec::new();
-    let mut source = std::error::Error::source(status);
-    while let Some(cause) = source {
-        causes.push(cause.to_string());
-        source = cause.source();
-    }
+    let causes: Vec<String> = std::iter::successors(std::error::Error::source(status), |e| e.source())
+        .map(ToString::to_string)
+        .collect();
     json!({ "error": {
         "grpc": canonical(status.code()),
         "code": trailer(oncegate_proto::CODE_METADATA),

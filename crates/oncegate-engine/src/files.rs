@@ -29,7 +29,29 @@ pub(crate) fn options() -> OpenOptions {
 /// `-wal` and `-shm` files the database file's mode, so creating the shard file first is
 /// what keeps those owner-only too (SQLite alone would create all three as 0644).
 pub(crate) fn create_file(path: &Path) -> io::Result<()> {
-    options().write(true).create(true).truncate(false).open(path).map(drop)
+    options().write(true).create(true).truncate(false).open(path).map(drop)?;
+    restrict(path)?;
+    // An existing journal keeps the mode it was created with.
+    for suffix in ["-wal", "-shm"] {
+        let mut companion = path.as_os_str().to_owned();
+        companion.push(suffix);
+        restrict(Path::new(&companion))?;
+    }
+    Ok(())
+}
+
+/// Takes group and other access away from a file made before modes were enforced (by
+/// an older version, or by hand), if it exists.
+pub(crate) fn restrict(path: &Path) -> io::Result<()> {
+    match std::fs::metadata(path) {
+        Ok(meta) if meta.permissions().mode() & 0o077 != 0 => {
+            tracing::info!(path = %path.display(), "made owner-only (mode 600)");
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(FILE_MODE))
+        }
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
 }
 
 /// The mode bits of `path` that give its group or others any access, if there are any.

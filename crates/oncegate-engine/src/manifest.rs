@@ -57,7 +57,13 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let mut tmp_name = path.file_name().unwrap_or_default().to_owned();
     tmp_name.push(".tmp");
     let tmp = dir.join(tmp_name);
-    let mut file = crate::files::options().write(true).create(true).truncate(true).open(&tmp)?;
+    // A temporary file left by a crash (or by an older version, with a looser mode) is
+    // removed first, so the file renamed into place is always one created owner-only.
+    match fs::remove_file(&tmp) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    let mut file = crate::files::options().write(true).create_new(true).open(&tmp)?;
     file.write_all(bytes)?;
     file.sync_all()?;
     fs::rename(&tmp, path)?;
@@ -109,10 +115,16 @@ pub fn lock(data_dir: &Path) -> Result<File, OpenError> {
     let file =
         crate::files::options().create(true).truncate(false).write(true).open(&path).map_err(io(&path))?;
     match file.try_lock() {
-        Ok(()) => Ok(file),
-        Err(fs::TryLockError::WouldBlock) => Err(OpenError::Locked { path }),
-        Err(fs::TryLockError::Error(source)) => Err(OpenError::Io { path, source }),
+        Ok(()) => {}
+        Err(fs::TryLockError::WouldBlock) => return Err(OpenError::Locked { path }),
+        Err(fs::TryLockError::Error(source)) => return Err(OpenError::Io { path, source }),
     }
+    // Files an older version (or an operator) made readable by others are made
+    // owner-only by the process that owns the directory.
+    crate::files::restrict(&path).map_err(io(&path))?;
+    let manifest = data_dir.join(MANIFEST_FILE);
+    crate::files::restrict(&manifest).map_err(io(&manifest))?;
+    Ok(file)
 }
 
 /// Reads the manifest, or creates it for a new directory, and checks the shard count.

@@ -175,6 +175,9 @@ impl Store {
             [],
             |row| row.get(0),
         )?;
+        // Temporary tables and indices (large sorts) stay in memory rather than in files
+        // that SQLite would create with the default mode in the temporary directory.
+        conn.pragma_update(None, "temp_store", "MEMORY")?;
         // Negative cache_size is in KiB.
         conn.pragma_update(None, "cache_size", -((tuning.page_cache_bytes_max / 1024) as i64))?;
         let pages = faults.page_count_max().unwrap_or(tuning.file_bytes_max / PAGE_BYTES);

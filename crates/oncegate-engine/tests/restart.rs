@@ -74,3 +74,31 @@ fn a_clock_stepped_back_while_running_never_lengthens_a_lease() {
     let r = engine.reserve_blocking(&t, reserve("k")).unwrap().reply;
     assert!(matches!(r, ReserveReply::Granted { attempt: 2, .. }), "{r:?}");
 }
+
+#[test]
+fn files_an_older_version_left_readable_by_others_are_made_owner_only_at_open() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let (clock, faults, t) = (ManualClock::new(T0), Faults::default(), tenant());
+    let config = EngineConfig { shards: 1, ..config(dir.path()) };
+    let engine = open(config.clone(), &clock, &faults);
+    granted(&engine.reserve_blocking(&t, reserve_for("k", 1_000, 60_000, 0)).unwrap().reply);
+    drop(engine);
+    // A clean close removes the WAL; an older version's crash would have left one.
+    std::fs::write(dir.path().join("shard-0000.sqlite-wal"), "").unwrap();
+    let names = ["oncegate.manifest.toml", "oncegate.lock", "shard-0000.sqlite", "shard-0000.sqlite-wal"];
+    let mode = |name: &str| std::fs::metadata(dir.path().join(name)).unwrap().permissions().mode() & 0o777;
+    for name in names {
+        std::fs::set_permissions(dir.path().join(name), std::fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    // A temporary file a crash left behind, as loose as an older version made it.
+    std::fs::write(dir.path().join("shard-0000.epoch.tmp"), "7\n").unwrap();
+    std::fs::set_permissions(dir.path().join("shard-0000.epoch.tmp"), std::fs::Permissions::from_mode(0o644))
+        .unwrap();
+
+    let engine = open(config, &clock, &faults);
+    assert_eq!(engine.get_blocking(&t, key("k", 0)).unwrap().state, State::Pending);
+    for name in names.into_iter().chain(["shard-0000.epoch"]) {
+        assert_eq!(mode(name), 0o600, "{name}");
+    }
+}

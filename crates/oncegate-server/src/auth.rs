@@ -37,15 +37,7 @@ impl Auth {
         if self.tenants.is_empty() {
             return Ok(Tenant::default_tenant());
         }
-        let header = metadata.get("authorization").ok_or(Refusal::Unauthenticated(
-            "missing authorization metadata; send `authorization: Bearer <token>`",
-        ))?;
-        let value =
-            header.to_str().map_err(|_| Refusal::Unauthenticated("authorization metadata is not ascii"))?;
-        let token = value
-            .strip_prefix("Bearer ")
-            .or_else(|| value.strip_prefix("bearer "))
-            .ok_or(Refusal::Unauthenticated("authorization metadata must be `Bearer <token>`"))?;
+        let token = bearer(metadata).map_err(Refusal::Unauthenticated)?;
         let presented: [u8; 32] = Sha256::digest(token.trim().as_bytes()).into();
         // Compare against every tenant without stopping early, so timing does not reveal
         // which tenant (if any) came close.
@@ -57,6 +49,18 @@ impl Auth {
         }
         found.cloned().ok_or(Refusal::Unauthenticated("unknown bearer token"))
     }
+}
+
+/// The token of `authorization: Bearer <token>`, or why there is none.
+fn bearer(metadata: &MetadataMap) -> Result<&str, &'static str> {
+    let header = metadata
+        .get("authorization")
+        .ok_or("missing authorization metadata; send `authorization: Bearer <token>`")?;
+    let value = header.to_str().map_err(|_| "authorization metadata is not ascii")?;
+    value
+        .strip_prefix("Bearer ")
+        .or_else(|| value.strip_prefix("bearer "))
+        .ok_or("authorization metadata must be `Bearer <token>`")
 }
 
 fn unauthenticated(message: &'static str) -> Status {
@@ -94,15 +98,7 @@ impl AdminAuth {
                 "the admin service is disabled: set admin.token_sha256 in the configuration",
             )),
             AdminAuth::Token(hash) => {
-                let token = metadata
-                    .get("authorization")
-                    .and_then(|v| v.to_str().ok())
-                    .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
-                    .ok_or_else(|| {
-                        unauthenticated(
-                            "missing admin credentials; send `authorization: Bearer <admin token>`",
-                        )
-                    })?;
+                let token = bearer(metadata).map_err(unauthenticated)?;
                 let presented: [u8; 32] = Sha256::digest(token.trim().as_bytes()).into();
                 if bool::from(hash.ct_eq(&presented)) {
                     Ok(())

@@ -128,8 +128,17 @@ pub struct ServerConfig {
     /// CA certificates (PEM) that must have signed every client's certificate (mutual
     /// TLS); unset, clients present none.
     pub tls_client_ca_path: Option<PathBuf>,
-    /// A TLS handshake that takes longer is abandoned and its connection closed.
-    pub tls_handshake_timeout_ms: u64,
+    /// A new connection must send its first bytes, and finish its TLS handshake, within
+    /// this; otherwise it is closed, so that silent sockets cannot hold connection slots.
+    pub handshake_timeout_ms: u64,
+    /// Open connections from one peer address; one more is closed as soon as it is
+    /// accepted, so that no single host can take every connection slot.
+    pub connections_per_peer_max: usize,
+    /// How often an HTTP/2 keepalive ping goes to a connection; 0 sends none.
+    pub keepalive_interval_ms: u64,
+    /// A connection whose peer does not answer a keepalive ping within this is closed:
+    /// a crashed client's half-open connection gives its slot back.
+    pub keepalive_timeout_ms: u64,
     /// Serve tenants in plaintext on a non-loopback address (their bearer tokens then
     /// cross the network readable); only behind something that encrypts the hop.
     pub plaintext_allowed: bool,
@@ -138,8 +147,24 @@ pub struct ServerConfig {
 impl ServerConfig {
     /// Whether the gRPC port speaks TLS.
     pub fn tls_enabled(&self) -> bool {
-        self.tls_cert_path.is_some()
+        self.tls_files().is_some()
     }
+
+    /// The certificate and key, when both are set: the one test of "TLS is configured"
+    /// that the checks and the listener share. An empty path counts as unset.
+    pub fn tls_files(&self) -> Option<(&Path, &Path)> {
+        Some((set(&self.tls_cert_path)?, set(&self.tls_key_path)?))
+    }
+
+    /// The client CA, when set (and not empty).
+    pub fn tls_client_ca(&self) -> Option<&Path> {
+        set(&self.tls_client_ca_path)
+    }
+}
+
+/// A path setting, unless unset or empty (as an unfilled template leaves it).
+fn set(path: &Option<PathBuf>) -> Option<&Path> {
+    path.as_deref().filter(|p| !p.as_os_str().is_empty())
 }
 
 impl Default for ServerConfig {
@@ -158,7 +183,10 @@ impl Default for ServerConfig {
             tls_cert_path: None,
             tls_key_path: None,
             tls_client_ca_path: None,
-            tls_handshake_timeout_ms: 10_000,
+            handshake_timeout_ms: 10_000,
+            connections_per_peer_max: 256,
+            keepalive_interval_ms: 30_000,
+            keepalive_timeout_ms: 20_000,
             plaintext_allowed: false,
         }
     }
@@ -201,12 +229,13 @@ pub struct TenantConfig {
     pub name: String,
     /// `oncegate hash-token` prints it.
     pub token_sha256: TokenSha256,
-    /// The tenant's calls served at once; more are refused with `resource_exhausted`.
+    /// The tenant's reserves and gets served at once; more are refused with
+    /// `resource_exhausted`. Heartbeats, commits and releases are not counted: they keep
+    /// or end work already admitted.
     pub requests_in_flight_max: usize,
     /// The tenant's reserves that may wait (`wait_ms > 0`) at once.
     pub waiters_max: usize,
-    /// Reserves, heartbeats and gets per second, refilled evenly; 0 sets no rate limit.
-    /// Commits and releases are never rate-limited: each ends work already admitted.
+    /// Reserves and gets per second, refilled evenly; 0 sets no rate limit.
     pub requests_per_s: u32,
     /// Requests admitted at once after a quiet spell; 0 means one second's worth.
     pub requests_burst_max: u32,
@@ -364,8 +393,26 @@ impl Config {
         problems.within(&field("health_poll_ms"), server.health_poll_ms, 10, 60_000, Unit::Ms);
         problems.within(&field("shutdown_grace_ms"), server.shutdown_grace_ms, 0, 600_000, Unit::Ms);
         problems.within(&field("connections_max"), server.connections_max as u64, 1, 1 << 20, Unit::Count);
-        let handshake = server.tls_handshake_timeout_ms;
-        problems.within(&field("tls_handshake_timeout_ms"), handshake, 100, 60_000, Unit::Ms);
+        let handshake = server.handshake_timeout_ms;
+        problems.within(&field("handshake_timeout_ms"), handshake, 100, 60_000, Unit::Ms);
+        // One peer may have every connection, never more.
+        let per_peer = server.connections_per_peer_max as u64;
+        let connections = (server.connections_max as u64).max(1);
+        problems.within(&field("connections_per_peer_max"), per_peer, 1, connections, Unit::Count);
+        problems.within(
+            &field("keepalive_interval_ms"),
+            server.keepalive_interval_ms,
+            0,
+            3_600_000,
+            Unit::Ms,
+        );
+        problems.within(
+            &field("keepalive_timeout_ms"),
+            server.keepalive_timeout_ms,
+            1_000,
+            600_000,
+            Unit::Ms,
+        );
         self.check_tls_paths(problems);
     }
 
@@ -373,8 +420,7 @@ impl Config {
     /// the server to speak TLS at all.
     fn check_tls_paths(&self, problems: &mut Problems) {
         let server = &self.server;
-        let set = |path: &Option<PathBuf>| path.as_ref().is_some_and(|p| !p.as_os_str().is_empty());
-        match (set(&server.tls_cert_path), set(&server.tls_key_path)) {
+        match (set(&server.tls_cert_path).is_some(), set(&server.tls_key_path).is_some()) {
             (true, false) => problems.push(Problem::new(
                 "server.tls_key_path",
                 "is not set, but server.tls_cert_path is; TLS needs the certificate's private key",
@@ -385,7 +431,7 @@ impl Config {
             )),
             _ => {}
         }
-        if set(&server.tls_client_ca_path) && !set(&server.tls_cert_path) {
+        if server.tls_client_ca().is_some() && !server.tls_enabled() {
             problems.push(Problem::new(
                 "server.tls_client_ca_path",
                 "is set, but server.tls_cert_path is not; client certificates are checked only over TLS",

@@ -141,36 +141,34 @@ fn finish<T>(rpc: &'static str, tenant: Option<&Tenant>, key: &str, started: Ins
 trait Call: Send + 'static {
     /// The RPC's name, as metrics and logs label it.
     const RPC: &'static str;
-    /// Whether the tenant's request rate applies (see [`Demand::rated`]).
-    const RATED: bool = true;
     fn namespace(&self) -> &str;
     /// The key as logs digest it (a derived key's parts, joined, before it is derived).
     fn key(&self) -> Cow<'_, str>;
-    /// Whether the call may park as a waiter.
-    fn waits(&self) -> bool {
-        false
-    }
+    /// What the call asks of the server's and the tenant's limits.
+    fn demand(&self) -> Demand;
 }
 
 macro_rules! keyed_call {
-    ($message:ty, $rpc:literal, $rated:literal) => {
+    ($message:ty, $rpc:literal, $demand:expr) => {
         impl Call for $message {
             const RPC: &'static str = $rpc;
-            const RATED: bool = $rated;
             fn namespace(&self) -> &str {
                 &self.namespace
             }
             fn key(&self) -> Cow<'_, str> {
                 Cow::Borrowed(&self.key)
             }
+            fn demand(&self) -> Demand {
+                $demand
+            }
         }
     };
 }
 
-keyed_call!(pb::CommitRequest, "commit", false);
-keyed_call!(pb::ReleaseRequest, "release", false);
-keyed_call!(pb::HeartbeatRequest, "heartbeat", true);
-keyed_call!(pb::GetRequest, "get", true);
+keyed_call!(pb::CommitRequest, "commit", Demand::Finish);
+keyed_call!(pb::ReleaseRequest, "release", Demand::Finish);
+keyed_call!(pb::HeartbeatRequest, "heartbeat", Demand::Finish);
+keyed_call!(pb::GetRequest, "get", Demand::Start { waits: false });
 
 impl Call for pb::ReserveRequest {
     const RPC: &'static str = "reserve";
@@ -180,8 +178,8 @@ impl Call for pb::ReserveRequest {
     fn key(&self) -> Cow<'_, str> {
         if self.key.is_empty() { Cow::Owned(self.key_parts.join(":")) } else { Cow::Borrowed(&self.key) }
     }
-    fn waits(&self) -> bool {
-        self.wait_ms > 0
+    fn demand(&self) -> Demand {
+        Demand::Start { waits: self.wait_ms > 0 }
     }
 }
 
@@ -208,7 +206,7 @@ impl GateService {
         let span = request_span(M::RPC, message.namespace(), &message.key());
         async move {
             let key = request.get_ref().key().into_owned();
-            let demand = Demand { rated: M::RATED, waits: request.get_ref().waits() };
+            let demand = request.get_ref().demand();
             let (tenant, answer) = match self.auth.tenant(request.metadata()) {
                 Err(refusal) => (None, Err(refusal)),
                 Ok(tenant) => {

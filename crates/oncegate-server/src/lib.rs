@@ -112,20 +112,23 @@ pub async fn serve(
         tracing::warn!(%gate_addr, "serving tenants in plaintext off loopback (server.plaintext_allowed = true)");
     }
     let (routes, reporter) = routes(&engine, config).await?;
-    // On the signal: report NOT_SERVING (so balancers stop sending), stop accepting, and
-    // give in-flight calls `shutdown_grace_ms` to finish. Long-lived streams (health
-    // watches) would otherwise hold the shutdown open for ever.
+    // Everything that can fail is done before a task is spawned.
+    let mut transport = transport(server, tls)?;
+    // On the signal: report NOT_SERVING (gRPC health and `/readyz`, so balancers stop
+    // sending), stop accepting, and give in-flight calls `shutdown_grace_ms` to finish.
+    // Long-lived streams (health watches) would otherwise hold the shutdown open for ever.
     let (stopping_tx, stopping) = tokio::sync::watch::channel(false);
     let poll = Duration::from_millis(server.health_poll_ms);
     let health_task = tokio::spawn(report_health(engine.clone(), reporter, poll, stopping.clone()));
-    let metrics_task = listeners.metrics.map(|listener| spawn_metrics(listener, engine.clone()));
+    let metrics_task =
+        listeners.metrics.map(|listener| spawn_metrics(listener, engine.clone(), stopping.clone()));
     let signal = async move {
         shutdown.await;
         let _ = stopping_tx.send(true);
     };
-    let serving = transport(server, tls)?
+    let serving = transport
         .add_routes(routes)
-        .serve_with_incoming_shutdown(listen::incoming(listeners.gate, server.connections_max), signal);
+        .serve_with_incoming_shutdown(listen::incoming(listeners.gate, server), signal);
     let grace = Duration::from_millis(server.shutdown_grace_ms);
     let deadline = async move {
         let mut stopping = stopping;
@@ -144,8 +147,9 @@ pub async fn serve(
             Ok(())
         }
     };
-    // Both tasks hold the engine; they have ended when `serve` returns, so the caller's
-    // shutdown releases the data directory.
+    // Both tasks hold the engine; they have ended when `serve` returns. (Connections that
+    // outlived the grace still hold the services, and with them the engine, until their
+    // peers close them.)
     for task in std::iter::once(health_task).chain(metrics_task) {
         task.abort();
         let _ = task.await;
@@ -170,18 +174,27 @@ fn transport(
         .accept_http1(true)
         .timeout(Duration::from_millis(server.request_timeout_ms))
         .max_concurrent_streams(Some(server.streams_per_connection_max))
-        .http2_max_header_list_size(Some(server.metadata_bytes_max)))
+        .http2_max_header_list_size(Some(server.metadata_bytes_max))
+        .http2_keepalive_interval(
+            (server.keepalive_interval_ms > 0).then(|| Duration::from_millis(server.keepalive_interval_ms)),
+        )
+        .http2_keepalive_timeout(Some(Duration::from_millis(server.keepalive_timeout_ms))))
 }
 
-/// Serves `/metrics`, `/healthz` and `/readyz` until the task is aborted.
-fn spawn_metrics(listener: TcpListener, engine: Engine) -> tokio::task::JoinHandle<()> {
+/// Serves `/metrics`, `/healthz` and `/readyz` until the task is aborted; `/readyz`
+/// fails, and keep-alive connections are closed, once `stopping` is true.
+fn spawn_metrics(
+    listener: TcpListener,
+    engine: Engine,
+    stopping: tokio::sync::watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<()> {
     if let Ok(addr) = listener.local_addr()
         && !addr.ip().is_loopback()
     {
         tracing::warn!(%addr, "metrics are served off loopback; they name every tenant and its traffic");
     }
     tokio::spawn(async move {
-        if let Err(error) = telemetry::serve(listener, engine, std::future::pending()).await {
+        if let Err(error) = telemetry::serve(listener, engine, stopping).await {
             tracing::error!(%error, "the metrics listener failed");
         }
     })
@@ -239,9 +252,10 @@ async fn report_health(
     let mut last = engine.shard_states().iter().all(|s| *s == ShardState::Serving);
     set_health(&reporter, last).await;
     loop {
+        // A closed channel means `serve` has ended: stop too.
         let stop = tokio::select! {
             () = tokio::time::sleep(poll) => false,
-            changed = stopping.wait_for(|stopping| *stopping) => changed.is_ok(),
+            _ = stopping.wait_for(|stopping| *stopping) => true,
         };
         if stop {
             set_health(&reporter, false).await;

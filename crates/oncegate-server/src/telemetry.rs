@@ -108,18 +108,23 @@ fn process_rss_bytes() -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// Serves the routes on `listener` until `stop` resolves.
+/// Serves the routes on `listener`; once `stopping` is true, `/readyz` fails and the
+/// listener shuts down gracefully.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     engine: Engine,
-    stop: impl std::future::Future<Output = ()> + Send + 'static,
+    stopping: tokio::sync::watch::Receiver<bool>,
 ) -> std::io::Result<()> {
     handle();
-    axum::serve(listener, routes(engine)).with_graceful_shutdown(stop).await
+    let mut stopped = stopping.clone();
+    let stop = async move {
+        let _ = stopped.wait_for(|stopping| *stopping).await;
+    };
+    axum::serve(listener, routes(engine, stopping)).with_graceful_shutdown(stop).await
 }
 
-/// The HTTP routes.
-pub fn routes(engine: Engine) -> axum::Router {
+/// The HTTP routes; `/readyz` fails once `stopping` is true.
+pub fn routes(engine: Engine, stopping: tokio::sync::watch::Receiver<bool>) -> axum::Router {
     let metrics_engine = engine.clone();
     axum::Router::new()
         .route(
@@ -137,7 +142,11 @@ pub fn routes(engine: Engine) -> axum::Router {
             "/readyz",
             get(move || {
                 let engine = engine.clone();
+                let stopping = *stopping.borrow();
                 async move {
+                    if stopping {
+                        return (StatusCode::SERVICE_UNAVAILABLE, "not ready: shutting down\n".to_owned());
+                    }
                     let states = engine.shard_states();
                     if states.iter().all(|s| *s == ShardState::Serving) {
                         (StatusCode::OK, "ready\n".to_owned())

@@ -24,13 +24,19 @@ use crate::TenantEntry;
 use crate::status::Refusal;
 
 /// What a call asks of the limits.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Demand {
-    /// Whether the tenant's request rate applies: to reserves, heartbeats and gets, never
-    /// to commits and releases, which end work the gate already admitted.
-    pub rated: bool,
-    /// Whether the call may park as a waiter (a reserve with `wait_ms > 0`).
-    pub waits: bool,
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Demand {
+    /// New work or a read (reserve, get): the tenant's in-flight limit and rate apply,
+    /// and its waiter limit too when the call `waits` (a reserve with `wait_ms > 0`).
+    Start {
+        /// Whether the call may park as a waiter.
+        waits: bool,
+    },
+    /// A call that keeps or ends work the gate already admitted (heartbeat, commit,
+    /// release): only the server's limit applies. Refusing one for the tenant's quota
+    /// would let a lease lapse and the work be granted again, so the quota is spent on
+    /// starting work, never on finishing it.
+    Finish,
 }
 
 /// What an admitted call holds until it finishes; dropping it gives the slots back.
@@ -144,16 +150,17 @@ impl Admit {
     /// than that the server is busy; the rate is taken last, so that a call refused for
     /// another reason does not spend it.
     pub fn admit(&self, tenant: &Tenant, demand: Demand) -> Result<Admission, Refusal> {
+        let Demand::Start { waits } = demand else {
+            return Ok(Admission { _server: self.server_slot()?, _tenant: None, _waiter: None });
+        };
         let limits = self.tenants.get(tenant);
         let tenant_slot = limits.as_ref().map(|l| l.in_flight_slot()).transpose()?;
-        let waiter = match (&limits, demand.waits) {
+        let waiter = match (&limits, waits) {
             (Some(limits), true) => Some(limits.waiter_slot()?),
             _ => None,
         };
         let server = self.server_slot()?;
-        if let Some(limits) = &limits
-            && demand.rated
-        {
+        if let Some(limits) = &limits {
             limits.spend_rate(tenant, &self.clock)?;
         }
         Ok(Admission { _server: server, _tenant: tenant_slot, _waiter: waiter })

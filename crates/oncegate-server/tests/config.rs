@@ -132,6 +132,9 @@ fn tenants_off_loopback_need_tls_or_plaintext_allowed_in_so_many_words() {
     assert_eq!(fields(&allowed), Vec::<String>::new());
     let tls = public.replace("[server]\n", "[server]\ntls_cert_path = \"s.crt\"\ntls_key_path = \"s.key\"\n");
     assert_eq!(fields(&tls), Vec::<String>::new());
+    // An empty path (an unfilled template) is no TLS, everywhere.
+    let empty = public.replace("[server]\n", "[server]\ntls_cert_path = \"\"\n");
+    assert_eq!(fields(&empty), ["server.tls_cert_path"]);
     let loopback = format!("[server]\nlisten = \"127.0.0.1:50051\"\n{ONE_TENANT}");
     assert_eq!(fields(&loopback), Vec::<String>::new());
 }
@@ -141,8 +144,15 @@ fn tls_settings_come_as_a_set() {
     assert_eq!(fields("[server]\ntls_cert_path = \"s.crt\""), ["server.tls_key_path"]);
     assert_eq!(fields("[server]\ntls_key_path = \"s.key\""), ["server.tls_cert_path"]);
     assert_eq!(fields("[server]\ntls_client_ca_path = \"ca.crt\""), ["server.tls_client_ca_path"]);
-    assert_eq!(fields("[server]\ntls_handshake_timeout_ms = 0"), ["server.tls_handshake_timeout_ms"]);
-    assert_eq!(fields("[server]\nconnections_max = 0"), ["server.connections_max"]);
+    assert_eq!(fields("[server]\nhandshake_timeout_ms = 0"), ["server.handshake_timeout_ms"]);
+    assert_eq!(
+        fields("[server]\nconnections_max = 0\nconnections_per_peer_max = 1"),
+        ["server.connections_max"]
+    );
+    assert_eq!(
+        fields("[server]\nconnections_max = 10\nconnections_per_peer_max = 11"),
+        ["server.connections_per_peer_max"]
+    );
 }
 
 #[test]

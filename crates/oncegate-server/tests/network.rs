@@ -106,6 +106,10 @@ async fn tls_files_that_cannot_be_used_are_refused_naming_the_setting() {
         (pki.server.key.clone(), pki.server.key.clone(), "server.tls_cert_path"),
         (pki.server.cert.clone(), pki.server.cert.clone(), "server.tls_key_path"),
     ];
+    // A key that is well-formed but belongs to another certificate.
+    let stranger = Pki::new(dir.path(), "stranger");
+    let mut cases = cases.to_vec();
+    cases.push((pki.server.cert.clone(), stranger.server.key.clone(), "server.tls_key_path"));
     for (cert, key, field) in cases {
         let mut config = config_in(&dir.path().join("data"));
         config.server.tls_cert_path = Some(cert);
@@ -113,6 +117,13 @@ async fn tls_files_that_cannot_be_used_are_refused_naming_the_setting() {
         let error = serve_once(config, "127.0.0.1:0").await.unwrap_err();
         assert!(matches!(&error, ServeError::Tls(e) if e.field == field), "{field}: {error}");
     }
+    // A client CA file that holds no certificate.
+    let mut config = config_in(&dir.path().join("data"));
+    config.server.tls_cert_path = Some(pki.server.cert.clone());
+    config.server.tls_key_path = Some(pki.server.key.clone());
+    config.server.tls_client_ca_path = Some(pki.client.key.clone());
+    let error = serve_once(config, "127.0.0.1:0").await.unwrap_err();
+    assert!(matches!(&error, ServeError::Tls(e) if e.field == "server.tls_client_ca_path"), "{error}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -136,7 +147,11 @@ async fn metrics_are_served_on_their_own_listener_never_on_the_grpc_port() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_past_the_limit_are_closed_and_the_slot_comes_back() {
-    let server = start_with(|c| c.server.connections_max = 1).await;
+    let server = start_with(|c| {
+        c.server.connections_max = 1;
+        c.server.connections_per_peer_max = 1;
+    })
+    .await;
     let mut first = server.client().await;
     granted(&first.reserve(reserve("first")).await.unwrap().into_inner());
     let second = Channel::from_shared(format!("http://{}", server.addr)).unwrap().connect().await;
@@ -166,6 +181,40 @@ async fn connections_past_the_limit_are_closed_and_the_slot_comes_back() {
         .await
         .unwrap();
     drop(third);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_peer_cannot_take_every_connection() {
+    let server = start_with(|c| c.server.connections_per_peer_max = 2).await;
+    let mut first = server.client().await;
+    let mut second = server.client().await;
+    granted(&first.reserve(reserve("first")).await.unwrap().into_inner());
+    granted(&second.reserve(reserve("second")).await.unwrap().into_inner());
+    let third = Channel::from_shared(format!("http://{}", server.addr)).unwrap().connect().await;
+    if let Ok(channel) = third {
+        GateClient::new(channel).reserve(reserve("third")).await.unwrap_err();
+    }
+    drop((first, second));
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_connection_is_closed_at_the_handshake_deadline() {
+    use std::io::Read;
+    let server = start_with(|c| c.server.handshake_timeout_ms = 100).await;
+    let addr = server.addr;
+    let closed = tokio::task::spawn_blocking(move || {
+        let mut silent = std::net::TcpStream::connect(addr).unwrap();
+        // A safety net for a broken server, not a measurement: the server closes the
+        // socket after 100 ms.
+        silent.set_read_timeout(Some(std::time::Duration::from_secs(60))).unwrap();
+        silent.read(&mut [0u8; 16])
+    });
+    assert_eq!(closed.await.unwrap().unwrap(), 0, "the server closed the silent socket");
+    let mut client = server.client().await;
+    granted(&client.reserve(reserve("after")).await.unwrap().into_inner());
+    drop(client);
     server.stop().await;
 }
 

@@ -1,14 +1,13 @@
 //! Per-tenant fairness through the real server: a tenant over each of its limits (calls
 //! in flight, waiting reserves, request rate) is refused `RESOURCE_EXHAUSTED` with the
-//! `oncegate-limit` trailer naming the limit, while another tenant is served normally.
+//! `oncegate-limit` trailer naming the limit, while another tenant is served normally,
+//! and the tenant's own heartbeats, commits and releases still go through.
 
 mod common;
 
 use std::time::Duration;
 
 use common::{Running, exhausted, granted, reserve, start_with};
-use oncegate_core::Tenant;
-use oncegate_engine::KeyRequest;
 use oncegate_proto::v1 as pb;
 use oncegate_proto::v1::gate_client::GateClient;
 use oncegate_server::{TenantConfig, token_sha256};
@@ -64,10 +63,15 @@ async fn park(
     parked
 }
 
-/// Releases `key` of `tenant` through the engine itself, past the front's limits.
-async fn release(server: &Running, tenant: &str, key: &str, token: u64) {
-    let request = KeyRequest { namespace: "live".into(), key: key.into(), token, lease_ms: 0 };
-    server.engine.release(&Tenant::new(tenant).unwrap(), request).await.unwrap();
+/// Releases `key` of `tenant` through the gate: a call that ends admitted work, which no
+/// tenant limit refuses.
+async fn release(client: &mut GateClient<Channel>, tenant: &str, key: &str, token: u64) {
+    let request = pb::ReleaseRequest { namespace: "live".into(), key: key.into(), token };
+    client.release(as_tenant(tenant, request)).await.unwrap();
+}
+
+fn heartbeat(key: &str, token: u64) -> pb::HeartbeatRequest {
+    pb::HeartbeatRequest { namespace: "live".into(), key: key.into(), token, lease_ms: 0 }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -82,8 +86,11 @@ async fn a_tenant_at_its_in_flight_limit_is_refused_while_another_is_served() {
     assert!(refused.message().contains("requests_in_flight_max is 1"), "{refused:?}");
     granted(&client.reserve(as_tenant("globex", reserve("other"))).await.unwrap().into_inner());
 
-    // The slot comes back when the waiting call ends.
-    release(&server, "acme", "k", token).await;
+    // Keeping and ending admitted work is never refused for the tenant's quota: the
+    // holder heartbeats and releases while its tenant is at the limit, and the slot
+    // comes back when the waiting call ends.
+    client.heartbeat(as_tenant("acme", heartbeat("k", token))).await.unwrap();
+    release(&mut client, "acme", "k", token).await;
     granted(&parked.await.unwrap().unwrap().into_inner());
     granted(&client.reserve(as_tenant("acme", reserve("other"))).await.unwrap().into_inner());
     drop(client);
@@ -108,8 +115,8 @@ async fn a_tenant_at_its_waiter_limit_is_refused_while_another_waits() {
     );
     let globex_waiter = park(&server, &client, "globex", "k", 2).await;
 
-    release(&server, "acme", "k", acme_token).await;
-    release(&server, "globex", "k", globex_token).await;
+    release(&mut client, "acme", "k", acme_token).await;
+    release(&mut client, "globex", "k", globex_token).await;
     granted(&acme_waiter.await.unwrap().unwrap().into_inner());
     granted(&globex_waiter.await.unwrap().unwrap().into_inner());
     drop(client);
@@ -135,7 +142,10 @@ async fn a_tenant_over_its_rate_is_refused_until_time_passes_and_may_always_comm
     let get = pb::GetRequest { namespace: "live".into(), key: "a".into() };
     exhausted(&client.get(as_tenant("acme", get)).await.unwrap_err(), "tenants[].requests_per_s");
     granted(&client.reserve(as_tenant("globex", reserve("d"))).await.unwrap().into_inner());
-    // Commits end admitted work; they are never rate-limited.
+    // Heartbeats, commits and releases keep or end admitted work; they are never
+    // rate-limited.
+    client.heartbeat(as_tenant("acme", heartbeat("a", tokens[0]))).await.unwrap();
+    release(&mut client, "acme", "b", tokens[1]).await;
     let commit = pb::CommitRequest {
         namespace: "live".into(),
         key: "a".into(),
