@@ -11,6 +11,7 @@ use std::sync::atomic::Ordering;
 use oncegate_core::{Change, Command, Decision, Record, Reply, Reserve, ReserveReply, Scope, decide};
 use tokio::sync::oneshot;
 
+use crate::quota::{Quotas, Tally};
 use crate::shard::Shared;
 use crate::store::{StoreError, Txn};
 use crate::{EngineConfig, Error};
@@ -58,28 +59,49 @@ pub(crate) struct Book {
     pub waiters_len: usize,
     /// The earliest instant a stored record becomes reclaimable, if known.
     pub next_reclaim_ms: Option<u64>,
-    /// Stored records by state (pending, completed), as of the last commit.
-    records: (i64, i64),
+    /// Stored records by state and tenant, as of the last commit.
+    records: Tally,
     /// Changes to `records` by the transaction in progress.
-    pub records_delta: (i64, i64),
+    pub records_delta: Tally,
+    /// Each tenant's most records on this shard.
+    quotas: Quotas,
+    /// The shard, as refusals name it.
+    shard: u32,
 }
 
 impl Book {
-    pub fn new() -> Book {
+    pub fn new(shard: u32, quotas: Quotas) -> Book {
         Book {
+            shard,
             next_token: 1,
             queues: HashMap::new(),
             waiters_len: 0,
             next_reclaim_ms: None,
-            records: (0, 0),
-            records_delta: (0, 0),
+            records: Tally::default(),
+            records_delta: Tally::default(),
+            quotas,
         }
     }
 
     /// Sets the record counts read from a freshly opened store.
-    pub fn reset_records(&mut self, pending: u64, completed: u64) {
-        self.records = (pending as i64, completed as i64);
-        self.records_delta = (0, 0);
+    pub fn reset_records(&mut self, records: Tally) {
+        self.records = records;
+        self.records_delta = Tally::default();
+    }
+
+    /// Forgets the counts of a transaction that did not commit.
+    pub fn discard_delta(&mut self) {
+        self.records_delta = Tally::default();
+    }
+
+    /// The refusal of `decision` when it would store a new record for a tenant already at
+    /// its quota of records on this shard.
+    pub fn quota_refusal(&self, scope: &Scope, prior: Option<&Record>, decision: &Decision) -> Option<Error> {
+        if prior.is_some() || !matches!(decision.change, Change::Put(_)) {
+            return None;
+        }
+        let stored = self.records.of(&scope.tenant) + self.records_delta.of(&scope.tenant);
+        self.quotas.refusal(&scope.tenant, stored, self.shard)
     }
 
     /// Writes a decision's change, then keeps the alarm index, token counter and record
@@ -91,38 +113,32 @@ impl Book {
         prior: Option<&Record>,
         decision: &Decision,
     ) -> Result<(), StoreError> {
-        let count = |record: Option<&Record>, sign: i64| match record {
-            None => (0, 0),
-            Some(r) if r.completion.is_some() => (0, sign),
-            Some(_) => (sign, 0),
-        };
-        let (before, after) = match &decision.change {
+        let stored = match &decision.change {
             Change::Keep => return Ok(()),
             Change::Put(record) => {
                 txn.put(scope, record)?;
                 let at = record.reclaim_at_ms();
                 self.next_reclaim_ms = Some(self.next_reclaim_ms.map_or(at, |n| n.min(at)));
-                (count(prior, -1), count(Some(record), 1))
+                Some(record)
             }
             Change::Delete => {
                 txn.delete(scope)?;
-                (count(prior, -1), (0, 0))
+                None
             }
         };
         if decision.consumes_token() {
             self.next_token += 1;
         }
-        self.records_delta.0 += before.0 + after.0;
-        self.records_delta.1 += before.1 + after.1;
+        self.records_delta.count(&scope.tenant, prior, -1);
+        self.records_delta.count(&scope.tenant, stored, 1);
         Ok(())
     }
 
     /// The transaction committed: its record counts become true.
     pub fn settle(&mut self, shared: &Shared) {
-        self.records.0 += std::mem::take(&mut self.records_delta.0);
-        self.records.1 += std::mem::take(&mut self.records_delta.1);
-        shared.records_pending.store(self.records.0.max(0) as u64, Ordering::Relaxed);
-        shared.records_completed.store(self.records.1.max(0) as u64, Ordering::Relaxed);
+        self.records.absorb(std::mem::take(&mut self.records_delta));
+        shared.records_pending.store(self.records.pending.max(0) as u64, Ordering::Relaxed);
+        shared.records_completed.store(self.records.completed.max(0) as u64, Ordering::Relaxed);
     }
 
     /// Whether parked reserves wait on `scope` (a change to it must wake them).
@@ -187,6 +203,11 @@ impl Book {
             }
             let command = Command::Reserve(waiter.reserve.clone());
             let decision = decide(record.as_ref(), &command, now_ms, self.next_token);
+            // A waiter granted a key whose record was released stores a new record.
+            if let Some(refusal) = self.quota_refusal(scope, record.as_ref(), &decision) {
+                outbox.push((waiter.reply, Err(refusal)));
+                continue;
+            }
             match self.apply(txn, scope, record.as_ref(), &decision) {
                 Ok(()) => {}
                 Err(error) if txn.failed_alone(&error) => {

@@ -16,6 +16,7 @@ mod error;
 mod faults;
 pub mod files;
 pub mod manifest;
+mod quota;
 mod shard;
 mod store;
 pub mod token;
@@ -159,6 +160,8 @@ struct Inner {
     frame: Mutex<ClockGuard>,
     /// The shards' persisted marks, which the frame never goes below.
     floor: Arc<FrameFloor>,
+    /// Each tenant's most records per shard, read by every shard.
+    quotas: quota::Quotas,
     /// Held for the engine's life: one process owns a data directory.
     _lock: File,
 }
@@ -268,6 +271,7 @@ impl Engine {
         let start = Start { wall_ms: clock.now_ms(), monotonic_ms: clock.monotonic_ms() };
         let floor = Arc::new(FrameFloor::default());
         floor.unopened.store(config.shards, Ordering::SeqCst);
+        let quotas = quota::Quotas::default();
         let (started_tx, started_rx) = crossbeam_channel::bounded(config.shards as usize);
         let mut shards = Vec::with_capacity(config.shards as usize);
         for id in 0..config.shards {
@@ -288,6 +292,7 @@ impl Engine {
                 data,
                 control,
                 gone,
+                quotas: quotas.clone(),
             };
             let thread = spawn_shard(Shard::new(parts), id, Arc::clone(&shared), started_tx.clone())
                 .map_err(|source| OpenError::Io { path: config.data_dir.clone(), source })?;
@@ -324,9 +329,19 @@ impl Engine {
                 closing: AtomicBool::new(false),
                 frame: Mutex::new(frame),
                 floor,
+                quotas,
                 _lock: lock,
             }),
         })
+    }
+
+    /// Sets each tenant's most stored records per shard (replacing any earlier table); a
+    /// tenant not in `table` has no quota. A reserve that would store a record for a new
+    /// key of a tenant at its quota on the key's shard is refused `resource_exhausted`
+    /// (`tenants[].records_per_shard_max`); the tenant's existing keys are served as
+    /// before, and reclaiming its expired records makes room again.
+    pub fn set_records_per_shard_max(&self, table: std::collections::HashMap<Tenant, u64>) {
+        self.inner.quotas.set(table);
     }
 
     /// The clock every decision reads; fronts that keep time of their own (rate limits)

@@ -35,6 +35,7 @@ use oncegate_core::{ClockGuard, Command, Reply, ReserveReply, Scope, decide};
 use tokio::sync::oneshot;
 
 use crate::book::{Book, Outbox, file_full};
+use crate::quota::Quotas;
 use crate::store::{Meta, Store, StoreError, Tuning, Txn};
 use crate::{Clock, EngineConfig, Error, Faults, manifest, token};
 
@@ -184,6 +185,8 @@ pub(crate) struct Parts {
     pub control: Receiver<Control>,
     /// Nudges from callers that stopped waiting.
     pub gone: Receiver<()>,
+    /// Each tenant's most records per shard.
+    pub quotas: Quotas,
 }
 
 /// Sent once per shard when its first open attempt is over.
@@ -216,7 +219,7 @@ pub(crate) struct Shard {
 
 impl Shard {
     pub fn new(parts: Parts) -> Shard {
-        let Parts { id, config, clock, start, floor, faults, shared, data, control, gone } = parts;
+        let Parts { id, config, clock, start, floor, faults, shared, data, control, gone, quotas } = parts;
         Shard {
             id,
             path: manifest::shard_file(&config.data_dir, id),
@@ -235,7 +238,7 @@ impl Shard {
             store: None,
             guard: ClockGuard::new(0),
             epoch: 0,
-            book: Book::new(),
+            book: Book::new(id, quotas),
             reopen_at: None,
         }
     }
@@ -301,8 +304,7 @@ impl Shard {
         self.epoch = epoch;
         self.book.next_token = next_token;
         self.book.next_reclaim_ms = store.min_reclaim_at_ms()?;
-        let (pending, completed) = store.count()?;
-        self.book.reset_records(pending, completed);
+        self.book.reset_records(store.count()?);
         self.book.settle(&self.shared);
         Ok(store)
     }
@@ -537,7 +539,7 @@ impl Shard {
                 // Nothing of this batch is durable: the counter goes back, and every
                 // caller hears `unavailable`, never an acknowledgement.
                 self.book.next_token = token_before;
-                self.book.records_delta = (0, 0);
+                self.book.discard_delta();
                 self.record_failure(&error);
                 let refusal = self.unavailable(&format!("storage failure: {error}"));
                 for (reply, _) in outbox {
@@ -565,12 +567,11 @@ impl Shard {
             for scope in &book.due(now) {
                 book.serve_waiters(&txn, scope, now, false, &full, &mut outbox)?;
             }
-            let (pending, completed) = txn.reclaim(now, limit)?;
-            book.records_delta.0 -= pending as i64;
-            book.records_delta.1 -= completed as i64;
+            let removed = txn.reclaim(now, limit)?;
+            book.records_delta.remove(&removed);
             txn.set_meta(Meta { next_token: book.next_token, high_water_ms: now })?;
             txn.commit()?;
-            Ok(pending + completed)
+            Ok((removed.pending + removed.completed) as usize)
         })();
         match result {
             Ok(reclaimed) => {
@@ -594,7 +595,7 @@ impl Shard {
                 }
             }
             Err(error) => {
-                self.book.records_delta = (0, 0);
+                self.book.discard_delta();
                 self.record_failure(&error);
                 let refusal = self.unavailable(&format!("storage failure: {error}"));
                 for (reply, _) in outbox {
@@ -712,10 +713,17 @@ impl Batch<'_> {
         let book = &mut *self.book;
         let step = txn.get(&scope).and_then(|record| {
             let decision = decide(record.as_ref(), &command, self.now, book.next_token);
-            book.apply(txn, &scope, record.as_ref(), &decision).map(|()| decision)
+            if let Some(refusal) = book.quota_refusal(&scope, record.as_ref(), &decision) {
+                return Ok(Err(refusal));
+            }
+            book.apply(txn, &scope, record.as_ref(), &decision).map(|()| Ok(decision))
         });
         let decision = match step {
-            Ok(decision) => decision,
+            Ok(Ok(decision)) => decision,
+            Ok(Err(refusal)) => {
+                self.outbox.push((reply, Err(refusal)));
+                return Ok(());
+            }
             Err(error) if txn.failed_alone(&error) => {
                 self.outbox.push((reply, Err(file_full(self.shard, self.config))));
                 return Ok(());

@@ -11,6 +11,7 @@ use oncegate_core::{
 };
 use rusqlite::{Connection, OptionalExtension, Transaction, TransactionBehavior, params};
 
+use crate::quota::Tally;
 use crate::{Durability, Faults};
 
 /// The schema version this code reads and writes (`PRAGMA user_version`).
@@ -139,6 +140,11 @@ fn to_sql(value: u64) -> i64 {
     value.min(i64::MAX as u64) as i64
 }
 
+/// A tenant name read back from the store; one that does not parse is corruption.
+fn stored_tenant(name: String) -> Result<Tenant, StoreError> {
+    Tenant::new(&name).map_err(|e| StoreError::Corrupt(e.to_string()))
+}
+
 fn from_sql(value: i64) -> u64 {
     value.max(0) as u64
 }
@@ -234,11 +240,21 @@ impl Store {
 
     /// How many stored records are pending and how many completed (expired ones not yet
     /// reclaimed included): read once at open, then kept up to date by the shard.
-    pub fn count(&self) -> Result<(u64, u64), StoreError> {
+    pub fn count(&self) -> Result<Tally, StoreError> {
         let mut stmt = self.conn.prepare_cached(
-            "SELECT COUNT(*) FILTER (WHERE outcome IS NULL), COUNT(*) FILTER (WHERE outcome IS NOT NULL) FROM records",
+            "SELECT tenant, COUNT(*) FILTER (WHERE outcome IS NULL), COUNT(*) FILTER (WHERE outcome IS NOT NULL)
+             FROM records GROUP BY tenant",
         )?;
-        Ok(stmt.query_row([], |row| Ok((from_sql(row.get(0)?), from_sql(row.get(1)?))))?)
+        let mut tally = Tally::default();
+        let mut rows = stmt.query([])?;
+        while let Some(row) = rows.next()? {
+            let tenant = stored_tenant(row.get(0)?)?;
+            let (pending, completed): (i64, i64) = (row.get(1)?, row.get(2)?);
+            tally.pending += pending;
+            tally.completed += completed;
+            tally.add_tenant(&tenant, pending + completed);
+        }
+        Ok(tally)
     }
 
     /// The earliest instant at which some record becomes reclaimable.
@@ -362,25 +378,26 @@ impl Txn<'_> {
     }
 
     /// Deletes at most `limit` records that are reclaimable at `now_ms`, oldest first;
-    /// returns how many of them were pending and how many completed.
-    pub fn reclaim(&self, now_ms: u64, limit: usize) -> Result<(usize, usize), StoreError> {
+    /// returns what was deleted, counted by state and tenant.
+    pub fn reclaim(&self, now_ms: u64, limit: usize) -> Result<Tally, StoreError> {
         self.failpoint()?;
         let mut stmt = self.tx.prepare_cached(
             "DELETE FROM records WHERE (tenant, namespace, key) IN (
                 SELECT tenant, namespace, key FROM records
                 WHERE reclaim_at_ms <= ?1 ORDER BY reclaim_at_ms LIMIT ?2)
-             RETURNING outcome IS NULL",
+             RETURNING tenant, outcome IS NULL",
         )?;
-        let mut counts = (0, 0);
+        let mut removed = Tally::default();
         let mut rows = stmt.query(params![to_sql(now_ms), limit as i64])?;
         while let Some(row) = rows.next()? {
-            if row.get::<_, bool>(0)? {
-                counts.0 += 1;
+            if row.get::<_, bool>(1)? {
+                removed.pending += 1;
             } else {
-                counts.1 += 1;
+                removed.completed += 1;
             }
+            removed.add_tenant(&stored_tenant(row.get(0)?)?, 1);
         }
-        Ok(counts)
+        Ok(removed)
     }
 
     /// Pending records whose lease runs past `after_ms`: those the restart grace applies to.
@@ -394,7 +411,7 @@ impl Txn<'_> {
         for row in rows {
             let ((tenant, namespace, key), record) = row?;
             let scope = Scope {
-                tenant: Tenant::new(&tenant).map_err(|e| StoreError::Corrupt(e.to_string()))?,
+                tenant: stored_tenant(tenant)?,
                 namespace: Namespace::new(&namespace).map_err(|e| StoreError::Corrupt(e.to_string()))?,
                 key: Key::from_stored(key),
             };

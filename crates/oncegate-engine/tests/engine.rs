@@ -479,3 +479,48 @@ fn a_version_one_store_is_upgraded_in_place() {
     let next = granted(&engine.reserve_blocking(&t, reserve("new")).unwrap().reply);
     engine.commit_blocking(&t, commit("new", next, b"x")).unwrap();
 }
+
+#[test]
+fn a_tenant_at_its_records_quota_is_refused_new_keys_only() {
+    use oncegate_core::Tenant;
+    let dir = tempfile::tempdir().unwrap();
+    let (clock, faults) = (ManualClock::new(T0), Faults::default());
+    let config = EngineConfig { shards: 1, ..config(dir.path()) };
+    let (acme, globex) = (Tenant::new("acme").unwrap(), Tenant::new("globex").unwrap());
+    let quota = || std::collections::HashMap::from([(acme.clone(), 2)]);
+    let engine = open(config.clone(), &clock, &faults);
+    engine.set_records_per_shard_max(quota());
+    let a1 = granted(&engine.reserve_blocking(&acme, reserve_for("a1", 1_000, 10_000, 0)).unwrap().reply);
+    granted(&engine.reserve_blocking(&acme, reserve_for("a2", 1_000, 60_000, 0)).unwrap().reply);
+    let refused = engine.reserve_blocking(&acme, reserve("a3")).unwrap_err();
+    assert!(
+        matches!(
+            &refused,
+            Error::ResourceExhausted { limit_name: "tenants[].records_per_shard_max", limit: 2, .. }
+        ),
+        "{refused:?}"
+    );
+    // What the tenant has is served as before; another tenant is not affected.
+    assert!(matches!(
+        engine.reserve_blocking(&acme, reserve("a1")).unwrap().reply,
+        ReserveReply::InProgress { .. }
+    ));
+    engine.commit_blocking(&acme, commit("a1", a1, b"done")).unwrap();
+    assert!(matches!(
+        engine.reserve_blocking(&acme, reserve("a1")).unwrap().reply,
+        ReserveReply::Completed { .. }
+    ));
+    granted(&engine.reserve_blocking(&globex, reserve("a3")).unwrap().reply);
+
+    // The count survives a restart.
+    drop(engine);
+    let engine = open(config, &clock, &faults);
+    engine.set_records_per_shard_max(quota());
+    assert!(engine.reserve_blocking(&acme, reserve("a3")).is_err(), "still at the quota after a restart");
+    // Reclaiming the expired record makes room.
+    clock.advance(20_000);
+    engine.run_alarms();
+    assert_eq!(engine.stats()[0].reclaimed, 1, "a1 expired and was reclaimed");
+    granted(&engine.reserve_blocking(&acme, reserve("a3")).unwrap().reply);
+    assert!(engine.reserve_blocking(&acme, reserve("a4")).is_err(), "at the quota again");
+}

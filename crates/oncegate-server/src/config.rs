@@ -239,6 +239,9 @@ pub struct TenantConfig {
     pub requests_per_s: u32,
     /// Requests admitted at once after a quiet spell; 0 means one second's worth.
     pub requests_burst_max: u32,
+    /// Records the tenant may have stored on each shard (expired ones not yet reclaimed
+    /// included); a reserve of a new key past it is refused. 0 sets no quota.
+    pub records_per_shard_max: u64,
 }
 
 impl Default for TenantConfig {
@@ -250,6 +253,7 @@ impl Default for TenantConfig {
             waiters_max: 256,
             requests_per_s: 0,
             requests_burst_max: 0,
+            records_per_shard_max: 0,
         }
     }
 }
@@ -529,6 +533,8 @@ impl Config {
             10_000_000,
             Unit::Count,
         );
+        let records = config.records_per_shard_max;
+        problems.within(&field("records_per_shard_max"), records, 0, 1 << 40, Unit::Count);
         if config.requests_per_s == 0 && config.requests_burst_max != 0 {
             problems.push(Problem::new(
                 field("requests_burst_max"),

@@ -213,6 +213,13 @@ async fn routes(engine: &Engine, config: &Config) -> Result<(Routes, HealthRepor
         );
     }
     let admit = tenants::Admit::new(server.requests_in_flight_max, &tenants, engine.clock().clone());
+    engine.set_records_per_shard_max(
+        tenants
+            .iter()
+            .filter(|t| t.config.records_per_shard_max > 0)
+            .map(|t| (t.tenant.clone(), t.config.records_per_shard_max))
+            .collect(),
+    );
     let admin = oncegate_proto::v1::admin_server::AdminServer::new(AdminService::new(
         engine.clone(),
         AdminAuth::new(config),

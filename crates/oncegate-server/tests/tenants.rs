@@ -1,5 +1,5 @@
 //! Per-tenant fairness through the real server: a tenant over each of its limits (calls
-//! in flight, waiting reserves, request rate) is refused `RESOURCE_EXHAUSTED` with the
+//! in flight, waiting reserves, request rate, records stored per shard) is refused `RESOURCE_EXHAUSTED` with the
 //! `oncegate-limit` trailer naming the limit, while another tenant is served normally,
 //! and the tenant's own heartbeats, commits and releases still go through.
 
@@ -162,6 +162,23 @@ async fn a_tenant_over_its_rate_is_refused_until_time_passes_and_may_always_comm
         &client.reserve(as_tenant("acme", reserve("e"))).await.unwrap_err(),
         "tenants[].requests_per_s",
     );
+    drop(client);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_at_its_records_quota_is_refused_new_keys_while_another_stores_more() {
+    let server = two_tenants(|t| t.records_per_shard_max = 2).await;
+    let mut client = server.client().await;
+    let token = granted(&client.reserve(as_tenant("acme", reserve("a"))).await.unwrap().into_inner());
+    granted(&client.reserve(as_tenant("acme", reserve("b"))).await.unwrap().into_inner());
+    let refused = client.reserve(as_tenant("acme", reserve("c"))).await.unwrap_err();
+    exhausted(&refused, "tenants[].records_per_shard_max");
+    // Its stored keys are served as before; globex stores what it likes.
+    release(&mut client, "acme", "a", token).await;
+    for key in ["a", "b", "c"] {
+        granted(&client.reserve(as_tenant("globex", reserve(key))).await.unwrap().into_inner());
+    }
     drop(client);
     server.stop().await;
 }
