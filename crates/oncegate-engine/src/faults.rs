@@ -29,6 +29,12 @@ struct FaultsInner {
     integrity_checks_failing: AtomicU32,
     /// The next batch of any shard panics (a bug in the shard's thread, simulated).
     panic_next_batch: AtomicBool,
+    /// When non-zero, overrides `wal_checkpoint_pages` at every open, below the
+    /// configuration's floor: the power-loss harness checkpoints every few batches.
+    wal_checkpoint_pages: AtomicU64,
+    /// The deliberate bug the power-loss harness must catch: shards answer a batch
+    /// before its `COMMIT`.
+    acks_before_commit: AtomicBool,
     /// While closed, shards stop before applying a batch: tests use it to hold a shard
     /// busy and fill its mailbox deterministically.
     gate_closed: AtomicBool,
@@ -72,6 +78,18 @@ impl Faults {
     /// Makes the next batch of any shard panic, as a bug in the shard's thread would.
     pub fn panic_next_batch(&self) {
         self.inner.panic_next_batch.store(true, Ordering::SeqCst);
+    }
+
+    /// Checkpoints every shard file opened from now on after `pages` WAL pages (0 lifts
+    /// the override), so that tests cross checkpoints often.
+    pub fn checkpoint_after_pages(&self, pages: u64) {
+        self.inner.wal_checkpoint_pages.store(pages, Ordering::SeqCst);
+    }
+
+    /// Switches on a deliberate durability bug: every shard answers its batches before
+    /// their `COMMIT`. Only the power-loss harness's proof that it can see uses it.
+    pub fn ack_before_commit(&self) {
+        self.inner.acks_before_commit.store(true, Ordering::SeqCst);
     }
 
     /// Limits every shard file opened from now on to `pages` SQLite pages (0 lifts the
@@ -139,6 +157,17 @@ impl Faults {
 
     pub(crate) fn open_should_fail(&self) -> bool {
         self.inner.opens_failing.load(Ordering::Relaxed) > 0 && take_one(&self.inner.opens_failing)
+    }
+
+    pub(crate) fn wal_checkpoint_pages(&self) -> Option<u64> {
+        match self.inner.wal_checkpoint_pages.load(Ordering::SeqCst) {
+            0 => None,
+            pages => Some(pages),
+        }
+    }
+
+    pub(crate) fn acks_before_commit(&self) -> bool {
+        self.inner.acks_before_commit.load(Ordering::Relaxed)
     }
 
     pub(crate) fn page_count_max(&self) -> Option<u64> {

@@ -21,7 +21,6 @@ mod shard;
 mod store;
 pub mod token;
 
-use std::fs::File;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -163,7 +162,7 @@ struct Inner {
     /// Each tenant's most records per shard, read by every shard.
     quotas: quota::Quotas,
     /// Held for the engine's life: one process owns a data directory.
-    _lock: File,
+    _lock: files::LockGuard,
 }
 
 /// The embedded engine: routes each call to its key's shard and waits for the answer.
@@ -262,9 +261,20 @@ impl Engine {
         clock: Arc<dyn Clock>,
         faults: Faults,
     ) -> Result<Engine, OpenError> {
+        Engine::open_on(config, clock, faults, Arc::new(files::OsFiles))
+    }
+
+    /// Opens the data directory through another files seam: the power-loss harness runs
+    /// the engine on a simulated disk this way.
+    pub fn open_on(
+        config: EngineConfig,
+        clock: Arc<dyn Clock>,
+        faults: Faults,
+        files: Arc<dyn files::Files>,
+    ) -> Result<Engine, OpenError> {
         config.check().map_err(OpenError::Config)?;
-        let lock = manifest::lock(&config.data_dir)?;
-        manifest::open_or_create(&config.data_dir, config.shards)?;
+        let lock = manifest::lock(&*files, &config.data_dir)?;
+        manifest::open_or_create(&*files, &config.data_dir, config.shards)?;
         let config = Arc::new(config);
         // The one wall-clock reading of the process: every shard's frame, and the frame of
         // derived keys, is anchored to it; nothing re-anchors until the next process.
@@ -293,6 +303,7 @@ impl Engine {
                 control,
                 gone,
                 quotas: quotas.clone(),
+                files: Arc::clone(&files),
             };
             let thread = spawn_shard(Shard::new(parts), id, Arc::clone(&shared), started_tx.clone())
                 .map_err(|source| OpenError::Io { path: config.data_dir.clone(), source })?;

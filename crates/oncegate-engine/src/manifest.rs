@@ -8,16 +8,16 @@
 //! shards that have never seen them.
 //!
 //! Each shard's token epoch (see `token.rs`) is its own small file. Every file here is
-//! written the same way ([`write_atomically`]): temporary file, fsync, rename, fsync of
-//! the directory, so a crash leaves the old or the new contents, never a mix.
+//! written the same way (`files::write_atomically`): temporary file, fsync, rename, fsync
+//! of the directory, so a crash leaves the old or the new contents, never a mix. All of it
+//! goes through the `Files` seam, so the power-loss harness sees these writes too.
 
-use std::fs::{self, File};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
 use crate::OpenError;
+use crate::files::{Files, LockGuard, write_atomically};
 
 /// The manifest's file name inside the data directory.
 pub const MANIFEST_FILE: &str = "oncegate.manifest.toml";
@@ -50,88 +50,55 @@ pub fn epoch_file(data_dir: &Path, shard: u32) -> PathBuf {
     data_dir.join(format!("shard-{shard:04}.epoch"))
 }
 
-/// Writes `bytes` to `path` so that a crash leaves either the old file or the new one:
-/// temporary file, fsync, rename over, fsync of the directory.
-pub fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let mut tmp_name = path.file_name().unwrap_or_default().to_owned();
-    tmp_name.push(".tmp");
-    let tmp = dir.join(tmp_name);
-    // A temporary file left by a crash (or by an older version, with a looser mode) is
-    // removed first, so the file renamed into place is always one created owner-only.
-    match fs::remove_file(&tmp) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
-        _ => {}
-    }
-    let mut file = crate::files::options().write(true).create_new(true).open(&tmp)?;
-    file.write_all(bytes)?;
-    file.sync_all()?;
-    fs::rename(&tmp, path)?;
-    File::open(dir)?.sync_all()
-}
-
 /// Reads a shard's token epoch; `None` when the file does not exist.
-pub fn read_epoch(path: &Path) -> std::io::Result<Option<u64>> {
-    match fs::read_to_string(path) {
-        Ok(text) => text.trim().parse().map(Some).map_err(|e| {
-            std::io::Error::new(std::io::ErrorKind::InvalidData, format!("token epoch {text:?}: {e}"))
-        }),
+pub fn read_epoch(files: &dyn Files, path: &Path) -> std::io::Result<Option<u64>> {
+    match files.read(path) {
+        Ok(bytes) => {
+            let text = String::from_utf8_lossy(&bytes);
+            text.trim().parse().map(Some).map_err(|e| {
+                std::io::Error::new(std::io::ErrorKind::InvalidData, format!("token epoch {text:?}: {e}"))
+            })
+        }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(e),
     }
 }
 
 /// Persists a shard's token epoch; returns only once it is durable.
-pub fn write_epoch(path: &Path, epoch: u64) -> std::io::Result<()> {
-    write_atomically(path, format!("{epoch}\n").as_bytes())
+pub fn write_epoch(files: &dyn Files, path: &Path, epoch: u64) -> std::io::Result<()> {
+    write_atomically(files, path, format!("{epoch}\n").as_bytes())
 }
 
 /// How many shard files (`shard-*.sqlite`) a data directory holds.
-fn shard_file_count(data_dir: &Path) -> Result<usize, OpenError> {
-    let mut count = 0;
-    for entry in fs::read_dir(data_dir).map_err(io(data_dir))? {
-        let name = entry.map_err(io(data_dir))?.file_name();
-        let name = name.to_string_lossy();
-        count += usize::from(name.starts_with("shard-") && name.ends_with(".sqlite"));
-    }
-    Ok(count)
+fn shard_file_count(files: &dyn Files, data_dir: &Path) -> Result<usize, OpenError> {
+    let names = files.list(data_dir).map_err(io(data_dir))?;
+    Ok(names.iter().filter(|name| name.starts_with("shard-") && name.ends_with(".sqlite")).count())
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> OpenError + '_ {
     move |source| OpenError::Io { path: path.to_owned(), source }
 }
 
-/// Takes the directory's exclusive lock; the lock lasts as long as the returned file.
-pub fn lock(data_dir: &Path) -> Result<File, OpenError> {
-    crate::files::create_dir(data_dir).map_err(io(data_dir))?;
-    if let Ok(Some(bits)) = crate::files::shared_bits(data_dir) {
-        tracing::warn!(
-            data_dir = %data_dir.display(),
-            mode = format!("{bits:03o}"),
-            "the data directory gives its group or others access; keys and stored responses are customer data (chmod 700 it)"
-        );
-    }
+/// Takes the directory's exclusive lock; the lock lasts as long as the returned guard.
+/// Files an older version (or an operator) made readable by others are made owner-only
+/// by the process that owns the directory.
+pub fn lock(files: &dyn Files, data_dir: &Path) -> Result<LockGuard, OpenError> {
+    files.create_dir_all(data_dir).map_err(io(data_dir))?;
     let path = data_dir.join(LOCK_FILE);
-    let file =
-        crate::files::options().create(true).truncate(false).write(true).open(&path).map_err(io(&path))?;
-    match file.try_lock() {
-        Ok(()) => {}
-        Err(fs::TryLockError::WouldBlock) => return Err(OpenError::Locked { path }),
-        Err(fs::TryLockError::Error(source)) => return Err(OpenError::Io { path, source }),
-    }
-    // Files an older version (or an operator) made readable by others are made
-    // owner-only by the process that owns the directory.
-    crate::files::restrict(&path).map_err(io(&path))?;
+    let guard =
+        files.lock(data_dir).map_err(io(&path))?.ok_or_else(|| OpenError::Locked { path: path.clone() })?;
+    files.restrict(&path).map_err(io(&path))?;
     let manifest = data_dir.join(MANIFEST_FILE);
-    crate::files::restrict(&manifest).map_err(io(&manifest))?;
-    Ok(file)
+    files.restrict(&manifest).map_err(io(&manifest))?;
+    Ok(guard)
 }
 
 /// Reads the manifest, or creates it for a new directory, and checks the shard count.
-pub fn open_or_create(data_dir: &Path, shards: u32) -> Result<Manifest, OpenError> {
+pub fn open_or_create(files: &dyn Files, data_dir: &Path, shards: u32) -> Result<Manifest, OpenError> {
     let path = data_dir.join(MANIFEST_FILE);
-    match fs::read_to_string(&path) {
-        Ok(text) => {
+    match files.read(&path) {
+        Ok(bytes) => {
+            let text = String::from_utf8_lossy(&bytes);
             let manifest: Manifest = toml::from_str(&text)
                 .map_err(|e| OpenError::Manifest { path: path.clone(), reason: e.message().to_owned() })?;
             if manifest.format_version != FORMAT_VERSION {
@@ -159,7 +126,7 @@ pub fn open_or_create(data_dir: &Path, shards: u32) -> Result<Manifest, OpenErro
             Ok(manifest)
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            let shard_files = shard_file_count(data_dir)?;
+            let shard_files = shard_file_count(files, data_dir)?;
             if shard_files > 0 {
                 return Err(OpenError::ManifestMissing { path, shard_files });
             }
@@ -168,7 +135,7 @@ pub fn open_or_create(data_dir: &Path, shards: u32) -> Result<Manifest, OpenErro
                 "# Written once when this data directory was created; never edit it.\n{}",
                 toml::to_string(&manifest).expect("the manifest serialises")
             );
-            write_atomically(&path, text.as_bytes()).map_err(io(&path))?;
+            write_atomically(files, &path, text.as_bytes()).map_err(io(&path))?;
             Ok(manifest)
         }
         Err(source) => Err(OpenError::Io { path, source }),

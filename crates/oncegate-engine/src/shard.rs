@@ -35,6 +35,7 @@ use oncegate_core::{ClockGuard, Command, Reply, ReserveReply, Scope, decide};
 use tokio::sync::oneshot;
 
 use crate::book::{Book, Outbox, file_full};
+use crate::files::Files;
 use crate::quota::Quotas;
 use crate::store::{Meta, Store, StoreError, Tuning, Txn};
 use crate::{Clock, EngineConfig, Error, Faults, manifest, token};
@@ -187,6 +188,8 @@ pub(crate) struct Parts {
     pub gone: Receiver<()>,
     /// Each tenant's most records per shard.
     pub quotas: Quotas,
+    /// The files seam (the operating system's, or a simulated disk).
+    pub files: Arc<dyn Files>,
 }
 
 /// Sent once per shard when its first open attempt is over.
@@ -213,13 +216,15 @@ pub(crate) struct Shard {
     /// The token epoch of the current open (see `token.rs`).
     epoch: u64,
     book: Book,
+    files: Arc<dyn Files>,
     backoff_ms: u64,
     reopen_at: Option<Instant>,
 }
 
 impl Shard {
     pub fn new(parts: Parts) -> Shard {
-        let Parts { id, config, clock, start, floor, faults, shared, data, control, gone, quotas } = parts;
+        let Parts { id, config, clock, start, floor, faults, shared, data, control, gone, quotas, files } =
+            parts;
         Shard {
             id,
             path: manifest::shard_file(&config.data_dir, id),
@@ -239,6 +244,7 @@ impl Shard {
             guard: ClockGuard::new(0),
             epoch: 0,
             book: Book::new(id, quotas),
+            files,
             reopen_at: None,
         }
     }
@@ -278,12 +284,14 @@ impl Shard {
             file_bytes_max: self.config.shard_file_bytes_max,
             page_cache_bytes_max: self.config.page_cache_bytes_max,
             wal_checkpoint_pages: self.config.wal_checkpoint_pages,
+            files: Arc::clone(&self.files),
         };
         // Only the first open of the process checks the file and re-anchors the clock;
         // an in-process reopen keeps the frame, so a wall-clock step cannot age records.
         let process_start = !self.opened;
         let (mut store, meta, created) = Store::open(&self.path, &tuning, &self.faults, process_start)?;
-        let stored_epoch = manifest::read_epoch(&self.epoch_path).map_err(|e| self.epoch_error(e))?;
+        let stored_epoch =
+            manifest::read_epoch(&*self.files, &self.epoch_path).map_err(|e| self.epoch_error(e))?;
         let epoch = token::epoch_at_open(stored_epoch, meta.next_token, created);
         if epoch > token::EPOCH_MAX {
             return Err(StoreError::Corrupt(format!(
@@ -358,7 +366,7 @@ impl Shard {
     }
 
     fn write_epoch(&self, epoch: u64) -> Result<(), StoreError> {
-        manifest::write_epoch(&self.epoch_path, epoch).map_err(|e| self.epoch_error(e))
+        manifest::write_epoch(&*self.files, &self.epoch_path, epoch).map_err(|e| self.epoch_error(e))
     }
 
     /// Moves to a new token epoch when the current one could run out within one batch
@@ -696,6 +704,12 @@ impl Batch<'_> {
         }
         // `now` came from the guard, so it is the high-water mark to persist.
         txn.set_meta(Meta { next_token: self.book.next_token, high_water_ms: self.now })?;
+        if txn.acks_early() {
+            // The deliberate bug the power-loss harness must catch: answers before COMMIT.
+            for (reply, answer) in self.outbox.drain(..) {
+                let _ = reply.send(answer);
+            }
+        }
         let started = Instant::now();
         txn.commit()?;
         metrics::histogram!("oncegate_shard_commit_seconds", "shard" => self.shard.to_string())

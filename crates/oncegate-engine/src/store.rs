@@ -5,12 +5,14 @@
 //! transaction.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use oncegate_core::{
     Completion, Event, Fingerprint, Key, Namespace, Outcome, Record, Scope, Tenant, Transition,
 };
-use rusqlite::{Connection, OptionalExtension, Transaction, TransactionBehavior, params};
+use rusqlite::{Connection, OpenFlags, OptionalExtension, Transaction, TransactionBehavior, params};
 
+use crate::files::Files;
 use crate::quota::Tally;
 use crate::{Durability, Faults};
 
@@ -127,6 +129,8 @@ pub(crate) struct Tuning {
     pub file_bytes_max: u64,
     pub page_cache_bytes_max: u64,
     pub wal_checkpoint_pages: u64,
+    /// The files seam, and with it the SQLite VFS.
+    pub files: Arc<dyn Files>,
 }
 
 pub(crate) struct Store {
@@ -162,8 +166,12 @@ impl Store {
         if faults.open_should_fail() {
             return Err(StoreError::Injected("open"));
         }
-        crate::files::create_file(path).map_err(|source| StoreError::Io { path: path.to_owned(), source })?;
-        let mut conn = Connection::open(path)?;
+        crate::files::create_shard_file(&*tuning.files, path)
+            .map_err(|source| StoreError::Io { path: path.to_owned(), source })?;
+        let mut conn = match tuning.files.sqlite_vfs() {
+            Some(vfs) => Connection::open_with_flags_and_vfs(path, OpenFlags::default(), vfs)?,
+            None => Connection::open(path)?,
+        };
         let mode: String = conn.query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))?;
         if !mode.eq_ignore_ascii_case("wal") {
             return Err(StoreError::Corrupt(format!("journal_mode is {mode}, not wal")));
@@ -177,7 +185,10 @@ impl Store {
         // before it is copied once into the database file (measured: about 1.5x the
         // throughput of SQLite's default of 1,000 pages, see docs/benchmarks.md).
         let _: i64 = conn.query_row(
-            &format!("PRAGMA wal_autocheckpoint = {}", tuning.wal_checkpoint_pages),
+            &format!(
+                "PRAGMA wal_autocheckpoint = {}",
+                faults.wal_checkpoint_pages().unwrap_or(tuning.wal_checkpoint_pages)
+            ),
             [],
             |row| row.get(0),
         )?;
@@ -445,6 +456,11 @@ impl Txn<'_> {
 
     /// Makes the batch durable. Returns only once SQLite reports the commit done (with
     /// `synchronous=FULL`, after the WAL is synced).
+    /// Whether the test-only ack-before-commit bug is switched on (see `Faults`).
+    pub fn acks_early(&self) -> bool {
+        self.faults.acks_before_commit()
+    }
+
     pub fn commit(self) -> Result<(), StoreError> {
         self.failpoint()?;
         if self.faults.commit_should_fail() {

@@ -1,0 +1,555 @@
+//! The simulated disk: files and directories in memory, with what has been made durable
+//! kept apart from what has only been written.
+//!
+//! The fault model:
+//! - A file's contents are durable up to its last sync; a write changes 512-byte sectors
+//!   that stay volatile until then. A sector is atomic: it is written whole or not at all.
+//! - A name (a file created, renamed or removed, a directory created) is durable once its
+//!   directory is synced; until then a cut may undo it.
+//! - A sync is a barrier: everything written before it is durable after it.
+//! - A **power cut** stops all I/O (every later operation fails) and, at restart, leaves
+//!   exactly what was durable. A **torn cut** leaves what was durable plus a random subset
+//!   of the volatile sectors, names and truncations, as a disk that reorders its writes
+//!   may.
+//!
+//! Handles opened before a restart stay dead afterwards (each carries the disk's
+//! generation), so a thread of a dropped engine can never write to the next boot.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use oncegate_engine::files::{Files, LockGuard};
+use rand::Rng;
+
+/// The unit of atomicity of the simulated disk.
+pub const SECTOR_BYTES: usize = 512;
+
+/// The size of a region of SQLite's WAL index (its `-shm` file, kept in memory here).
+pub(crate) const SHM_REGION_BYTES: usize = 32 * 1024;
+
+/// What a cut leaves behind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cut {
+    /// Exactly what was durable.
+    Plain,
+    /// What was durable, plus a random subset of what was not.
+    Torn,
+}
+
+/// An entry of the namespace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Node {
+    Dir,
+    File(u64),
+}
+
+/// The regions of a file's WAL index. Each region is boxed, so its address never moves
+/// while SQLite holds a pointer to it.
+pub(crate) type Shm = Arc<Mutex<Vec<Box<[u8]>>>>;
+
+/// One file's contents.
+#[derive(Default)]
+pub(crate) struct Inode {
+    /// What reads see.
+    data: Vec<u8>,
+    /// What survives a plain cut.
+    durable: Vec<u8>,
+    /// Sectors written (or exposed by growing) since the last sync.
+    dirty: BTreeSet<usize>,
+    /// The WAL index, volatile by nature.
+    pub shm: Shm,
+}
+
+impl Inode {
+    fn with(bytes: &[u8]) -> Inode {
+        let mut inode = Inode::default();
+        inode.write(0, bytes);
+        inode
+    }
+
+    pub fn len(&self) -> usize {
+        self.data.len()
+    }
+
+    pub fn read(&self, offset: usize, buf: &mut [u8]) -> usize {
+        let available = self.data.len().saturating_sub(offset).min(buf.len());
+        if available > 0 {
+            buf[..available].copy_from_slice(&self.data[offset..offset + available]);
+        }
+        available
+    }
+
+    pub fn write(&mut self, offset: usize, bytes: &[u8]) {
+        let end = offset + bytes.len();
+        if end > self.data.len() {
+            self.grow(end);
+        }
+        self.data[offset..end].copy_from_slice(bytes);
+        if !bytes.is_empty() {
+            self.dirty.extend(offset / SECTOR_BYTES..=(end - 1) / SECTOR_BYTES);
+        }
+    }
+
+    pub fn truncate(&mut self, len: usize) {
+        if len > self.data.len() {
+            self.grow(len);
+        } else {
+            self.data.truncate(len);
+        }
+    }
+
+    /// Grows with zeros; the new sectors are volatile like written ones.
+    fn grow(&mut self, len: usize) {
+        let from = self.data.len();
+        self.data.resize(len, 0);
+        self.dirty.extend(from / SECTOR_BYTES..len.div_ceil(SECTOR_BYTES));
+    }
+
+    pub fn sync(&mut self) {
+        self.durable.resize(self.data.len(), 0);
+        for sector in std::mem::take(&mut self.dirty) {
+            copy_sector(&self.data, &mut self.durable, sector);
+        }
+    }
+
+    /// What the file holds after a cut.
+    fn survive(&mut self, cut: Cut, rng: &mut impl Rng) {
+        let mut image = self.durable.clone();
+        if cut == Cut::Torn {
+            if self.data.len() < image.len() && rng.random_bool(0.5) {
+                image.truncate(self.data.len());
+            }
+            for &sector in &self.dirty {
+                if rng.random_bool(0.5) {
+                    copy_sector(&self.data, &mut image, sector);
+                }
+            }
+        }
+        self.data = image.clone();
+        self.durable = image;
+        self.dirty.clear();
+        self.shm = Shm::default();
+    }
+}
+
+/// Copies one sector of `from` (as much of it as `from` holds) into `to`, growing `to`.
+fn copy_sector(from: &[u8], to: &mut Vec<u8>, sector: usize) {
+    let start = sector * SECTOR_BYTES;
+    let end = (start + SECTOR_BYTES).min(from.len());
+    if start >= end {
+        return;
+    }
+    if to.len() < end {
+        to.resize(end, 0);
+    }
+    to[start..end].copy_from_slice(&from[start..end]);
+}
+
+/// Counts of what the disk was asked to do, for the harness's report.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DiskStats {
+    /// File syncs (SQLite's and the seam's).
+    pub file_syncs: u64,
+    /// Directory syncs.
+    pub dir_syncs: u64,
+    /// Bytes written.
+    pub bytes_written: u64,
+    /// Power cuts.
+    pub cuts: u64,
+}
+
+pub(crate) struct State {
+    powered: bool,
+    pub generation: u64,
+    next_inode: u64,
+    pub inodes: HashMap<u64, Inode>,
+    entries: BTreeMap<PathBuf, Node>,
+    durable_entries: BTreeMap<PathBuf, Node>,
+    locks: HashSet<PathBuf>,
+    pub stats: DiskStats,
+}
+
+fn power_off() -> io::Error {
+    io::Error::other("the simulated disk has no power")
+}
+
+fn not_found(path: &Path) -> io::Error {
+    io::Error::new(io::ErrorKind::NotFound, format!("{}: no such file", path.display()))
+}
+
+impl State {
+    /// Fails every operation once the power is cut, and every operation of a handle
+    /// opened before the last restart.
+    pub fn check(&self, generation: u64) -> io::Result<()> {
+        if self.powered && generation == self.generation { Ok(()) } else { Err(power_off()) }
+    }
+
+    pub fn inode_of(&self, path: &Path) -> io::Result<u64> {
+        match self.entries.get(path) {
+            Some(Node::File(inode)) => Ok(*inode),
+            Some(Node::Dir) => Err(io::Error::other(format!("{} is a directory", path.display()))),
+            None => Err(not_found(path)),
+        }
+    }
+
+    pub fn exists(&self, path: &Path) -> bool {
+        self.entries.contains_key(path)
+    }
+
+    /// Creates a file (its name volatile until its directory is synced).
+    pub fn create_file(&mut self, path: &Path, inode: Inode) -> io::Result<u64> {
+        let parent = parent(path);
+        if self.entries.get(parent) != Some(&Node::Dir) {
+            return Err(not_found(parent));
+        }
+        self.next_inode += 1;
+        let id = self.next_inode;
+        self.stats.bytes_written += inode.len() as u64;
+        self.inodes.insert(id, inode);
+        self.entries.insert(path.to_owned(), Node::File(id));
+        Ok(id)
+    }
+
+    /// A file with no name (SQLite's temporary files).
+    pub fn create_anonymous(&mut self) -> u64 {
+        self.next_inode += 1;
+        self.inodes.insert(self.next_inode, Inode::default());
+        self.next_inode
+    }
+
+    pub fn remove(&mut self, path: &Path) -> io::Result<()> {
+        match self.entries.remove(path) {
+            Some(_) => Ok(()),
+            None => Err(not_found(path)),
+        }
+    }
+
+    pub fn sync_dir(&mut self, dir: &Path) {
+        self.stats.dir_syncs += 1;
+        let names: BTreeSet<PathBuf> = self
+            .entries
+            .keys()
+            .chain(self.durable_entries.keys())
+            .filter(|path| parent(path) == dir)
+            .cloned()
+            .collect();
+        for name in names {
+            match self.entries.get(&name) {
+                Some(node) => self.durable_entries.insert(name, *node),
+                None => self.durable_entries.remove(&name),
+            };
+        }
+    }
+
+    pub fn sync_inode(&mut self, inode: u64) {
+        self.stats.file_syncs += 1;
+        if let Some(inode) = self.inodes.get_mut(&inode) {
+            inode.sync();
+        }
+    }
+
+    pub fn write(&mut self, inode: u64, offset: usize, bytes: &[u8]) {
+        self.stats.bytes_written += bytes.len() as u64;
+        if let Some(inode) = self.inodes.get_mut(&inode) {
+            inode.write(offset, bytes);
+        }
+    }
+}
+
+/// The directory holding `path`.
+pub(crate) fn parent(path: &Path) -> &Path {
+    path.parent().unwrap_or(Path::new("/"))
+}
+
+static DISKS: AtomicU64 = AtomicU64::new(0);
+
+/// A simulated disk. Clones share it. It is the engine's files seam
+/// ([`oncegate_engine::files::Files`]) and, through a SQLite VFS registered for it, the
+/// shard files' storage, so that everything the engine writes is on it.
+#[derive(Clone)]
+pub struct Disk {
+    pub(crate) state: Arc<Mutex<State>>,
+    vfs_name: Arc<str>,
+}
+
+impl std::fmt::Debug for Disk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Disk").field("vfs", &self.vfs_name).finish_non_exhaustive()
+    }
+}
+
+impl Default for Disk {
+    fn default() -> Self {
+        Disk::new()
+    }
+}
+
+impl Disk {
+    /// An empty, powered disk with its root directory, and its SQLite VFS registered.
+    pub fn new() -> Disk {
+        let mut entries = BTreeMap::new();
+        entries.insert(PathBuf::from("/"), Node::Dir);
+        let state = State {
+            powered: true,
+            generation: 0,
+            next_inode: 0,
+            inodes: HashMap::new(),
+            durable_entries: entries.clone(),
+            entries,
+            locks: HashSet::new(),
+            stats: DiskStats::default(),
+        };
+        let name = format!("oncegate-simdisk-{}", DISKS.fetch_add(1, Ordering::SeqCst));
+        let disk = Disk { state: Arc::new(Mutex::new(state)), vfs_name: name.into() };
+        crate::vfs::register(&disk);
+        disk
+    }
+
+    pub(crate) fn lock_state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The VFS name SQLite knows this disk by.
+    pub fn vfs_name(&self) -> &str {
+        &self.vfs_name
+    }
+
+    /// Cuts the power: every operation from now on fails, until [`Disk::restart`].
+    pub fn cut(&self) {
+        let mut state = self.lock_state();
+        state.powered = false;
+        state.stats.cuts += 1;
+    }
+
+    /// Powers the disk up again with what survived the cut.
+    pub fn restart(&self, cut: Cut, rng: &mut impl Rng) {
+        let mut state = self.lock_state();
+        let state = &mut *state;
+        let names: BTreeSet<PathBuf> =
+            state.entries.keys().chain(state.durable_entries.keys()).cloned().collect();
+        let mut survived = BTreeMap::new();
+        for name in names {
+            let durable = state.durable_entries.get(&name).copied();
+            let node = match (cut, state.entries.get(&name).copied()) {
+                (Cut::Torn, current) if rng.random_bool(0.5) => current,
+                _ => durable,
+            };
+            if let Some(node) = node {
+                survived.insert(name, node);
+            }
+        }
+        // Entries whose directory did not survive go with it (shortest paths first, so a
+        // parent is settled before its children).
+        let mut kept = BTreeMap::new();
+        let mut by_depth: Vec<(PathBuf, Node)> = survived.into_iter().collect();
+        by_depth.sort_by_key(|(path, _)| path.components().count());
+        for (path, node) in by_depth {
+            if path == Path::new("/") || kept.get(parent(&path)) == Some(&Node::Dir) {
+                kept.insert(path, node);
+            }
+        }
+        let live: HashSet<u64> =
+            kept.values().filter_map(|n| if let Node::File(i) = n { Some(*i) } else { None }).collect();
+        state.inodes.retain(|id, _| live.contains(id));
+        for inode in state.inodes.values_mut() {
+            inode.survive(cut, rng);
+        }
+        state.durable_entries = kept.clone();
+        state.entries = kept;
+        state.locks.clear();
+        state.generation += 1;
+        state.powered = true;
+    }
+
+    /// What the disk was asked to do so far.
+    pub fn stats(&self) -> DiskStats {
+        self.lock_state().stats
+    }
+
+    fn with<T>(&self, op: impl FnOnce(&mut State) -> io::Result<T>) -> io::Result<T> {
+        let mut state = self.lock_state();
+        let generation = state.generation;
+        state.check(generation)?;
+        op(&mut state)
+    }
+}
+
+/// The directory lock of a simulated disk: released when dropped.
+struct SimLock {
+    disk: Disk,
+    dir: PathBuf,
+    generation: u64,
+}
+
+impl Drop for SimLock {
+    fn drop(&mut self) {
+        let mut state = self.disk.lock_state();
+        if state.generation == self.generation {
+            state.locks.remove(&self.dir);
+        }
+    }
+}
+
+impl Files for Disk {
+    fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
+        self.with(|state| {
+            for ancestor in dir.ancestors().collect::<Vec<_>>().into_iter().rev() {
+                match state.entries.get(ancestor) {
+                    Some(Node::Dir) => {}
+                    Some(Node::File(_)) => {
+                        return Err(io::Error::other(format!("{} is a file", ancestor.display())));
+                    }
+                    None => {
+                        state.entries.insert(ancestor.to_owned(), Node::Dir);
+                        state.sync_dir(parent(ancestor));
+                    }
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn read(&self, path: &Path) -> io::Result<Vec<u8>> {
+        self.with(|state| {
+            let inode = state.inode_of(path)?;
+            Ok(state.inodes[&inode].data.clone())
+        })
+    }
+
+    fn write_new(&self, path: &Path, bytes: &[u8]) -> io::Result<()> {
+        self.with(|state| {
+            if state.exists(path) {
+                return Err(io::Error::new(io::ErrorKind::AlreadyExists, path.display().to_string()));
+            }
+            state.create_file(path, Inode::with(bytes)).map(drop)
+        })
+    }
+
+    fn create(&self, path: &Path) -> io::Result<bool> {
+        self.with(|state| {
+            if state.exists(path) {
+                return Ok(false);
+            }
+            state.create_file(path, Inode::default()).map(|_| true)
+        })
+    }
+
+    fn sync_file(&self, path: &Path) -> io::Result<()> {
+        self.with(|state| {
+            let inode = state.inode_of(path)?;
+            state.sync_inode(inode);
+            Ok(())
+        })
+    }
+
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        self.with(|state| {
+            let node = state.entries.remove(from).ok_or_else(|| not_found(from))?;
+            state.entries.insert(to.to_owned(), node);
+            Ok(())
+        })
+    }
+
+    fn remove(&self, path: &Path) -> io::Result<()> {
+        self.with(|state| {
+            let _ = state.remove(path);
+            Ok(())
+        })
+    }
+
+    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        self.with(|state| {
+            state.sync_dir(dir);
+            Ok(())
+        })
+    }
+
+    fn list(&self, dir: &Path) -> io::Result<Vec<String>> {
+        self.with(|state| {
+            Ok(state
+                .entries
+                .keys()
+                .filter(|path| path.as_path() != dir && parent(path) == dir)
+                .filter_map(|path| path.file_name().map(|n| n.to_string_lossy().into_owned()))
+                .collect())
+        })
+    }
+
+    fn lock(&self, dir: &Path) -> io::Result<Option<LockGuard>> {
+        self.with(|state| {
+            if !state.locks.insert(dir.to_owned()) {
+                return Ok(None);
+            }
+            let guard = SimLock { disk: self.clone(), dir: dir.to_owned(), generation: state.generation };
+            Ok(Some(Box::new(guard) as LockGuard))
+        })
+    }
+
+    fn restrict(&self, _path: &Path) -> io::Result<()> {
+        Ok(())
+    }
+
+    fn sqlite_vfs(&self) -> Option<&str> {
+        Some(&self.vfs_name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+
+    fn rng() -> rand::rngs::StdRng {
+        rand::rngs::StdRng::seed_from_u64(7)
+    }
+
+    #[test]
+    fn a_plain_cut_keeps_only_what_was_synced() {
+        let disk = Disk::new();
+        let dir = Path::new("/d");
+        disk.create_dir_all(dir).unwrap();
+        disk.write_new(&dir.join("synced"), b"kept").unwrap();
+        disk.sync_file(&dir.join("synced")).unwrap();
+        disk.sync_dir(dir).unwrap();
+        disk.write_new(&dir.join("unsynced-name"), b"x").unwrap();
+        disk.sync_file(&dir.join("unsynced-name")).unwrap();
+        disk.cut();
+        assert!(disk.read(&dir.join("synced")).is_err(), "no I/O without power");
+        disk.restart(Cut::Plain, &mut rng());
+        assert_eq!(disk.read(&dir.join("synced")).unwrap(), b"kept");
+        assert!(disk.read(&dir.join("unsynced-name")).is_err(), "a name not synced is lost");
+    }
+
+    #[test]
+    fn unsynced_sectors_are_lost_whole_or_kept_whole() {
+        let mut inode = Inode::with(&[1; 2 * SECTOR_BYTES]);
+        inode.sync();
+        inode.write(SECTOR_BYTES - 1, &[9; 2]);
+        inode.survive(Cut::Plain, &mut rng());
+        assert_eq!(inode.data, vec![1; 2 * SECTOR_BYTES], "a plain cut keeps the synced image");
+        let mut seen = BTreeSet::new();
+        let mut rng = rng();
+        for _ in 0..64 {
+            let mut inode = Inode::with(&[1; 2 * SECTOR_BYTES]);
+            inode.sync();
+            inode.write(SECTOR_BYTES - 1, &[9; 2]);
+            inode.survive(Cut::Torn, &mut rng);
+            seen.insert((inode.data[SECTOR_BYTES - 1], inode.data[SECTOR_BYTES]));
+        }
+        // Each of the two sectors the write touched survives or not on its own.
+        assert_eq!(seen, BTreeSet::from([(1, 1), (1, 9), (9, 1), (9, 9)]));
+    }
+
+    #[test]
+    fn old_handles_stay_dead_after_a_restart() {
+        let disk = Disk::new();
+        let generation = disk.lock_state().generation;
+        disk.cut();
+        disk.restart(Cut::Plain, &mut rng());
+        assert!(disk.lock_state().check(generation).is_err());
+        assert!(disk.create_dir_all(Path::new("/fresh")).is_ok());
+    }
+}

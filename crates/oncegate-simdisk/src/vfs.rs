@@ -1,0 +1,484 @@
+//! The SQLite VFS over a [`Disk`]: SQLite's own file I/O (the shard files, their WAL,
+//! their WAL index) goes to the simulated disk, so a cut loses exactly what SQLite had not
+//! synced. It behaves as SQLite's unix VFS does where durability is concerned: a new WAL
+//! or journal's name is made durable at its first sync (unix syncs the directory then),
+//! the database file's name never (whoever creates the file must sync its directory), and
+//! sectors are reported as 4 KiB with power-safe overwrite.
+//!
+//! Locking is single-process: the engine's directory lock guarantees one connection per
+//! shard file, so file locks and WAL-index locks are granted at once.
+//!
+//! This is the workspace's only `unsafe` code: the C ABI of `sqlite3_vfs` and
+//! `sqlite3_io_methods`. Every function takes the pointers SQLite hands it, checks them,
+//! and turns to safe code on the `Disk` as soon as it can.
+#![allow(unsafe_code)]
+
+use std::ffi::{CStr, CString, c_char, c_int, c_void};
+use std::path::{Path, PathBuf};
+use std::ptr;
+
+use rusqlite::ffi;
+
+use crate::disk::{Disk, SHM_REGION_BYTES, Shm, parent};
+
+/// What `pAppData` of the registered VFS points to.
+struct VfsContext {
+    disk: Disk,
+    /// SQLite's default VFS, for randomness, sleeping and the time.
+    fallback: *mut ffi::sqlite3_vfs,
+}
+
+/// The state of one open file.
+struct Handle {
+    disk: Disk,
+    /// Its file, or `None` once deleted on close.
+    inode: u64,
+    /// Its name; `None` for a temporary file.
+    path: Option<PathBuf>,
+    /// The disk's generation when the file was opened.
+    generation: u64,
+    /// Whether the first sync also makes the name durable (a new WAL or journal).
+    sync_dir_pending: bool,
+    delete_on_close: bool,
+    /// The WAL index this handle mapped.
+    shm: Option<Shm>,
+}
+
+/// SQLite's file object followed by ours; `szOsFile` is its size.
+#[repr(C)]
+struct File {
+    base: ffi::sqlite3_file,
+    handle: *mut Handle,
+}
+
+static IO_METHODS: ffi::sqlite3_io_methods = ffi::sqlite3_io_methods {
+    iVersion: 2,
+    xClose: Some(x_close),
+    xRead: Some(x_read),
+    xWrite: Some(x_write),
+    xTruncate: Some(x_truncate),
+    xSync: Some(x_sync),
+    xFileSize: Some(x_file_size),
+    xLock: Some(x_lock),
+    xUnlock: Some(x_lock),
+    xCheckReservedLock: Some(x_check_reserved_lock),
+    xFileControl: Some(x_file_control),
+    xSectorSize: Some(x_sector_size),
+    xDeviceCharacteristics: Some(x_device_characteristics),
+    xShmMap: Some(x_shm_map),
+    xShmLock: Some(x_shm_lock),
+    xShmBarrier: Some(x_shm_barrier),
+    xShmUnmap: Some(x_shm_unmap),
+    xFetch: None,
+    xUnfetch: None,
+};
+
+/// Registers a VFS named after `disk`. The registration lives as long as the process.
+pub(crate) fn register(disk: &Disk) {
+    // SAFETY: `sqlite3_vfs_find(NULL)` returns SQLite's default VFS, which lives for the
+    // process; the structures handed to `sqlite3_vfs_register` are leaked, so they live as
+    // long as SQLite may read them.
+    unsafe {
+        let name = CString::new(disk.vfs_name()).expect("a VFS name has no NUL").into_raw();
+        let context = Box::into_raw(Box::new(VfsContext {
+            disk: disk.clone(),
+            fallback: ffi::sqlite3_vfs_find(ptr::null()),
+        }));
+        let vfs = Box::into_raw(Box::new(ffi::sqlite3_vfs {
+            iVersion: 2,
+            szOsFile: std::mem::size_of::<File>() as c_int,
+            mxPathname: 1024,
+            pNext: ptr::null_mut(),
+            zName: name,
+            pAppData: context.cast(),
+            xOpen: Some(x_open),
+            xDelete: Some(x_delete),
+            xAccess: Some(x_access),
+            xFullPathname: Some(x_full_pathname),
+            xDlOpen: None,
+            xDlError: None,
+            xDlSym: None,
+            xDlClose: None,
+            xRandomness: Some(x_randomness),
+            xSleep: Some(x_sleep),
+            xCurrentTime: Some(x_current_time),
+            xGetLastError: Some(x_get_last_error),
+            xCurrentTimeInt64: Some(x_current_time_int64),
+            xSetSystemCall: None,
+            xGetSystemCall: None,
+            xNextSystemCall: None,
+        }));
+        let rc = ffi::sqlite3_vfs_register(vfs, 0);
+        assert_eq!(rc, ffi::SQLITE_OK, "registering the simulated disk's VFS");
+    }
+}
+
+/// # Safety
+/// `vfs` must be a VFS registered by [`register`].
+unsafe fn context<'a>(vfs: *mut ffi::sqlite3_vfs) -> &'a VfsContext {
+    // SAFETY: `pAppData` was set to a leaked `VfsContext` by `register`.
+    unsafe { &*((*vfs).pAppData as *const VfsContext) }
+}
+
+/// # Safety
+/// `file` must be a file this VFS opened and has not closed.
+unsafe fn handle<'a>(file: *mut ffi::sqlite3_file) -> &'a mut Handle {
+    // SAFETY: `xOpen` wrote a `File` whose `handle` is a live box until `xClose`.
+    unsafe { &mut *(*(file as *mut File)).handle }
+}
+
+/// # Safety
+/// `name` must be null or a NUL-terminated string.
+unsafe fn path_of(name: *const c_char) -> Option<PathBuf> {
+    if name.is_null() {
+        return None;
+    }
+    // SAFETY: SQLite passes NUL-terminated names.
+    let name = unsafe { CStr::from_ptr(name) };
+    Some(PathBuf::from(name.to_string_lossy().into_owned()))
+}
+
+unsafe extern "C" fn x_open(
+    vfs: *mut ffi::sqlite3_vfs,
+    name: ffi::sqlite3_filename,
+    file: *mut ffi::sqlite3_file,
+    flags: c_int,
+    out_flags: *mut c_int,
+) -> c_int {
+    // SAFETY: SQLite hands this VFS's pointer and `szOsFile` bytes of storage at `file`.
+    unsafe {
+        (*file).pMethods = ptr::null();
+        let disk = context(vfs).disk.clone();
+        let path = path_of(name);
+        let opened = open(&disk, path.as_deref(), flags);
+        let Ok((inode, generation)) = opened else { return ffi::SQLITE_CANTOPEN };
+        let creates_journal = flags & ffi::SQLITE_OPEN_CREATE != 0
+            && flags
+                & (ffi::SQLITE_OPEN_WAL | ffi::SQLITE_OPEN_MAIN_JOURNAL | ffi::SQLITE_OPEN_SUPER_JOURNAL)
+                != 0;
+        let handle = Box::new(Handle {
+            disk,
+            inode,
+            path,
+            generation,
+            sync_dir_pending: creates_journal,
+            delete_on_close: flags & ffi::SQLITE_OPEN_DELETEONCLOSE != 0,
+            shm: None,
+        });
+        ptr::write(
+            file as *mut File,
+            File { base: ffi::sqlite3_file { pMethods: &IO_METHODS }, handle: Box::into_raw(handle) },
+        );
+        if !out_flags.is_null() {
+            *out_flags = flags;
+        }
+        ffi::SQLITE_OK
+    }
+}
+
+/// Opens (or creates) the file; returns its inode and the disk's generation.
+fn open(disk: &Disk, path: Option<&Path>, flags: c_int) -> std::io::Result<(u64, u64)> {
+    let mut state = disk.lock_state();
+    let generation = state.generation;
+    state.check(generation)?;
+    let inode = match path {
+        None => state.create_anonymous(),
+        Some(path) => match state.inode_of(path) {
+            Ok(inode) => inode,
+            Err(_) if flags & ffi::SQLITE_OPEN_CREATE != 0 => state.create_file(path, Default::default())?,
+            Err(error) => return Err(error),
+        },
+    };
+    Ok((inode, generation))
+}
+
+unsafe extern "C" fn x_delete(vfs: *mut ffi::sqlite3_vfs, name: *const c_char, sync_dir: c_int) -> c_int {
+    // SAFETY: a registered VFS and a NUL-terminated name.
+    let (disk, path) = unsafe { (&context(vfs).disk, path_of(name)) };
+    let Some(path) = path else { return ffi::SQLITE_IOERR_DELETE };
+    let mut state = disk.lock_state();
+    let generation = state.generation;
+    if state.check(generation).is_err() {
+        return ffi::SQLITE_IOERR_DELETE;
+    }
+    if state.remove(&path).is_err() {
+        return ffi::SQLITE_IOERR_DELETE_NOENT;
+    }
+    if sync_dir != 0 {
+        state.sync_dir(parent(&path));
+    }
+    ffi::SQLITE_OK
+}
+
+unsafe extern "C" fn x_access(
+    vfs: *mut ffi::sqlite3_vfs,
+    name: *const c_char,
+    flags: c_int,
+    out: *mut c_int,
+) -> c_int {
+    // SAFETY: a registered VFS, a NUL-terminated name and an output slot.
+    unsafe {
+        let disk = &context(vfs).disk;
+        let Some(path) = path_of(name) else { return ffi::SQLITE_IOERR_ACCESS };
+        let state = disk.lock_state();
+        let generation = state.generation;
+        if state.check(generation).is_err() {
+            return ffi::SQLITE_IOERR_ACCESS;
+        }
+        // As unix does: an empty file does not "exist" (an empty WAL is no WAL).
+        let exists = match state.inode_of(&path) {
+            Ok(inode) => flags != ffi::SQLITE_ACCESS_EXISTS || state.inodes[&inode].len() > 0,
+            Err(_) => state.exists(&path),
+        };
+        *out = c_int::from(exists);
+        ffi::SQLITE_OK
+    }
+}
+
+unsafe extern "C" fn x_full_pathname(
+    _vfs: *mut ffi::sqlite3_vfs,
+    name: *const c_char,
+    out_len: c_int,
+    out: *mut c_char,
+) -> c_int {
+    // SAFETY: SQLite provides `out_len` bytes at `out` and a NUL-terminated name.
+    unsafe {
+        let name = CStr::from_ptr(name).to_bytes();
+        if name.len() + 1 > out_len as usize || name.first() != Some(&b'/') {
+            return ffi::SQLITE_CANTOPEN;
+        }
+        ptr::copy_nonoverlapping(name.as_ptr().cast::<c_char>(), out, name.len());
+        *out.add(name.len()) = 0;
+        ffi::SQLITE_OK
+    }
+}
+
+unsafe extern "C" fn x_randomness(vfs: *mut ffi::sqlite3_vfs, n: c_int, out: *mut c_char) -> c_int {
+    // SAFETY: the fallback is SQLite's default VFS, which implements randomness.
+    unsafe {
+        let fallback = context(vfs).fallback;
+        (*fallback).xRandomness.map_or(0, |f| f(fallback, n, out))
+    }
+}
+
+unsafe extern "C" fn x_sleep(vfs: *mut ffi::sqlite3_vfs, micros: c_int) -> c_int {
+    // SAFETY: as above.
+    unsafe {
+        let fallback = context(vfs).fallback;
+        (*fallback).xSleep.map_or(0, |f| f(fallback, micros))
+    }
+}
+
+unsafe extern "C" fn x_current_time(vfs: *mut ffi::sqlite3_vfs, out: *mut f64) -> c_int {
+    // SAFETY: as above.
+    unsafe {
+        let fallback = context(vfs).fallback;
+        (*fallback).xCurrentTime.map_or(ffi::SQLITE_ERROR, |f| f(fallback, out))
+    }
+}
+
+unsafe extern "C" fn x_current_time_int64(vfs: *mut ffi::sqlite3_vfs, out: *mut ffi::sqlite3_int64) -> c_int {
+    // SAFETY: as above.
+    unsafe {
+        let fallback = context(vfs).fallback;
+        (*fallback).xCurrentTimeInt64.map_or(ffi::SQLITE_ERROR, |f| f(fallback, out))
+    }
+}
+
+unsafe extern "C" fn x_get_last_error(_vfs: *mut ffi::sqlite3_vfs, _n: c_int, _out: *mut c_char) -> c_int {
+    0
+}
+
+/// Runs `op` on the handle's file while the disk is powered and the handle current;
+/// otherwise answers `error`.
+fn with_file<T>(
+    handle: &Handle,
+    error: c_int,
+    op: impl FnOnce(&mut crate::disk::State, u64) -> T,
+) -> Result<T, c_int> {
+    let mut state = handle.disk.lock_state();
+    state.check(handle.generation).map_err(|_| error)?;
+    Ok(op(&mut state, handle.inode))
+}
+
+unsafe extern "C" fn x_close(file: *mut ffi::sqlite3_file) -> c_int {
+    // SAFETY: SQLite closes a file this VFS opened, once.
+    unsafe {
+        let handle = Box::from_raw((*(file as *mut File)).handle);
+        (*file).pMethods = ptr::null();
+        if handle.delete_on_close {
+            let _ = with_file(&handle, ffi::SQLITE_IOERR_CLOSE, |state, inode| {
+                if let Some(path) = &handle.path {
+                    let _ = state.remove(path);
+                }
+                state.inodes.remove(&inode);
+            });
+        }
+    }
+    ffi::SQLITE_OK
+}
+
+unsafe extern "C" fn x_read(
+    file: *mut ffi::sqlite3_file,
+    buf: *mut c_void,
+    amount: c_int,
+    offset: ffi::sqlite3_int64,
+) -> c_int {
+    // SAFETY: SQLite provides `amount` bytes at `buf`.
+    unsafe {
+        let buf = std::slice::from_raw_parts_mut(buf.cast::<u8>(), amount as usize);
+        let read = with_file(handle(file), ffi::SQLITE_IOERR_READ, |state, inode| {
+            state.inodes.get(&inode).map_or(0, |inode| inode.read(offset as usize, buf))
+        });
+        match read {
+            Ok(n) if n == buf.len() => ffi::SQLITE_OK,
+            Ok(n) => {
+                // A short read must zero the rest.
+                buf[n..].fill(0);
+                ffi::SQLITE_IOERR_SHORT_READ
+            }
+            Err(code) => code,
+        }
+    }
+}
+
+unsafe extern "C" fn x_write(
+    file: *mut ffi::sqlite3_file,
+    buf: *const c_void,
+    amount: c_int,
+    offset: ffi::sqlite3_int64,
+) -> c_int {
+    // SAFETY: SQLite provides `amount` bytes at `buf`.
+    unsafe {
+        let bytes = std::slice::from_raw_parts(buf.cast::<u8>(), amount as usize);
+        match with_file(handle(file), ffi::SQLITE_IOERR_WRITE, |state, inode| {
+            state.write(inode, offset as usize, bytes)
+        }) {
+            Ok(()) => ffi::SQLITE_OK,
+            Err(code) => code,
+        }
+    }
+}
+
+unsafe extern "C" fn x_truncate(file: *mut ffi::sqlite3_file, size: ffi::sqlite3_int64) -> c_int {
+    // SAFETY: a file this VFS opened.
+    let handle = unsafe { handle(file) };
+    let truncated = with_file(handle, ffi::SQLITE_IOERR_TRUNCATE, |state, inode| {
+        if let Some(inode) = state.inodes.get_mut(&inode) {
+            inode.truncate(size as usize);
+        }
+    });
+    truncated.err().unwrap_or(ffi::SQLITE_OK)
+}
+
+unsafe extern "C" fn x_sync(file: *mut ffi::sqlite3_file, _flags: c_int) -> c_int {
+    // SAFETY: a file this VFS opened.
+    let handle = unsafe { handle(file) };
+    let sync_dir = std::mem::take(&mut handle.sync_dir_pending);
+    let synced = with_file(handle, ffi::SQLITE_IOERR_FSYNC, |state, inode| {
+        state.sync_inode(inode);
+        if let (true, Some(path)) = (sync_dir, &handle.path) {
+            state.sync_dir(parent(path));
+        }
+    });
+    synced.err().unwrap_or(ffi::SQLITE_OK)
+}
+
+unsafe extern "C" fn x_file_size(file: *mut ffi::sqlite3_file, out: *mut ffi::sqlite3_int64) -> c_int {
+    // SAFETY: a file this VFS opened and an output slot.
+    unsafe {
+        let size = with_file(handle(file), ffi::SQLITE_IOERR_FSTAT, |state, inode| {
+            state.inodes.get(&inode).map_or(0, |i| i.len())
+        });
+        match size {
+            Ok(size) => {
+                *out = size as ffi::sqlite3_int64;
+                ffi::SQLITE_OK
+            }
+            Err(code) => code,
+        }
+    }
+}
+
+unsafe extern "C" fn x_lock(file: *mut ffi::sqlite3_file, _level: c_int) -> c_int {
+    // SAFETY: a file this VFS opened.
+    let handle = unsafe { handle(file) };
+    with_file(handle, ffi::SQLITE_IOERR_LOCK, |_, _| ()).err().unwrap_or(ffi::SQLITE_OK)
+}
+
+unsafe extern "C" fn x_check_reserved_lock(_file: *mut ffi::sqlite3_file, out: *mut c_int) -> c_int {
+    // SAFETY: an output slot.
+    unsafe { *out = 0 };
+    ffi::SQLITE_OK
+}
+
+unsafe extern "C" fn x_file_control(_file: *mut ffi::sqlite3_file, _op: c_int, _arg: *mut c_void) -> c_int {
+    ffi::SQLITE_NOTFOUND
+}
+
+unsafe extern "C" fn x_sector_size(_file: *mut ffi::sqlite3_file) -> c_int {
+    4096
+}
+
+unsafe extern "C" fn x_device_characteristics(_file: *mut ffi::sqlite3_file) -> c_int {
+    ffi::SQLITE_IOCAP_POWERSAFE_OVERWRITE
+}
+
+unsafe extern "C" fn x_shm_map(
+    file: *mut ffi::sqlite3_file,
+    region: c_int,
+    region_bytes: c_int,
+    extend: c_int,
+    out: *mut *mut c_void,
+) -> c_int {
+    // SAFETY: a file this VFS opened and an output slot. The region is boxed and kept by
+    // the handle's `Shm`, so the pointer stays valid until `xShmUnmap` or `xClose`.
+    unsafe {
+        *out = ptr::null_mut();
+        let handle = handle(file);
+        if region_bytes as usize != SHM_REGION_BYTES {
+            return ffi::SQLITE_IOERR_SHMMAP;
+        }
+        let shm = with_file(handle, ffi::SQLITE_IOERR_SHMMAP, |state, inode| {
+            state.inodes.get(&inode).map(|i| i.shm.clone())
+        });
+        let shm = match shm {
+            Ok(Some(shm)) => handle.shm.get_or_insert(shm).clone(),
+            Ok(None) | Err(_) => return ffi::SQLITE_IOERR_SHMMAP,
+        };
+        let mut regions = shm.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let region = region as usize;
+        if region >= regions.len() {
+            if extend == 0 {
+                return ffi::SQLITE_OK;
+            }
+            regions.resize_with(region + 1, || vec![0u8; SHM_REGION_BYTES].into_boxed_slice());
+        }
+        *out = regions[region].as_mut_ptr().cast();
+        ffi::SQLITE_OK
+    }
+}
+
+unsafe extern "C" fn x_shm_lock(
+    file: *mut ffi::sqlite3_file,
+    _offset: c_int,
+    _n: c_int,
+    _flags: c_int,
+) -> c_int {
+    // SAFETY: a file this VFS opened.
+    let handle = unsafe { handle(file) };
+    with_file(handle, ffi::SQLITE_IOERR_SHMLOCK, |_, _| ()).err().unwrap_or(ffi::SQLITE_OK)
+}
+
+unsafe extern "C" fn x_shm_barrier(_file: *mut ffi::sqlite3_file) {
+    std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+}
+
+unsafe extern "C" fn x_shm_unmap(file: *mut ffi::sqlite3_file, delete: c_int) -> c_int {
+    // SAFETY: a file this VFS opened.
+    let handle = unsafe { handle(file) };
+    if let (Some(shm), true) = (handle.shm.take(), delete != 0) {
+        shm.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clear();
+    }
+    ffi::SQLITE_OK
+}
