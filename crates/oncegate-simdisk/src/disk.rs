@@ -159,6 +159,8 @@ pub struct DiskStats {
     pub bytes_written: u64,
     /// Power cuts.
     pub cuts: u64,
+    /// Syncs of shard files (`*.sqlite`): in WAL mode, one per checkpoint.
+    pub checkpoints: u64,
 }
 
 pub(crate) struct State {
@@ -169,6 +171,8 @@ pub(crate) struct State {
     entries: BTreeMap<PathBuf, Node>,
     durable_entries: BTreeMap<PathBuf, Node>,
     locks: HashSet<PathBuf>,
+    /// Operations left before the power goes, if a cut is planned.
+    fuse: Option<u64>,
     pub stats: DiskStats,
 }
 
@@ -182,9 +186,24 @@ fn not_found(path: &Path) -> io::Error {
 
 impl State {
     /// Fails every operation once the power is cut, and every operation of a handle
-    /// opened before the last restart.
-    pub fn check(&self, generation: u64) -> io::Result<()> {
-        if self.powered && generation == self.generation { Ok(()) } else { Err(power_off()) }
+    /// opened before the last restart. Counts the operation down a fuse, if one is lit.
+    pub fn check(&mut self, generation: u64) -> io::Result<()> {
+        if !self.powered || generation != self.generation {
+            return Err(power_off());
+        }
+        match self.fuse {
+            Some(0) => {
+                self.powered = false;
+                self.fuse = None;
+                self.stats.cuts += 1;
+                Err(power_off())
+            }
+            Some(n) => {
+                self.fuse = Some(n - 1);
+                Ok(())
+            }
+            None => Ok(()),
+        }
     }
 
     pub fn inode_of(&self, path: &Path) -> io::Result<u64> {
@@ -300,6 +319,7 @@ impl Disk {
             durable_entries: entries.clone(),
             entries,
             locks: HashSet::new(),
+            fuse: None,
             stats: DiskStats::default(),
         };
         let name = format!("oncegate-simdisk-{}", DISKS.fetch_add(1, Ordering::SeqCst));
@@ -320,8 +340,21 @@ impl Disk {
     /// Cuts the power: every operation from now on fails, until [`Disk::restart`].
     pub fn cut(&self) {
         let mut state = self.lock_state();
-        state.powered = false;
-        state.stats.cuts += 1;
+        if std::mem::replace(&mut state.powered, false) {
+            state.stats.cuts += 1;
+        }
+    }
+
+    /// Cuts the power after `ops` more operations (reads, writes, syncs, opens, names),
+    /// wherever the engine is then: opening, writing a batch, checkpointing, writing an
+    /// epoch file.
+    pub fn cut_after_ops(&self, ops: u64) {
+        self.lock_state().fuse = Some(ops);
+    }
+
+    /// Whether the power is on.
+    pub fn powered(&self) -> bool {
+        self.lock_state().powered
     }
 
     /// Powers the disk up again with what survived the cut.
@@ -360,6 +393,7 @@ impl Disk {
         state.durable_entries = kept.clone();
         state.entries = kept;
         state.locks.clear();
+        state.fuse = None;
         state.generation += 1;
         state.powered = true;
     }
@@ -550,6 +584,11 @@ mod tests {
         disk.cut();
         disk.restart(Cut::Plain, &mut rng());
         assert!(disk.lock_state().check(generation).is_err());
+        disk.cut_after_ops(1);
+        assert!(disk.create_dir_all(Path::new("/one")).is_ok());
+        assert!(disk.create_dir_all(Path::new("/two")).is_err(), "the fuse blew");
+        assert!(!disk.powered());
+        disk.restart(Cut::Plain, &mut rng());
         assert!(disk.create_dir_all(Path::new("/fresh")).is_ok());
     }
 }

@@ -52,6 +52,8 @@ pub struct Plan {
     pub ack_before_commit: bool,
     /// WAL pages between checkpoints (small, so that cuts land around checkpoints).
     pub checkpoint_pages: u64,
+    /// The most disk operations before a fused cut (see [`Disk::cut_after_ops`]).
+    pub fuse_ops_max: u64,
     /// Stop after this many violations.
     pub violations_max: usize,
     /// The seed of every random choice.
@@ -70,6 +72,7 @@ impl Default for Plan {
             durability: Durability::Full,
             ack_before_commit: false,
             checkpoint_pages: 4,
+            fuse_ops_max: 600,
             violations_max: 20,
             seed: 1,
         }
@@ -89,6 +92,10 @@ pub struct Report {
     pub keys_checked: u64,
     /// Grants checked against the tokens and clock frame before the last cut.
     pub grants_checked: u64,
+    /// Cuts that came while the engine opened (recovery included).
+    pub cut_while_opening: u64,
+    /// Syncs of shard files: checkpoints, mostly.
+    pub checkpoints: u64,
     /// Everything that broke a guarantee, in words.
     pub violations: Vec<String>,
 }
@@ -187,85 +194,161 @@ struct Cycle {
 
 /// Runs `plan` on a new disk.
 pub fn run(plan: &Plan) -> Report {
-    let mut rng = StdRng::seed_from_u64(plan.seed);
-    let disk = Disk::new();
-    let clock = ManualClock::new(1_700_000_000_000);
-    let faults = Faults::default();
-    faults.checkpoint_after_pages(plan.checkpoint_pages);
-    if plan.ack_before_commit {
-        faults.ack_before_commit();
-    }
-    let mut report = Report::default();
-    let mut models: Vec<ClientKeys> = Vec::new();
-    let mut marks = Marks { token: vec![0; plan.shards as usize], started_ms: vec![0; plan.shards as usize] };
+    let mut run = Run::new(plan);
     for cut in 0..plan.cuts {
-        let config = EngineConfig {
-            data_dir: PathBuf::from("/data"),
-            shards: plan.shards,
-            durability: plan.durability,
-            batch_len_max: [1, 4, 64, 256][rng.random_range(0..4)],
-            ..EngineConfig::default()
-        };
-        let engine =
-            match Engine::open_on(config, Arc::new(clock.clone()), faults.clone(), Arc::new(disk.clone())) {
-                Ok(engine) => engine,
-                Err(error) => {
-                    report.violations.push(format!("cut {cut}: the engine did not open: {error}"));
-                    break;
-                }
-            };
-        if let Some(problem) = unclean_shards(&engine) {
-            report.violations.push(format!("cut {cut}: {problem}"));
+        run.cycle(cut);
+        if run.report.violations.len() >= plan.violations_max || run.stop {
             break;
         }
-        if models.is_empty() {
-            models = key_models(&engine, plan);
-        } else {
-            check_keys(&engine, &mut models, &mut report, cut);
+    }
+    run.report.checkpoints = run.disk.stats().checkpoints;
+    run.report
+}
+
+/// A run's state from one cycle to the next.
+struct Run<'p> {
+    plan: &'p Plan,
+    rng: StdRng,
+    disk: Disk,
+    clock: ManualClock,
+    faults: Faults,
+    report: Report,
+    models: Vec<ClientKeys>,
+    marks: Marks,
+    /// Set when the engine is found broken: nothing more can be checked.
+    stop: bool,
+}
+
+impl Run<'_> {
+    fn new(plan: &Plan) -> Run<'_> {
+        let faults = Faults::default();
+        faults.checkpoint_after_pages(plan.checkpoint_pages);
+        if plan.ack_before_commit {
+            faults.ack_before_commit();
         }
+        let shards = plan.shards as usize;
+        Run {
+            plan,
+            rng: StdRng::seed_from_u64(plan.seed),
+            disk: Disk::new(),
+            clock: ManualClock::new(1_700_000_000_000),
+            faults,
+            report: Report::default(),
+            models: Vec::new(),
+            marks: Marks { token: vec![0; shards], started_ms: vec![0; shards] },
+            stop: false,
+        }
+    }
+
+    /// Opens the engine, checks every key, runs traffic until the cut, and restarts the
+    /// disk. A third of the cycles light a fuse instead of counting calls, so the cut may
+    /// land anywhere, opening and recovery included.
+    fn cycle(&mut self, cut: u64) {
+        let fused = self.rng.random_bool(0.3);
+        if fused {
+            self.disk.cut_after_ops(self.rng.random_range(0..=self.plan.fuse_ops_max));
+        }
+        if let Some(engine) = self.open(cut) {
+            let checked = self.models.is_empty()
+                || check_keys(&engine, &mut self.models, &mut self.report, cut, &self.disk);
+            if self.models.is_empty() {
+                self.models = key_models(&engine, self.plan);
+            }
+            let cut_at =
+                if fused { u64::MAX } else { self.rng.random_range(0..=self.plan.calls_per_cut_max) };
+            if checked && self.disk.powered() {
+                self.traffic(engine, cut, cut_at);
+            } else {
+                engine.shutdown();
+            }
+        }
+        self.restart();
+    }
+
+    /// The engine on what survived, or `None` when the power went while it opened (or a
+    /// violation was found).
+    fn open(&mut self, cut: u64) -> Option<Engine> {
+        let config = EngineConfig {
+            data_dir: PathBuf::from("/data"),
+            shards: self.plan.shards,
+            durability: self.plan.durability,
+            batch_len_max: [1, 4, 64, 256][self.rng.random_range(0..4)],
+            ..EngineConfig::default()
+        };
+        let clock = Arc::new(self.clock.clone());
+        let opened = Engine::open_on(config, clock, self.faults.clone(), Arc::new(self.disk.clone()));
+        let engine = match opened {
+            Ok(engine) => engine,
+            Err(_) if !self.disk.powered() => {
+                self.report.cut_while_opening += 1;
+                return None;
+            }
+            Err(error) => {
+                self.report.violations.push(format!("cut {cut}: the engine did not open: {error}"));
+                self.stop = true;
+                return None;
+            }
+        };
+        if let Some(problem) = unclean_shards(&engine) {
+            if self.disk.powered() {
+                self.report.violations.push(format!("cut {cut}: {problem}"));
+                self.stop = true;
+            } else {
+                self.report.cut_while_opening += 1;
+            }
+            engine.shutdown();
+            return None;
+        }
+        Some(engine)
+    }
+
+    /// Clients call until the power goes; their models come back with what was answered.
+    fn traffic(&mut self, engine: Engine, cut: u64, cut_at: u64) {
         let cycle = Arc::new(Cycle {
             engine,
-            disk: disk.clone(),
-            clock: clock.clone(),
+            disk: self.disk.clone(),
+            clock: self.clock.clone(),
             tenant: Tenant::default_tenant(),
-            cut_at: rng.random_range(0..=plan.calls_per_cut_max),
+            cut_at,
             calls: AtomicU64::new(0),
             cut: AtomicBool::new(false),
-            before: marks.clone(),
+            before: self.marks.clone(),
         });
-        if cycle.cut_at == 0 {
+        if cut_at == 0 {
             cut_power(&cycle);
         }
-        let threads: Vec<_> = std::mem::take(&mut models)
+        let threads: Vec<_> = std::mem::take(&mut self.models)
             .into_iter()
             .map(|keys| {
                 let cycle = Arc::clone(&cycle);
-                let seed = plan.seed ^ (cut << 16) ^ keys.client as u64;
+                let seed = self.plan.seed ^ (cut << 16) ^ keys.client as u64;
                 std::thread::spawn(move || drive(&cycle, keys, seed))
             })
             .collect();
         for thread in threads {
             let (keys, found) = thread.join().expect("a client thread panicked");
-            models.push(keys);
-            report.violations.extend(found.violations);
-            report.grants_checked += found.grants_checked;
+            self.models.push(keys);
+            self.report.violations.extend(found.violations);
+            self.report.grants_checked += found.grants_checked;
         }
         cut_power(&cycle);
-        report.acknowledged += cycle.calls.load(Ordering::SeqCst);
+        self.report.acknowledged += cycle.calls.load(Ordering::SeqCst);
         let Ok(cycle) = Arc::try_unwrap(cycle) else { unreachable!("every client has returned") };
         cycle.engine.shutdown();
-        drop(cycle.engine);
-        marks = new_marks(&models, marks, plan.shards);
-        let torn = plan.torn_every > 0 && cut % plan.torn_every == plan.torn_every - 1;
-        disk.restart(if torn { Cut::Torn } else { Cut::Plain }, &mut rng);
-        clock.step(-RESTART_STEP_BACK_MS);
-        report.cuts += 1;
-        report.torn += u64::from(torn);
-        if report.violations.len() >= plan.violations_max {
-            break;
-        }
+        self.marks = new_marks(&self.models, std::mem::take(&mut self.marks), self.plan.shards);
     }
-    report
+
+    /// Cuts the power (if still on) and restarts the disk, plain or torn; the wall clock
+    /// comes back earlier than it was, as a machine's may.
+    fn restart(&mut self) {
+        self.disk.cut();
+        let n = self.report.cuts;
+        let torn = self.plan.torn_every > 0 && n % self.plan.torn_every == self.plan.torn_every - 1;
+        self.disk.restart(if torn { Cut::Torn } else { Cut::Plain }, &mut self.rng);
+        self.clock.step(-RESTART_STEP_BACK_MS);
+        self.report.cuts += 1;
+        self.report.torn += u64::from(torn);
+    }
 }
 
 fn cut_power(cycle: &Cycle) {
@@ -309,7 +392,14 @@ fn new_marks(models: &[ClientKeys], mut marks: Marks, shards: u32) -> Marks {
 }
 
 /// Reads every key after a restart and compares it with what was acknowledged.
-fn check_keys(engine: &Engine, models: &mut [ClientKeys], report: &mut Report, cut: u64) {
+/// Returns whether every key was read (a fused cut may come in the middle).
+fn check_keys(
+    engine: &Engine,
+    models: &mut [ClientKeys],
+    report: &mut Report,
+    cut: u64,
+    disk: &Disk,
+) -> bool {
     let tenant = Tenant::default_tenant();
     for key in models.iter_mut().flat_map(ClientKeys::all_mut) {
         report.keys_checked += 1;
@@ -321,6 +411,7 @@ fn check_keys(engine: &Engine, models: &mut [ClientKeys], report: &mut Report, c
                 State::Completed => Known::Done { token: view.token, response: view.response },
             },
             Err(Error::Refused(oncegate_core::Error::NotFound)) => Known::Free,
+            Err(_) if !disk.powered() => return false,
             Err(error) => {
                 report.violations.push(format!("after cut {cut}: reading {} failed: {error}", key.key));
                 continue;
@@ -344,6 +435,7 @@ fn check_keys(engine: &Engine, models: &mut [ClientKeys], report: &mut Report, c
         key.acked = observed;
         key.maybe = None;
     }
+    true
 }
 
 /// What one client found.
@@ -357,7 +449,7 @@ struct Found {
 fn drive(cycle: &Cycle, mut keys: ClientKeys, seed: u64) -> (ClientKeys, Found) {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut found = Found::default();
-    while !cycle.cut.load(Ordering::SeqCst) {
+    while !cycle.cut.load(Ordering::SeqCst) && cycle.disk.powered() {
         let pick = rng.random_range(0..keys.live.len());
         if matches!(keys.live[pick].acked, Known::Done { .. }) && rng.random_bool(0.3) {
             keys.rotate(pick, &cycle.engine);
@@ -365,7 +457,7 @@ fn drive(cycle: &Cycle, mut keys: ClientKeys, seed: u64) -> (ClientKeys, Found) 
         let key = &mut keys.live[pick];
         if !call(cycle, key, &mut rng, &mut found) {
             // The power is cut before any call can fail: a failure with power is a fault.
-            if !cycle.cut.load(Ordering::SeqCst) {
+            if cycle.disk.powered() {
                 found.violations.push(format!("{}: a call failed with the power on", key.key));
             }
             break;

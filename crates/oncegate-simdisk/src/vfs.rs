@@ -220,7 +220,7 @@ unsafe extern "C" fn x_access(
     unsafe {
         let disk = &context(vfs).disk;
         let Some(path) = path_of(name) else { return ffi::SQLITE_IOERR_ACCESS };
-        let state = disk.lock_state();
+        let mut state = disk.lock_state();
         let generation = state.generation;
         if state.check(generation).is_err() {
             return ffi::SQLITE_IOERR_ACCESS;
@@ -375,8 +375,10 @@ unsafe extern "C" fn x_sync(file: *mut ffi::sqlite3_file, _flags: c_int) -> c_in
     // SAFETY: a file this VFS opened.
     let handle = unsafe { handle(file) };
     let sync_dir = std::mem::take(&mut handle.sync_dir_pending);
+    let checkpoint = handle.path.as_ref().is_some_and(|p| p.extension().is_some_and(|e| e == "sqlite"));
     let synced = with_file(handle, ffi::SQLITE_IOERR_FSYNC, |state, inode| {
         state.sync_inode(inode);
+        state.stats.checkpoints += u64::from(checkpoint);
         if let (true, Some(path)) = (sync_dir, &handle.path) {
             state.sync_dir(parent(path));
         }

@@ -8,9 +8,11 @@ use oncegate_simdisk::harness::{Plan, Report, run};
 
 fn summary(report: &Report) -> String {
     format!(
-        "{} cuts ({} torn), {} acknowledged, {} keys and {} grants checked; violations: {:#?}",
+        "{} cuts ({} torn, {} while opening), {} checkpoints, {} acknowledged, {} keys and {} grants checked; violations: {:#?}",
         report.cuts,
         report.torn,
+        report.cut_while_opening,
+        report.checkpoints,
         report.acknowledged,
         report.keys_checked,
         report.grants_checked,
@@ -23,10 +25,13 @@ fn every_acknowledged_call_survives_500_plain_and_torn_power_cuts() {
     let report = run(&Plan { cuts: 500, torn_every: 2, seed: 11, ..Plan::default() });
     assert!(report.violations.is_empty(), "{}", summary(&report));
     assert_eq!((report.cuts, report.torn), (500, 250), "{}", summary(&report));
-    // The run did real work: thousands of calls, grants across cuts, keys checked.
+    // The run did real work: thousands of calls, grants across cuts, keys checked, cuts
+    // while opening and around checkpoints.
     assert!(report.acknowledged > 10_000, "{}", summary(&report));
     assert!(report.grants_checked > 1_000, "{}", summary(&report));
     assert!(report.keys_checked > 10_000, "{}", summary(&report));
+    assert!(report.cut_while_opening > 10, "{}", summary(&report));
+    assert!(report.checkpoints > 500, "{}", summary(&report));
 }
 
 #[test]

@@ -66,11 +66,15 @@ fn main() -> anyhow::Result<()> {
         total.acknowledged += report.acknowledged;
         total.keys_checked += report.keys_checked;
         total.grants_checked += report.grants_checked;
+        total.cut_while_opening += report.cut_while_opening;
+        total.checkpoints += report.checkpoints;
         total.violations.extend(report.violations);
         println!(
-            "{} cuts ({} torn), {} calls acknowledged, {} key states and {} grants checked, {} violations, {:.1} s",
+            "{} cuts ({} torn, {} while opening), {} checkpoints, {} calls acknowledged, {} key states and {} grants checked, {} violations, {:.1} s",
             total.cuts,
             total.torn,
+            total.cut_while_opening,
+            total.checkpoints,
             total.acknowledged,
             total.keys_checked,
             total.grants_checked,
