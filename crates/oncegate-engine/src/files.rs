@@ -119,7 +119,12 @@ impl Files for OsFiles {
     }
 
     fn sync_dir(&self, dir: &Path) -> io::Result<()> {
-        std::fs::File::open(dir)?.sync_all()
+        match std::fs::File::open(dir)?.sync_all() {
+            // Some file systems cannot sync a directory and say so; their names are then as
+            // durable as they make them, which is all that can be asked.
+            Err(e) if e.raw_os_error() == Some(22) => Ok(()),
+            other => other,
+        }
     }
 
     fn list(&self, dir: &Path) -> io::Result<Vec<String>> {

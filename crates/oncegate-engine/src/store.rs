@@ -454,13 +454,14 @@ impl Txn<'_> {
         drop(self);
     }
 
-    /// Makes the batch durable. Returns only once SQLite reports the commit done (with
-    /// `synchronous=FULL`, after the WAL is synced).
-    /// Whether the test-only ack-before-commit bug is switched on (see `Faults`).
+    /// Whether the ack-before-commit bug is switched on (see `Faults`): only the
+    /// power-loss harness's proof that it can see does that.
     pub fn acks_early(&self) -> bool {
         self.faults.acks_before_commit()
     }
 
+    /// Makes the batch durable. Returns only once SQLite reports the commit done (with
+    /// `synchronous=FULL`, after the WAL is synced).
     pub fn commit(self) -> Result<(), StoreError> {
         self.failpoint()?;
         if self.faults.commit_should_fail() {

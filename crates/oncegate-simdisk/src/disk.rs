@@ -61,6 +61,8 @@ pub(crate) struct Inode {
     dirty: BTreeSet<usize>,
     /// The WAL index, volatile by nature.
     pub shm: Shm,
+    /// Connections that have it open as a main database (at most one: see `vfs.rs`).
+    pub db_opens: u32,
 }
 
 impl Inode {
@@ -132,6 +134,12 @@ impl Inode {
         self.durable = image;
         self.dirty.clear();
         self.shm = Shm::default();
+        self.db_opens = 0;
+    }
+
+    /// Whether it holds writes not yet synced.
+    fn unsynced(&self) -> bool {
+        !self.dirty.is_empty() || self.data.len() != self.durable.len()
     }
 }
 
@@ -159,8 +167,14 @@ pub struct DiskStats {
     pub bytes_written: u64,
     /// Power cuts.
     pub cuts: u64,
-    /// Syncs of shard files (`*.sqlite`): in WAL mode, one per checkpoint.
+    /// Syncs of shard files (`*.sqlite`): in WAL mode, one per checkpoint (and one when
+    /// a new file is switched to WAL).
     pub checkpoints: u64,
+    /// Operations the disk was asked to do (the fuse counts these).
+    pub ops: u64,
+    /// Cuts that found a shard file (`*.sqlite`) with writes not yet synced: cuts in the
+    /// middle of a checkpoint.
+    pub cuts_mid_checkpoint: u64,
 }
 
 pub(crate) struct State {
@@ -173,6 +187,10 @@ pub(crate) struct State {
     locks: HashSet<PathBuf>,
     /// Operations left before the power goes, if a cut is planned.
     fuse: Option<u64>,
+    /// Names changed together by a rename since their directory was last synced: a torn
+    /// cut keeps or undoes a rename whole, as journaling file systems do.
+    rename_links: HashMap<PathBuf, u64>,
+    next_link: u64,
     pub stats: DiskStats,
 }
 
@@ -191,6 +209,7 @@ impl State {
         if !self.powered || generation != self.generation {
             return Err(power_off());
         }
+        self.stats.ops += 1;
         match self.fuse {
             Some(0) => {
                 self.powered = false;
@@ -248,6 +267,7 @@ impl State {
 
     pub fn sync_dir(&mut self, dir: &Path) {
         self.stats.dir_syncs += 1;
+        self.rename_links.retain(|path, _| parent(path) != dir);
         let names: BTreeSet<PathBuf> = self
             .entries
             .keys()
@@ -275,6 +295,29 @@ impl State {
         if let Some(inode) = self.inodes.get_mut(&inode) {
             inode.write(offset, bytes);
         }
+    }
+}
+
+impl State {
+    /// Renames `from` over `to`; the two names change together at a torn cut.
+    pub fn rename(&mut self, from: &Path, to: &Path) -> io::Result<()> {
+        let node = self.entries.remove(from).ok_or_else(|| not_found(from))?;
+        self.entries.insert(to.to_owned(), node);
+        self.next_link += 1;
+        self.rename_links.insert(from.to_owned(), self.next_link);
+        self.rename_links.insert(to.to_owned(), self.next_link);
+        Ok(())
+    }
+
+    /// Whether a shard file holds writes not yet synced.
+    fn shard_file_unsynced(&self) -> bool {
+        self.entries.iter().any(|(path, node)| match node {
+            Node::File(inode) => {
+                path.extension().is_some_and(|e| e == "sqlite")
+                    && self.inodes.get(inode).is_some_and(Inode::unsynced)
+            }
+            Node::Dir => false,
+        })
     }
 }
 
@@ -320,6 +363,8 @@ impl Disk {
             entries,
             locks: HashSet::new(),
             fuse: None,
+            rename_links: HashMap::new(),
+            next_link: 0,
             stats: DiskStats::default(),
         };
         let name = format!("oncegate-simdisk-{}", DISKS.fetch_add(1, Ordering::SeqCst));
@@ -361,13 +406,19 @@ impl Disk {
     pub fn restart(&self, cut: Cut, rng: &mut impl Rng) {
         let mut state = self.lock_state();
         let state = &mut *state;
+        state.stats.cuts_mid_checkpoint += u64::from(state.shard_file_unsynced());
         let names: BTreeSet<PathBuf> =
             state.entries.keys().chain(state.durable_entries.keys()).cloned().collect();
         let mut survived = BTreeMap::new();
+        let mut link_coins: HashMap<u64, bool> = HashMap::new();
         for name in names {
             let durable = state.durable_entries.get(&name).copied();
+            let keep_new = match state.rename_links.get(&name) {
+                Some(link) => *link_coins.entry(*link).or_insert_with(|| rng.random_bool(0.5)),
+                None => rng.random_bool(0.5),
+            };
             let node = match (cut, state.entries.get(&name).copied()) {
-                (Cut::Torn, current) if rng.random_bool(0.5) => current,
+                (Cut::Torn, current) if keep_new => current,
                 _ => durable,
             };
             if let Some(node) = node {
@@ -393,6 +444,7 @@ impl Disk {
         state.durable_entries = kept.clone();
         state.entries = kept;
         state.locks.clear();
+        state.rename_links.clear();
         state.fuse = None;
         state.generation += 1;
         state.powered = true;
@@ -403,10 +455,26 @@ impl Disk {
         self.lock_state().stats
     }
 
+    /// The disk as one boot of an engine sees it: the engine's `Files` seam. Its
+    /// operations fail after the next cut and stay failed after the restart, like the
+    /// VFS handles opened in the same boot.
+    pub fn boot(&self) -> Boot {
+        let generation = self.lock_state().generation;
+        Boot { disk: self.clone(), generation }
+    }
+}
+
+/// One boot of the disk: the `Files` seam an engine is opened on.
+#[derive(Clone, Debug)]
+pub struct Boot {
+    disk: Disk,
+    generation: u64,
+}
+
+impl Boot {
     fn with<T>(&self, op: impl FnOnce(&mut State) -> io::Result<T>) -> io::Result<T> {
-        let mut state = self.lock_state();
-        let generation = state.generation;
-        state.check(generation)?;
+        let mut state = self.disk.lock_state();
+        state.check(self.generation)?;
         op(&mut state)
     }
 }
@@ -427,7 +495,7 @@ impl Drop for SimLock {
     }
 }
 
-impl Files for Disk {
+impl Files for Boot {
     fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
         self.with(|state| {
             for ancestor in dir.ancestors().collect::<Vec<_>>().into_iter().rev() {
@@ -480,11 +548,7 @@ impl Files for Disk {
     }
 
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
-        self.with(|state| {
-            let node = state.entries.remove(from).ok_or_else(|| not_found(from))?;
-            state.entries.insert(to.to_owned(), node);
-            Ok(())
-        })
+        self.with(|state| state.rename(from, to))
     }
 
     fn remove(&self, path: &Path) -> io::Result<()> {
@@ -517,7 +581,8 @@ impl Files for Disk {
             if !state.locks.insert(dir.to_owned()) {
                 return Ok(None);
             }
-            let guard = SimLock { disk: self.clone(), dir: dir.to_owned(), generation: state.generation };
+            let guard =
+                SimLock { disk: self.disk.clone(), dir: dir.to_owned(), generation: state.generation };
             Ok(Some(Box::new(guard) as LockGuard))
         })
     }
@@ -527,7 +592,7 @@ impl Files for Disk {
     }
 
     fn sqlite_vfs(&self) -> Option<&str> {
-        Some(&self.vfs_name)
+        Some(self.disk.vfs_name())
     }
 }
 
@@ -543,18 +608,21 @@ mod tests {
     #[test]
     fn a_plain_cut_keeps_only_what_was_synced() {
         let disk = Disk::new();
+        let files = disk.boot();
         let dir = Path::new("/d");
-        disk.create_dir_all(dir).unwrap();
-        disk.write_new(&dir.join("synced"), b"kept").unwrap();
-        disk.sync_file(&dir.join("synced")).unwrap();
-        disk.sync_dir(dir).unwrap();
-        disk.write_new(&dir.join("unsynced-name"), b"x").unwrap();
-        disk.sync_file(&dir.join("unsynced-name")).unwrap();
+        files.create_dir_all(dir).unwrap();
+        files.write_new(&dir.join("synced"), b"kept").unwrap();
+        files.sync_file(&dir.join("synced")).unwrap();
+        files.sync_dir(dir).unwrap();
+        files.write_new(&dir.join("unsynced-name"), b"x").unwrap();
+        files.sync_file(&dir.join("unsynced-name")).unwrap();
         disk.cut();
-        assert!(disk.read(&dir.join("synced")).is_err(), "no I/O without power");
+        assert!(files.read(&dir.join("synced")).is_err(), "no I/O without power");
         disk.restart(Cut::Plain, &mut rng());
-        assert_eq!(disk.read(&dir.join("synced")).unwrap(), b"kept");
-        assert!(disk.read(&dir.join("unsynced-name")).is_err(), "a name not synced is lost");
+        assert!(files.read(&dir.join("synced")).is_err(), "an old boot stays dead");
+        let files = disk.boot();
+        assert_eq!(files.read(&dir.join("synced")).unwrap(), b"kept");
+        assert!(files.read(&dir.join("unsynced-name")).is_err(), "a name not synced is lost");
     }
 
     #[test]
@@ -585,10 +653,38 @@ mod tests {
         disk.restart(Cut::Plain, &mut rng());
         assert!(disk.lock_state().check(generation).is_err());
         disk.cut_after_ops(1);
-        assert!(disk.create_dir_all(Path::new("/one")).is_ok());
-        assert!(disk.create_dir_all(Path::new("/two")).is_err(), "the fuse blew");
+        let files = disk.boot();
+        assert!(files.create_dir_all(Path::new("/one")).is_ok());
+        assert!(files.create_dir_all(Path::new("/two")).is_err(), "the fuse blew");
         assert!(!disk.powered());
         disk.restart(Cut::Plain, &mut rng());
-        assert!(disk.create_dir_all(Path::new("/fresh")).is_ok());
+        assert!(disk.boot().create_dir_all(Path::new("/fresh")).is_ok());
+    }
+
+    #[test]
+    fn a_torn_cut_keeps_or_undoes_a_rename_whole() {
+        let mut rng = rng();
+        for _ in 0..32 {
+            let disk = Disk::new();
+            let files = disk.boot();
+            let dir = Path::new("/d");
+            files.create_dir_all(dir).unwrap();
+            files.write_new(&dir.join("target"), b"old").unwrap();
+            files.sync_file(&dir.join("target")).unwrap();
+            files.write_new(&dir.join("target.tmp"), b"new").unwrap();
+            files.sync_file(&dir.join("target.tmp")).unwrap();
+            files.sync_dir(dir).unwrap();
+            files.rename(&dir.join("target.tmp"), &dir.join("target")).unwrap();
+            disk.cut();
+            disk.restart(Cut::Torn, &mut rng);
+            let files = disk.boot();
+            let (target, tmp) =
+                (files.read(&dir.join("target")).unwrap(), files.read(&dir.join("target.tmp")));
+            match target.as_slice() {
+                b"old" => assert_eq!(tmp.unwrap(), b"new", "undone whole"),
+                b"new" => assert!(tmp.is_err(), "done whole"),
+                other => panic!("{other:?}"),
+            }
+        }
     }
 }

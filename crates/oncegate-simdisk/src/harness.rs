@@ -3,22 +3,23 @@
 //! it, and a checker compares every key with what was acknowledged.
 //!
 //! Each client owns its keys and has at most one call in flight per key, so a key's
-//! history is a sequence: at a cut, the key's state must be the one its acknowledged calls
-//! made, or, if a call was unanswered (in flight, or refused by the failing disk), the
-//! one that call would have made. Across cuts the checker also holds the engine to:
-//! tokens of a shard never go back, its clock frame never goes back, and every shard
-//! opens cleanly.
+//! history is a sequence: after a cut, the key's state must be the one its acknowledged
+//! calls made, or, if a call was unanswered (in flight, or refused by the failing disk),
+//! the one that call would have made. Across cuts the checker also holds the engine to:
+//! leases never shorten, tokens of a shard never go back, its clock frame never goes
+//! back, and every shard opens cleanly.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use oncegate_core::{Outcome, ReserveReply, State, Tenant};
+use oncegate_core::{Outcome, ReserveReply, State, Tenant, View};
 use oncegate_engine::{
     CommitRequest, Durability, Engine, EngineConfig, Error, Faults, KeyRequest, ManualClock, ReserveRequest,
     ShardState,
 };
 use rand::rngs::StdRng;
+use rand::seq::IndexedRandom;
 use rand::{Rng, SeedableRng};
 
 use crate::disk::{Cut, Disk};
@@ -29,6 +30,10 @@ const LEASE_MS: u64 = 3_600_000;
 const CYCLE_ADVANCE_MS: u64 = 10;
 const RESTART_STEP_BACK_MS: i64 = 5_000;
 const NAMESPACE: &str = "power";
+/// Every this many cuts, every completed key ever acknowledged is read back; between,
+/// a sample of them.
+const FULL_CHECK_EVERY: u64 = 25;
+const RETIRED_SAMPLE: usize = 8;
 
 /// What a run does.
 #[derive(Clone, Debug)]
@@ -39,12 +44,12 @@ pub struct Plan {
     pub torn_every: u64,
     /// Client threads.
     pub clients: usize,
-    /// Keys each client owns.
+    /// Keys each client works on at a time.
     pub keys_per_client: usize,
     /// Shards of the engine.
     pub shards: u32,
-    /// The most acknowledged calls between two cuts (the cut comes after a random number
-    /// of them, from 0).
+    /// The most acknowledged calls between two cuts (a counted cut comes after a random
+    /// number of them, from 0).
     pub calls_per_cut_max: u64,
     /// How the engine syncs.
     pub durability: Durability,
@@ -52,8 +57,6 @@ pub struct Plan {
     pub ack_before_commit: bool,
     /// WAL pages between checkpoints (small, so that cuts land around checkpoints).
     pub checkpoint_pages: u64,
-    /// The most disk operations before a fused cut (see [`Disk::cut_after_ops`]).
-    pub fuse_ops_max: u64,
     /// Stop after this many violations.
     pub violations_max: usize,
     /// The seed of every random choice.
@@ -72,10 +75,46 @@ impl Default for Plan {
             durability: Durability::Full,
             ack_before_commit: false,
             checkpoint_pages: 4,
-            fuse_ops_max: 600,
             violations_max: 20,
             seed: 1,
         }
+    }
+}
+
+/// What kind of guarantee a violation broke.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// After a restart a key is not as its acknowledged calls left it (nor as its one
+    /// unanswered call would have): an acknowledged grant, commit or release was lost.
+    LostAcknowledged,
+    /// A lease ends earlier than acknowledged (a lost heartbeat, or a lease cut short).
+    LeaseShortened,
+    /// A grant's token is not above every token its key and shard had before.
+    TokenWentBack,
+    /// A grant was decided at a time before its shard's frame at the last cut.
+    FrameWentBack,
+    /// A held key was granted again, or a completed key did not replay its response.
+    WrongAnswer,
+    /// The engine did not open, or a shard did not, with the power on.
+    DidNotOpen,
+    /// A call failed, or a read disagreed with what was acknowledged, with the power on.
+    FailedWithPower,
+}
+
+/// One broken guarantee.
+#[derive(Clone, Debug)]
+pub struct Violation {
+    /// Which guarantee.
+    pub kind: Kind,
+    /// After which cut (0 before the first).
+    pub cut: u64,
+    /// What was seen, in words.
+    pub detail: String,
+}
+
+impl std::fmt::Display for Violation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "cut {}: {:?}: {}", self.cut, self.kind, self.detail)
     }
 }
 
@@ -86,33 +125,98 @@ pub struct Report {
     pub cuts: u64,
     /// Of which torn.
     pub torn: u64,
+    /// Cuts that came while the engine opened (recovery included).
+    pub cut_while_opening: u64,
+    /// Cuts that found a shard file with writes not yet synced (mid-checkpoint).
+    pub cut_mid_checkpoint: u64,
+    /// Syncs of shard files: checkpoints, mostly.
+    pub checkpoints: u64,
     /// Calls acknowledged before the cuts.
     pub acknowledged: u64,
     /// Key states compared after a restart with what was acknowledged.
     pub keys_checked: u64,
     /// Grants checked against the tokens and clock frame before the last cut.
     pub grants_checked: u64,
-    /// Cuts that came while the engine opened (recovery included).
-    pub cut_while_opening: u64,
-    /// Syncs of shard files: checkpoints, mostly.
-    pub checkpoints: u64,
-    /// Everything that broke a guarantee, in words.
-    pub violations: Vec<String>,
+    /// Everything that broke a guarantee.
+    pub violations: Vec<Violation>,
+}
+
+impl Report {
+    /// Whether some violation is of `kind`.
+    pub fn has(&self, kind: Kind) -> bool {
+        self.violations.iter().any(|v| v.kind == kind)
+    }
+
+    /// Adds `other`'s counts and violations to this report.
+    pub fn absorb(&mut self, other: Report) {
+        self.cuts += other.cuts;
+        self.torn += other.torn;
+        self.cut_while_opening += other.cut_while_opening;
+        self.cut_mid_checkpoint += other.cut_mid_checkpoint;
+        self.checkpoints += other.checkpoints;
+        self.acknowledged += other.acknowledged;
+        self.keys_checked += other.keys_checked;
+        self.grants_checked += other.grants_checked;
+        self.violations.extend(other.violations);
+    }
 }
 
 /// A key's state as the clients know it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Known {
     Free,
-    Held { token: u64 },
-    Done { token: u64, response: Vec<u8> },
+    Held {
+        token: u64,
+        lease_until_ms: u64,
+    },
+    /// A lease that ran out: never acknowledged here (no lease runs out in a run).
+    Abandoned {
+        token: u64,
+    },
+    Done {
+        token: u64,
+        response: Vec<u8>,
+    },
+}
+
+impl Known {
+    fn of(view: View) -> Known {
+        match view.state {
+            State::Free => Known::Free,
+            State::Pending => Known::Held { token: view.token, lease_until_ms: view.lease_until_ms },
+            State::Abandoned => Known::Abandoned { token: view.token },
+            State::Completed => Known::Done { token: view.token, response: view.response },
+        }
+    }
+
+    fn token(&self) -> Option<u64> {
+        match self {
+            Known::Free => None,
+            Known::Held { token, .. } | Known::Abandoned { token } | Known::Done { token, .. } => {
+                Some(*token)
+            }
+        }
+    }
+
+    /// Whether an observed state (`self`) agrees with an expected one: the same, except
+    /// that a lease may have been extended (the restart grace does), never shortened.
+    fn agrees(&self, expected: &Known) -> bool {
+        match (self, expected) {
+            (Known::Held { token: a, lease_until_ms: la }, Known::Held { token: b, lease_until_ms: lb }) => {
+                a == b && la >= lb
+            }
+            (observed, expected) => observed == expected,
+        }
+    }
 }
 
 /// What a call that went unanswered would have left.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Maybe {
-    /// A grant: the key held with a token newer than any before.
-    Granted,
+    /// A grant: the key held with a token above every token its key and shard had.
+    Granted { shard_token: u64 },
+    /// A heartbeat: the key held with the same token and a lease at least as long.
+    Renewed,
     /// Another state.
     State(Known),
 }
@@ -129,37 +233,23 @@ struct KeyModel {
     last_started_ms: u64,
 }
 
-/// A client's keys: those it works on, and completed ones it moved on from, which are
-/// still checked after every cut (the most recent few).
+/// A client's keys: those it works on, and the completed ones it moved on from, which
+/// are read back after cuts for the rest of the run.
 #[derive(Clone, Debug, Default)]
 struct ClientKeys {
     client: usize,
     live: Vec<KeyModel>,
-    retired: std::collections::VecDeque<KeyModel>,
+    retired: Vec<KeyModel>,
     next_id: u64,
 }
 
-/// Completed keys a client keeps checking after it moved on from them.
-const RETIRED_KEPT: usize = 24;
-
 impl ClientKeys {
-    fn all_mut(&mut self) -> impl Iterator<Item = &mut KeyModel> {
-        self.live.iter_mut().chain(self.retired.iter_mut())
-    }
-
-    fn all(&self) -> impl Iterator<Item = &KeyModel> {
-        self.live.iter().chain(self.retired.iter())
-    }
-
     /// Retires the completed key at `slot` and puts a new key in its place.
     fn rotate(&mut self, slot: usize, engine: &Engine) {
         let key = new_key(engine, self.client, self.next_id);
         self.next_id += 1;
         let done = std::mem::replace(&mut self.live[slot], key);
-        self.retired.push_back(done);
-        if self.retired.len() > RETIRED_KEPT {
-            self.retired.pop_front();
-        }
+        self.retired.push(done);
     }
 }
 
@@ -170,13 +260,36 @@ fn new_key(engine: &Engine, client: usize, id: u64) -> KeyModel {
     KeyModel { key, shard, acked: Known::Free, maybe: None, last_token: 0, last_started_ms: 0 }
 }
 
-/// What every shard had reached at the last cut, for the checks after it.
+/// What every shard had reached, for the checks after the next cut.
 #[derive(Clone, Debug, Default)]
 struct Marks {
-    /// The highest token acknowledged.
+    /// The highest token acknowledged or seen.
     token: Vec<u64>,
     /// The latest lease start acknowledged (a grant's decision time).
     started_ms: Vec<u64>,
+}
+
+impl Marks {
+    fn new(models: &[ClientKeys], shards: u32) -> Marks {
+        let mut marks = Marks { token: vec![0; shards as usize], started_ms: vec![0; shards as usize] };
+        for key in models.iter().flat_map(|c| c.live.iter().chain(&c.retired)) {
+            let shard = key.shard as usize;
+            marks.token[shard] = marks.token[shard].max(key.last_token);
+            marks.started_ms[shard] = marks.started_ms[shard].max(key.last_started_ms);
+        }
+        marks
+    }
+}
+
+/// Where the next cut comes from.
+#[derive(Clone, Copy, Debug)]
+enum Trigger {
+    /// After this many acknowledged calls.
+    Calls(u64),
+    /// After this many disk operations from the start of the open.
+    WhileOpening(u64),
+    /// After this many disk operations from the start of the traffic.
+    InTraffic(u64),
 }
 
 /// A cycle's shared state for its client threads.
@@ -185,7 +298,7 @@ struct Cycle {
     disk: Disk,
     clock: ManualClock,
     tenant: Tenant,
-    /// The call count at which the power is cut.
+    /// The call count at which the power is cut, if the cut is counted in calls.
     cut_at: u64,
     calls: AtomicU64,
     cut: AtomicBool,
@@ -201,7 +314,9 @@ pub fn run(plan: &Plan) -> Report {
             break;
         }
     }
-    run.report.checkpoints = run.disk.stats().checkpoints;
+    let stats = run.disk.stats();
+    run.report.checkpoints = stats.checkpoints;
+    run.report.cut_mid_checkpoint = stats.cuts_mid_checkpoint;
     run.report
 }
 
@@ -214,7 +329,11 @@ struct Run<'p> {
     faults: Faults,
     report: Report,
     models: Vec<ClientKeys>,
+    /// The marks before the last traffic: an unanswered grant of it must pass them.
     marks: Marks,
+    /// Disk operations the last open and the last traffic took, to place fused cuts.
+    open_ops: u64,
+    traffic_ops: u64,
     /// Set when the engine is found broken: nothing more can be checked.
     stop: bool,
 }
@@ -226,7 +345,6 @@ impl Run<'_> {
         if plan.ack_before_commit {
             faults.ack_before_commit();
         }
-        let shards = plan.shards as usize;
         Run {
             plan,
             rng: StdRng::seed_from_u64(plan.seed),
@@ -235,29 +353,54 @@ impl Run<'_> {
             faults,
             report: Report::default(),
             models: Vec::new(),
-            marks: Marks { token: vec![0; shards], started_ms: vec![0; shards] },
+            marks: Marks::default(),
+            open_ops: 200,
+            traffic_ops: 2_000,
             stop: false,
         }
     }
 
-    /// Opens the engine, checks every key, runs traffic until the cut, and restarts the
-    /// disk. A third of the cycles light a fuse instead of counting calls, so the cut may
-    /// land anywhere, opening and recovery included.
-    fn cycle(&mut self, cut: u64) {
-        let fused = self.rng.random_bool(0.3);
-        if fused {
-            self.disk.cut_after_ops(self.rng.random_range(0..=self.plan.fuse_ops_max));
+    fn violation(&mut self, kind: Kind, cut: u64, detail: String) {
+        self.report.violations.push(Violation { kind, cut, detail });
+    }
+
+    /// Half the cycles cut after a random number of acknowledged calls, which lands
+    /// right after an answer; the others light a fuse that cuts after a random number of
+    /// disk operations, within the open (recovery included) or within the traffic, so
+    /// that cuts also land inside commits and checkpoints.
+    fn trigger(&mut self) -> Trigger {
+        match self.rng.random_range(0..6) {
+            0..=2 => Trigger::Calls(self.rng.random_range(0..=self.plan.calls_per_cut_max)),
+            3 => Trigger::WhileOpening(self.rng.random_range(0..=self.open_ops)),
+            _ => Trigger::InTraffic(self.rng.random_range(0..=self.traffic_ops)),
         }
+    }
+
+    /// Opens the engine, checks every key, runs traffic until the cut, and restarts the
+    /// disk.
+    fn cycle(&mut self, cut: u64) {
+        let trigger = self.trigger();
+        if let Trigger::WhileOpening(ops) = trigger {
+            self.disk.cut_after_ops(ops);
+        }
+        let before_open = self.disk.stats().ops;
         if let Some(engine) = self.open(cut) {
-            let checked = self.models.is_empty()
-                || check_keys(&engine, &mut self.models, &mut self.report, cut, &self.disk);
-            if self.models.is_empty() {
-                self.models = key_models(&engine, self.plan);
-            }
-            let cut_at =
-                if fused { u64::MAX } else { self.rng.random_range(0..=self.plan.calls_per_cut_max) };
+            self.open_ops = self.disk.stats().ops - before_open;
+            let checked = self.check(&engine, cut);
             if checked && self.disk.powered() {
+                let cut_at = match trigger {
+                    Trigger::Calls(calls) => calls,
+                    Trigger::InTraffic(ops) => {
+                        self.disk.cut_after_ops(ops);
+                        u64::MAX
+                    }
+                    Trigger::WhileOpening(_) => u64::MAX,
+                };
+                let before_traffic = self.disk.stats().ops;
                 self.traffic(engine, cut, cut_at);
+                if let Trigger::Calls(_) = trigger {
+                    self.traffic_ops = (self.disk.stats().ops - before_traffic).max(1);
+                }
             } else {
                 engine.shutdown();
             }
@@ -276,7 +419,7 @@ impl Run<'_> {
             ..EngineConfig::default()
         };
         let clock = Arc::new(self.clock.clone());
-        let opened = Engine::open_on(config, clock, self.faults.clone(), Arc::new(self.disk.clone()));
+        let opened = Engine::open_on(config, clock, self.faults.clone(), Arc::new(self.disk.boot()));
         let engine = match opened {
             Ok(engine) => engine,
             Err(_) if !self.disk.powered() => {
@@ -284,14 +427,16 @@ impl Run<'_> {
                 return None;
             }
             Err(error) => {
-                self.report.violations.push(format!("cut {cut}: the engine did not open: {error}"));
+                self.violation(Kind::DidNotOpen, cut, format!("the engine did not open: {error}"));
                 self.stop = true;
                 return None;
             }
         };
         if let Some(problem) = unclean_shards(&engine) {
+            // With the power gone mid-open, a shard that did not open proves nothing; a
+            // fault it found persists and is reported at the next open with power.
             if self.disk.powered() {
-                self.report.violations.push(format!("cut {cut}: {problem}"));
+                self.violation(Kind::DidNotOpen, cut, problem);
                 self.stop = true;
             } else {
                 self.report.cut_while_opening += 1;
@@ -302,8 +447,91 @@ impl Run<'_> {
         Some(engine)
     }
 
+    /// Reads keys back after a restart: every live key, and every completed one each
+    /// `FULL_CHECK_EVERY` cuts (a sample otherwise). Returns whether it read them all
+    /// (a fused cut may come in the middle).
+    fn check(&mut self, engine: &Engine, cut: u64) -> bool {
+        if self.models.is_empty() {
+            self.models = (0..self.plan.clients)
+                .map(|client| ClientKeys {
+                    client,
+                    live: (0..self.plan.keys_per_client as u64)
+                        .map(|id| new_key(engine, client, id))
+                        .collect(),
+                    retired: Vec::new(),
+                    next_id: self.plan.keys_per_client as u64,
+                })
+                .collect();
+            return true;
+        }
+        let mut models = std::mem::take(&mut self.models);
+        let complete = cut.is_multiple_of(FULL_CHECK_EVERY);
+        let mut all_read = true;
+        'clients: for client in &mut models {
+            let sample: Vec<usize> = if complete {
+                (0..client.retired.len()).collect()
+            } else {
+                let indices: Vec<usize> = (0..client.retired.len()).collect();
+                indices.choose_multiple(&mut self.rng, RETIRED_SAMPLE).copied().collect()
+            };
+            let live = client.live.iter_mut();
+            let retired =
+                client.retired.iter_mut().enumerate().filter(|(i, _)| sample.contains(i)).map(|(_, k)| k);
+            for key in live.chain(retired) {
+                if !self.check_key(engine, key, cut) {
+                    all_read = false;
+                    break 'clients;
+                }
+            }
+        }
+        self.models = models;
+        all_read
+    }
+
+    /// Reads one key and holds it to what was acknowledged; returns whether it was read.
+    fn check_key(&mut self, engine: &Engine, key: &mut KeyModel, cut: u64) -> bool {
+        let request = KeyRequest { namespace: NAMESPACE.into(), key: key.key.clone(), token: 0, lease_ms: 0 };
+        let observed = match engine.get_blocking(&Tenant::default_tenant(), request) {
+            Ok(view) => Known::of(view),
+            Err(Error::Refused(oncegate_core::Error::NotFound)) => Known::Free,
+            Err(_) if !self.disk.powered() => return false,
+            Err(error) => {
+                self.violation(Kind::FailedWithPower, cut, format!("reading {} failed: {error}", key.key));
+                return true;
+            }
+        };
+        self.report.keys_checked += 1;
+        let shard = key.shard as usize;
+        let allowed = observed.agrees(&key.acked)
+            || match &key.maybe {
+                Some(Maybe::State(state)) => observed.agrees(state),
+                Some(Maybe::Renewed) => observed.agrees(&key.acked),
+                Some(Maybe::Granted { shard_token }) => matches!(
+                    observed,
+                    Known::Held { token, .. } if token > key.last_token && token > *shard_token
+                ),
+                None => false,
+            };
+        if !allowed {
+            let shortened = matches!((&observed, &key.acked), (Known::Held { token: a, .. } | Known::Abandoned { token: a }, Known::Held { token: b, .. }) if a == b);
+            let kind = if shortened { Kind::LeaseShortened } else { Kind::LostAcknowledged };
+            let detail = format!(
+                "key {} (shard {shard}) is {observed:?}; acknowledged {:?}, and the unanswered call could have left {:?}",
+                key.key, key.acked, key.maybe
+            );
+            self.violation(kind, cut, detail);
+        }
+        if let Some(token) = observed.token() {
+            key.last_token = key.last_token.max(token);
+        }
+        key.acked = observed;
+        key.maybe = None;
+        true
+    }
+
     /// Clients call until the power goes; their models come back with what was answered.
     fn traffic(&mut self, engine: Engine, cut: u64, cut_at: u64) {
+        self.marks = Marks::new(&self.models, self.plan.shards);
         let cycle = Arc::new(Cycle {
             engine,
             disk: self.disk.clone(),
@@ -322,7 +550,7 @@ impl Run<'_> {
             .map(|keys| {
                 let cycle = Arc::clone(&cycle);
                 let seed = self.plan.seed ^ (cut << 16) ^ keys.client as u64;
-                std::thread::spawn(move || drive(&cycle, keys, seed))
+                std::thread::spawn(move || drive(&cycle, keys, seed, cut))
             })
             .collect();
         for thread in threads {
@@ -335,7 +563,6 @@ impl Run<'_> {
         self.report.acknowledged += cycle.calls.load(Ordering::SeqCst);
         let Ok(cycle) = Arc::try_unwrap(cycle) else { unreachable!("every client has returned") };
         cycle.engine.shutdown();
-        self.marks = new_marks(&self.models, std::mem::take(&mut self.marks), self.plan.shards);
     }
 
     /// Cuts the power (if still on) and restarts the disk, plain or torn; the wall clock
@@ -369,84 +596,21 @@ fn unclean_shards(engine: &Engine) -> Option<String> {
     (!failed.is_empty()).then(|| format!("shards did not open cleanly: {}", failed.join("; ")))
 }
 
-fn key_models(engine: &Engine, plan: &Plan) -> Vec<ClientKeys> {
-    (0..plan.clients)
-        .map(|client| {
-            let live = (0..plan.keys_per_client as u64).map(|id| new_key(engine, client, id)).collect();
-            ClientKeys { client, live, retired: Default::default(), next_id: plan.keys_per_client as u64 }
-        })
-        .collect()
-}
-
-/// The marks for the next cycle: the highest token and lease start each shard had
-/// acknowledged by the cut (or seen since, at the check).
-fn new_marks(models: &[ClientKeys], mut marks: Marks, shards: u32) -> Marks {
-    marks.token.resize(shards as usize, 0);
-    marks.started_ms.resize(shards as usize, 0);
-    for key in models.iter().flat_map(ClientKeys::all) {
-        let shard = key.shard as usize;
-        marks.token[shard] = marks.token[shard].max(key.last_token);
-        marks.started_ms[shard] = marks.started_ms[shard].max(key.last_started_ms);
-    }
-    marks
-}
-
-/// Reads every key after a restart and compares it with what was acknowledged.
-/// Returns whether every key was read (a fused cut may come in the middle).
-fn check_keys(
-    engine: &Engine,
-    models: &mut [ClientKeys],
-    report: &mut Report,
-    cut: u64,
-    disk: &Disk,
-) -> bool {
-    let tenant = Tenant::default_tenant();
-    for key in models.iter_mut().flat_map(ClientKeys::all_mut) {
-        report.keys_checked += 1;
-        let request = KeyRequest { namespace: NAMESPACE.into(), key: key.key.clone(), token: 0, lease_ms: 0 };
-        let observed = match engine.get_blocking(&tenant, request) {
-            Ok(view) => match view.state {
-                State::Free => Known::Free,
-                State::Pending | State::Abandoned => Known::Held { token: view.token },
-                State::Completed => Known::Done { token: view.token, response: view.response },
-            },
-            Err(Error::Refused(oncegate_core::Error::NotFound)) => Known::Free,
-            Err(_) if !disk.powered() => return false,
-            Err(error) => {
-                report.violations.push(format!("after cut {cut}: reading {} failed: {error}", key.key));
-                continue;
-            }
-        };
-        let allowed = observed == key.acked
-            || match &key.maybe {
-                Some(Maybe::State(state)) => observed == *state,
-                Some(Maybe::Granted) => matches!(observed, Known::Held { token } if token > key.last_token),
-                None => false,
-            };
-        if !allowed {
-            report.violations.push(format!(
-                "after cut {cut}: key {} (shard {}) is {observed:?}; acknowledged {:?}, and the unanswered call could have left {:?}",
-                key.key, key.shard, key.acked, key.maybe
-            ));
-        }
-        if let Known::Held { token } | Known::Done { token, .. } = &observed {
-            key.last_token = key.last_token.max(*token);
-        }
-        key.acked = observed;
-        key.maybe = None;
-    }
-    true
-}
-
 /// What one client found.
 #[derive(Default)]
 struct Found {
-    violations: Vec<String>,
+    violations: Vec<Violation>,
     grants_checked: u64,
 }
 
+impl Found {
+    fn violation(&mut self, kind: Kind, cut: u64, detail: String) {
+        self.violations.push(Violation { kind, cut, detail });
+    }
+}
+
 /// One client: calls on its own keys until the power is cut.
-fn drive(cycle: &Cycle, mut keys: ClientKeys, seed: u64) -> (ClientKeys, Found) {
+fn drive(cycle: &Cycle, mut keys: ClientKeys, seed: u64, cut: u64) -> (ClientKeys, Found) {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut found = Found::default();
     while !cycle.cut.load(Ordering::SeqCst) && cycle.disk.powered() {
@@ -455,10 +619,10 @@ fn drive(cycle: &Cycle, mut keys: ClientKeys, seed: u64) -> (ClientKeys, Found) 
             keys.rotate(pick, &cycle.engine);
         }
         let key = &mut keys.live[pick];
-        if !call(cycle, key, &mut rng, &mut found) {
+        if !call(cycle, key, &mut rng, &mut found, cut) {
             // The power is cut before any call can fail: a failure with power is a fault.
             if cycle.disk.powered() {
-                found.violations.push(format!("{}: a call failed with the power on", key.key));
+                found.violation(Kind::FailedWithPower, cut, format!("{}: a call failed", key.key));
             }
             break;
         }
@@ -474,135 +638,151 @@ fn drive(cycle: &Cycle, mut keys: ClientKeys, seed: u64) -> (ClientKeys, Found) 
 }
 
 /// Makes one call on `key`; returns whether it was answered.
-fn call(cycle: &Cycle, key: &mut KeyModel, rng: &mut StdRng, found: &mut Found) -> bool {
-    let engine = &cycle.engine;
-    let tenant = &cycle.tenant;
-    let key_request =
-        |token| KeyRequest { namespace: NAMESPACE.into(), key: key.key.clone(), token, lease_ms: 0 };
+fn call(cycle: &Cycle, key: &mut KeyModel, rng: &mut StdRng, found: &mut Found, cut: u64) -> bool {
     match key.acked.clone() {
-        acked if rng.random_bool(0.1) => {
-            key.maybe = None;
-            let Ok(view) = engine.get_blocking(tenant, key_request(0)) else { return false };
-            let seen = match view.state {
-                State::Free => Known::Free,
-                State::Pending | State::Abandoned => Known::Held { token: view.token },
-                State::Completed => Known::Done { token: view.token, response: view.response },
-            };
-            if seen != acked {
-                found.violations.push(format!("{}: read {seen:?}, acknowledged {acked:?}", key.key));
-            }
-            true
-        }
-        Known::Held { token } if rng.random_bool(0.1) => {
-            // A duplicate attempt while the key is held: never a second grant.
-            key.maybe = None;
-            let request = ReserveRequest {
-                namespace: NAMESPACE.into(),
-                key: key.key.clone(),
-                ..ReserveRequest::default()
-            };
-            let Ok(reserved) = engine.reserve_blocking(tenant, request) else { return false };
-            if !matches!(reserved.reply, ReserveReply::InProgress { .. }) {
-                found.violations.push(format!(
-                    "{}: held with token {token}, a duplicate got {:?}",
-                    key.key, reserved.reply
-                ));
-            }
-            true
-        }
-        Known::Free => {
-            key.maybe = Some(Maybe::Granted);
-            let request = ReserveRequest {
-                namespace: NAMESPACE.into(),
-                key: key.key.clone(),
-                lease_ms: LEASE_MS,
-                ..ReserveRequest::default()
-            };
-            match engine.reserve_blocking(tenant, request) {
-                Ok(reserved) => {
-                    granted(cycle, key, reserved.reply, found);
-                    true
-                }
-                Err(_) => false,
-            }
-        }
-        Known::Done { token, response } => {
-            key.maybe = None;
-            let request = ReserveRequest {
-                namespace: NAMESPACE.into(),
-                key: key.key.clone(),
-                ..ReserveRequest::default()
-            };
-            match engine.reserve_blocking(tenant, request) {
-                Ok(reserved) => {
-                    let replayed = matches!(&reserved.reply, ReserveReply::Completed { token: t, response: r, .. } if *t == token && *r == response);
-                    if !replayed {
-                        found
-                            .violations
-                            .push(format!("{}: a completed key answered {:?}", key.key, reserved.reply));
-                    }
-                    true
-                }
-                Err(_) => false,
-            }
-        }
-        Known::Held { token } => {
-            let (next, answered) = match rng.random_range(0..10) {
-                0..=1 => {
-                    (Known::Held { token }, engine.heartbeat_blocking(tenant, key_request(token)).map(drop))
-                }
-                2..=3 => (Known::Free, engine.release_blocking(tenant, key_request(token))),
-                _ => {
-                    let response = format!("{}#{token}", key.key).into_bytes();
-                    let request = CommitRequest {
-                        namespace: NAMESPACE.into(),
-                        key: key.key.clone(),
-                        token,
-                        outcome: Outcome::Succeeded,
-                        response: response.clone(),
-                    };
-                    (Known::Done { token, response }, engine.commit_blocking(tenant, request).map(drop))
-                }
-            };
-            key.maybe = Some(Maybe::State(next.clone()));
-            match answered {
-                Ok(()) => {
-                    key.acked = next;
-                    key.maybe = None;
-                    true
-                }
-                Err(_) => false,
-            }
-        }
+        acked if rng.random_bool(0.1) => read(cycle, key, &acked, found, cut),
+        Known::Held { token, .. } if rng.random_bool(0.1) => duplicate(cycle, key, token, found, cut),
+        Known::Free | Known::Abandoned { .. } => reserve(cycle, key, found, cut),
+        Known::Done { token, response } => replay(cycle, key, token, &response, found, cut),
+        Known::Held { token, .. } => finish(cycle, key, token, rng),
     }
 }
 
-/// Records an acknowledged reserve of a free key, which must be a grant with a token
-/// above every token of its key and of its shard before the last cut, decided no earlier
-/// than the shard's clock frame at the cut.
-fn granted(cycle: &Cycle, key: &mut KeyModel, reply: ReserveReply, found: &mut Found) {
-    let ReserveReply::Granted { token, lease_until_ms, .. } = reply else {
-        found.violations.push(format!("{}: a free key answered {reply:?}", key.key));
+fn key_request(key: &KeyModel, token: u64) -> KeyRequest {
+    KeyRequest { namespace: NAMESPACE.into(), key: key.key.clone(), token, lease_ms: LEASE_MS }
+}
+
+/// A read, which must show exactly what was acknowledged.
+fn read(cycle: &Cycle, key: &mut KeyModel, acked: &Known, found: &mut Found, cut: u64) -> bool {
+    key.maybe = None;
+    let Ok(view) = cycle.engine.get_blocking(&cycle.tenant, key_request(key, 0)) else { return false };
+    let seen = Known::of(view);
+    if &seen != acked {
+        found.violation(
+            Kind::FailedWithPower,
+            cut,
+            format!("{}: read {seen:?}, acknowledged {acked:?}", key.key),
+        );
+    }
+    true
+}
+
+/// A duplicate attempt while the key is held: never a second grant.
+fn duplicate(cycle: &Cycle, key: &mut KeyModel, token: u64, found: &mut Found, cut: u64) -> bool {
+    key.maybe = None;
+    let request =
+        ReserveRequest { namespace: NAMESPACE.into(), key: key.key.clone(), ..ReserveRequest::default() };
+    let Ok(reserved) = cycle.engine.reserve_blocking(&cycle.tenant, request) else { return false };
+    if !matches!(reserved.reply, ReserveReply::InProgress { .. }) {
+        let detail = format!("{}: held with token {token}, a duplicate got {:?}", key.key, reserved.reply);
+        found.violation(Kind::WrongAnswer, cut, detail);
+    }
+    true
+}
+
+/// A replay of a completed key: the committed response, with its token.
+fn replay(
+    cycle: &Cycle,
+    key: &mut KeyModel,
+    token: u64,
+    response: &[u8],
+    found: &mut Found,
+    cut: u64,
+) -> bool {
+    key.maybe = None;
+    let request =
+        ReserveRequest { namespace: NAMESPACE.into(), key: key.key.clone(), ..ReserveRequest::default() };
+    let Ok(reserved) = cycle.engine.reserve_blocking(&cycle.tenant, request) else { return false };
+    let replayed = matches!(&reserved.reply, ReserveReply::Completed { token: t, response: r, .. } if *t == token && r == response);
+    if !replayed {
+        found.violation(
+            Kind::WrongAnswer,
+            cut,
+            format!("{}: a completed key answered {:?}", key.key, reserved.reply),
+        );
+    }
+    true
+}
+
+/// A reserve of a free key, which must be a grant with a token above every token of its
+/// key and of its shard before the last cut, decided no earlier than the shard's clock
+/// frame at the cut.
+fn reserve(cycle: &Cycle, key: &mut KeyModel, found: &mut Found, cut: u64) -> bool {
+    let shard = key.shard as usize;
+    key.maybe = Some(Maybe::Granted { shard_token: cycle.before.token[shard] });
+    let request = ReserveRequest {
+        namespace: NAMESPACE.into(),
+        key: key.key.clone(),
+        lease_ms: LEASE_MS,
+        ..ReserveRequest::default()
+    };
+    let Ok(reserved) = cycle.engine.reserve_blocking(&cycle.tenant, request) else { return false };
+    let ReserveReply::Granted { token, lease_until_ms, .. } = reserved.reply else {
+        found.violation(
+            Kind::WrongAnswer,
+            cut,
+            format!("{}: a free key answered {:?}", key.key, reserved.reply),
+        );
         key.maybe = None;
-        return;
+        return true;
     };
     found.grants_checked += 1;
-    let shard = key.shard as usize;
     if token <= key.last_token || token <= cycle.before.token[shard] {
-        found.violations.push(format!(
-            "{}: token {token} went back (key's newest {}, shard {}'s highest before the cut {})",
-            key.key, key.last_token, key.shard, cycle.before.token[shard]
-        ));
+        let detail = format!(
+            "{}: token {token}; the key's newest was {}, shard {shard}'s highest before the cut {}",
+            key.key, key.last_token, cycle.before.token[shard]
+        );
+        found.violation(Kind::TokenWentBack, cut, detail);
     }
     let started_ms = lease_until_ms.saturating_sub(LEASE_MS);
     if started_ms < cycle.before.started_ms[shard] {
-        found.violations.push(format!(
-            "{}: decided at {started_ms}, before shard {}'s clock frame at the cut ({})",
-            key.key, key.shard, cycle.before.started_ms[shard]
-        ));
+        let detail = format!(
+            "{}: decided at {started_ms}, before shard {shard}'s frame at the cut ({})",
+            key.key, cycle.before.started_ms[shard]
+        );
+        found.violation(Kind::FrameWentBack, cut, detail);
     }
     key.last_token = token;
     key.last_started_ms = started_ms;
-    key.acked = Known::Held { token };
+    key.acked = Known::Held { token, lease_until_ms };
     key.maybe = None;
+    true
+}
+
+/// The holder heartbeats, releases or commits.
+fn finish(cycle: &Cycle, key: &mut KeyModel, token: u64, rng: &mut StdRng) -> bool {
+    let (engine, tenant) = (&cycle.engine, &cycle.tenant);
+    let answered = match rng.random_range(0..10) {
+        0..=1 => {
+            key.maybe = Some(Maybe::Renewed);
+            engine
+                .heartbeat_blocking(tenant, key_request(key, token))
+                .map(|renewed| Known::Held { token, lease_until_ms: renewed.lease_until_ms })
+        }
+        2..=3 => {
+            key.maybe = Some(Maybe::State(Known::Free));
+            engine.release_blocking(tenant, key_request(key, token)).map(|()| Known::Free)
+        }
+        _ => {
+            let response = format!("{}#{token}", key.key).into_bytes();
+            let done = Known::Done { token, response: response.clone() };
+            key.maybe = Some(Maybe::State(done.clone()));
+            let request = CommitRequest {
+                namespace: NAMESPACE.into(),
+                key: key.key.clone(),
+                token,
+                outcome: Outcome::Succeeded,
+                response,
+            };
+            engine.commit_blocking(tenant, request).map(|_| done)
+        }
+    };
+    match answered {
+        Ok(next) => {
+            key.acked = next;
+            key.maybe = None;
+            true
+        }
+        Err(_) => false,
+    }
 }

@@ -16,21 +16,33 @@
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::path::{Path, PathBuf};
 use std::ptr;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 
 use rusqlite::ffi;
 
-use crate::disk::{Disk, SHM_REGION_BYTES, Shm, parent};
+use crate::disk::{Disk, Inode, SHM_REGION_BYTES, Shm, State, parent};
 
-/// What `pAppData` of the registered VFS points to.
+/// What `pAppData` of the registered VFS points to. It holds the disk weakly: the
+/// registration lives for the process, the disk only as long as its owners keep it.
 struct VfsContext {
-    disk: Disk,
+    state: Weak<Mutex<State>>,
     /// SQLite's default VFS, for randomness, sleeping and the time.
     fallback: *mut ffi::sqlite3_vfs,
 }
 
+impl VfsContext {
+    fn state(&self) -> Option<Arc<Mutex<State>>> {
+        self.state.upgrade()
+    }
+}
+
+fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
+    state.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
 /// The state of one open file.
 struct Handle {
-    disk: Disk,
+    state: Arc<Mutex<State>>,
     /// Its file, or `None` once deleted on close.
     inode: u64,
     /// Its name; `None` for a temporary file.
@@ -40,6 +52,8 @@ struct Handle {
     /// Whether the first sync also makes the name durable (a new WAL or journal).
     sync_dir_pending: bool,
     delete_on_close: bool,
+    /// Whether it is a main database (one connection per file at most).
+    main_db: bool,
     /// The WAL index this handle mapped.
     shm: Option<Shm>,
 }
@@ -81,7 +95,7 @@ pub(crate) fn register(disk: &Disk) {
     unsafe {
         let name = CString::new(disk.vfs_name()).expect("a VFS name has no NUL").into_raw();
         let context = Box::into_raw(Box::new(VfsContext {
-            disk: disk.clone(),
+            state: Arc::downgrade(&disk.state),
             fallback: ffi::sqlite3_vfs_find(ptr::null()),
         }));
         let vfs = Box::into_raw(Box::new(ffi::sqlite3_vfs {
@@ -148,21 +162,22 @@ unsafe extern "C" fn x_open(
     // SAFETY: SQLite hands this VFS's pointer and `szOsFile` bytes of storage at `file`.
     unsafe {
         (*file).pMethods = ptr::null();
-        let disk = context(vfs).disk.clone();
+        let Some(state) = context(vfs).state() else { return ffi::SQLITE_CANTOPEN };
         let path = path_of(name);
-        let opened = open(&disk, path.as_deref(), flags);
+        let opened = open(&state, path.as_deref(), flags);
         let Ok((inode, generation)) = opened else { return ffi::SQLITE_CANTOPEN };
         let creates_journal = flags & ffi::SQLITE_OPEN_CREATE != 0
             && flags
                 & (ffi::SQLITE_OPEN_WAL | ffi::SQLITE_OPEN_MAIN_JOURNAL | ffi::SQLITE_OPEN_SUPER_JOURNAL)
                 != 0;
         let handle = Box::new(Handle {
-            disk,
+            state,
             inode,
             path,
             generation,
             sync_dir_pending: creates_journal,
             delete_on_close: flags & ffi::SQLITE_OPEN_DELETEONCLOSE != 0,
+            main_db: flags & ffi::SQLITE_OPEN_MAIN_DB != 0,
             shm: None,
         });
         ptr::write(
@@ -176,27 +191,36 @@ unsafe extern "C" fn x_open(
     }
 }
 
-/// Opens (or creates) the file; returns its inode and the disk's generation.
-fn open(disk: &Disk, path: Option<&Path>, flags: c_int) -> std::io::Result<(u64, u64)> {
-    let mut state = disk.lock_state();
+/// Opens (or creates) the file; returns its inode and the disk's generation. A second
+/// connection to one database is refused: the locks below are granted at once, which is
+/// sound only for one connection per file (the engine's directory lock gives that).
+fn open(state: &Mutex<State>, path: Option<&Path>, flags: c_int) -> std::io::Result<(u64, u64)> {
+    let mut state = lock(state);
     let generation = state.generation;
     state.check(generation)?;
     let inode = match path {
         None => state.create_anonymous(),
         Some(path) => match state.inode_of(path) {
             Ok(inode) => inode,
-            Err(_) if flags & ffi::SQLITE_OPEN_CREATE != 0 => state.create_file(path, Default::default())?,
+            Err(_) if flags & ffi::SQLITE_OPEN_CREATE != 0 => state.create_file(path, Inode::default())?,
             Err(error) => return Err(error),
         },
     };
+    if flags & ffi::SQLITE_OPEN_MAIN_DB != 0 {
+        let file = state.inodes.get_mut(&inode).ok_or_else(|| std::io::Error::other("no such file"))?;
+        if file.db_opens > 0 {
+            return Err(std::io::Error::other("a second connection to one database"));
+        }
+        file.db_opens += 1;
+    }
     Ok((inode, generation))
 }
 
 unsafe extern "C" fn x_delete(vfs: *mut ffi::sqlite3_vfs, name: *const c_char, sync_dir: c_int) -> c_int {
     // SAFETY: a registered VFS and a NUL-terminated name.
-    let (disk, path) = unsafe { (&context(vfs).disk, path_of(name)) };
-    let Some(path) = path else { return ffi::SQLITE_IOERR_DELETE };
-    let mut state = disk.lock_state();
+    let (state, path) = unsafe { (context(vfs).state(), path_of(name)) };
+    let (Some(state), Some(path)) = (state, path) else { return ffi::SQLITE_IOERR_DELETE };
+    let mut state = lock(&state);
     let generation = state.generation;
     if state.check(generation).is_err() {
         return ffi::SQLITE_IOERR_DELETE;
@@ -218,9 +242,10 @@ unsafe extern "C" fn x_access(
 ) -> c_int {
     // SAFETY: a registered VFS, a NUL-terminated name and an output slot.
     unsafe {
-        let disk = &context(vfs).disk;
-        let Some(path) = path_of(name) else { return ffi::SQLITE_IOERR_ACCESS };
-        let mut state = disk.lock_state();
+        let (Some(state), Some(path)) = (context(vfs).state(), path_of(name)) else {
+            return ffi::SQLITE_IOERR_ACCESS;
+        };
+        let mut state = lock(&state);
         let generation = state.generation;
         if state.check(generation).is_err() {
             return ffi::SQLITE_IOERR_ACCESS;
@@ -291,12 +316,8 @@ unsafe extern "C" fn x_get_last_error(_vfs: *mut ffi::sqlite3_vfs, _n: c_int, _o
 
 /// Runs `op` on the handle's file while the disk is powered and the handle current;
 /// otherwise answers `error`.
-fn with_file<T>(
-    handle: &Handle,
-    error: c_int,
-    op: impl FnOnce(&mut crate::disk::State, u64) -> T,
-) -> Result<T, c_int> {
-    let mut state = handle.disk.lock_state();
+fn with_file<T>(handle: &Handle, error: c_int, op: impl FnOnce(&mut State, u64) -> T) -> Result<T, c_int> {
+    let mut state = lock(&handle.state);
     state.check(handle.generation).map_err(|_| error)?;
     Ok(op(&mut state, handle.inode))
 }
@@ -306,13 +327,25 @@ unsafe extern "C" fn x_close(file: *mut ffi::sqlite3_file) -> c_int {
     unsafe {
         let handle = Box::from_raw((*(file as *mut File)).handle);
         (*file).pMethods = ptr::null();
-        if handle.delete_on_close {
-            let _ = with_file(&handle, ffi::SQLITE_IOERR_CLOSE, |state, inode| {
-                if let Some(path) = &handle.path {
+        // Even without power: a closed connection no longer holds its database.
+        let mut state = lock(&handle.state);
+        if handle.main_db
+            && handle.generation == state.generation
+            && let Some(inode) = state.inodes.get_mut(&handle.inode)
+        {
+            inode.db_opens = inode.db_opens.saturating_sub(1);
+        }
+        if handle.delete_on_close && state.check(handle.generation).is_ok() {
+            match &handle.path {
+                // A named file loses its name; its contents go when nothing names them
+                // (at the next restart).
+                Some(path) => {
                     let _ = state.remove(path);
                 }
-                state.inodes.remove(&inode);
-            });
+                None => {
+                    state.inodes.remove(&handle.inode);
+                }
+            }
         }
     }
     ffi::SQLITE_OK

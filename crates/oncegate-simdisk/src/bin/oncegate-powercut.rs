@@ -61,19 +61,13 @@ fn main() -> anyhow::Result<()> {
         };
         let report = run(&plan);
         done += cuts;
-        total.cuts += report.cuts;
-        total.torn += report.torn;
-        total.acknowledged += report.acknowledged;
-        total.keys_checked += report.keys_checked;
-        total.grants_checked += report.grants_checked;
-        total.cut_while_opening += report.cut_while_opening;
-        total.checkpoints += report.checkpoints;
-        total.violations.extend(report.violations);
+        total.absorb(report);
         println!(
-            "{} cuts ({} torn, {} while opening), {} checkpoints, {} calls acknowledged, {} key states and {} grants checked, {} violations, {:.1} s",
+            "{} cuts ({} torn, {} while opening, {} mid-checkpoint), {} checkpoints, {} calls acknowledged, {} key states and {} grants checked, {} violations, {:.1} s",
             total.cuts,
             total.torn,
             total.cut_while_opening,
+            total.cut_mid_checkpoint,
             total.checkpoints,
             total.acknowledged,
             total.keys_checked,
