@@ -37,6 +37,14 @@ pub use config::{Durability, EngineConfig, SHARDS_DEFAULT, SHARDS_MAX};
 pub use error::{Error, OpenError};
 pub use faults::Faults;
 pub use shard::ShardState;
+pub use store::StoreError;
+
+/// Applies the settings of a shard file's connection to `conn` (WAL, `synchronous`, the
+/// checkpoint interval, the page cache) from `config`: the benchmark's raw-SQLite ceiling
+/// runs with exactly the engine's settings this way.
+pub fn configure_sqlite(conn: &rusqlite::Connection, config: &EngineConfig) -> Result<(), StoreError> {
+    store::configure(conn, config.durability, config.wal_checkpoint_pages, config.page_cache_bytes_max)
+}
 
 use shard::{Control, FrameFloor, Parts, Request, Shard, Shared, Start};
 

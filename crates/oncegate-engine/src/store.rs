@@ -90,17 +90,31 @@ const SELECT_LEASED: &str = concat!(
 
 /// What can go wrong in the store.
 #[derive(Debug, thiserror::Error)]
-pub(crate) enum StoreError {
+#[non_exhaustive]
+pub enum StoreError {
+    /// SQLite refused or failed.
     #[error("sqlite: {0}")]
     Sqlite(#[from] rusqlite::Error),
+    /// The file is not what a shard file must be.
     #[error("integrity check failed: {0}")]
     Corrupt(String),
+    /// The file was written by a newer version.
     #[error("schema version {found} is unknown; this version reads {SCHEMA_VERSION}")]
-    Schema { found: i64 },
+    Schema {
+        /// The version found.
+        found: i64,
+    },
+    /// A fault the tests injected.
     #[error("injected fault: {0}")]
     Injected(&'static str),
+    /// A file operation failed.
     #[error("{path}: {source}")]
-    Io { path: std::path::PathBuf, source: std::io::Error },
+    Io {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What the operating system said.
+        source: std::io::Error,
+    },
 }
 
 impl StoreError {
@@ -153,6 +167,37 @@ fn from_sql(value: i64) -> u64 {
     value.max(0) as u64
 }
 
+/// The settings every shard file's connection runs with: WAL, the durability's
+/// `synchronous`, the checkpoint interval, temporary tables in memory and the page cache.
+/// The benchmark's raw-SQLite ceiling applies exactly these.
+pub fn configure(
+    conn: &Connection,
+    durability: Durability,
+    wal_checkpoint_pages: u64,
+    page_cache_bytes_max: u64,
+) -> Result<(), StoreError> {
+    let mode: String = conn.query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))?;
+    if !mode.eq_ignore_ascii_case("wal") {
+        return Err(StoreError::Corrupt(format!("journal_mode is {mode}, not wal")));
+    }
+    let synchronous = match durability {
+        Durability::Full => "FULL",
+        Durability::Normal => "NORMAL",
+    };
+    conn.pragma_update(None, "synchronous", synchronous)?;
+    // A larger checkpoint interval lets a hot page be rewritten many times in the WAL
+    // before it is copied once into the database file (measured: about 1.5x the
+    // throughput of SQLite's default of 1,000 pages, see docs/benchmarks.md).
+    let _: i64 =
+        conn.query_row(&format!("PRAGMA wal_autocheckpoint = {wal_checkpoint_pages}"), [], |row| row.get(0))?;
+    // Temporary tables and indices (large sorts) stay in memory rather than in files
+    // that SQLite would create with the default mode in the temporary directory.
+    conn.pragma_update(None, "temp_store", "MEMORY")?;
+    // Negative cache_size is in KiB.
+    conn.pragma_update(None, "cache_size", -((page_cache_bytes_max / 1024) as i64))?;
+    Ok(())
+}
+
 impl Store {
     /// Opens (creating if needed) a shard file, checks it when `check_integrity` (at
     /// process start: a `quick_check` reads the whole file), and reads its counters.
@@ -172,31 +217,8 @@ impl Store {
             Some(vfs) => Connection::open_with_flags_and_vfs(path, OpenFlags::default(), vfs)?,
             None => Connection::open(path)?,
         };
-        let mode: String = conn.query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))?;
-        if !mode.eq_ignore_ascii_case("wal") {
-            return Err(StoreError::Corrupt(format!("journal_mode is {mode}, not wal")));
-        }
-        let synchronous = match tuning.durability {
-            Durability::Full => "FULL",
-            Durability::Normal => "NORMAL",
-        };
-        conn.pragma_update(None, "synchronous", synchronous)?;
-        // A larger checkpoint interval lets a hot page be rewritten many times in the WAL
-        // before it is copied once into the database file (measured: about 1.5x the
-        // throughput of SQLite's default of 1,000 pages, see docs/benchmarks.md).
-        let _: i64 = conn.query_row(
-            &format!(
-                "PRAGMA wal_autocheckpoint = {}",
-                faults.wal_checkpoint_pages().unwrap_or(tuning.wal_checkpoint_pages)
-            ),
-            [],
-            |row| row.get(0),
-        )?;
-        // Temporary tables and indices (large sorts) stay in memory rather than in files
-        // that SQLite would create with the default mode in the temporary directory.
-        conn.pragma_update(None, "temp_store", "MEMORY")?;
-        // Negative cache_size is in KiB.
-        conn.pragma_update(None, "cache_size", -((tuning.page_cache_bytes_max / 1024) as i64))?;
+        let checkpoint_pages = faults.wal_checkpoint_pages().unwrap_or(tuning.wal_checkpoint_pages);
+        configure(&conn, tuning.durability, checkpoint_pages, tuning.page_cache_bytes_max)?;
         let pages = faults.page_count_max().unwrap_or(tuning.file_bytes_max / PAGE_BYTES);
         let _: i64 = conn.query_row(&format!("PRAGMA max_page_count = {pages}"), [], |row| row.get(0))?;
         if check_integrity {

@@ -1,27 +1,32 @@
 //! `oncegate-bench`: the same durable reserve+commit work against oncegate (over gRPC and
-//! embedded), Redis and PostgreSQL, in one run, with the ratios oncegate / peer.
+//! embedded), Redis and PostgreSQL, in one run, with the ratios oncegate / peer and what
+//! each server spent per pair (CPU, disk bytes).
 //!
 //! ```sh
 //! crates/oncegate-bench/scripts/peers.sh start     # Redis and PostgreSQL on loopback
 //! cargo run --release -p oncegate-bench --bin oncegate-bench -- \
-//!     --targets grpc,embedded,redis,postgres --in-flight 1,16,64,256 --seconds 10
+//!     --targets grpc,embedded,redis,postgres --in-flight 1,16,64,256 --seconds 10 \
+//!     --redis-pid "$(cat /tmp/oncegate-peers/redis.pid)" --postgres-pid "$(head -1 /tmp/oncegate-peers/pg/postmaster.pid)"
 //! crates/oncegate-bench/scripts/peers.sh stop
 //! ```
 
 use std::path::PathBuf;
+use std::process::Child;
 use std::time::Duration;
 
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
-use oncegate_bench::{ChildMode, Load, Report, Target, Work, markdown};
+use oncegate_bench::cost::Probe;
+use oncegate_bench::targets::{Embedded, Grpc, Kind, Postgres, Redis, Target};
+use oncegate_bench::{ChildMode, Load, Report, Work, markdown};
 
 #[derive(Parser)]
 struct Cli {
     #[command(subcommand)]
     mode: Option<ChildMode>,
-    /// Targets, in the order they run: grpc, embedded, redis, postgres.
+    /// Targets, in the order they run.
     #[arg(long, value_delimiter = ',', default_value = "grpc,embedded")]
-    targets: Vec<String>,
+    targets: Vec<Kind>,
     /// Requests in flight; each value is a separate run of every target.
     #[arg(long, value_delimiter = ',', default_value = "64")]
     in_flight: Vec<usize>,
@@ -49,9 +54,15 @@ struct Cli {
     /// Redis URL.
     #[arg(long, default_value = "redis://127.0.0.1:6390")]
     redis: String,
+    /// The Redis server's process, to report its CPU and disk per pair.
+    #[arg(long)]
+    redis_pid: Option<u32>,
     /// PostgreSQL connection string.
     #[arg(long, default_value = "host=127.0.0.1 port=5440 user=postgres dbname=postgres")]
     postgres: String,
+    /// The PostgreSQL postmaster's process (its backends are counted with it).
+    #[arg(long)]
+    postgres_pid: Option<u32>,
     /// Where data directories go (a real disk, for the figures to mean anything).
     #[arg(long)]
     dir: Option<PathBuf>,
@@ -71,136 +82,174 @@ struct Cli {
     plot: Option<PathBuf>,
 }
 
+/// The tool's state across runs: the server it started, if any.
+struct Bench {
+    cli: Cli,
+    runtime: tokio::runtime::Runtime,
+    scratch: tempfile::TempDir,
+    server: Option<(Child, String)>,
+    work: Work,
+}
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     if let Some(ChildMode::Serve { data_dir, shards }) = cli.mode {
         return oncegate_bench::serve_child(data_dir, shards);
     }
-    let base = cli.dir.clone().unwrap_or_else(std::env::temp_dir);
-    let scratch = tempfile::tempdir_in(base)?;
-    let mut server = None;
-    let work =
-        Work { response_bytes: cli.response_bytes, duplicate_share: cli.duplicates, ..Work::default() };
-    let server_dir = scratch.path().join("server");
+    let scratch = tempfile::tempdir_in(cli.dir.clone().unwrap_or_else(std::env::temp_dir))?;
     if cli.preload > 0 {
         // Before any runtime exists here: the preload runs one of its own.
-        let took = oncegate_bench::preload(&server_dir, cli.shards, cli.preload, 512)?;
+        let took =
+            oncegate_bench::preload::preload(&scratch.path().join("server"), cli.shards, cli.preload, 512)?;
         eprintln!("preloaded {} records in {:.0} s", cli.preload, took.as_secs_f64());
     }
+    let work =
+        Work { response_bytes: cli.response_bytes, duplicate_share: cli.duplicates, ..Work::default() };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    let mut reports: Vec<Report> = Vec::new();
-    for &in_flight in &cli.in_flight {
-        for name in &cli.targets {
-            let target = runtime.block_on(async {
-                anyhow::Ok(match name.as_str() {
-                    "grpc" => {
-                        let addr = match (&cli.addr, &server) {
-                            (Some(addr), _) => addr.clone(),
-                            (None, Some((_, addr))) => String::clone(addr),
-                            (None, None) => {
-                                let started = oncegate_bench::start_child(&server_dir, cli.shards)?;
-                                let addr = started.1.clone();
-                                server = Some(started);
-                                addr
-                            }
-                        };
-                        Target::grpc(&addr, cli.connections).await?
-                    }
-                    "embedded" => {
-                        let dir = scratch.path().join(format!("embedded-{in_flight}"));
-                        let config = oncegate_engine::EngineConfig {
-                            data_dir: dir,
-                            shards: cli.shards,
-                            ..Default::default()
-                        };
-                        Target::Embedded(oncegate_engine::Engine::open(config)?)
-                    }
-                    "redis" => Target::redis(&cli.redis).await?,
-                    "postgres" => Target::postgres(&cli.postgres, in_flight.min(64)).await?,
-                    other => anyhow::bail!("unknown target {other}; use grpc, embedded, redis or postgres"),
-                })
-            })?;
-            let bar = ProgressBar::new((cli.seconds.ceil()) as u64);
-            bar.set_style(
-                ProgressStyle::with_template("{prefix:>28} [{bar:30}] {msg}")?.progress_chars("=> "),
-            );
-            bar.set_prefix(format!("{name} x{in_flight}"));
-            let load = Load {
-                in_flight,
-                duration: Duration::from_secs_f64(cli.seconds),
-                warm_up: Duration::from_secs_f64(cli.warm_up_s),
-            };
-            let shown = bar.clone();
-            let report =
-                runtime.block_on(oncegate_bench::run(target.clone(), work.clone(), load, move |done| {
-                    shown.inc(1);
-                    shown.set_message(format!("{done} pairs"));
-                }));
-            bar.finish_and_clear();
-            if let Target::Embedded(engine) = &target {
-                engine.shutdown();
-            }
+    let mut bench = Bench { cli, runtime, scratch, server: None, work };
+    let mut reports = Vec::new();
+    for in_flight in bench.cli.in_flight.clone() {
+        for kind in bench.cli.targets.clone() {
+            let report = bench.measure(kind, in_flight)?;
             eprintln!(
-                "{name} x{in_flight}: {:.0} pairs/s, p99 {:.2} ms",
+                "{} x{in_flight}: {:.0} pairs/s, p99 {:.2} ms",
+                report.target,
                 report.pairs_per_s,
                 report.p99_us as f64 / 1000.0
             );
-            if let (Target::Grpc(_), Some((child, _))) = (&target, &server) {
-                println!(
-                    "server RSS after {name} x{in_flight}: {:.1} MiB",
-                    oncegate_bench::rss_bytes(child.id()) as f64 / 1048576.0
-                );
-            }
             reports.push(report);
         }
     }
-    if cli.raw_batch > 0 {
-        let dir = scratch.path().join("raw");
-        std::fs::create_dir_all(&dir)?;
-        let pairs = oncegate_bench::raw_sqlite_ceiling(
-            &dir,
-            cli.shards,
-            cli.raw_batch,
-            Duration::from_secs_f64(cli.seconds),
-            &work,
-        )?;
-        println!(
-            "raw SQLite ceiling, {} files, {} keys per transaction: {pairs:.0} pairs/s",
-            cli.shards, cli.raw_batch
-        );
-        for r in reports.iter().filter(|r| r.target == "oncegate-embedded") {
-            println!(
-                "oncegate-embedded at {} in flight (mean batch {:.1}) / raw SQLite ceiling: {:.2}",
-                r.in_flight,
-                r.batch_len_mean.unwrap_or(0.0),
-                r.pairs_per_s / pairs
-            );
-        }
-    }
-    if let Some((mut child, _)) = server {
+    bench.raw_ceiling(&reports)?;
+    if let Some((mut child, _)) = bench.server.take() {
         let _ = child.kill();
         let _ = child.wait();
     }
-    println!("{}", markdown(&reports));
-    // Ratios of each oncegate target to each peer, at each in-flight count.
+    print_results(&bench.cli, &reports)
+}
+
+impl Bench {
+    /// One run of one target at one in-flight count.
+    fn measure(&mut self, kind: Kind, in_flight: usize) -> anyhow::Result<Report> {
+        match kind {
+            Kind::Grpc => {
+                let (addr, pid) = self.server_addr()?;
+                let target = self.runtime.block_on(Grpc::connect(&addr, self.cli.connections))?;
+                let probe = pid.map(|pid| Probe { pid, with_children: false });
+                let report = self.run(target, in_flight, probe);
+                if let Some(pid) = pid {
+                    println!(
+                        "server RSS after grpc x{in_flight}: {:.1} MiB",
+                        oncegate_bench::rss_bytes(pid) as f64 / 1048576.0
+                    );
+                }
+                Ok(report)
+            }
+            Kind::Embedded => {
+                let data_dir = self.scratch.path().join(format!("embedded-{in_flight}"));
+                let config =
+                    oncegate_engine::EngineConfig { data_dir, shards: self.cli.shards, ..Default::default() };
+                let target = Embedded { engine: oncegate_engine::Engine::open(config)? };
+                let report = self.run(target.clone(), in_flight, Some(Probe::this_process()));
+                target.engine.shutdown();
+                Ok(report)
+            }
+            Kind::Redis => {
+                let target = self.runtime.block_on(Redis::connect(&self.cli.redis))?;
+                let probe = self.cli.redis_pid.map(|pid| Probe { pid, with_children: false });
+                Ok(self.run(target, in_flight, probe))
+            }
+            Kind::Postgres => {
+                let target =
+                    self.runtime.block_on(Postgres::connect(&self.cli.postgres, in_flight.min(64)))?;
+                let probe = self.cli.postgres_pid.map(|pid| Probe { pid, with_children: true });
+                Ok(self.run(target, in_flight, probe))
+            }
+        }
+    }
+
+    /// The address of the gRPC server (the given one, or a child started once), and its
+    /// process when the tool started it.
+    fn server_addr(&mut self) -> anyhow::Result<(String, Option<u32>)> {
+        if let Some(addr) = &self.cli.addr {
+            return Ok((addr.clone(), None));
+        }
+        if self.server.is_none() {
+            self.server =
+                Some(oncegate_bench::start_child(&self.scratch.path().join("server"), self.cli.shards)?);
+        }
+        let (child, addr) = self.server.as_ref().expect("started");
+        Ok((addr.clone(), Some(child.id())))
+    }
+
+    fn run<T: Target + Clone>(&self, target: T, in_flight: usize, probe: Option<Probe>) -> Report {
+        let bar = ProgressBar::new(self.cli.seconds.ceil() as u64);
+        if let Ok(style) = ProgressStyle::with_template("{prefix:>28} [{bar:30}] {msg}") {
+            bar.set_style(style.progress_chars("=> "));
+        }
+        bar.set_prefix(format!("{} x{in_flight}", target.name()));
+        let load = Load {
+            in_flight,
+            duration: Duration::from_secs_f64(self.cli.seconds),
+            warm_up: Duration::from_secs_f64(self.cli.warm_up_s),
+        };
+        let shown = bar.clone();
+        let report =
+            self.runtime.block_on(oncegate_bench::run(target, self.work.clone(), load, probe, move |done| {
+                shown.inc(1);
+                shown.set_message(format!("{done} pairs"));
+            }));
+        bar.finish_and_clear();
+        report
+    }
+
+    fn raw_ceiling(&self, reports: &[Report]) -> anyhow::Result<()> {
+        if self.cli.raw_batch == 0 {
+            return Ok(());
+        }
+        let dir = self.scratch.path().join("raw");
+        std::fs::create_dir_all(&dir)?;
+        let seconds = Duration::from_secs_f64(self.cli.seconds);
+        let pairs = oncegate_bench::raw_sqlite::raw_sqlite_ceiling(
+            &dir,
+            self.cli.shards,
+            self.cli.raw_batch,
+            seconds,
+            &self.work,
+        )?;
+        println!(
+            "raw SQLite ceiling, {} files, {} keys per transaction: {pairs:.0} pairs/s",
+            self.cli.shards, self.cli.raw_batch
+        );
+        for r in reports.iter().filter(|r| r.target == "oncegate-embedded") {
+            let batch = r.batch_len_mean.unwrap_or(0.0);
+            println!(
+                "oncegate-embedded at {} in flight (mean batch {batch:.1}) / raw SQLite ceiling: {:.2}",
+                r.in_flight,
+                r.pairs_per_s / pairs
+            );
+        }
+        Ok(())
+    }
+}
+
+/// The table, the ratios of each oncegate target to each peer, and the JSON and plot.
+fn print_results(cli: &Cli, reports: &[Report]) -> anyhow::Result<()> {
+    println!("{}", markdown(reports));
     for &in_flight in &cli.in_flight {
         let at: Vec<&Report> = reports.iter().filter(|r| r.in_flight == in_flight).collect();
         for ours in at.iter().filter(|r| r.target.starts_with("oncegate")) {
             for peer in at.iter().filter(|r| !r.target.starts_with("oncegate")) {
-                println!(
-                    "{} / {} at {in_flight} in flight: {:.2}x",
-                    ours.target,
-                    peer.target,
-                    ours.pairs_per_s / peer.pairs_per_s.max(1e-9)
-                );
+                let ratio = ours.pairs_per_s / peer.pairs_per_s.max(1e-9);
+                println!("{} / {} at {in_flight} in flight: {ratio:.2}x", ours.target, peer.target);
             }
         }
     }
-    if let Some(path) = cli.json {
-        std::fs::write(path, serde_json::to_string_pretty(&reports)?)?;
+    if let Some(path) = &cli.json {
+        std::fs::write(path, serde_json::to_string_pretty(reports)?)?;
     }
-    if let Some(path) = cli.plot {
-        oncegate_bench::plot::plot(&reports, &path)?;
+    if let Some(path) = &cli.plot {
+        oncegate_bench::plot::plot(reports, path)?;
         eprintln!("plot written to {}", path.display());
     }
     Ok(())

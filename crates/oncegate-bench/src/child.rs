@@ -1,0 +1,54 @@
+//! The server a load tool measures, run as a child process of the tool itself, so that
+//! its CPU and disk figures are its own.
+
+use anyhow::Context;
+
+/// The hidden mode in which a load tool runs the server it measures, as a child process
+/// of itself (see [`start_child`]).
+#[derive(clap::Subcommand)]
+pub enum ChildMode {
+    /// Internal: run the server on a data directory and print its address.
+    Serve {
+        /// The data directory.
+        #[arg(long)]
+        data_dir: std::path::PathBuf,
+        /// Shards, for a new directory.
+        #[arg(long)]
+        shards: u32,
+    },
+}
+
+/// Runs an oncegate server for a load tool's child process: opens `data_dir` with
+/// `shards`, listens on a free loopback port, prints `addr=...` on standard output, and
+/// serves until killed.
+pub fn serve_child(data_dir: std::path::PathBuf, shards: u32) -> anyhow::Result<()> {
+    let mut config = oncegate_server::Config::default();
+    config.engine.data_dir = data_dir;
+    config.engine.shards = shards;
+    config.server.listen = "127.0.0.1:0".parse()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(async {
+        let engine = oncegate_engine::Engine::open(config.engine.clone())?;
+        let listener = tokio::net::TcpListener::bind(config.server.listen).await?;
+        println!("addr={}", listener.local_addr()?);
+        let listeners = oncegate_server::Listeners { gate: listener, metrics: None };
+        oncegate_server::serve(engine, &config, listeners, std::future::pending()).await?;
+        anyhow::Ok(())
+    })
+}
+
+/// Starts this executable's `serve` mode as a child process; returns it and its address.
+pub fn start_child(data_dir: &std::path::Path, shards: u32) -> anyhow::Result<(std::process::Child, String)> {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(std::env::current_exe()?)
+        .args(["serve", "--data-dir"])
+        .arg(data_dir)
+        .args(["--shards", &shards.to_string()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().context("stdout")?).read_line(&mut line)?;
+    let addr = line.trim().strip_prefix("addr=").context("the server prints its address")?.to_owned();
+    Ok((child, format!("http://{addr}")))
+}

@@ -1,0 +1,150 @@
+//! What a run cost the server: CPU time (the whole process, and its shard threads apart)
+//! and bytes written to disk, read from Linux's `/proc` before and after the measured
+//! window. These are steadier than throughput on a noisy machine and show where the cost
+//! is.
+
+use std::path::Path;
+
+/// Clock ticks per second of `/proc/*/stat` times (`USER_HZ`), 100 on every Linux
+/// architecture this runs on.
+const TICKS_PER_S: f64 = 100.0;
+
+/// A process to measure: its threads, and optionally its children (PostgreSQL serves
+/// each connection from a child process).
+#[derive(Clone, Copy, Debug)]
+pub struct Probe {
+    /// The process.
+    pub pid: u32,
+    /// Whether its child processes count too.
+    pub with_children: bool,
+}
+
+/// One reading.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Sample {
+    /// CPU ticks of every thread.
+    pub cpu_ticks: u64,
+    /// CPU ticks of the engine's shard threads (`oncegate-shard-*`).
+    pub shard_cpu_ticks: u64,
+    /// Bytes the process caused to be written to storage (`write_bytes`).
+    pub write_bytes: u64,
+}
+
+/// What a window cost, per pair.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct Cost {
+    /// CPU time of the server process per pair, in microseconds.
+    pub cpu_us_per_pair: f64,
+    /// CPU time of the shard threads per command, in microseconds.
+    pub shard_cpu_us_per_command: f64,
+    /// Bytes written to disk per pair.
+    pub disk_bytes_per_pair: f64,
+}
+
+impl Probe {
+    /// This process (the embedded target).
+    pub fn this_process() -> Probe {
+        Probe { pid: std::process::id(), with_children: false }
+    }
+
+    /// Reads the process (and its children) now.
+    pub fn sample(&self) -> Sample {
+        let mut sample = read_process(self.pid);
+        if self.with_children {
+            for child in children(self.pid) {
+                let more = read_process(child);
+                sample.cpu_ticks += more.cpu_ticks;
+                sample.write_bytes += more.write_bytes;
+            }
+        }
+        sample
+    }
+}
+
+impl Sample {
+    /// The cost of the window from `self` to `after`, for `pairs` pairs made of
+    /// `commands` engine commands.
+    pub fn cost_to(&self, after: &Sample, pairs: u64, commands: u64) -> Cost {
+        let per = |n: u64, d: u64| if d == 0 { 0.0 } else { n as f64 / d as f64 };
+        let us = |ticks: u64| ticks as f64 / TICKS_PER_S * 1e6;
+        Cost {
+            cpu_us_per_pair: us(after.cpu_ticks - self.cpu_ticks) / pairs.max(1) as f64,
+            shard_cpu_us_per_command: us(after.shard_cpu_ticks - self.shard_cpu_ticks)
+                / commands.max(1) as f64,
+            disk_bytes_per_pair: per(after.write_bytes - self.write_bytes, pairs),
+        }
+    }
+}
+
+fn read_process(pid: u32) -> Sample {
+    let mut sample = Sample::default();
+    let tasks = Path::new("/proc").join(pid.to_string()).join("task");
+    for task in std::fs::read_dir(&tasks).into_iter().flatten().flatten() {
+        let Some((comm, ticks)) =
+            std::fs::read_to_string(task.path().join("stat")).ok().and_then(|s| cpu_ticks(&s))
+        else {
+            continue;
+        };
+        sample.cpu_ticks += ticks;
+        if comm.starts_with("oncegate-shard") {
+            sample.shard_cpu_ticks += ticks;
+        }
+    }
+    let io = std::fs::read_to_string(format!("/proc/{pid}/io")).unwrap_or_default();
+    sample.write_bytes = io
+        .lines()
+        .find_map(|l| l.strip_prefix("write_bytes:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    sample
+}
+
+/// The command name and `utime + stime` of a `stat` line. The name is in parentheses
+/// and may hold spaces, so the fields are counted after the last `)`.
+fn cpu_ticks(stat: &str) -> Option<(String, u64)> {
+    let (head, tail) = stat.rsplit_once(')')?;
+    let comm = head.split_once('(')?.1.to_owned();
+    let fields: Vec<&str> = tail.split_whitespace().collect();
+    // After the name: state is field 3 of the line, utime 14 and stime 15.
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    Some((comm, utime + stime))
+}
+
+/// The processes whose parent is `pid`.
+fn children(pid: u32) -> Vec<u32> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(child) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
+        let parent =
+            stat.rsplit_once(')').and_then(|(_, tail)| tail.split_whitespace().nth(1)?.parse::<u32>().ok());
+        if parent == Some(pid) {
+            found.push(child);
+        }
+    }
+    found
+}
+
+/// The resident set size of a process, in bytes.
+pub fn rss_bytes(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .map_or(0, |kib: u64| kib * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_lines_with_spaces_in_the_name_parse() {
+        let line = "42 (oncegate-shard 1) S 1 42 42 0 -1 4194368 10 0 0 0 150 25 0 0 20 0 1 0 100 0 0";
+        assert_eq!(cpu_ticks(line), Some(("oncegate-shard 1".to_owned(), 175)));
+    }
+}

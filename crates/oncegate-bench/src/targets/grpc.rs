@@ -1,0 +1,70 @@
+//! oncegate over gRPC, with a few HTTP/2 connections (one connection caps lower).
+
+use oncegate_proto::v1 as pb;
+use oncegate_proto::v1::gate_client::GateClient;
+use tonic::transport::Channel;
+
+use super::{Reserved, Target};
+use crate::Work;
+
+/// Connected gRPC clients.
+#[derive(Clone)]
+pub struct Grpc {
+    clients: Vec<GateClient<Channel>>,
+}
+
+impl Grpc {
+    /// Connects to `addr` with `connections` HTTP/2 connections.
+    pub async fn connect(addr: &str, connections: usize) -> anyhow::Result<Grpc> {
+        let mut clients = Vec::new();
+        for _ in 0..connections.max(1) {
+            let channel = Channel::from_shared(addr.to_owned())?.connect().await?;
+            clients.push(GateClient::new(channel));
+        }
+        Ok(Grpc { clients })
+    }
+
+    fn client(&self, worker: usize) -> GateClient<Channel> {
+        self.clients[worker % self.clients.len()].clone()
+    }
+}
+
+impl Target for Grpc {
+    fn name(&self) -> &'static str {
+        "oncegate-grpc"
+    }
+
+    async fn reserve(&self, worker: usize, key: &str, _token: u64, work: &Work) -> anyhow::Result<Reserved> {
+        let request = pb::ReserveRequest {
+            namespace: "bench".into(),
+            key: key.into(),
+            ttl_ms: work.ttl_ms,
+            lease_ms: work.lease_ms,
+            ..Default::default()
+        };
+        Ok(match self.client(worker).reserve(request).await?.into_inner().outcome {
+            Some(pb::reserve_response::Outcome::Granted(g)) => Reserved::Granted(g.token),
+            Some(pb::reserve_response::Outcome::Completed(_)) => Reserved::Replayed,
+            _ => Reserved::Busy,
+        })
+    }
+
+    async fn commit(
+        &self,
+        worker: usize,
+        key: &str,
+        token: u64,
+        response: &[u8],
+        _work: &Work,
+    ) -> anyhow::Result<()> {
+        let request = pb::CommitRequest {
+            namespace: "bench".into(),
+            key: key.into(),
+            token,
+            outcome: pb::Outcome::Succeeded as i32,
+            response: response.to_vec(),
+        };
+        self.client(worker).commit(request).await?;
+        Ok(())
+    }
+}

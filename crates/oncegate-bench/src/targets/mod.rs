@@ -1,0 +1,71 @@
+//! The stores under load, one module each behind [`Target`]: each does the same durable
+//! work (reserve a key with a lease and a ttl; commit a response; answer a duplicate with
+//! the stored response).
+
+mod embedded;
+mod grpc;
+mod postgres;
+mod redis;
+
+use std::future::Future;
+
+pub use embedded::Embedded;
+pub use grpc::Grpc;
+pub use postgres::Postgres;
+pub use redis::Redis;
+
+use crate::Work;
+
+/// What one reserve answered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reserved {
+    /// The caller may proceed with this token.
+    Granted(u64),
+    /// The key was completed: its response was replayed.
+    Replayed,
+    /// Another attempt holds the key.
+    Busy,
+}
+
+/// A store under load.
+pub trait Target: Send + Sync + 'static {
+    /// The name in reports.
+    fn name(&self) -> &'static str;
+
+    /// Reserves `key`; `token` is the caller's, for stores that do not make their own.
+    fn reserve(
+        &self,
+        worker: usize,
+        key: &str,
+        token: u64,
+        work: &Work,
+    ) -> impl Future<Output = anyhow::Result<Reserved>> + Send;
+
+    /// Commits `response` for the holder of `token`.
+    fn commit(
+        &self,
+        worker: usize,
+        key: &str,
+        token: u64,
+        response: &[u8],
+        work: &Work,
+    ) -> impl Future<Output = anyhow::Result<()>> + Send;
+
+    /// Transactions and the commands in them so far, where the target can tell.
+    fn batches(&self) -> Option<(u64, u64)> {
+        None
+    }
+}
+
+/// The targets, as the command line names them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Kind {
+    /// oncegate over gRPC.
+    Grpc,
+    /// oncegate in-process.
+    Embedded,
+    /// Redis with `appendfsync always`.
+    Redis,
+    /// PostgreSQL with synchronous commit.
+    Postgres,
+}
