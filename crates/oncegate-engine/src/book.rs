@@ -106,7 +106,7 @@ impl Book {
 
     /// Writes a decision's change, then keeps the alarm index, token counter and record
     /// counts in step. `prior` is the stored record the decision was made on.
-    pub fn apply(
+    pub fn record(
         &mut self,
         txn: &Txn<'_>,
         scope: &Scope,
@@ -208,7 +208,7 @@ impl Book {
                 outbox.push((waiter.reply, Err(refusal)));
                 continue;
             }
-            match self.apply(txn, scope, record.as_ref(), &decision) {
+            match self.record(txn, scope, record.as_ref(), &decision) {
                 Ok(()) => {}
                 Err(error) if txn.failed_alone(&error) => {
                     outbox.push((waiter.reply, Err(full.clone())));

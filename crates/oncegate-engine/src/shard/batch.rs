@@ -1,0 +1,271 @@
+//! The shard's transactions: a batch of requests, an alarm (due waiters and reclaim), and
+//! the last one at shutdown. Each ends the same way ([`Shard::conclude`]): answers go out
+//! only after the commit is durable, and a failure answers `unavailable` to all of them.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use oncegate_core::{Command, Reply, ReserveReply, Scope, decide};
+
+use super::{Request, Shard, ShardState};
+use crate::book::{Book, Outbox, file_full};
+use crate::store::{Meta, Store, StoreError, Txn};
+use crate::{EngineConfig, Error};
+
+impl Shard {
+    /// Serves a batch of requests in one transaction.
+    pub(super) fn serve_batch(&mut self, requests: Vec<Request>) {
+        let len = requests.len() as u64;
+        self.ensure_token_room();
+        let Some(store) = self.store.as_mut() else {
+            let error = self.unavailable("the shard failed and is reopening");
+            for request in requests {
+                let _ = request.reply.send(Err(error.clone()));
+            }
+            return;
+        };
+        self.faults.pass_gate();
+        self.faults.maybe_panic();
+        let batch_span = tracing::debug_span!("batch", shard = self.id, len);
+        for request in &requests {
+            batch_span.follows_from(&request.span);
+        }
+        let _entered = batch_span.enter();
+        let now = self.guard.read(self.clock.monotonic_ms());
+        let token_before = self.book.next_token;
+        let mut outbox: Outbox = Vec::with_capacity(requests.len());
+        let mut batch =
+            Batch { book: &mut self.book, config: &self.config, shard: self.id, now, outbox: &mut outbox };
+        let result = batch.write(store, requests);
+        metrics::histogram!("oncegate_shard_batch_len", "shard" => self.id.to_string()).record(len as f64);
+        self.shared.batches.fetch_add(1, Ordering::Relaxed);
+        self.shared.commands.fetch_add(len, Ordering::Relaxed);
+        self.conclude(result, outbox, token_before, |wrote, shared| {
+            shared.commits.fetch_add(u64::from(*wrote), Ordering::Relaxed);
+        });
+    }
+
+    /// Serves due waiters and reclaims up to `reclaim_batch_max` expired records, in one
+    /// transaction; a failed shard tries to reopen when its backoff is over.
+    pub(super) fn alarm(&mut self) {
+        self.ensure_token_room();
+        let Some(store) = self.store.as_mut() else {
+            if self.reopen_at.is_some_and(|at| at <= Instant::now()) {
+                self.open();
+            }
+            return;
+        };
+        let now = self.guard.read(self.clock.monotonic_ms());
+        let limit = self.config.reclaim_batch_max;
+        let full = file_full(self.id, &self.config);
+        let token_before = self.book.next_token;
+        let mut outbox: Outbox = Vec::new();
+        let book = &mut self.book;
+        let result = (|| -> Result<usize, StoreError> {
+            let txn = store.begin()?;
+            for scope in &book.due(now) {
+                book.serve_waiters(&txn, scope, now, false, &full, &mut outbox)?;
+            }
+            let removed = txn.reclaim(now, limit)?;
+            book.records_delta.remove(&removed);
+            txn.set_meta(Meta { next_token: book.next_token, high_water_ms: now })?;
+            txn.commit()?;
+            Ok((removed.pending + removed.completed) as usize)
+        })();
+        let reclaimed = self.conclude(result, outbox, token_before, |reclaimed, shared| {
+            shared.reclaimed.fetch_add(*reclaimed as u64, Ordering::Relaxed);
+            shared.alarms.fetch_add(1, Ordering::Relaxed);
+            shared.commits.fetch_add(1, Ordering::Relaxed);
+        });
+        let (Some(reclaimed), Some(store)) = (reclaimed, self.store.as_ref()) else { return };
+        // A full chunk means more may be due: look again at once. The loop runs due alarms
+        // before reading the mailbox, so a backlog is reclaimed ahead of queued data (one
+        // chunk per tick).
+        let next = if reclaimed == limit { Ok(Some(now)) } else { store.min_reclaim_at_ms() };
+        match next {
+            Ok(next) => self.book.next_reclaim_ms = next,
+            Err(error) => self.record_failure(&error),
+        }
+    }
+
+    /// Shutdown: serve what was accepted, answer waiters, close the file.
+    pub(super) fn finish(mut self) {
+        loop {
+            let requests = self.drain(None);
+            if requests.is_empty() {
+                break;
+            }
+            self.serve_batch(requests);
+        }
+        if let Some(store) = self.store.as_mut() {
+            let now = self.guard.read(self.clock.monotonic_ms());
+            let full = file_full(self.id, &self.config);
+            let token_before = self.book.next_token;
+            let mut outbox: Outbox = Vec::new();
+            let book = &mut self.book;
+            let result = (|| -> Result<(), StoreError> {
+                let txn = store.begin()?;
+                for scope in &book.waited_keys() {
+                    book.serve_waiters(&txn, scope, now, true, &full, &mut outbox)?;
+                }
+                txn.set_meta(Meta { next_token: book.next_token, high_water_ms: now })?;
+                txn.commit()
+            })();
+            self.conclude(result, outbox, token_before, |(), _| {});
+        }
+        self.store = None;
+        self.shared.waiters.store(0, Ordering::Relaxed);
+        self.shared.set_state(ShardState::Stopped);
+        tracing::info!(
+            shard = self.id,
+            batches = self.shared.batches.load(Ordering::Relaxed),
+            commands = self.shared.commands.load(Ordering::Relaxed),
+            reclaimed = self.shared.reclaimed.load(Ordering::Relaxed),
+            failures = self.shared.failures.load(Ordering::Relaxed),
+            "shard stopped; its file is closed"
+        );
+    }
+
+    /// The one end of every transaction. Committed: the book's counts become true,
+    /// `durable` counts what the transaction did, the counters are published (so a
+    /// caller that got its answer sees stats that include its request), and only then
+    /// does every answer go out. Failed: nothing of it is durable, so the token counter
+    /// goes back, its counts are forgotten, the shard fails, and every caller hears
+    /// `unavailable`, never an acknowledgement.
+    fn conclude<T>(
+        &mut self,
+        result: Result<T, StoreError>,
+        outbox: Outbox,
+        token_before: u64,
+        durable: impl FnOnce(&T, &super::Shared),
+    ) -> Option<T> {
+        self.shared.waiters.store(self.book.waiters_len as u64, Ordering::Relaxed);
+        match result {
+            Ok(value) => {
+                self.book.settle(&self.shared);
+                durable(&value, &self.shared);
+                self.shared.publish();
+                for (reply, answer) in outbox {
+                    let _ = reply.send(answer);
+                }
+                Some(value)
+            }
+            Err(error) => {
+                self.book.next_token = token_before;
+                self.book.discard_delta();
+                self.record_failure(&error);
+                let refusal = self.unavailable(&format!("storage failure: {error}"));
+                for (reply, _) in outbox {
+                    let _ = reply.send(Err(refusal.clone()));
+                }
+                None
+            }
+        }
+    }
+}
+
+/// One batch being written: the book it changes and where its answers go. Answers go to
+/// `outbox` (or, for parked reserves, to the waiter queues) and are sent by the shard
+/// only after `write` returns `Ok`, that is, after the commit is durable.
+struct Batch<'a> {
+    book: &'a mut Book,
+    config: &'a EngineConfig,
+    shard: u32,
+    now: u64,
+    outbox: &'a mut Outbox,
+}
+
+impl Batch<'_> {
+    /// Applies the requests inside one transaction: a write transaction committed with
+    /// the counters, or, when every request only reads, a read transaction that writes
+    /// and syncs nothing. Returns whether it wrote.
+    fn write(&mut self, store: &mut Store, requests: Vec<Request>) -> Result<bool, StoreError> {
+        let writes = requests.iter().any(|r| !r.command.is_read_only());
+        let txn = if writes { store.begin()? } else { store.begin_read()? };
+        let mut touched: Vec<Scope> = Vec::new();
+        let mut requests = requests.into_iter();
+        for request in requests.by_ref() {
+            if let Err(error) = self.step(&txn, request, &mut touched) {
+                // The unanswered rest goes into the outbox too: the failure path answers
+                // everyone there.
+                let placeholder = Error::Unavailable { shard: self.shard, reason: String::new() };
+                self.outbox.extend(requests.map(|r| (r.reply, Err(placeholder.clone()))));
+                return Err(error);
+            }
+        }
+        if !writes {
+            txn.finish_read();
+            return Ok(false);
+        }
+        touched.sort();
+        touched.dedup();
+        let full = file_full(self.shard, self.config);
+        for scope in &touched {
+            self.book.serve_waiters(&txn, scope, self.now, false, &full, self.outbox)?;
+        }
+        // `now` came from the guard, so it is the high-water mark to persist.
+        txn.set_meta(Meta { next_token: self.book.next_token, high_water_ms: self.now })?;
+        if txn.acks_early() {
+            // The deliberate bug the power-loss harness must catch: answers before COMMIT.
+            for (reply, answer) in self.outbox.drain(..) {
+                let _ = reply.send(answer);
+            }
+        }
+        let started = Instant::now();
+        txn.commit()?;
+        metrics::histogram!("oncegate_shard_commit_seconds", "shard" => self.shard.to_string())
+            .record(started.elapsed().as_secs_f64());
+        Ok(true)
+    }
+
+    /// Decides one request. A reserve or read whose caller has gone is skipped: never
+    /// granted, never parked. A write that does not fit is refused alone.
+    fn step(&mut self, txn: &Txn<'_>, request: Request, touched: &mut Vec<Scope>) -> Result<(), StoreError> {
+        let Request { scope, command, reply, .. } = request;
+        if reply.is_closed() && matches!(command, Command::Reserve(_) | Command::Get | Command::Inspect) {
+            return Ok(());
+        }
+        let book = &mut *self.book;
+        let step = txn.get(&scope).and_then(|record| {
+            let decision = decide(record.as_ref(), &command, self.now, book.next_token);
+            if let Some(refusal) = book.quota_refusal(&scope, record.as_ref(), &decision) {
+                return Ok(Err(refusal));
+            }
+            book.record(txn, &scope, record.as_ref(), &decision).map(|()| Ok(decision))
+        });
+        let decision = match step {
+            Ok(Ok(decision)) => decision,
+            Ok(Err(refusal)) => {
+                self.outbox.push((reply, Err(refusal)));
+                return Ok(());
+            }
+            Err(error) if txn.failed_alone(&error) => {
+                self.outbox.push((reply, Err(file_full(self.shard, self.config))));
+                return Ok(());
+            }
+            Err(error) => {
+                self.outbox
+                    .push((reply, Err(Error::Unavailable { shard: self.shard, reason: String::new() })));
+                return Err(error);
+            }
+        };
+        if book.has_waiters(&scope) && !matches!(decision.change, oncegate_core::Change::Keep) {
+            touched.push(scope.clone());
+        }
+        if let (
+            Command::Reserve(reserve),
+            Ok(Reply::Reserve(ReserveReply::InProgress { lease_until_ms, .. })),
+        ) = (&command, &decision.reply)
+            && reserve.wait_ms > 0
+        {
+            if let Err((reply, error)) =
+                book.park(self.config, &scope, reserve, self.now, *lease_until_ms, reply)
+            {
+                self.outbox.push((reply, Err(error)));
+            }
+            return Ok(());
+        }
+        self.outbox.push((reply, decision.reply.map_err(Error::from)));
+        Ok(())
+    }
+}

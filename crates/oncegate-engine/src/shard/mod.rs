@@ -1,0 +1,266 @@
+//! The shard actor: one OS thread that alone owns one SQLite file.
+//!
+//! The protocol, in the order the loop runs it:
+//!
+//! 1. **Control first.** Shutdown, alarm and reopen requests arrive on their own channel
+//!    and are handled before any data, so an operator can always reach a busy shard.
+//! 2. **Batch.** The actor drains up to `batch_len_max` requests from its bounded
+//!    mailbox, decides each with the core (later ones see earlier ones' effects because
+//!    each reads inside the same transaction), writes the token counter and the clock
+//!    high-water mark, commits, and only then replies to every request of the batch. A
+//!    batch of reads only takes no write transaction and no fsync.
+//! 3. **Alarm.** Between batches, the actor sleeps on the mailbox until its next deadline:
+//!    the earliest reclaimable record, a waited key's lease end, a waiter's deadline, or
+//!    a reopen attempt. An alarm serves waiters and reclaims at most `reclaim_batch_max`
+//!    records, in one transaction.
+//! 4. **Gone callers.** A caller that stops waiting (its future dropped) nudges the
+//!    shard, which drops its parked reserve at once; a request whose caller has gone is
+//!    never granted and never parked.
+//! 5. **Failure.** A write that does not fit in the file is refused alone
+//!    (`resource_exhausted`) and the batch goes on. Any other storage error rolls the
+//!    transaction back, answers `unavailable` to every request of the batch and every
+//!    parked waiter, closes the file and marks the shard failed. A failed shard answers
+//!    `unavailable` at once and retries a clean open with exponential backoff.
+//!
+//! Time: the shard's clock guard is anchored once per process (at the engine's start);
+//! an in-process reopen keeps that frame, so a wall-clock step never reaches a decision.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender, at, never, select};
+use oncegate_core::{ClockGuard, Command, Reply, Scope};
+use tokio::sync::oneshot;
+
+use crate::book::Book;
+use crate::files::Files;
+use crate::quota::Quotas;
+use crate::store::{Store, StoreError};
+use crate::{Clock, EngineConfig, Error, Faults, manifest};
+
+mod batch;
+mod open;
+mod state;
+
+pub use state::ShardState;
+pub(crate) use state::{FrameFloor, Shared, Start};
+
+/// A data request: one command on one key, and where to send the answer.
+pub(crate) struct Request {
+    pub scope: Scope,
+    pub command: Command,
+    pub reply: oneshot::Sender<Result<Reply, Error>>,
+    /// The caller's span (disabled unless a subscriber wants it), so the batch that
+    /// serves the request can link to it.
+    pub span: tracing::Span,
+}
+
+/// Requests that must not wait behind data.
+pub(crate) enum Control {
+    /// Finish what is queued, answer waiters, close the file, exit.
+    Shutdown,
+    /// Run the alarm now (tests move a manual clock, then call this instead of sleeping).
+    RunAlarms(crossbeam_channel::Sender<()>),
+    /// Close and reopen the file now (after an operator fixed a fault).
+    Reopen(crossbeam_channel::Sender<bool>),
+}
+
+/// What a shard is made of, handed over by the engine.
+pub(crate) struct Parts {
+    pub id: u32,
+    pub config: Arc<EngineConfig>,
+    pub clock: Arc<dyn Clock>,
+    pub start: Start,
+    pub floor: Arc<FrameFloor>,
+    pub faults: Faults,
+    pub shared: Arc<Shared>,
+    pub data: Receiver<Request>,
+    pub control: Receiver<Control>,
+    /// Nudges from callers that stopped waiting.
+    pub gone: Receiver<()>,
+    /// Each tenant's most records per shard.
+    pub quotas: Quotas,
+    /// The files seam (the operating system's, or a simulated disk).
+    pub files: Arc<dyn Files>,
+}
+
+/// Sent once per shard when its first open attempt is over.
+pub(crate) type Started = Sender<u32>;
+
+pub(crate) struct Shard {
+    id: u32,
+    config: Arc<EngineConfig>,
+    path: PathBuf,
+    epoch_path: PathBuf,
+    clock: Arc<dyn Clock>,
+    start: Start,
+    floor: Arc<FrameFloor>,
+    /// Whether a clean open has completed in this process (the first one anchors the
+    /// clock, runs the integrity check and the restart grace).
+    opened: bool,
+    faults: Faults,
+    shared: Arc<Shared>,
+    data: Receiver<Request>,
+    control: Receiver<Control>,
+    gone: Receiver<()>,
+    store: Option<Store>,
+    guard: ClockGuard,
+    /// The token epoch of the current open (see `token.rs`).
+    epoch: u64,
+    book: Book,
+    files: Arc<dyn Files>,
+    backoff_ms: u64,
+    reopen_at: Option<Instant>,
+}
+
+impl Shard {
+    pub fn new(parts: Parts) -> Shard {
+        let Parts { id, config, clock, start, floor, faults, shared, data, control, gone, quotas, files } =
+            parts;
+        Shard {
+            id,
+            path: manifest::shard_file(&config.data_dir, id),
+            epoch_path: manifest::epoch_file(&config.data_dir, id),
+            backoff_ms: config.reopen_backoff_ms_min,
+            config,
+            clock,
+            start,
+            floor,
+            opened: false,
+            faults,
+            shared,
+            data,
+            control,
+            gone,
+            store: None,
+            guard: ClockGuard::new(0),
+            epoch: 0,
+            book: Book::new(id, quotas),
+            files,
+            reopen_at: None,
+        }
+    }
+
+    fn unavailable(&self, reason: &str) -> Error {
+        Error::Unavailable { shard: self.id, reason: reason.to_owned() }
+    }
+
+    fn record_failure(&mut self, error: &StoreError) {
+        tracing::error!(shard = self.id, %error, "storage failure; answering unavailable until a clean reopen");
+        self.store = None;
+        self.shared.failures.fetch_add(1, Ordering::Relaxed);
+        self.shared.set_last_error(error.to_string());
+        // Fail closed: nobody parked on this shard may be granted by a later open.
+        let refusal = self.unavailable(&format!("storage failure: {error}"));
+        for reply in self.book.drain_waiters() {
+            let _ = reply.send(Err(refusal.clone()));
+        }
+        self.shared.waiters.store(0, Ordering::Relaxed);
+        self.reopen_at = Some(Instant::now() + Duration::from_millis(self.backoff_ms));
+        self.backoff_ms = (self.backoff_ms * 2).min(self.config.reopen_backoff_ms_max);
+        self.shared.set_state(ShardState::Failed);
+    }
+
+    /// The actor's loop; returns when shut down or when the engine is dropped. `started`
+    /// is taken (and sent on) once the first open attempt is over.
+    pub fn run(mut self, started: &mut Option<Started>) {
+        self.open();
+        if let Some(started) = started.take() {
+            let _ = started.send(self.id);
+        }
+        loop {
+            while let Ok(control) = self.control.try_recv() {
+                if self.handle_control(control) {
+                    return self.finish();
+                }
+            }
+            let alarm = self.next_alarm();
+            if alarm.is_some_and(|a| a <= Instant::now()) {
+                self.alarm();
+                continue;
+            }
+            let timer = alarm.map_or_else(never, at);
+            select! {
+                recv(self.control) -> control => match control {
+                    Ok(control) => if self.handle_control(control) { return self.finish() },
+                    Err(_) => return self.finish(),
+                },
+                recv(self.data) -> request => match request {
+                    Ok(request) => self.batch(request),
+                    Err(_) => return self.finish(),
+                },
+                recv(self.gone) -> _ => self.forget_gone(),
+                recv(timer) -> _ => self.alarm(),
+            }
+        }
+    }
+
+    /// Handles one control message; returns whether to stop.
+    fn handle_control(&mut self, control: Control) -> bool {
+        match control {
+            Control::Shutdown => true,
+            Control::RunAlarms(done) => {
+                self.alarm();
+                let _ = done.send(());
+                false
+            }
+            Control::Reopen(done) => {
+                // Parked reserves were decided against the file being closed: they hear
+                // `unavailable` and retry against the reopened one.
+                let refusal = self.unavailable("the shard was reopened by an operator");
+                for reply in self.book.drain_waiters() {
+                    let _ = reply.send(Err(refusal.clone()));
+                }
+                self.shared.waiters.store(0, Ordering::Relaxed);
+                self.store = None;
+                let ok = self.open();
+                let _ = done.send(ok);
+                false
+            }
+        }
+    }
+
+    /// Callers went away: their parked reserves stop waiting and stop counting.
+    fn forget_gone(&mut self) {
+        let dropped = self.book.forget_gone();
+        if dropped > 0 {
+            tracing::debug!(shard = self.id, dropped, "dropped waiters whose caller has gone");
+        }
+        self.shared.waiters.store(self.book.waiters_len as u64, Ordering::Relaxed);
+        self.shared.publish();
+    }
+
+    /// When the loop must wake up even if no request arrives.
+    fn next_alarm(&self) -> Option<Instant> {
+        if self.store.is_none() {
+            return self.reopen_at;
+        }
+        let deadline_ms = match (self.book.next_reclaim_ms, self.book.waiters_alarm_ms()) {
+            (Some(a), Some(b)) => a.min(b),
+            (a, b) => a.or(b)?,
+        };
+        let mut guard = self.guard;
+        let now_ms = guard.read(self.clock.monotonic_ms());
+        Some(Instant::now() + Duration::from_millis(deadline_ms.saturating_sub(now_ms)))
+    }
+
+    fn batch(&mut self, first: Request) {
+        let requests = self.drain(Some(first));
+        self.serve_batch(requests);
+    }
+
+    /// Takes what the mailbox holds now, after `first`, up to `batch_len_max` in all.
+    fn drain(&self, first: Option<Request>) -> Vec<Request> {
+        let mut requests = Vec::with_capacity(self.config.batch_len_max.min(64));
+        requests.extend(first);
+        while requests.len() < self.config.batch_len_max {
+            match self.data.try_recv() {
+                Ok(request) => requests.push(request),
+                Err(_) => break,
+            }
+        }
+        requests
+    }
+}

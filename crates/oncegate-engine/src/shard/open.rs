@@ -1,0 +1,151 @@
+//! Opening a shard file cleanly: the integrity check (at process start), the token
+//! epoch, the clock frame, the restart grace; and what a failed open leaves behind.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use oncegate_core::ClockGuard;
+
+use super::{Shard, ShardState};
+use crate::store::{Meta, Store, StoreError, Tuning, Txn};
+use crate::{manifest, token};
+
+impl Shard {
+    /// Opens the file cleanly: integrity check (at process start only), token epoch,
+    /// counters, restart grace. On failure the shard stays failed and schedules the next
+    /// attempt.
+    pub(super) fn open(&mut self) -> bool {
+        match self.try_open() {
+            Ok(store) => {
+                self.store = Some(store);
+                if !self.opened {
+                    self.opened = true;
+                    self.floor.high_water_ms.fetch_max(self.guard.high_water_ms(), Ordering::SeqCst);
+                    self.floor.unopened.fetch_sub(1, Ordering::SeqCst);
+                }
+                self.backoff_ms = self.config.reopen_backoff_ms_min;
+                self.reopen_at = None;
+                self.shared.set_state(ShardState::Serving);
+                tracing::info!(shard = self.id, path = %self.path.display(), epoch = self.epoch, "shard serving");
+                true
+            }
+            Err(error) => {
+                self.record_failure(&error);
+                false
+            }
+        }
+    }
+
+    pub(super) fn try_open(&mut self) -> Result<Store, StoreError> {
+        let tuning = Tuning {
+            durability: self.config.durability,
+            file_bytes_max: self.config.shard_file_bytes_max,
+            page_cache_bytes_max: self.config.page_cache_bytes_max,
+            wal_checkpoint_pages: self.config.wal_checkpoint_pages,
+            files: Arc::clone(&self.files),
+        };
+        // Only the first open of the process checks the file and re-anchors the clock;
+        // an in-process reopen keeps the frame, so a wall-clock step cannot age records.
+        let process_start = !self.opened;
+        let (mut store, meta, created) = Store::open(&self.path, &tuning, &self.faults, process_start)?;
+        let stored_epoch =
+            manifest::read_epoch(&*self.files, &self.epoch_path).map_err(|e| self.epoch_error(e))?;
+        let epoch = token::epoch_at_open(stored_epoch, meta.next_token, created);
+        if epoch > token::EPOCH_MAX {
+            return Err(StoreError::Corrupt(format!(
+                "token epoch {epoch} is past the last one ({}); tokens would no longer increase",
+                token::EPOCH_MAX
+            )));
+        }
+        // Durable before the first grant of this open, so no later open can reuse it.
+        self.write_epoch(epoch)?;
+        let now = if process_start { self.anchor(meta.high_water_ms) } else { self.keep_frame(meta) };
+        let txn = store.begin()?;
+        if process_start {
+            self.restart_grace(&txn, meta.high_water_ms, now)?;
+        }
+        let next_token = meta.next_token.max(token::first_of(epoch));
+        txn.set_meta(Meta { next_token, high_water_ms: now })?;
+        txn.commit()?;
+        self.epoch = epoch;
+        self.book.next_token = next_token;
+        self.book.next_reclaim_ms = store.min_reclaim_at_ms()?;
+        self.book.reset_records(store.count()?);
+        self.book.settle(&self.shared);
+        Ok(store)
+    }
+
+    /// The process's first open: anchors the frame at the engine's start, lifted to the
+    /// persisted mark, and says how far the wall clock moved while the shard was down.
+    pub(super) fn anchor(&mut self, high_water_ms: u64) -> u64 {
+        self.guard = ClockGuard::new(high_water_ms.max(self.guard.high_water_ms()));
+        self.guard.anchor(self.start.wall_ms, self.start.monotonic_ms);
+        if high_water_ms > 0 && self.start.wall_ms > high_water_ms {
+            tracing::info!(
+                shard = self.id,
+                forward_ms = self.start.wall_ms - high_water_ms,
+                "the wall clock is past the persisted high-water mark (downtime, or a step while stopped); records and leases aged by that much"
+            );
+        } else if self.start.wall_ms < high_water_ms {
+            tracing::warn!(
+                shard = self.id,
+                behind_ms = high_water_ms - self.start.wall_ms,
+                "the wall clock is behind the persisted high-water mark; time continues from the mark"
+            );
+        }
+        self.guard.read(self.clock.monotonic_ms())
+    }
+
+    /// An in-process reopen: the frame stays; only a higher persisted mark lifts it.
+    pub(super) fn keep_frame(&mut self, meta: Meta) -> u64 {
+        self.guard.raise(meta.high_water_ms);
+        self.guard.read(self.clock.monotonic_ms())
+    }
+
+    /// After a process restart every lease that was live at the stop runs at least
+    /// `lease_restart_grace_ms` more, so a holder that was working is not overtaken by
+    /// the downtime.
+    pub(super) fn restart_grace(
+        &self,
+        txn: &Txn<'_>,
+        high_water_ms: u64,
+        now: u64,
+    ) -> Result<(), StoreError> {
+        let mut extended = 0usize;
+        for (scope, mut record) in txn.pending_leased_after(high_water_ms)? {
+            if record.apply_restart_grace(high_water_ms, now, self.config.lease_restart_grace_ms) {
+                txn.put(&scope, &record)?;
+                extended += 1;
+            }
+        }
+        if extended > 0 {
+            tracing::info!(shard = self.id, leases = extended, "restart grace extended live leases");
+        }
+        Ok(())
+    }
+
+    pub(super) fn epoch_error(&self, source: std::io::Error) -> StoreError {
+        StoreError::Io { path: self.epoch_path.clone(), source }
+    }
+
+    pub(super) fn write_epoch(&self, epoch: u64) -> Result<(), StoreError> {
+        manifest::write_epoch(&*self.files, &self.epoch_path, epoch).map_err(|e| self.epoch_error(e))
+    }
+
+    /// Moves to a new token epoch when the current one could run out within one batch
+    /// and one round of waiters: the new epoch is durable before any token of it is used.
+    /// A failure to write it fails the shard like any I/O error.
+    pub(super) fn ensure_token_room(&mut self) {
+        let room = (self.config.batch_len_max + self.config.waiters_per_shard_max + 1) as u64;
+        if self.store.is_none() || !token::needs_new_epoch(self.book.next_token, room) {
+            return;
+        }
+        let epoch = self.epoch + 1;
+        if let Err(error) = self.write_epoch(epoch) {
+            return self.record_failure(&error);
+        }
+        self.epoch = epoch;
+        self.book.next_token = token::first_of(epoch);
+        tracing::info!(shard = self.id, epoch, "token counter moved to a new epoch");
+    }
+}

@@ -1,0 +1,120 @@
+//! What a shard shows the rest of the engine: its state, its counters (published with a
+//! condition variable, so tests wait on them instead of sleeping), and the clock frame
+//! all shards share.
+
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::{Condvar, Mutex};
+use std::time::Duration;
+
+/// A shard's lifecycle state, visible to health checks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum ShardState {
+    /// Opening its file for the first time.
+    Starting,
+    /// Serving requests.
+    Serving,
+    /// A storage error closed the file; answering `unavailable` and retrying an open.
+    Failed,
+    /// Shut down.
+    Stopped,
+    /// The shard's thread panicked (a bug): it answers `unavailable` until the process
+    /// restarts.
+    Panicked,
+}
+
+impl ShardState {
+    const ALL: [ShardState; 5] = [
+        ShardState::Starting,
+        ShardState::Serving,
+        ShardState::Failed,
+        ShardState::Stopped,
+        ShardState::Panicked,
+    ];
+
+    /// The inverse of `state as u8`: `ALL` lists the states in declaration order.
+    fn from_u8(v: u8) -> ShardState {
+        ShardState::ALL.get(usize::from(v)).copied().unwrap_or(ShardState::Stopped)
+    }
+
+    /// The lowercase name used in logs and status output.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ShardState::Starting => "starting",
+            ShardState::Serving => "serving",
+            ShardState::Failed => "failed",
+            ShardState::Stopped => "stopped",
+            ShardState::Panicked => "panicked",
+        }
+    }
+}
+
+/// Counters the actor publishes for `Engine::stats` without being asked.
+#[derive(Default)]
+pub(crate) struct Shared {
+    /// The state for cheap reads; `lock` and `changed` let others wait for a change of
+    /// the state or of any counter.
+    state: AtomicU8,
+    lock: Mutex<()>,
+    changed: Condvar,
+    pub batches: AtomicU64,
+    pub commands: AtomicU64,
+    pub commits: AtomicU64,
+    pub failures: AtomicU64,
+    pub reclaimed: AtomicU64,
+    pub alarms: AtomicU64,
+    /// Stored records by state, published after each commit.
+    pub records_pending: AtomicU64,
+    pub records_completed: AtomicU64,
+    pub waiters: AtomicU64,
+    pub last_error: Mutex<Option<String>>,
+}
+
+impl Shared {
+    pub fn state(&self) -> ShardState {
+        ShardState::from_u8(self.state.load(Ordering::Acquire))
+    }
+
+    pub fn set_state(&self, state: ShardState) {
+        let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        self.state.store(state as u8, Ordering::Release);
+        self.changed.notify_all();
+    }
+
+    /// Wakes whoever waits in [`Shared::wait_until`]: counters changed.
+    pub fn publish(&self) {
+        let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        self.changed.notify_all();
+    }
+
+    /// Blocks until `done` holds (checked at each state change or publication) or
+    /// `timeout` passes; returns whether it held.
+    pub fn wait_until(&self, timeout: Duration, done: impl Fn(&Shared) -> bool) -> bool {
+        let guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        let (_guard, result) = self
+            .changed
+            .wait_timeout_while(guard, timeout, |_| !done(self))
+            .unwrap_or_else(|p| p.into_inner());
+        !result.timed_out()
+    }
+
+    pub fn set_last_error(&self, error: String) {
+        *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(error);
+    }
+}
+
+/// What derived keys need from the shards: the greatest persisted high-water mark, and
+/// how many shards have not opened yet in this process (until all have, the mark is not
+/// known and derived keys are refused rather than bucketed by a clock that may be behind).
+#[derive(Debug, Default)]
+pub(crate) struct FrameFloor {
+    pub high_water_ms: AtomicU64,
+    pub unopened: std::sync::atomic::AtomicU32,
+}
+
+/// The engine's start: the one wall-clock reading every shard anchors its frame to.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Start {
+    pub wall_ms: u64,
+    pub monotonic_ms: u64,
+}
