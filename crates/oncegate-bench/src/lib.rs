@@ -11,6 +11,7 @@
 
 pub mod child;
 pub mod cost;
+pub mod layouts;
 pub mod plot;
 pub mod preload;
 pub mod raw_sqlite;

@@ -1,0 +1,255 @@
+//! Record layouts for the shard file, measured on SQLite alone with the engine's settings:
+//! the same reserve+commit pairs, in batches, on a store preloaded with completed
+//! records, counting the bytes written (WAL and the final checkpoint included) and the
+//! CPU time per pair. The engine's layout is one of them; the others are candidates for
+//! the write-path work, each tried before the engine is changed.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use rusqlite::{Connection, Transaction, params};
+
+/// A way to lay records out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Layout {
+    /// Today's engine: keyed by the three text columns (`WITHOUT ROWID`), an index on
+    /// the reclaim time, the history in the row.
+    Today,
+    /// One 64-bit hash of the scope as the integer key (the scope kept for collision
+    /// checks), no history in the row; records still land on random pages.
+    Compact,
+    /// Rows appended in arrival order (rowid), found through an index on the hash.
+    AppendIndexed,
+    /// Rows appended in arrival order, found through an index kept in memory by the
+    /// single writer (hash to rowid), rebuilt from the table at open.
+    AppendInMemory,
+}
+
+impl Layout {
+    fn schema(self) -> &'static str {
+        match self {
+            Layout::Today => {
+                "CREATE TABLE records (tenant TEXT NOT NULL, namespace TEXT NOT NULL, key TEXT NOT NULL,
+                   token INTEGER NOT NULL, attempt INTEGER NOT NULL, lease_until_ms INTEGER NOT NULL,
+                   expires_at_ms INTEGER NOT NULL, ttl_ms INTEGER NOT NULL, reclaim_at_ms INTEGER NOT NULL,
+                   fingerprint BLOB NOT NULL, outcome INTEGER, response BLOB, completed_at_ms INTEGER, history BLOB,
+                   PRIMARY KEY (tenant, namespace, key)) WITHOUT ROWID;
+                 CREATE INDEX records_by_reclaim_at ON records (reclaim_at_ms);"
+            }
+            Layout::Compact => {
+                "CREATE TABLE records (hash INTEGER PRIMARY KEY, scope BLOB NOT NULL, token INTEGER NOT NULL,
+                   lease_until_ms INTEGER NOT NULL, expires_at_ms INTEGER NOT NULL, reclaim_at_ms INTEGER NOT NULL,
+                   fingerprint BLOB NOT NULL, outcome INTEGER, response BLOB, completed_at_ms INTEGER);
+                 CREATE INDEX records_by_reclaim_at ON records (reclaim_at_ms);"
+            }
+            Layout::AppendIndexed => {
+                "CREATE TABLE records (id INTEGER PRIMARY KEY, hash INTEGER NOT NULL, scope BLOB NOT NULL,
+                   token INTEGER NOT NULL, lease_until_ms INTEGER NOT NULL, expires_at_ms INTEGER NOT NULL,
+                   fingerprint BLOB NOT NULL, outcome INTEGER, response BLOB, completed_at_ms INTEGER);
+                 CREATE INDEX records_by_hash ON records (hash);"
+            }
+            Layout::AppendInMemory => {
+                "CREATE TABLE records (id INTEGER PRIMARY KEY, hash INTEGER NOT NULL, scope BLOB NOT NULL,
+                   token INTEGER NOT NULL, lease_until_ms INTEGER NOT NULL, expires_at_ms INTEGER NOT NULL,
+                   fingerprint BLOB NOT NULL, outcome INTEGER, response BLOB, completed_at_ms INTEGER);"
+            }
+        }
+    }
+}
+
+/// What one layout cost.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Measured {
+    /// The layout.
+    pub layout: String,
+    /// Pairs per second on one thread.
+    pub pairs_per_s: f64,
+    /// CPU time of the writing thread per pair, in microseconds.
+    pub cpu_us_per_pair: f64,
+    /// Bytes written to storage per pair, WAL and a final checkpoint included.
+    pub disk_bytes_per_pair: f64,
+    /// The shard file's size after the run, in bytes.
+    pub file_bytes: u64,
+}
+
+/// A shard file under one layout, with its in-memory index where the layout has one.
+struct Store {
+    conn: Connection,
+    layout: Layout,
+    index: HashMap<u64, i64>,
+    next_id: i64,
+}
+
+const RESPONSE_BYTES: usize = 256;
+/// A two-event history (granted, committed), as the engine stores it.
+const HISTORY: [u8; 34] = [7; 34];
+
+/// Keys in no particular order, as clients' idempotency keys (UUIDs, order ids with a
+/// random part) are: sequential keys would flatter any layout sorted by key.
+fn key_of(i: u64) -> String {
+    format!("order-{:016x}-{i}", xxhash_rust::xxh3::xxh3_64(&i.to_le_bytes()))
+}
+
+fn hash_of(key: &str) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(key.as_bytes())
+}
+
+impl Store {
+    fn open(path: &std::path::Path, layout: Layout) -> anyhow::Result<Store> {
+        let conn = Connection::open(path)?;
+        oncegate_engine::configure_sqlite(&conn, &oncegate_engine::EngineConfig::default())?;
+        conn.execute_batch(layout.schema())?;
+        conn.execute_batch(
+            "CREATE TABLE meta (id INTEGER PRIMARY KEY, next_token INTEGER, high_water_ms INTEGER);
+             INSERT INTO meta VALUES (0, 1, 0);",
+        )?;
+        Ok(Store { conn, layout, index: HashMap::new(), next_id: 1 })
+    }
+
+    /// Inserts a pending record for each key, and the meta row, in one transaction.
+    fn reserve(&mut self, keys: &[String], now: i64) -> anyhow::Result<()> {
+        let tx = self.conn.transaction()?;
+        for key in keys {
+            let hash = hash_of(key) as i64;
+            match self.layout {
+                Layout::Today => {
+                    tx.prepare_cached(
+                        "INSERT INTO records (tenant, namespace, key, token, attempt, lease_until_ms, expires_at_ms,
+                           ttl_ms, reclaim_at_ms, fingerprint, history)
+                         VALUES ('default', 'bench', ?1, ?2, 1, ?3, ?4, 3600000, ?4, x'', ?5)",
+                    )?
+                    .execute(params![key, hash, now + 30_000, now + 3_600_000, &HISTORY[..17]])?;
+                }
+                Layout::Compact => {
+                    tx.prepare_cached(
+                        "INSERT INTO records (hash, scope, token, lease_until_ms, expires_at_ms, reclaim_at_ms, fingerprint)
+                         VALUES (?1, ?2, ?1, ?3, ?4, ?4, x'')",
+                    )?
+                    .execute(params![hash, key.as_bytes(), now + 30_000, now + 3_600_000])?;
+                }
+                Layout::AppendIndexed | Layout::AppendInMemory => {
+                    let id = self.next_id;
+                    self.next_id += 1;
+                    tx.prepare_cached(
+                        "INSERT INTO records (id, hash, scope, token, lease_until_ms, expires_at_ms, fingerprint)
+                         VALUES (?1, ?2, ?3, ?2, ?4, ?5, x'')",
+                    )?
+                    .execute(params![id, hash, key.as_bytes(), now + 30_000, now + 3_600_000])?;
+                    if self.layout == Layout::AppendInMemory {
+                        self.index.insert(hash as u64, id);
+                    }
+                }
+            }
+        }
+        meta(&tx, now)?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// Completes each key with its response, and the meta row, in one transaction.
+    fn commit(&mut self, keys: &[String], now: i64, response: &[u8]) -> anyhow::Result<()> {
+        let tx = self.conn.transaction()?;
+        for key in keys {
+            let hash = hash_of(key) as i64;
+            let sql = match self.layout {
+                Layout::Today => {
+                    tx.prepare_cached(
+                        "UPDATE records SET outcome = 1, response = ?2, completed_at_ms = ?3, history = ?4,
+                           expires_at_ms = ?3 + 3600000, reclaim_at_ms = ?3 + 3600000
+                         WHERE tenant = 'default' AND namespace = 'bench' AND key = ?1",
+                    )?
+                    .execute(params![key, response, now, &HISTORY[..]])?;
+                    continue;
+                }
+                Layout::Compact => {
+                    "UPDATE records SET outcome = 1, response = ?2, completed_at_ms = ?3,
+                       expires_at_ms = ?3 + 3600000, reclaim_at_ms = ?3 + 3600000 WHERE hash = ?1"
+                }
+                Layout::AppendIndexed => {
+                    "UPDATE records SET outcome = 1, response = ?2, completed_at_ms = ?3,
+                       expires_at_ms = ?3 + 3600000 WHERE hash = ?1"
+                }
+                Layout::AppendInMemory => {
+                    let id = self.index.get(&(hash as u64)).copied().unwrap_or(0);
+                    tx.prepare_cached(
+                        "UPDATE records SET outcome = 1, response = ?2, completed_at_ms = ?3,
+                           expires_at_ms = ?3 + 3600000 WHERE id = ?1",
+                    )?
+                    .execute(params![id, response, now])?;
+                    continue;
+                }
+            };
+            tx.prepare_cached(sql)?.execute(params![hash, response, now])?;
+        }
+        meta(&tx, now)?;
+        tx.commit()?;
+        Ok(())
+    }
+}
+
+fn meta(tx: &Transaction<'_>, now: i64) -> rusqlite::Result<usize> {
+    tx.prepare_cached("UPDATE meta SET next_token = next_token + 1, high_water_ms = ?1 WHERE id = 0")?
+        .execute(params![now])
+}
+
+/// CPU ticks of the calling thread.
+fn thread_ticks() -> u64 {
+    std::fs::read_to_string("/proc/thread-self/stat")
+        .ok()
+        .and_then(|stat| {
+            let tail = stat.rsplit_once(')')?.1.split_whitespace().collect::<Vec<_>>();
+            Some(tail.get(11)?.parse::<u64>().ok()? + tail.get(12)?.parse::<u64>().ok()?)
+        })
+        .unwrap_or(0)
+}
+
+fn written_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/io")
+        .ok()
+        .and_then(|io| {
+            io.lines().find_map(|l| l.strip_prefix("write_bytes:")).and_then(|v| v.trim().parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// Preloads `preload` completed records, then measures `pairs` pairs in batches of
+/// `batch` (a batch of reserves, then a batch of their commits), ending with a
+/// checkpoint of the whole WAL into the file, which is counted.
+pub fn measure(
+    dir: &std::path::Path,
+    layout: Layout,
+    preload: u64,
+    pairs: u64,
+    batch: usize,
+) -> anyhow::Result<Measured> {
+    let path = dir.join(format!("{layout:?}.sqlite"));
+    let mut store = Store::open(&path, layout)?;
+    let response = vec![b'r'; RESPONSE_BYTES];
+    let mut n = 0u64;
+    let run = |store: &mut Store, count: u64, n: &mut u64| -> anyhow::Result<()> {
+        let mut done = 0;
+        while done < count {
+            let keys: Vec<String> = (0..batch as u64).map(|i| key_of(*n + i)).collect();
+            *n += batch as u64;
+            let now = 1_700_000_000_000 + *n as i64;
+            store.reserve(&keys, now)?;
+            store.commit(&keys, now, &response)?;
+            done += batch as u64;
+        }
+        Ok(())
+    };
+    run(&mut store, preload, &mut n)?;
+    store.conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))?;
+    let (ticks, bytes, started) = (thread_ticks(), written_bytes(), Instant::now());
+    run(&mut store, pairs, &mut n)?;
+    store.conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))?;
+    let (elapsed, ticks, bytes) = (started.elapsed(), thread_ticks() - ticks, written_bytes() - bytes);
+    drop(store);
+    Ok(Measured {
+        layout: format!("{layout:?}"),
+        pairs_per_s: pairs as f64 / elapsed.as_secs_f64(),
+        cpu_us_per_pair: ticks as f64 * 10_000.0 / pairs as f64,
+        disk_bytes_per_pair: bytes as f64 / pairs as f64,
+        file_bytes: std::fs::metadata(&path)?.len(),
+    })
+}
