@@ -23,6 +23,9 @@ pub enum Layout {
     /// Rows appended in arrival order, found through an index kept in memory by the
     /// single writer (hash to rowid), rebuilt from the table at open.
     AppendInMemory,
+    /// `AppendInMemory` with the full record the engine keeps (the scope as text, ttl,
+    /// attempt, history) and the on-disk index on the reclaim time.
+    AppendInMemoryFull,
 }
 
 impl Layout {
@@ -52,6 +55,14 @@ impl Layout {
                 "CREATE TABLE records (id INTEGER PRIMARY KEY, hash INTEGER NOT NULL, scope BLOB NOT NULL,
                    token INTEGER NOT NULL, lease_until_ms INTEGER NOT NULL, expires_at_ms INTEGER NOT NULL,
                    fingerprint BLOB NOT NULL, outcome INTEGER, response BLOB, completed_at_ms INTEGER);"
+            }
+            Layout::AppendInMemoryFull => {
+                "CREATE TABLE records (id INTEGER PRIMARY KEY, hash INTEGER NOT NULL, tenant TEXT NOT NULL,
+                   namespace TEXT NOT NULL, key TEXT NOT NULL, token INTEGER NOT NULL, attempt INTEGER NOT NULL,
+                   lease_until_ms INTEGER NOT NULL, expires_at_ms INTEGER NOT NULL, ttl_ms INTEGER NOT NULL,
+                   reclaim_at_ms INTEGER NOT NULL, fingerprint BLOB NOT NULL, outcome INTEGER, response BLOB,
+                   completed_at_ms INTEGER, history BLOB);
+                 CREATE INDEX records_by_reclaim_at ON records (reclaim_at_ms);"
             }
         }
     }
@@ -139,6 +150,17 @@ impl Store {
                         self.index.insert(hash as u64, id);
                     }
                 }
+                Layout::AppendInMemoryFull => {
+                    let id = self.next_id;
+                    self.next_id += 1;
+                    tx.prepare_cached(
+                        "INSERT INTO records (id, hash, tenant, namespace, key, token, attempt, lease_until_ms,
+                           expires_at_ms, ttl_ms, reclaim_at_ms, fingerprint, history)
+                         VALUES (?1, ?2, 'default', 'bench', ?3, ?2, 1, ?4, ?5, 3600000, ?5, x'', ?6)",
+                    )?
+                    .execute(params![id, hash, key, now + 30_000, now + 3_600_000, &HISTORY[..17]])?;
+                    self.index.insert(hash as u64, id);
+                }
             }
         }
         meta(&tx, now)?;
@@ -168,6 +190,15 @@ impl Store {
                 Layout::AppendIndexed => {
                     "UPDATE records SET outcome = 1, response = ?2, completed_at_ms = ?3,
                        expires_at_ms = ?3 + 3600000 WHERE hash = ?1"
+                }
+                Layout::AppendInMemoryFull => {
+                    let id = self.index.get(&(hash as u64)).copied().unwrap_or(0);
+                    tx.prepare_cached(
+                        "UPDATE records SET outcome = 1, response = ?2, completed_at_ms = ?3, history = ?4,
+                           expires_at_ms = ?3 + 3600000, reclaim_at_ms = ?3 + 3600000 WHERE id = ?1",
+                    )?
+                    .execute(params![id, response, now, &HISTORY[..]])?;
+                    continue;
                 }
                 Layout::AppendInMemory => {
                     let id = self.index.get(&(hash as u64)).copied().unwrap_or(0);

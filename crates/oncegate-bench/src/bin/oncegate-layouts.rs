@@ -12,7 +12,11 @@ use oncegate_bench::layouts::{Layout, measure};
 #[derive(Parser)]
 struct Cli {
     /// Layouts, in the order they run.
-    #[arg(long, value_delimiter = ',', default_value = "today,compact,append-indexed,append-in-memory")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "today,compact,append-indexed,append-in-memory,append-in-memory-full"
+    )]
     layouts: Vec<Layout>,
     /// Completed records in the store before measuring.
     #[arg(long, default_value_t = 200_000)]
