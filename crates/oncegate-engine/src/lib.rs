@@ -15,6 +15,7 @@ mod config;
 mod error;
 mod faults;
 pub mod files;
+mod index;
 pub mod manifest;
 mod quota;
 mod shard;

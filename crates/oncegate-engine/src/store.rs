@@ -2,29 +2,36 @@
 //!
 //! Only the shard's own thread ever touches a `Store`. Every statement is prepared once
 //! per connection (`prepare_cached`) and every change happens inside the batch's one
-//! transaction.
+//! transaction. Records are appended in arrival order and found through the in-memory
+//! [`Index`] (`index.rs` says why).
 
+use std::cell::RefCell;
 use std::path::Path;
 use std::sync::Arc;
 
 use oncegate_core::{
-    Completion, Event, Fingerprint, Key, Namespace, Outcome, Record, Scope, Tenant, Transition,
+    Completion, Event, Fingerprint, Key, Namespace, Outcome, Record, Scope, Tenant, Transition, route,
 };
 use rusqlite::{Connection, OpenFlags, OptionalExtension, Transaction, TransactionBehavior, params};
 
 use crate::files::Files;
+use crate::index::{Index, Undo};
 use crate::quota::Tally;
 use crate::{Durability, Faults};
 
 /// The schema version this code reads and writes (`PRAGMA user_version`).
-const SCHEMA_VERSION: i64 = 3;
+const SCHEMA_VERSION: i64 = 4;
 
-/// `records` is keyed by the full scope and holds only pending and completed records.
-/// `reclaim_at_ms` is `Record::reclaim_at_ms()`, indexed so the alarm finds the next
-/// deadline and the expired rows without a scan. `meta` is one row: the fencing-token
-/// counter and the clock high-water mark, written in every batch's transaction.
-const SCHEMA: &str = "
+/// `records` holds only pending and completed records, one row per key, appended in
+/// arrival order (`id`); `hash` is the routing hash of the scope, which the in-memory
+/// index maps to `id`, and the scope itself is kept for collision checks, scans and
+/// operators. `reclaim_at_ms` is `Record::reclaim_at_ms()`, indexed so the alarm finds the
+/// next deadline and the expired rows without a scan (it grows with time, so its index is
+/// written at its right edge too).
+const SCHEMA_RECORDS: &str = "
 CREATE TABLE records (
+    id              INTEGER PRIMARY KEY,
+    hash            INTEGER NOT NULL,
     tenant          TEXT    NOT NULL,
     namespace       TEXT    NOT NULL,
     key             TEXT    NOT NULL,
@@ -38,10 +45,14 @@ CREATE TABLE records (
     outcome         INTEGER,
     response        BLOB,
     completed_at_ms INTEGER,
-    history         BLOB,
-    PRIMARY KEY (tenant, namespace, key)
-) WITHOUT ROWID;
+    history         BLOB
+);
 CREATE INDEX records_by_reclaim_at ON records (reclaim_at_ms);
+";
+
+/// `meta` is one row: the fencing-token counter and the clock high-water mark, written in
+/// every batch's transaction.
+const SCHEMA_META: &str = "
 CREATE TABLE meta (
     id            INTEGER PRIMARY KEY CHECK (id = 0),
     next_token    INTEGER NOT NULL,
@@ -70,18 +81,17 @@ macro_rules! columns {
 }
 
 const SELECT_RECORD: &str =
-    concat!("SELECT ", columns!(), " FROM records WHERE tenant = ?1 AND namespace = ?2 AND key = ?3");
-// An upsert updates a row in place where `INSERT OR REPLACE` would delete and reinsert it.
-const UPSERT_RECORD: &str = concat!(
-    "INSERT INTO records (tenant, namespace, key, reclaim_at_ms, ",
+    concat!("SELECT tenant, namespace, key, ", columns!(), " FROM records WHERE id = ?1");
+const SELECT_SCOPE: &str = "SELECT tenant, namespace, key FROM records WHERE id = ?1";
+const INSERT_RECORD: &str = concat!(
+    "INSERT INTO records (hash, tenant, namespace, key, reclaim_at_ms, ",
     columns!(),
-    ") VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)
-     ON CONFLICT (tenant, namespace, key) DO UPDATE SET
-        reclaim_at_ms = excluded.reclaim_at_ms, token = excluded.token, attempt = excluded.attempt,
-        lease_until_ms = excluded.lease_until_ms, expires_at_ms = excluded.expires_at_ms,
-        ttl_ms = excluded.ttl_ms, fingerprint = excluded.fingerprint, outcome = excluded.outcome,
-        response = excluded.response, completed_at_ms = excluded.completed_at_ms, history = excluded.history"
+    ") VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)"
 );
+const UPDATE_RECORD: &str =
+    "UPDATE records SET reclaim_at_ms = ?2, token = ?3, attempt = ?4, lease_until_ms = ?5,
+    expires_at_ms = ?6, ttl_ms = ?7, fingerprint = ?8, outcome = ?9, response = ?10, completed_at_ms = ?11,
+    history = ?12 WHERE id = ?1";
 const SELECT_LEASED: &str = concat!(
     "SELECT tenant, namespace, key, ",
     columns!(),
@@ -150,6 +160,7 @@ pub(crate) struct Tuning {
 pub(crate) struct Store {
     conn: Connection,
     faults: Faults,
+    index: Index,
 }
 
 /// SQLite integers are signed; every value stored here is a time in ms or a counter far
@@ -233,19 +244,19 @@ impl Store {
         match version {
             0 => {
                 let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-                tx.execute_batch(SCHEMA)?;
+                tx.execute_batch(SCHEMA_RECORDS)?;
+                tx.execute_batch(SCHEMA_META)?;
                 tx.execute_batch(STATEMENT_JOURNAL)?;
                 tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
                 tx.commit()?;
             }
-            // Version 1 had no history column (records written by it start with none);
-            // versions 1 and 2 had no statement-journal triggers.
-            1 | 2 => {
+            1..=3 => {
                 let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+                // Version 1 had no history column (records written by it start with none).
                 if version == 1 {
                     tx.execute_batch("ALTER TABLE records ADD COLUMN history BLOB")?;
                 }
-                tx.execute_batch(STATEMENT_JOURNAL)?;
+                migrate_to_appended_rows(&tx)?;
                 tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
                 tx.commit()?;
             }
@@ -255,20 +266,30 @@ impl Store {
         let meta = conn.query_row("SELECT next_token, high_water_ms FROM meta WHERE id = 0", [], |row| {
             Ok(Meta { next_token: from_sql(row.get(0)?), high_water_ms: from_sql(row.get(1)?) })
         })?;
-        Ok((Store { conn, faults: faults.clone() }, meta, version == 0))
+        let index = build_index(&conn)?;
+        Ok((Store { conn, faults: faults.clone(), index }, meta, version == 0))
     }
 
     /// Starts the batch's write transaction.
     pub fn begin(&mut self) -> Result<Txn<'_>, StoreError> {
-        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-        Ok(Txn { tx, faults: &self.faults })
+        self.start(TransactionBehavior::Immediate)
     }
 
     /// Starts a read transaction for a batch of reads: one consistent snapshot, no write
     /// lock, nothing to sync. End it with [`Txn::finish_read`].
     pub fn begin_read(&mut self) -> Result<Txn<'_>, StoreError> {
-        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Deferred)?;
-        Ok(Txn { tx, faults: &self.faults })
+        self.start(TransactionBehavior::Deferred)
+    }
+
+    fn start(&mut self, behavior: TransactionBehavior) -> Result<Txn<'_>, StoreError> {
+        let tx = self.conn.transaction_with_behavior(behavior)?;
+        Ok(Txn {
+            tx: Some(tx),
+            faults: &self.faults,
+            index: RefCell::new(&mut self.index),
+            undo: RefCell::default(),
+            located: RefCell::default(),
+        })
     }
 
     /// How many stored records are pending and how many completed (expired ones not yet
@@ -298,10 +319,90 @@ impl Store {
     }
 }
 
-/// The batch's transaction. Dropping it without `commit` rolls everything back.
+/// The batch's transaction. Dropping it without `commit` rolls everything back, the
+/// in-memory index's changes included.
 pub(crate) struct Txn<'s> {
-    tx: Transaction<'s>,
+    /// `None` once committed.
+    tx: Option<Transaction<'s>>,
     faults: &'s Faults,
+    index: RefCell<&'s mut Index>,
+    /// The index changes of this transaction, undone if it does not commit.
+    undo: RefCell<Vec<Undo>>,
+    /// The last scope found and its row, so that the write after a read does not look
+    /// the row up again.
+    located: RefCell<Option<(Scope, i64)>>,
+}
+
+impl Drop for Txn<'_> {
+    fn drop(&mut self) {
+        if self.tx.is_some() {
+            self.undo_index();
+        }
+    }
+}
+
+/// Copies every row of a version 1–3 table (keyed by the scope) into the appended layout,
+/// in reclaim order, computing each scope's hash; one transaction with the rest of the
+/// upgrade, so a crash leaves the old file or the new one.
+fn migrate_to_appended_rows(tx: &Transaction<'_>) -> Result<(), StoreError> {
+    tx.execute_batch(
+        "DROP TRIGGER IF EXISTS records_insert_undoable;
+         DROP TRIGGER IF EXISTS records_update_undoable;
+         DROP INDEX IF EXISTS records_by_reclaim_at;
+         ALTER TABLE records RENAME TO records_keyed;",
+    )?;
+    tx.execute_batch(SCHEMA_RECORDS)?;
+    {
+        let mut read = tx.prepare(concat!(
+            "SELECT tenant, namespace, key, reclaim_at_ms, ",
+            columns!(),
+            " FROM records_keyed ORDER BY reclaim_at_ms"
+        ))?;
+        let mut insert = tx.prepare(INSERT_RECORD)?;
+        let mut rows = read.query([])?;
+        while let Some(row) = rows.next()? {
+            let (tenant, namespace, key): (String, String, String) = (row.get(0)?, row.get(1)?, row.get(2)?);
+            let scope = stored_scope(tenant, namespace, key)?;
+            let mut values: Vec<rusqlite::types::Value> = vec![hash_to_sql(route::scope_hash(&scope)).into()];
+            for column in 0..14 {
+                values.push(row.get(column)?);
+            }
+            insert.execute(rusqlite::params_from_iter(values))?;
+        }
+    }
+    tx.execute_batch("DROP TABLE records_keyed;")?;
+    tx.execute_batch(STATEMENT_JOURNAL)?;
+    Ok(())
+}
+
+/// The index of a freshly opened file: one pass over the rows' ids and hashes.
+fn build_index(conn: &Connection) -> Result<Index, StoreError> {
+    let mut index = Index::default();
+    let mut stmt = conn.prepare("SELECT hash, id FROM records")?;
+    let mut rows = stmt.query([])?;
+    while let Some(row) = rows.next()? {
+        index.insert(hash_from_sql(row.get(0)?), row.get(1)?);
+    }
+    Ok(index)
+}
+
+/// A 64-bit hash as SQLite's signed integer, bit for bit (unlike `to_sql`, which clamps
+/// quantities: a clamped hash would name another key after the next open).
+fn hash_to_sql(hash: u64) -> i64 {
+    hash as i64
+}
+
+fn hash_from_sql(value: i64) -> u64 {
+    value as u64
+}
+
+/// A scope read back from the store; one that does not parse is corruption.
+fn stored_scope(tenant: String, namespace: String, key: String) -> Result<Scope, StoreError> {
+    Ok(Scope {
+        tenant: stored_tenant(tenant)?,
+        namespace: Namespace::new(&namespace).map_err(|e| StoreError::Corrupt(e.to_string()))?,
+        key: Key::from_stored(key),
+    })
 }
 
 fn read_record(row: &rusqlite::Row<'_>, offset: usize) -> rusqlite::Result<Record> {
@@ -364,27 +465,56 @@ impl Txn<'_> {
         Ok(())
     }
 
+    fn tx(&self) -> &Transaction<'_> {
+        self.tx.as_ref().expect("a transaction is open until it commits")
+    }
+
+    fn undo_index(&self) {
+        let mut index = self.index.borrow_mut();
+        for undo in self.undo.borrow_mut().drain(..).rev() {
+            index.undo(undo);
+        }
+    }
+
+    /// The row of a key, if it has one: the index names the candidates, the stored scope
+    /// decides between them.
+    fn locate(&self, scope: &Scope) -> Result<Option<i64>, StoreError> {
+        if let Some((last, id)) = &*self.located.borrow()
+            && last == scope
+        {
+            return Ok(Some(*id));
+        }
+        let ids = self.index.borrow().ids(route::scope_hash(scope));
+        let mut stmt = self.tx().prepare_cached(SELECT_SCOPE)?;
+        for id in ids {
+            let found = stmt
+                .query_row(params![id], |row| {
+                    Ok(row.get_ref(0)?.as_str()? == scope.tenant.as_str()
+                        && row.get_ref(1)?.as_str()? == scope.namespace.as_str()
+                        && row.get_ref(2)?.as_str()? == scope.key.as_str())
+                })
+                .optional()?;
+            if found == Some(true) {
+                *self.located.borrow_mut() = Some((scope.clone(), id));
+                return Ok(Some(id));
+            }
+        }
+        Ok(None)
+    }
+
     /// The stored record of a key, expired or not.
     pub fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError> {
         self.failpoint()?;
-        let mut stmt = self.tx.prepare_cached(SELECT_RECORD)?;
-        let record = stmt
-            .query_row(params![scope.tenant.as_str(), scope.namespace.as_str(), scope.key.as_str()], |row| {
-                read_record(row, 0)
-            })
-            .optional()?;
-        Ok(record)
+        let Some(id) = self.locate(scope)? else { return Ok(None) };
+        let mut stmt = self.tx().prepare_cached(SELECT_RECORD)?;
+        Ok(stmt.query_row(params![id], |row| read_record(row, 3)).optional()?)
     }
 
-    /// Inserts or replaces a key's record.
+    /// Inserts or replaces a key's record: in place when it has a row, appended when not.
     pub fn put(&self, scope: &Scope, record: &Record) -> Result<(), StoreError> {
         self.failpoint()?;
-        let mut stmt = self.tx.prepare_cached(UPSERT_RECORD)?;
         let completion = record.completion.as_ref();
-        stmt.execute(params![
-            scope.tenant.as_str(),
-            scope.namespace.as_str(),
-            scope.key.as_str(),
+        let values = params![
             to_sql(record.reclaim_at_ms()),
             to_sql(record.token),
             i64::from(record.attempt),
@@ -396,46 +526,70 @@ impl Txn<'_> {
             completion.map(|c| c.response.as_slice()),
             completion.map(|c| to_sql(c.completed_at_ms)),
             encode_history(&record.history),
-        ])?;
+        ];
+        if let Some(id) = self.locate(scope)? {
+            let mut stmt = self.tx().prepare_cached(UPDATE_RECORD)?;
+            let mut all: Vec<&dyn rusqlite::ToSql> = vec![&id];
+            all.extend_from_slice(values);
+            stmt.execute(all.as_slice())?;
+            return Ok(());
+        }
+        let hash = route::scope_hash(scope);
+        let mut stmt = self.tx().prepare_cached(INSERT_RECORD)?;
+        let (hash_sql, tenant, namespace, key) =
+            (hash_to_sql(hash), scope.tenant.as_str(), scope.namespace.as_str(), scope.key.as_str());
+        let mut all: Vec<&dyn rusqlite::ToSql> = vec![&hash_sql, &tenant, &namespace, &key];
+        all.extend_from_slice(values);
+        stmt.execute(all.as_slice())?;
+        let id = self.tx().last_insert_rowid();
+        self.index.borrow_mut().insert(hash, id);
+        self.undo.borrow_mut().push(Undo::Remove(hash, id));
+        *self.located.borrow_mut() = Some((scope.clone(), id));
         Ok(())
     }
 
     /// Deletes a key's record.
     pub fn delete(&self, scope: &Scope) -> Result<(), StoreError> {
         self.failpoint()?;
-        let mut stmt = self
-            .tx
-            .prepare_cached("DELETE FROM records WHERE tenant = ?1 AND namespace = ?2 AND key = ?3")?;
-        stmt.execute(params![scope.tenant.as_str(), scope.namespace.as_str(), scope.key.as_str()])?;
+        let Some(id) = self.locate(scope)? else { return Ok(()) };
+        self.tx().prepare_cached("DELETE FROM records WHERE id = ?1")?.execute(params![id])?;
+        self.forget(route::scope_hash(scope), id);
         Ok(())
+    }
+
+    /// Takes a deleted row out of the index (undone if the transaction does not commit).
+    fn forget(&self, hash: u64, id: i64) {
+        self.index.borrow_mut().remove(hash, id);
+        self.undo.borrow_mut().push(Undo::Insert(hash, id));
+        *self.located.borrow_mut() = None;
     }
 
     /// Deletes at most `limit` records that are reclaimable at `now_ms`, oldest first;
     /// returns what was deleted, counted by state and tenant.
     pub fn reclaim(&self, now_ms: u64, limit: usize) -> Result<Tally, StoreError> {
         self.failpoint()?;
-        let mut stmt = self.tx.prepare_cached(
-            "DELETE FROM records WHERE (tenant, namespace, key) IN (
-                SELECT tenant, namespace, key FROM records
-                WHERE reclaim_at_ms <= ?1 ORDER BY reclaim_at_ms LIMIT ?2)
-             RETURNING tenant, outcome IS NULL",
+        let mut stmt = self.tx().prepare_cached(
+            "DELETE FROM records WHERE id IN (
+                SELECT id FROM records WHERE reclaim_at_ms <= ?1 ORDER BY reclaim_at_ms LIMIT ?2)
+             RETURNING id, hash, tenant, outcome IS NULL",
         )?;
         let mut removed = Tally::default();
         let mut rows = stmt.query(params![to_sql(now_ms), limit as i64])?;
         while let Some(row) = rows.next()? {
-            if row.get::<_, bool>(1)? {
+            if row.get::<_, bool>(3)? {
                 removed.pending += 1;
             } else {
                 removed.completed += 1;
             }
-            removed.add_tenant(&stored_tenant(row.get(0)?)?, 1);
+            removed.add_tenant(&stored_tenant(row.get(2)?)?, 1);
+            self.forget(hash_from_sql(row.get(1)?), row.get(0)?);
         }
         Ok(removed)
     }
 
     /// Pending records whose lease runs past `after_ms`: those the restart grace applies to.
     pub fn pending_leased_after(&self, after_ms: u64) -> Result<Vec<(Scope, Record)>, StoreError> {
-        let mut stmt = self.tx.prepare_cached(SELECT_LEASED)?;
+        let mut stmt = self.tx().prepare_cached(SELECT_LEASED)?;
         let rows = stmt.query_map(params![to_sql(after_ms)], |row| {
             let scope = (row.get::<_, String>(0)?, row.get::<_, String>(1)?, row.get::<_, String>(2)?);
             Ok((scope, read_record(row, 3)?))
@@ -443,12 +597,7 @@ impl Txn<'_> {
         let mut out = Vec::new();
         for row in rows {
             let ((tenant, namespace, key), record) = row?;
-            let scope = Scope {
-                tenant: stored_tenant(tenant)?,
-                namespace: Namespace::new(&namespace).map_err(|e| StoreError::Corrupt(e.to_string()))?,
-                key: Key::from_stored(key),
-            };
-            out.push((scope, record));
+            out.push((stored_scope(tenant, namespace, key)?, record));
         }
         Ok(out)
     }
@@ -457,7 +606,7 @@ impl Txn<'_> {
     pub fn set_meta(&self, meta: Meta) -> Result<(), StoreError> {
         self.failpoint()?;
         let mut stmt =
-            self.tx.prepare_cached("UPDATE meta SET next_token = ?1, high_water_ms = ?2 WHERE id = 0")?;
+            self.tx().prepare_cached("UPDATE meta SET next_token = ?1, high_water_ms = ?2 WHERE id = 0")?;
         stmt.execute(params![to_sql(meta.next_token), to_sql(meta.high_water_ms)])?;
         Ok(())
     }
@@ -467,7 +616,7 @@ impl Txn<'_> {
     /// (SQLite cancels the whole transaction instead when the statement kept no statement
     /// journal; the schema's triggers make every write to `records` keep one).
     pub fn failed_alone(&self, error: &StoreError) -> bool {
-        error.is_full() && !self.tx.is_autocommit()
+        error.is_full() && !self.tx().is_autocommit()
     }
 
     /// Ends a read transaction: it wrote nothing, so rolling back costs nothing and
@@ -484,13 +633,19 @@ impl Txn<'_> {
 
     /// Makes the batch durable. Returns only once SQLite reports the commit done (with
     /// `synchronous=FULL`, after the WAL is synced).
-    pub fn commit(self) -> Result<(), StoreError> {
+    pub fn commit(mut self) -> Result<(), StoreError> {
         self.failpoint()?;
         if self.faults.commit_should_fail() {
-            // Dropping the transaction rolls it back, exactly as a failed COMMIT would.
+            // Dropping the transaction rolls it back (the index too), exactly as a failed
+            // COMMIT would.
             return Err(StoreError::Injected("commit"));
         }
-        self.tx.commit()?;
+        let tx = self.tx.take().expect("a transaction commits once");
+        if let Err(error) = tx.commit() {
+            self.undo_index();
+            return Err(error.into());
+        }
+        self.undo.borrow_mut().clear();
         Ok(())
     }
 }

@@ -1,0 +1,99 @@
+//! Where each key's row is: the routing hash of its scope to the row id, kept in memory by
+//! the shard's one thread (so it is coherent by construction) and rebuilt from the table
+//! at every open.
+//!
+//! Records are appended in arrival order (the row id), so a batch's writes land on the
+//! few pages at the table's right edge instead of one random page per record, which is
+//! what made the old layout write ~20 KB per pair (docs/benchmarks.md). The index is what
+//! makes that order possible without an on-disk index on the key, which would put the
+//! random page back.
+//!
+//! Two scopes may share a hash: the index then holds both ids, and the store compares the
+//! full scope kept in each row.
+
+use std::collections::HashMap;
+
+/// Hash to row id(s).
+#[derive(Debug, Default)]
+pub(crate) struct Index {
+    /// The common case: one row per hash.
+    one: HashMap<u64, i64>,
+    /// Hashes shared by more than one row (rare: 64-bit hashes).
+    more: HashMap<u64, Vec<i64>>,
+}
+
+/// A change to undo if the transaction that made it does not commit.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Undo {
+    /// The row was added: remove it.
+    Remove(u64, i64),
+    /// The row was removed: add it back.
+    Insert(u64, i64),
+}
+
+impl Index {
+    /// The row ids that may hold a scope with this hash.
+    pub fn ids(&self, hash: u64) -> Vec<i64> {
+        match self.one.get(&hash) {
+            Some(id) => vec![*id],
+            None => self.more.get(&hash).cloned().unwrap_or_default(),
+        }
+    }
+
+    pub fn insert(&mut self, hash: u64, id: i64) {
+        if let Some(ids) = self.more.get_mut(&hash) {
+            ids.push(id);
+        } else if let Some(first) = self.one.remove(&hash) {
+            self.more.insert(hash, vec![first, id]);
+        } else {
+            self.one.insert(hash, id);
+        }
+    }
+
+    pub fn remove(&mut self, hash: u64, id: i64) {
+        if self.one.get(&hash) == Some(&id) {
+            self.one.remove(&hash);
+        } else if let Some(ids) = self.more.get_mut(&hash) {
+            ids.retain(|i| *i != id);
+            if ids.len() == 1 {
+                let last = ids[0];
+                self.more.remove(&hash);
+                self.one.insert(hash, last);
+            }
+        }
+    }
+
+    pub fn undo(&mut self, undo: Undo) {
+        match undo {
+            Undo::Remove(hash, id) => self.remove(hash, id),
+            Undo::Insert(hash, id) => self.insert(hash, id),
+        }
+    }
+
+    /// Rows indexed.
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        self.one.len() + self.more.values().map(Vec::len).sum::<usize>()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_hashes_keep_every_row_and_undo_restores() {
+        let mut index = Index::default();
+        index.insert(7, 1);
+        index.insert(7, 2);
+        index.insert(9, 3);
+        assert_eq!((index.ids(7), index.ids(9), index.len()), (vec![1, 2], vec![3], 3));
+        index.remove(7, 1);
+        assert_eq!(index.ids(7), vec![2]);
+        index.undo(Undo::Insert(7, 1));
+        assert_eq!(index.ids(7), vec![2, 1]);
+        index.undo(Undo::Remove(9, 3));
+        assert!(index.ids(9).is_empty());
+        assert_eq!(index.len(), 2);
+    }
+}
