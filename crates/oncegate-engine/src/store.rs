@@ -47,8 +47,8 @@ CREATE TABLE records (
     completed_at_ms INTEGER,
     history         BLOB
 );
-CREATE INDEX records_by_reclaim_at ON records (reclaim_at_ms);
 ";
+const SCHEMA_RECLAIM_INDEX: &str = "CREATE INDEX records_by_reclaim_at ON records (reclaim_at_ms);";
 
 /// `meta` is one row: the fencing-token counter and the clock high-water mark, written in
 /// every batch's transaction.
@@ -161,6 +161,8 @@ pub(crate) struct Store {
     conn: Connection,
     faults: Faults,
     index: Index,
+    /// The record counts read at open, until the shard takes them.
+    tally: Option<Tally>,
 }
 
 /// SQLite integers are signed; every value stored here is a time in ms or a counter far
@@ -230,8 +232,6 @@ impl Store {
         };
         let checkpoint_pages = faults.wal_checkpoint_pages().unwrap_or(tuning.wal_checkpoint_pages);
         configure(&conn, tuning.durability, checkpoint_pages, tuning.page_cache_bytes_max)?;
-        let pages = faults.page_count_max().unwrap_or(tuning.file_bytes_max / PAGE_BYTES);
-        let _: i64 = conn.query_row(&format!("PRAGMA max_page_count = {pages}"), [], |row| row.get(0))?;
         if check_integrity {
             let check: String = conn.query_row("PRAGMA quick_check", [], |row| row.get(0))?;
             let check =
@@ -245,6 +245,7 @@ impl Store {
             0 => {
                 let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
                 tx.execute_batch(SCHEMA_RECORDS)?;
+                tx.execute_batch(SCHEMA_RECLAIM_INDEX)?;
                 tx.execute_batch(SCHEMA_META)?;
                 tx.execute_batch(STATEMENT_JOURNAL)?;
                 tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
@@ -266,8 +267,12 @@ impl Store {
         let meta = conn.query_row("SELECT next_token, high_water_ms FROM meta WHERE id = 0", [], |row| {
             Ok(Meta { next_token: from_sql(row.get(0)?), high_water_ms: from_sql(row.get(1)?) })
         })?;
-        let index = build_index(&conn)?;
-        Ok((Store { conn, faults: faults.clone(), index }, meta, version == 0))
+        // The file's size limit applies from here: an upgrade needs room for the old and
+        // the new table at once, and a file at its limit must still open.
+        let pages = faults.page_count_max().unwrap_or(tuning.file_bytes_max / PAGE_BYTES);
+        let _: i64 = conn.query_row(&format!("PRAGMA max_page_count = {pages}"), [], |row| row.get(0))?;
+        let (index, tally) = scan(&conn)?;
+        Ok((Store { conn, faults: faults.clone(), index, tally: Some(tally) }, meta, version == 0))
     }
 
     /// Starts the batch's write transaction.
@@ -292,23 +297,10 @@ impl Store {
         })
     }
 
-    /// How many stored records are pending and how many completed (expired ones not yet
-    /// reclaimed included): read once at open, then kept up to date by the shard.
-    pub fn count(&self) -> Result<Tally, StoreError> {
-        let mut stmt = self.conn.prepare_cached(
-            "SELECT tenant, COUNT(*) FILTER (WHERE outcome IS NULL), COUNT(*) FILTER (WHERE outcome IS NOT NULL)
-             FROM records GROUP BY tenant",
-        )?;
-        let mut tally = Tally::default();
-        let mut rows = stmt.query([])?;
-        while let Some(row) = rows.next()? {
-            let tenant = stored_tenant(row.get(0)?)?;
-            let (pending, completed): (i64, i64) = (row.get(1)?, row.get(2)?);
-            tally.pending += pending;
-            tally.completed += completed;
-            tally.add_tenant(&tenant, pending + completed);
-        }
-        Ok(tally)
+    /// How many stored records are pending and how many completed, by tenant (expired
+    /// ones not yet reclaimed included), as read at open; the shard keeps them up to date.
+    pub fn take_count(&mut self) -> Tally {
+        self.tally.take().unwrap_or_default()
     }
 
     /// The earliest instant at which some record becomes reclaimable.
@@ -345,10 +337,11 @@ impl Drop for Txn<'_> {
 /// in reclaim order, computing each scope's hash; one transaction with the rest of the
 /// upgrade, so a crash leaves the old file or the new one.
 fn migrate_to_appended_rows(tx: &Transaction<'_>) -> Result<(), StoreError> {
+    // The old table keeps its reclaim index (renamed with it) until the copy is done, so
+    // the copy reads in reclaim order without sorting the whole table.
     tx.execute_batch(
         "DROP TRIGGER IF EXISTS records_insert_undoable;
          DROP TRIGGER IF EXISTS records_update_undoable;
-         DROP INDEX IF EXISTS records_by_reclaim_at;
          ALTER TABLE records RENAME TO records_keyed;",
     )?;
     tx.execute_batch(SCHEMA_RECORDS)?;
@@ -371,19 +364,49 @@ fn migrate_to_appended_rows(tx: &Transaction<'_>) -> Result<(), StoreError> {
         }
     }
     tx.execute_batch("DROP TABLE records_keyed;")?;
+    tx.execute_batch(SCHEMA_RECLAIM_INDEX)?;
     tx.execute_batch(STATEMENT_JOURNAL)?;
     Ok(())
 }
 
-/// The index of a freshly opened file: one pass over the rows' ids and hashes.
-fn build_index(conn: &Connection) -> Result<Index, StoreError> {
+/// The index and the record counts of a freshly opened file, in one pass over its rows.
+/// Two rows of one scope (which the old primary key made impossible, and only the index
+/// prevents now) are refused as corruption rather than served from either.
+fn scan(conn: &Connection) -> Result<(Index, Tally), StoreError> {
     let mut index = Index::default();
-    let mut stmt = conn.prepare("SELECT hash, id FROM records")?;
+    let mut tally = Tally::default();
+    let mut shared_hashes = Vec::new();
+    let mut stmt = conn.prepare("SELECT hash, id, tenant, outcome IS NULL FROM records")?;
     let mut rows = stmt.query([])?;
     while let Some(row) = rows.next()? {
-        index.insert(hash_from_sql(row.get(0)?), row.get(1)?);
+        let hash = hash_from_sql(row.get(0)?);
+        if !index.ids(hash).is_empty() {
+            shared_hashes.push(hash);
+        }
+        index.insert(hash, row.get(1)?);
+        if row.get::<_, bool>(3)? {
+            tally.pending += 1;
+        } else {
+            tally.completed += 1;
+        }
+        tally.add_tenant(&stored_tenant(row.get(2)?)?, 1);
     }
-    Ok(index)
+    drop(rows);
+    let mut select = conn.prepare("SELECT tenant, namespace, key FROM records WHERE id = ?1")?;
+    for hash in shared_hashes {
+        let mut scopes = std::collections::HashSet::new();
+        for id in index.ids(hash) {
+            let scope: (String, String, String) =
+                select.query_row(params![id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
+            if !scopes.insert(scope.clone()) {
+                return Err(StoreError::Corrupt(format!(
+                    "two rows for one key ({}/{}/{})",
+                    scope.0, scope.1, scope.2
+                )));
+            }
+        }
+    }
+    Ok((index, tally))
 }
 
 /// A 64-bit hash as SQLite's signed integer, bit for bit (unlike `to_sql`, which clamps

@@ -70,7 +70,7 @@ impl Shard {
         self.epoch = epoch;
         self.book.next_token = next_token;
         self.book.next_reclaim_ms = store.min_reclaim_at_ms()?;
-        self.book.reset_records(store.count()?);
+        self.book.reset_records(store.take_count());
         self.book.settle(&self.shared);
         Ok(store)
     }
