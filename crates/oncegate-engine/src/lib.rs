@@ -174,6 +174,51 @@ struct Inner {
     _lock: files::LockGuard,
 }
 
+/// What every shard of an engine shares.
+struct Common {
+    config: Arc<EngineConfig>,
+    clock: Arc<dyn Clock>,
+    start: Start,
+    floor: Arc<FrameFloor>,
+    faults: Faults,
+    quotas: quota::Quotas,
+    files: Arc<dyn files::Files>,
+}
+
+/// Makes one shard's channels and starts its thread.
+fn start_shard(id: u32, common: Common, started: shard::Started) -> Result<ShardHandle, OpenError> {
+    let (data_tx, data) = crossbeam_channel::bounded(common.config.mailbox_depth_max);
+    // Control messages are rare (shutdown, alarms on demand, reopen); a few slots are
+    // plenty and keep the channel bounded.
+    let (control_tx, control) = crossbeam_channel::bounded(16);
+    let (gone_tx, gone) = crossbeam_channel::bounded(1);
+    let shared = Arc::new(Shared::default());
+    let data_dir = common.config.data_dir.clone();
+    let parts = Parts {
+        id,
+        config: common.config,
+        clock: common.clock,
+        start: common.start,
+        floor: common.floor,
+        faults: common.faults,
+        shared: Arc::clone(&shared),
+        data,
+        control,
+        gone,
+        quotas: common.quotas,
+        files: common.files,
+    };
+    let thread = spawn_shard(Shard::new(parts), id, Arc::clone(&shared), started)
+        .map_err(|source| OpenError::Io { path: data_dir, source })?;
+    Ok(ShardHandle {
+        data: data_tx,
+        control: control_tx,
+        gone: gone_tx,
+        shared,
+        thread: Mutex::new(Some(thread)),
+    })
+}
+
 /// The embedded engine: routes each call to its key's shard and waits for the answer.
 ///
 /// Cloning is cheap and shares the same shards. The shards stop when `shutdown` is called
@@ -294,35 +339,16 @@ impl Engine {
         let (started_tx, started_rx) = crossbeam_channel::bounded(config.shards as usize);
         let mut shards = Vec::with_capacity(config.shards as usize);
         for id in 0..config.shards {
-            let (data_tx, data) = crossbeam_channel::bounded(config.mailbox_depth_max);
-            // Control messages are rare (shutdown, alarms on demand, reopen); a few slots
-            // are plenty and keep the channel bounded.
-            let (control_tx, control) = crossbeam_channel::bounded(16);
-            let (gone_tx, gone) = crossbeam_channel::bounded(1);
-            let shared = Arc::new(Shared::default());
-            let parts = Parts {
-                id,
+            let common = Common {
                 config: Arc::clone(&config),
                 clock: Arc::clone(&clock),
                 start,
                 floor: Arc::clone(&floor),
                 faults: faults.clone(),
-                shared: Arc::clone(&shared),
-                data,
-                control,
-                gone,
                 quotas: quotas.clone(),
                 files: Arc::clone(&files),
             };
-            let thread = spawn_shard(Shard::new(parts), id, Arc::clone(&shared), started_tx.clone())
-                .map_err(|source| OpenError::Io { path: config.data_dir.clone(), source })?;
-            shards.push(ShardHandle {
-                data: data_tx,
-                control: control_tx,
-                gone: gone_tx,
-                shared,
-                thread: Mutex::new(Some(thread)),
-            });
+            shards.push(start_shard(id, common, started_tx.clone())?);
         }
         drop(started_tx);
         // Every shard has made its first open attempt before `open` returns, so states
