@@ -26,6 +26,9 @@ pub enum Layout {
     /// `AppendInMemory` with the full record the engine keeps (the scope as text, ttl,
     /// attempt, history) and the on-disk index on the reclaim time.
     AppendInMemoryFull,
+    /// `AppendInMemoryFull` with the response and the history in a table of their own,
+    /// keyed by the record's id and written at commit, so the hot row keeps its size.
+    AppendSplit,
 }
 
 impl Layout {
@@ -62,6 +65,14 @@ impl Layout {
                    lease_until_ms INTEGER NOT NULL, expires_at_ms INTEGER NOT NULL, ttl_ms INTEGER NOT NULL,
                    reclaim_at_ms INTEGER NOT NULL, fingerprint BLOB NOT NULL, outcome INTEGER, response BLOB,
                    completed_at_ms INTEGER, history BLOB);
+                 CREATE INDEX records_by_reclaim_at ON records (reclaim_at_ms);"
+            }
+            Layout::AppendSplit => {
+                "CREATE TABLE records (id INTEGER PRIMARY KEY, hash INTEGER NOT NULL, tenant TEXT NOT NULL,
+                   namespace TEXT NOT NULL, key TEXT NOT NULL, token INTEGER NOT NULL, attempt INTEGER NOT NULL,
+                   lease_until_ms INTEGER NOT NULL, expires_at_ms INTEGER NOT NULL, ttl_ms INTEGER NOT NULL,
+                   reclaim_at_ms INTEGER NOT NULL, fingerprint BLOB NOT NULL, outcome INTEGER, completed_at_ms INTEGER);
+                 CREATE TABLE completions (id INTEGER PRIMARY KEY, response BLOB, history BLOB);
                  CREATE INDEX records_by_reclaim_at ON records (reclaim_at_ms);"
             }
         }
@@ -150,6 +161,17 @@ impl Store {
                         self.index.insert(hash as u64, id);
                     }
                 }
+                Layout::AppendSplit => {
+                    let id = self.next_id;
+                    self.next_id += 1;
+                    tx.prepare_cached(
+                        "INSERT INTO records (id, hash, tenant, namespace, key, token, attempt, lease_until_ms,
+                           expires_at_ms, ttl_ms, reclaim_at_ms, fingerprint)
+                         VALUES (?1, ?2, 'default', 'bench', ?3, ?2, 1, ?4, ?5, 3600000, ?5, x'')",
+                    )?
+                    .execute(params![id, hash, key, now + 30_000, now + 3_600_000])?;
+                    self.index.insert(hash as u64, id);
+                }
                 Layout::AppendInMemoryFull => {
                     let id = self.next_id;
                     self.next_id += 1;
@@ -190,6 +212,17 @@ impl Store {
                 Layout::AppendIndexed => {
                     "UPDATE records SET outcome = 1, response = ?2, completed_at_ms = ?3,
                        expires_at_ms = ?3 + 3600000 WHERE hash = ?1"
+                }
+                Layout::AppendSplit => {
+                    let id = self.index.get(&(hash as u64)).copied().unwrap_or(0);
+                    tx.prepare_cached(
+                        "UPDATE records SET outcome = 1, completed_at_ms = ?2,
+                           expires_at_ms = ?2 + 3600000, reclaim_at_ms = ?2 + 3600000 WHERE id = ?1",
+                    )?
+                    .execute(params![id, now])?;
+                    tx.prepare_cached("INSERT INTO completions (id, response, history) VALUES (?1, ?2, ?3)")?
+                        .execute(params![id, response, &HISTORY[..]])?;
+                    continue;
                 }
                 Layout::AppendInMemoryFull => {
                     let id = self.index.get(&(hash as u64)).copied().unwrap_or(0);

@@ -15,7 +15,7 @@ struct Cli {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "today,compact,append-indexed,append-in-memory,append-in-memory-full"
+        default_value = "today,compact,append-indexed,append-in-memory,append-in-memory-full,append-split"
     )]
     layouts: Vec<Layout>,
     /// Completed records in the store before measuring.
