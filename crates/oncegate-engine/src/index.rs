@@ -32,12 +32,10 @@ pub(crate) enum Undo {
 }
 
 impl Index {
-    /// The row ids that may hold a scope with this hash.
-    pub fn ids(&self, hash: u64) -> Vec<i64> {
-        match self.one.get(&hash) {
-            Some(id) => vec![*id],
-            None => self.more.get(&hash).cloned().unwrap_or_default(),
-        }
+    /// The row ids that may hold a scope with this hash (no allocation: this runs for
+    /// every command).
+    pub fn ids(&self, hash: u64) -> impl Iterator<Item = i64> + '_ {
+        self.one.get(&hash).copied().into_iter().chain(self.more.get(&hash).into_iter().flatten().copied())
     }
 
     pub fn insert(&mut self, hash: u64, id: i64) {
@@ -87,13 +85,14 @@ mod tests {
         index.insert(7, 1);
         index.insert(7, 2);
         index.insert(9, 3);
-        assert_eq!((index.ids(7), index.ids(9), index.len()), (vec![1, 2], vec![3], 3));
+        let ids = |index: &Index, hash| index.ids(hash).collect::<Vec<_>>();
+        assert_eq!((ids(&index, 7), ids(&index, 9), index.len()), (vec![1, 2], vec![3], 3));
         index.remove(7, 1);
-        assert_eq!(index.ids(7), vec![2]);
+        assert_eq!(ids(&index, 7), vec![2]);
         index.undo(Undo::Insert(7, 1));
-        assert_eq!(index.ids(7), vec![2, 1]);
+        assert_eq!(ids(&index, 7), vec![2, 1]);
         index.undo(Undo::Remove(9, 3));
-        assert!(index.ids(9).is_empty());
+        assert!(ids(&index, 9).is_empty());
         assert_eq!(index.len(), 2);
     }
 }

@@ -380,7 +380,7 @@ fn scan(conn: &Connection) -> Result<(Index, Tally), StoreError> {
     let mut rows = stmt.query([])?;
     while let Some(row) = rows.next()? {
         let hash = hash_from_sql(row.get(0)?);
-        if !index.ids(hash).is_empty() {
+        if index.ids(hash).next().is_some() {
             shared_hashes.push(hash);
         }
         index.insert(hash, row.get(1)?);
@@ -395,7 +395,7 @@ fn scan(conn: &Connection) -> Result<(Index, Tally), StoreError> {
     let mut select = conn.prepare("SELECT tenant, namespace, key FROM records WHERE id = ?1")?;
     for hash in shared_hashes {
         let mut scopes = std::collections::HashSet::new();
-        for id in index.ids(hash) {
+        for id in index.ids(hash).collect::<Vec<_>>() {
             let scope: (String, String, String) =
                 select.query_row(params![id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
             if !scopes.insert(scope.clone()) {
@@ -507,9 +507,9 @@ impl Txn<'_> {
         {
             return Ok(Some(*id));
         }
-        let ids = self.index.borrow().ids(route::scope_hash(scope));
+        let index = self.index.borrow();
         let mut stmt = self.tx().prepare_cached(SELECT_SCOPE)?;
-        for id in ids {
+        for id in index.ids(route::scope_hash(scope)) {
             let found = stmt
                 .query_row(params![id], |row| {
                     Ok(row.get_ref(0)?.as_str()? == scope.tenant.as_str()
