@@ -7,7 +7,7 @@ use std::path::Path;
 
 /// Clock ticks per second of `/proc/*/stat` times (`USER_HZ`), 100 on every Linux
 /// architecture this runs on.
-const TICKS_PER_S: f64 = 100.0;
+pub const TICKS_PER_S: f64 = 100.0;
 
 /// A process to measure: its threads, and optionally its children (PostgreSQL serves
 /// each connection from a child process).
@@ -90,13 +90,24 @@ fn read_process(pid: u32) -> Sample {
             sample.shard_cpu_ticks += ticks;
         }
     }
-    let io = std::fs::read_to_string(format!("/proc/{pid}/io")).unwrap_or_default();
-    sample.write_bytes = io
-        .lines()
-        .find_map(|l| l.strip_prefix("write_bytes:"))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0);
+    sample.write_bytes = write_bytes(&format!("/proc/{pid}/io"));
     sample
+}
+
+/// CPU ticks of the calling thread.
+pub fn this_thread_ticks() -> u64 {
+    std::fs::read_to_string("/proc/thread-self/stat").ok().and_then(|s| cpu_ticks(&s)).map_or(0, |(_, t)| t)
+}
+
+/// Bytes this process caused to be written to storage.
+pub fn this_process_write_bytes() -> u64 {
+    write_bytes("/proc/self/io")
+}
+
+/// `write_bytes` of an `io` file.
+fn write_bytes(path: &str) -> u64 {
+    let io = std::fs::read_to_string(path).unwrap_or_default();
+    io.lines().find_map(|l| l.strip_prefix("write_bytes:")).and_then(|v| v.trim().parse().ok()).unwrap_or(0)
 }
 
 /// The command name and `utime + stime` of a `stat` line. The name is in parentheses

@@ -9,6 +9,8 @@ use std::time::Instant;
 
 use rusqlite::{Connection, Transaction, params};
 
+use crate::cost::{TICKS_PER_S, this_process_write_bytes, this_thread_ticks};
+
 /// A way to lay records out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Layout {
@@ -256,26 +258,6 @@ fn meta(tx: &Transaction<'_>, now: i64) -> rusqlite::Result<usize> {
         .execute(params![now])
 }
 
-/// CPU ticks of the calling thread.
-fn thread_ticks() -> u64 {
-    std::fs::read_to_string("/proc/thread-self/stat")
-        .ok()
-        .and_then(|stat| {
-            let tail = stat.rsplit_once(')')?.1.split_whitespace().collect::<Vec<_>>();
-            Some(tail.get(11)?.parse::<u64>().ok()? + tail.get(12)?.parse::<u64>().ok()?)
-        })
-        .unwrap_or(0)
-}
-
-fn written_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/io")
-        .ok()
-        .and_then(|io| {
-            io.lines().find_map(|l| l.strip_prefix("write_bytes:")).and_then(|v| v.trim().parse().ok())
-        })
-        .unwrap_or(0)
-}
-
 /// Preloads `preload` completed records, then measures `pairs` pairs in batches of
 /// `batch` (a batch of reserves, then a batch of their commits), ending with a
 /// checkpoint of the whole WAL into the file, which is counted.
@@ -304,15 +286,16 @@ pub fn measure(
     };
     run(&mut store, preload, &mut n)?;
     store.conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))?;
-    let (ticks, bytes, started) = (thread_ticks(), written_bytes(), Instant::now());
+    let (ticks, bytes, started) = (this_thread_ticks(), this_process_write_bytes(), Instant::now());
     run(&mut store, pairs, &mut n)?;
     store.conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))?;
-    let (elapsed, ticks, bytes) = (started.elapsed(), thread_ticks() - ticks, written_bytes() - bytes);
+    let (elapsed, ticks, bytes) =
+        (started.elapsed(), this_thread_ticks() - ticks, this_process_write_bytes() - bytes);
     drop(store);
     Ok(Measured {
         layout: format!("{layout:?}"),
         pairs_per_s: pairs as f64 / elapsed.as_secs_f64(),
-        cpu_us_per_pair: ticks as f64 * 10_000.0 / pairs as f64,
+        cpu_us_per_pair: ticks as f64 / TICKS_PER_S * 1e6 / pairs as f64,
         disk_bytes_per_pair: bytes as f64 / pairs as f64,
         file_bytes: std::fs::metadata(&path)?.len(),
     })

@@ -33,6 +33,16 @@ impl Tally {
         self.add_tenant(tenant, sign);
     }
 
+    /// Counts one stored row of `tenant`, pending or completed, as read from the store.
+    pub fn add_stored(&mut self, tenant: &Tenant, pending: bool) {
+        if pending {
+            self.pending += 1;
+        } else {
+            self.completed += 1;
+        }
+        self.add_tenant(tenant, 1);
+    }
+
     /// Adds `delta` records to `tenant`'s count.
     pub fn add_tenant(&mut self, tenant: &Tenant, delta: i64) {
         if let Some(n) = self.by_tenant.get_mut(tenant) {

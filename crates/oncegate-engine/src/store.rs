@@ -384,12 +384,7 @@ fn scan(conn: &Connection) -> Result<(Index, Tally), StoreError> {
             shared_hashes.push(hash);
         }
         index.insert(hash, row.get(1)?);
-        if row.get::<_, bool>(3)? {
-            tally.pending += 1;
-        } else {
-            tally.completed += 1;
-        }
-        tally.add_tenant(&stored_tenant(row.get(2)?)?, 1);
+        tally.add_stored(&stored_tenant(row.get(2)?)?, row.get(3)?);
     }
     drop(rows);
     let mut select = conn.prepare("SELECT tenant, namespace, key FROM records WHERE id = ?1")?;
@@ -599,12 +594,7 @@ impl Txn<'_> {
         let mut removed = Tally::default();
         let mut rows = stmt.query(params![to_sql(now_ms), limit as i64])?;
         while let Some(row) = rows.next()? {
-            if row.get::<_, bool>(3)? {
-                removed.pending += 1;
-            } else {
-                removed.completed += 1;
-            }
-            removed.add_tenant(&stored_tenant(row.get(2)?)?, 1);
+            removed.add_stored(&stored_tenant(row.get(2)?)?, row.get(3)?);
             self.forget(hash_from_sql(row.get(1)?), row.get(0)?);
         }
         Ok(removed)

@@ -321,6 +321,12 @@ impl State {
     }
 }
 
+/// The disk's state, locked (a panicking holder leaves it as it was: nothing half-done
+/// is kept across operations).
+pub(crate) fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
+    state.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
 /// The directory holding `path`.
 pub(crate) fn parent(path: &Path) -> &Path {
     path.parent().unwrap_or(Path::new("/"))
@@ -374,7 +380,7 @@ impl Disk {
     }
 
     pub(crate) fn lock_state(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        lock(&self.state)
     }
 
     /// The VFS name SQLite knows this disk by.

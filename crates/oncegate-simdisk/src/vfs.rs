@@ -16,11 +16,11 @@
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::path::{Path, PathBuf};
 use std::ptr;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::{Arc, Mutex, Weak};
 
 use rusqlite::ffi;
 
-use crate::disk::{Disk, Inode, SHM_REGION_BYTES, Shm, State, parent};
+use crate::disk::{Disk, Inode, SHM_REGION_BYTES, Shm, State, lock, parent};
 
 /// What `pAppData` of the registered VFS points to. It holds the disk weakly: the
 /// registration lives for the process, the disk only as long as its owners keep it.
@@ -34,10 +34,6 @@ impl VfsContext {
     fn state(&self) -> Option<Arc<Mutex<State>>> {
         self.state.upgrade()
     }
-}
-
-fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
-    state.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// The state of one open file.
