@@ -147,6 +147,12 @@ impl Report {
         self.violations.iter().any(|v| v.kind == kind)
     }
 
+    /// Whether an acknowledged write vanished: a grant, commit or release
+    /// (`LostAcknowledged`), or a heartbeat (`LeaseShortened`).
+    pub fn lost_acknowledged(&self) -> bool {
+        self.has(Kind::LostAcknowledged) || self.has(Kind::LeaseShortened)
+    }
+
     /// Adds `other`'s counts and violations to this report.
     pub fn absorb(&mut self, other: Report) {
         self.cuts += other.cuts;
