@@ -116,8 +116,7 @@ impl Book {
         let stored = match &decision.change {
             Change::Keep => return Ok(()),
             Change::Put(record) => {
-                txn.put(scope, record)?;
-                let at = record.reclaim_at_ms();
+                let at = txn.put(scope, record)?;
                 self.next_reclaim_ms = Some(self.next_reclaim_ms.map_or(at, |n| n.min(at)));
                 Some(record)
             }

@@ -41,6 +41,10 @@ pub struct EngineConfig {
     pub batch_len_max: usize,
     /// Expired records a shard deletes per alarm tick.
     pub reclaim_batch_max: usize,
+    /// How finely the reclaim schedule keeps deadlines: a record is reclaimed at the end
+    /// of the window of this width in which it expires (its state turns free at its own
+    /// deadline regardless). Wider windows hold fewer entries in memory.
+    pub reclaim_granularity_ms: u64,
     /// After a restart, every lease that was live at the stop runs at least this long.
     pub lease_restart_grace_ms: u64,
     /// Parked reserves (with `wait_ms > 0`) per key.
@@ -71,6 +75,7 @@ impl Default for EngineConfig {
             mailbox_depth_max: 4_096,
             batch_len_max: 256,
             reclaim_batch_max: 512,
+            reclaim_granularity_ms: 1_000,
             lease_restart_grace_ms: 30_000,
             waiters_per_key_max: 64,
             waiters_per_shard_max: 4_096,
@@ -87,6 +92,7 @@ impl Default for EngineConfig {
 const MAILBOX_DEPTH_CEILING: usize = 1 << 20;
 const BATCH_LEN_CEILING: usize = 16_384;
 const RECLAIM_BATCH_CEILING: usize = 65_536;
+const RECLAIM_GRANULARITY_MS_CEILING: u64 = 60_000;
 const WAITERS_PER_SHARD_CEILING: usize = 1 << 20;
 const REOPEN_BACKOFF_MS_CEILING: u64 = 60_000;
 const LEASE_RESTART_GRACE_MS_CEILING: u64 = 3_600_000;
@@ -115,6 +121,13 @@ impl EngineConfig {
             1,
             count(RECLAIM_BATCH_CEILING),
             Unit::Count,
+        );
+        problems.within(
+            "reclaim_granularity_ms",
+            self.reclaim_granularity_ms,
+            1,
+            RECLAIM_GRANULARITY_MS_CEILING,
+            Unit::Ms,
         );
         problems.within(
             "lease_restart_grace_ms",

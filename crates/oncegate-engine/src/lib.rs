@@ -18,6 +18,7 @@ pub mod files;
 mod index;
 pub mod manifest;
 mod quota;
+mod schedule;
 mod shard;
 mod store;
 pub mod token;

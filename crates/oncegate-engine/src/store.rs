@@ -17,17 +17,18 @@ use rusqlite::{Connection, OpenFlags, OptionalExtension, Transaction, Transactio
 use crate::files::Files;
 use crate::index::{Index, Undo};
 use crate::quota::Tally;
+use crate::schedule::Schedule;
 use crate::{Durability, Faults};
 
 /// The schema version this code reads and writes (`PRAGMA user_version`).
-const SCHEMA_VERSION: i64 = 4;
+const SCHEMA_VERSION: i64 = 5;
 
 /// `records` holds only pending and completed records, one row per key, appended in
 /// arrival order (`id`); `hash` is the routing hash of the scope, which the in-memory
 /// index maps to `id`, and the scope itself is kept for collision checks, scans and
-/// operators. `reclaim_at_ms` is `Record::reclaim_at_ms()`, indexed so the alarm finds the
-/// next deadline and the expired rows without a scan (it grows with time, so its index is
-/// written at its right edge too).
+/// operators. `reclaim_at_ms` is `Record::reclaim_at_ms()`; the in-memory
+/// [`Schedule`] finds the rows that are due (version 4 kept an index on it in the file,
+/// which cost a fifth of the pages each batch wrote).
 const SCHEMA_RECORDS: &str = "
 CREATE TABLE records (
     id              INTEGER PRIMARY KEY,
@@ -48,7 +49,6 @@ CREATE TABLE records (
     history         BLOB
 );
 ";
-const SCHEMA_RECLAIM_INDEX: &str = "CREATE INDEX records_by_reclaim_at ON records (reclaim_at_ms);";
 
 /// `meta` is one row: the fencing-token counter and the clock high-water mark, written in
 /// every batch's transaction.
@@ -153,6 +153,8 @@ pub(crate) struct Tuning {
     pub file_bytes_max: u64,
     pub page_cache_bytes_max: u64,
     pub wal_checkpoint_pages: u64,
+    /// The width of the reclaim schedule's windows.
+    pub reclaim_granularity_ms: u64,
     /// The files seam, and with it the SQLite VFS.
     pub files: Arc<dyn Files>,
 }
@@ -161,6 +163,7 @@ pub(crate) struct Store {
     conn: Connection,
     faults: Faults,
     index: Index,
+    schedule: Schedule,
     /// The record counts read at open, until the shard takes them.
     tally: Option<Tally>,
 }
@@ -245,7 +248,6 @@ impl Store {
             0 => {
                 let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
                 tx.execute_batch(SCHEMA_RECORDS)?;
-                tx.execute_batch(SCHEMA_RECLAIM_INDEX)?;
                 tx.execute_batch(SCHEMA_META)?;
                 tx.execute_batch(STATEMENT_JOURNAL)?;
                 tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
@@ -261,6 +263,13 @@ impl Store {
                 tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
                 tx.commit()?;
             }
+            4 => {
+                // The reclaim schedule moved into memory; its index in the file goes.
+                let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+                tx.execute_batch("DROP INDEX IF EXISTS records_by_reclaim_at;")?;
+                tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
+                tx.commit()?;
+            }
             SCHEMA_VERSION => {}
             found => return Err(StoreError::Schema { found }),
         }
@@ -271,8 +280,9 @@ impl Store {
         // the new table at once, and a file at its limit must still open.
         let pages = faults.page_count_max().unwrap_or(tuning.file_bytes_max / PAGE_BYTES);
         let _: i64 = conn.query_row(&format!("PRAGMA max_page_count = {pages}"), [], |row| row.get(0))?;
-        let (index, tally) = scan(&conn)?;
-        Ok((Store { conn, faults: faults.clone(), index, tally: Some(tally) }, meta, version == 0))
+        let (index, schedule, tally) = scan(&conn, tuning.reclaim_granularity_ms)?;
+        let store = Store { conn, faults: faults.clone(), index, schedule, tally: Some(tally) };
+        Ok((store, meta, version == 0))
     }
 
     /// Starts the batch's write transaction.
@@ -292,7 +302,9 @@ impl Store {
             tx: Some(tx),
             faults: &self.faults,
             index: RefCell::new(&mut self.index),
+            schedule: RefCell::new(&mut self.schedule),
             undo: RefCell::default(),
+            unscheduled: RefCell::default(),
             located: RefCell::default(),
         })
     }
@@ -303,11 +315,10 @@ impl Store {
         self.tally.take().unwrap_or_default()
     }
 
-    /// The earliest instant at which some record becomes reclaimable.
-    pub fn min_reclaim_at_ms(&self) -> Result<Option<u64>, StoreError> {
-        let mut stmt = self.conn.prepare_cached("SELECT MIN(reclaim_at_ms) FROM records")?;
-        let min: Option<i64> = stmt.query_row([], |row| row.get(0))?;
-        Ok(min.map(from_sql))
+    /// When the reclaim schedule next has rows to take (some may have moved on: the
+    /// alarm then finds less, or nothing, to delete).
+    pub fn next_reclaim_ms(&self) -> Option<u64> {
+        self.schedule.next_ms()
     }
 }
 
@@ -318,11 +329,21 @@ pub(crate) struct Txn<'s> {
     tx: Option<Transaction<'s>>,
     faults: &'s Faults,
     index: RefCell<&'s mut Index>,
+    schedule: RefCell<&'s mut Schedule>,
     /// The index changes of this transaction, undone if it does not commit.
     undo: RefCell<Vec<Undo>>,
-    /// The last scope found and its row, so that the write after a read does not look
-    /// the row up again.
-    located: RefCell<Option<(Scope, i64)>>,
+    /// Schedule entries this transaction took, put back if it does not commit.
+    unscheduled: RefCell<Vec<(u64, i64)>>,
+    /// The last scope found, its row, and the row's `reclaim_at_ms` when it was read, so
+    /// that the write after a read neither looks the row up again nor schedules it twice.
+    located: RefCell<Option<Located>>,
+}
+
+/// A row found by scope.
+struct Located {
+    scope: Scope,
+    id: i64,
+    reclaim_at_ms: Option<u64>,
 }
 
 impl Drop for Txn<'_> {
@@ -364,26 +385,28 @@ fn migrate_to_appended_rows(tx: &Transaction<'_>) -> Result<(), StoreError> {
         }
     }
     tx.execute_batch("DROP TABLE records_keyed;")?;
-    tx.execute_batch(SCHEMA_RECLAIM_INDEX)?;
     tx.execute_batch(STATEMENT_JOURNAL)?;
     Ok(())
 }
 
-/// The index and the record counts of a freshly opened file, in one pass over its rows.
-/// Two rows of one scope (which the old primary key made impossible, and only the index
-/// prevents now) are refused as corruption rather than served from either.
-fn scan(conn: &Connection) -> Result<(Index, Tally), StoreError> {
+/// The index, the reclaim schedule and the record counts of a freshly opened file, in one
+/// pass over its rows. Two rows of one scope (which the old primary key made impossible,
+/// and only the index prevents now) are refused as corruption rather than served from
+/// either.
+fn scan(conn: &Connection, reclaim_granularity_ms: u64) -> Result<(Index, Schedule, Tally), StoreError> {
     let mut index = Index::default();
+    let mut schedule = Schedule::new(reclaim_granularity_ms);
     let mut tally = Tally::default();
     let mut shared_hashes = Vec::new();
-    let mut stmt = conn.prepare("SELECT hash, id, tenant, outcome IS NULL FROM records")?;
+    let mut stmt = conn.prepare("SELECT hash, id, tenant, outcome IS NULL, reclaim_at_ms FROM records")?;
     let mut rows = stmt.query([])?;
     while let Some(row) = rows.next()? {
-        let hash = hash_from_sql(row.get(0)?);
+        let (hash, id) = (hash_from_sql(row.get(0)?), row.get(1)?);
         if index.ids(hash).next().is_some() {
             shared_hashes.push(hash);
         }
-        index.insert(hash, row.get(1)?);
+        index.insert(hash, id);
+        schedule.add(from_sql(row.get(4)?), id);
         tally.add_stored(&stored_tenant(row.get(2)?)?, row.get(3)?);
     }
     drop(rows);
@@ -401,7 +424,7 @@ fn scan(conn: &Connection) -> Result<(Index, Tally), StoreError> {
             }
         }
     }
-    Ok((index, tally))
+    Ok((index, schedule, tally))
 }
 
 /// A 64-bit hash as SQLite's signed integer, bit for bit (unlike `to_sql`, which clamps
@@ -487,20 +510,22 @@ impl Txn<'_> {
         self.tx.as_ref().expect("a transaction is open until it commits")
     }
 
+    /// Puts the in-memory index and schedule back as they were before the transaction.
     fn undo_index(&self) {
         let mut index = self.index.borrow_mut();
         for undo in self.undo.borrow_mut().drain(..).rev() {
             index.undo(undo);
         }
+        self.schedule.borrow_mut().restore(self.unscheduled.borrow_mut().drain(..));
     }
 
     /// The row of a key, if it has one: the index names the candidates, the stored scope
     /// decides between them.
     fn locate(&self, scope: &Scope) -> Result<Option<i64>, StoreError> {
-        if let Some((last, id)) = &*self.located.borrow()
-            && last == scope
+        if let Some(last) = &*self.located.borrow()
+            && last.scope == *scope
         {
-            return Ok(Some(*id));
+            return Ok(Some(last.id));
         }
         let index = self.index.borrow();
         let mut stmt = self.tx().prepare_cached(SELECT_SCOPE)?;
@@ -513,7 +538,7 @@ impl Txn<'_> {
                 })
                 .optional()?;
             if found == Some(true) {
-                *self.located.borrow_mut() = Some((scope.clone(), id));
+                *self.located.borrow_mut() = Some(Located { scope: scope.clone(), id, reclaim_at_ms: None });
                 return Ok(Some(id));
             }
         }
@@ -525,11 +550,16 @@ impl Txn<'_> {
         self.failpoint()?;
         let Some(id) = self.locate(scope)? else { return Ok(None) };
         let mut stmt = self.tx().prepare_cached(SELECT_RECORD)?;
-        Ok(stmt.query_row(params![id], |row| read_record(row, 3)).optional()?)
+        let record = stmt.query_row(params![id], |row| read_record(row, 3)).optional()?;
+        if let (Some(record), Some(located)) = (&record, &mut *self.located.borrow_mut()) {
+            located.reclaim_at_ms = Some(record.reclaim_at_ms());
+        }
+        Ok(record)
     }
 
     /// Inserts or replaces a key's record: in place when it has a row, appended when not.
-    pub fn put(&self, scope: &Scope, record: &Record) -> Result<(), StoreError> {
+    /// Returns the instant from which the reclaim schedule will take it.
+    pub fn put(&self, scope: &Scope, record: &Record) -> Result<u64, StoreError> {
         self.failpoint()?;
         let completion = record.completion.as_ref();
         let values = params![
@@ -545,12 +575,13 @@ impl Txn<'_> {
             completion.map(|c| to_sql(c.completed_at_ms)),
             encode_history(&record.history),
         ];
+        let reclaim_at_ms = record.reclaim_at_ms();
         if let Some(id) = self.locate(scope)? {
             let mut stmt = self.tx().prepare_cached(UPDATE_RECORD)?;
             let mut all: Vec<&dyn rusqlite::ToSql> = vec![&id];
             all.extend_from_slice(values);
             stmt.execute(all.as_slice())?;
-            return Ok(());
+            return Ok(self.reschedule(id, reclaim_at_ms));
         }
         let hash = route::scope_hash(scope);
         let mut stmt = self.tx().prepare_cached(INSERT_RECORD)?;
@@ -562,8 +593,28 @@ impl Txn<'_> {
         let id = self.tx().last_insert_rowid();
         self.index.borrow_mut().insert(hash, id);
         self.undo.borrow_mut().push(Undo::Remove(hash, id));
-        *self.located.borrow_mut() = Some((scope.clone(), id));
-        Ok(())
+        *self.located.borrow_mut() =
+            Some(Located { scope: scope.clone(), id, reclaim_at_ms: Some(reclaim_at_ms) });
+        let mut schedule = self.schedule.borrow_mut();
+        schedule.add(reclaim_at_ms, id);
+        Ok(schedule.due_ms(reclaim_at_ms))
+    }
+
+    /// Files a rewritten row under its new deadline's window, unless the row was read in
+    /// this transaction with a deadline in the same window (its entry is still right).
+    fn reschedule(&self, id: i64, reclaim_at_ms: u64) -> u64 {
+        let mut schedule = self.schedule.borrow_mut();
+        let due = schedule.due_ms(reclaim_at_ms);
+        let mut located = self.located.borrow_mut();
+        let Some(located) = located.as_mut().filter(|l| l.id == id) else {
+            schedule.add(reclaim_at_ms, id);
+            return due;
+        };
+        if located.reclaim_at_ms.is_none_or(|before| schedule.due_ms(before) != due) {
+            schedule.add(reclaim_at_ms, id);
+        }
+        located.reclaim_at_ms = Some(reclaim_at_ms);
+        due
     }
 
     /// Deletes a key's record.
@@ -582,20 +633,27 @@ impl Txn<'_> {
         *self.located.borrow_mut() = None;
     }
 
-    /// Deletes at most `limit` records that are reclaimable at `now_ms`, oldest first;
-    /// returns what was deleted, counted by state and tenant.
+    /// Takes at most `limit` entries from the reclaim schedule's ended windows and deletes
+    /// those rows that are reclaimable at `now_ms` (an entry whose row moved on or is gone
+    /// deletes nothing); returns what was deleted, counted by state and tenant.
     pub fn reclaim(&self, now_ms: u64, limit: usize) -> Result<Tally, StoreError> {
         self.failpoint()?;
+        let taken = self.schedule.borrow_mut().take_due(now_ms, limit);
+        self.unscheduled.borrow_mut().extend(taken.iter().copied());
         let mut stmt = self.tx().prepare_cached(
-            "DELETE FROM records WHERE id IN (
-                SELECT id FROM records WHERE reclaim_at_ms <= ?1 ORDER BY reclaim_at_ms LIMIT ?2)
-             RETURNING id, hash, tenant, outcome IS NULL",
+            "DELETE FROM records WHERE id = ?1 AND reclaim_at_ms <= ?2 RETURNING hash, tenant, outcome IS NULL",
         )?;
         let mut removed = Tally::default();
-        let mut rows = stmt.query(params![to_sql(now_ms), limit as i64])?;
-        while let Some(row) = rows.next()? {
-            removed.add_stored(&stored_tenant(row.get(2)?)?, row.get(3)?);
-            self.forget(hash_from_sql(row.get(1)?), row.get(0)?);
+        for (_, id) in taken {
+            let row = stmt
+                .query_row(params![id, to_sql(now_ms)], |row| {
+                    Ok((hash_from_sql(row.get(0)?), row.get::<_, String>(1)?, row.get::<_, bool>(2)?))
+                })
+                .optional()?;
+            if let Some((hash, tenant, pending)) = row {
+                removed.add_stored(&stored_tenant(tenant)?, pending);
+                self.forget(hash, id);
+            }
         }
         Ok(removed)
     }
@@ -659,6 +717,7 @@ impl Txn<'_> {
             return Err(error.into());
         }
         self.undo.borrow_mut().clear();
+        self.unscheduled.borrow_mut().clear();
         Ok(())
     }
 }

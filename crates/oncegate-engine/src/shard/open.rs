@@ -42,6 +42,7 @@ impl Shard {
             file_bytes_max: self.config.shard_file_bytes_max,
             page_cache_bytes_max: self.config.page_cache_bytes_max,
             wal_checkpoint_pages: self.config.wal_checkpoint_pages,
+            reclaim_granularity_ms: self.config.reclaim_granularity_ms,
             files: Arc::clone(&self.files),
         };
         // Only the first open of the process checks the file and re-anchors the clock;
@@ -69,7 +70,7 @@ impl Shard {
         txn.commit()?;
         self.epoch = epoch;
         self.book.next_token = next_token;
-        self.book.next_reclaim_ms = store.min_reclaim_at_ms()?;
+        self.book.next_reclaim_ms = store.next_reclaim_ms();
         self.book.reset_records(store.take_count());
         self.book.settle(&self.shared);
         Ok(store)
