@@ -5,7 +5,7 @@
 //! transaction. Records are appended in arrival order and found through the in-memory
 //! [`Index`] (`index.rs` says why).
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -50,8 +50,12 @@ CREATE TABLE records (
 );
 ";
 
-/// `meta` is one row: the fencing-token counter and the clock high-water mark, written in
-/// every batch's transaction.
+/// `meta` is one row: the fencing-token counter and the clock high-water mark. It is not
+/// written by every batch (its page would be one more 4 KiB per commit): the rows carry
+/// both, each its latest grant's token and its latest event's time, so the counters at
+/// open are the greater of `meta` and what the rows say. `meta` is written when that
+/// would no longer hold: at open, and in any transaction that deletes rows (which may
+/// take the greatest token or time with them). See [`Txn::commit`].
 const SCHEMA_META: &str = "
 CREATE TABLE meta (
     id            INTEGER PRIMARY KEY CHECK (id = 0),
@@ -273,14 +277,19 @@ impl Store {
             SCHEMA_VERSION => {}
             found => return Err(StoreError::Schema { found }),
         }
-        let meta = conn.query_row("SELECT next_token, high_water_ms FROM meta WHERE id = 0", [], |row| {
-            Ok(Meta { next_token: from_sql(row.get(0)?), high_water_ms: from_sql(row.get(1)?) })
-        })?;
+        let stored =
+            conn.query_row("SELECT next_token, high_water_ms FROM meta WHERE id = 0", [], |row| {
+                Ok(Meta { next_token: from_sql(row.get(0)?), high_water_ms: from_sql(row.get(1)?) })
+            })?;
         // The file's size limit applies from here: an upgrade needs room for the old and
         // the new table at once, and a file at its limit must still open.
         let pages = faults.page_count_max().unwrap_or(tuning.file_bytes_max / PAGE_BYTES);
         let _: i64 = conn.query_row(&format!("PRAGMA max_page_count = {pages}"), [], |row| row.get(0))?;
-        let (index, schedule, tally) = scan(&conn, tuning.reclaim_granularity_ms)?;
+        let Scanned { index, schedule, tally, rows } = scan(&conn, tuning.reclaim_granularity_ms)?;
+        let meta = Meta {
+            next_token: stored.next_token.max(rows.next_token),
+            high_water_ms: stored.high_water_ms.max(rows.high_water_ms),
+        };
         let store = Store { conn, faults: faults.clone(), index, schedule, tally: Some(tally) };
         Ok((store, meta, version == 0))
     }
@@ -305,6 +314,7 @@ impl Store {
             schedule: RefCell::new(&mut self.schedule),
             undo: RefCell::default(),
             unscheduled: RefCell::default(),
+            deleted: Cell::new(false),
             located: RefCell::default(),
         })
     }
@@ -334,6 +344,8 @@ pub(crate) struct Txn<'s> {
     undo: RefCell<Vec<Undo>>,
     /// Schedule entries this transaction took, put back if it does not commit.
     unscheduled: RefCell<Vec<(u64, i64)>>,
+    /// Whether the transaction deleted a row (and so must write `meta`).
+    deleted: Cell<bool>,
     /// The last scope found, its row, and the row's `reclaim_at_ms` when it was read, so
     /// that the write after a read neither looks the row up again nor schedules it twice.
     located: RefCell<Option<Located>>,
@@ -389,16 +401,30 @@ fn migrate_to_appended_rows(tx: &Transaction<'_>) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// The index, the reclaim schedule and the record counts of a freshly opened file, in one
-/// pass over its rows. Two rows of one scope (which the old primary key made impossible,
-/// and only the index prevents now) are refused as corruption rather than served from
-/// either.
-fn scan(conn: &Connection, reclaim_granularity_ms: u64) -> Result<(Index, Schedule, Tally), StoreError> {
+/// What one pass over a freshly opened file's rows builds.
+struct Scanned {
+    index: Index,
+    schedule: Schedule,
+    tally: Tally,
+    /// The counters as the rows give them: one past the greatest token, and the latest
+    /// event's time.
+    rows: Meta,
+}
+
+/// The index, the reclaim schedule, the record counts and the counters the rows hold, in
+/// one pass over a freshly opened file. Two rows of one scope (which the old primary key
+/// made impossible, and only the index prevents now) are refused as corruption rather
+/// than served from either.
+fn scan(conn: &Connection, reclaim_granularity_ms: u64) -> Result<Scanned, StoreError> {
     let mut index = Index::default();
     let mut schedule = Schedule::new(reclaim_granularity_ms);
     let mut tally = Tally::default();
+    let mut counters = Meta { next_token: 0, high_water_ms: 0 };
     let mut shared_hashes = Vec::new();
-    let mut stmt = conn.prepare("SELECT hash, id, tenant, outcome IS NULL, reclaim_at_ms FROM records")?;
+    // The last history entry's time is its 8 bytes after the transition byte.
+    let mut stmt = conn.prepare(
+        "SELECT hash, id, tenant, outcome IS NULL, reclaim_at_ms, token, substr(history, -16, 8) FROM records",
+    )?;
     let mut rows = stmt.query([])?;
     while let Some(row) = rows.next()? {
         let (hash, id) = (hash_from_sql(row.get(0)?), row.get(1)?);
@@ -408,6 +434,10 @@ fn scan(conn: &Connection, reclaim_granularity_ms: u64) -> Result<(Index, Schedu
         index.insert(hash, id);
         schedule.add(from_sql(row.get(4)?), id);
         tally.add_stored(&stored_tenant(row.get(2)?)?, row.get(3)?);
+        counters.next_token = counters.next_token.max(from_sql(row.get(5)?).saturating_add(1));
+        if let Some(at) = row.get::<_, Option<Vec<u8>>>(6)?.and_then(|b| <[u8; 8]>::try_from(b).ok()) {
+            counters.high_water_ms = counters.high_water_ms.max(u64::from_le_bytes(at));
+        }
     }
     drop(rows);
     let mut select = conn.prepare("SELECT tenant, namespace, key FROM records WHERE id = ?1")?;
@@ -424,7 +454,7 @@ fn scan(conn: &Connection, reclaim_granularity_ms: u64) -> Result<(Index, Schedu
             }
         }
     }
-    Ok((index, schedule, tally))
+    Ok(Scanned { index, schedule, tally, rows: counters })
 }
 
 /// A 64-bit hash as SQLite's signed integer, bit for bit (unlike `to_sql`, which clamps
@@ -628,6 +658,7 @@ impl Txn<'_> {
 
     /// Takes a deleted row out of the index (undone if the transaction does not commit).
     fn forget(&self, hash: u64, id: i64) {
+        self.deleted.set(true);
         self.index.borrow_mut().remove(hash, id);
         self.undo.borrow_mut().push(Undo::Insert(hash, id));
         *self.located.borrow_mut() = None;
@@ -673,7 +704,7 @@ impl Txn<'_> {
         Ok(out)
     }
 
-    /// Writes the counters; every batch does, inside its transaction.
+    /// Writes the counters (at open; otherwise [`Txn::commit`] does when it must).
     pub fn set_meta(&self, meta: Meta) -> Result<(), StoreError> {
         self.failpoint()?;
         let mut stmt =
@@ -704,7 +735,16 @@ impl Txn<'_> {
 
     /// Makes the batch durable. Returns only once SQLite reports the commit done (with
     /// `synchronous=FULL`, after the WAL is synced).
-    pub fn commit(mut self) -> Result<(), StoreError> {
+    ///
+    /// `meta` is the counters after the batch. They are written only when the batch
+    /// deleted a row: every row a batch writes carries its grant's token and an event at
+    /// the batch's time, so what the rows and `meta` say together at the next open covers
+    /// every token handed out and every time used, unless a delete took the row that
+    /// said so.
+    pub fn commit(mut self, meta: Meta) -> Result<(), StoreError> {
+        if self.deleted.get() {
+            self.set_meta(meta)?;
+        }
         self.failpoint()?;
         if self.faults.commit_should_fail() {
             // Dropping the transaction rolls it back (the index too), exactly as a failed
@@ -719,5 +759,71 @@ impl Txn<'_> {
         self.undo.borrow_mut().clear();
         self.unscheduled.borrow_mut().clear();
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tuning() -> Tuning {
+        Tuning {
+            durability: Durability::Full,
+            file_bytes_max: 1 << 30,
+            page_cache_bytes_max: 1 << 20,
+            wal_checkpoint_pages: 1_000,
+            reclaim_granularity_ms: 1_000,
+            files: Arc::new(crate::files::OsFiles),
+        }
+    }
+
+    fn scope(key: &str) -> Scope {
+        Scope {
+            tenant: Tenant::default_tenant(),
+            namespace: Namespace::new("n").unwrap(),
+            key: Key::from_stored(key.into()),
+        }
+    }
+
+    fn granted(token: u64, at_ms: u64) -> Record {
+        let mut record = Record {
+            token,
+            attempt: 1,
+            lease_until_ms: at_ms + 10,
+            expires_at_ms: at_ms + 100,
+            ttl_ms: 100,
+            fingerprint: Fingerprint::from_stored(Vec::new()),
+            completion: None,
+            history: Vec::new(),
+        };
+        record.push_event(Transition::Granted, at_ms, token);
+        record
+    }
+
+    /// Batches that delete nothing leave `meta` as it was; the next open reads the
+    /// counters from the rows, and a delete of the row that held them writes `meta`.
+    #[test]
+    fn the_counters_survive_without_meta_writes_and_through_deletes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("shard.sqlite");
+        let faults = Faults::default();
+        let meta = |store_meta: Meta| (store_meta.next_token, store_meta.high_water_ms);
+        let (mut store, opened, _) = Store::open(&path, &tuning(), &faults, true).unwrap();
+        assert_eq!(meta(opened), (1, 0));
+        let txn = store.begin().unwrap();
+        txn.put(&scope("a"), &granted(7, 500)).unwrap();
+        txn.put(&scope("b"), &granted(9, 700)).unwrap();
+        txn.commit(Meta { next_token: 10, high_water_ms: 700 }).unwrap();
+        drop(store);
+
+        let (mut store, opened, _) = Store::open(&path, &tuning(), &faults, false).unwrap();
+        assert_eq!(meta(opened), (10, 700), "from the rows: meta was never written");
+        let txn = store.begin().unwrap();
+        txn.delete(&scope("b")).unwrap();
+        txn.commit(Meta { next_token: 12, high_water_ms: 800 }).unwrap();
+        drop(store);
+
+        let (_, opened, _) = Store::open(&path, &tuning(), &faults, false).unwrap();
+        assert_eq!(meta(opened), (12, 800), "the delete wrote meta, or token 9 and time 700 would be lost");
     }
 }

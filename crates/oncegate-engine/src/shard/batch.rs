@@ -68,8 +68,7 @@ impl Shard {
             }
             let removed = txn.reclaim(now, limit)?;
             book.records_delta.remove(&removed);
-            txn.set_meta(Meta { next_token: book.next_token, high_water_ms: now })?;
-            txn.commit()?;
+            txn.commit(Meta { next_token: book.next_token, high_water_ms: now })?;
             Ok((removed.pending + removed.completed) as usize)
         })();
         let reclaimed = self.conclude(result, outbox, token_before, |reclaimed, shared| {
@@ -104,8 +103,10 @@ impl Shard {
                 for scope in &book.waited_keys() {
                     book.serve_waiters(&txn, scope, now, true, &full, &mut outbox)?;
                 }
-                txn.set_meta(Meta { next_token: book.next_token, high_water_ms: now })?;
-                txn.commit()
+                // A clean stop records its time: the restart grace measures from it.
+                let meta = Meta { next_token: book.next_token, high_water_ms: now };
+                txn.set_meta(meta)?;
+                txn.commit(meta)
             })();
             self.conclude(result, outbox, token_before, |(), _| {});
         }
@@ -199,8 +200,6 @@ impl Batch<'_> {
         for scope in &touched {
             self.book.serve_waiters(&txn, scope, self.now, false, &full, self.outbox)?;
         }
-        // `now` came from the guard, so it is the high-water mark to persist.
-        txn.set_meta(Meta { next_token: self.book.next_token, high_water_ms: self.now })?;
         if txn.acks_early() {
             // The deliberate bug the power-loss harness must catch: answers before COMMIT.
             for (reply, answer) in self.outbox.drain(..) {
@@ -208,7 +207,8 @@ impl Batch<'_> {
             }
         }
         let started = Instant::now();
-        txn.commit()?;
+        // `now` came from the guard, so it is the high-water mark to persist.
+        txn.commit(Meta { next_token: self.book.next_token, high_water_ms: self.now })?;
         metrics::histogram!("oncegate_shard_commit_seconds", "shard" => self.shard.to_string())
             .record(started.elapsed().as_secs_f64());
         Ok(true)

@@ -66,8 +66,9 @@ impl Shard {
             self.restart_grace(&txn, meta.high_water_ms, now)?;
         }
         let next_token = meta.next_token.max(token::first_of(epoch));
-        txn.set_meta(Meta { next_token, high_water_ms: now })?;
-        txn.commit()?;
+        let meta = Meta { next_token, high_water_ms: now };
+        txn.set_meta(meta)?;
+        txn.commit(meta)?;
         self.epoch = epoch;
         self.book.next_token = next_token;
         self.book.next_reclaim_ms = store.next_reclaim_ms();
