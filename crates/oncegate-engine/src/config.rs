@@ -60,7 +60,8 @@ pub struct EngineConfig {
     pub shard_file_bytes_max: u64,
     /// SQLite's page cache per shard, in bytes.
     pub page_cache_bytes_max: u64,
-    /// WAL pages that trigger a checkpoint into the shard file (4 KiB each). Larger means
+    /// WAL pages that trigger a checkpoint into the shard file (2 KiB each in files made
+    /// since schema 5, 4 KiB in older ones). Larger means
     /// fewer copies of hot pages and a larger WAL file between checkpoints.
     pub wal_checkpoint_pages: u64,
 }

@@ -164,7 +164,7 @@ fn a_full_shard_file_refuses_only_the_write_that_does_not_fit() {
     let dir = tempfile::tempdir().unwrap();
     let clock = ManualClock::new(T0);
     let faults = Faults::default();
-    // 48 pages of 4 KiB: SQLite itself reports the database full (SQLITE_FULL).
+    // 48 pages: SQLite itself reports the database full (SQLITE_FULL).
     faults.limit_pages(48);
     let engine = open(EngineConfig { shards: 1, ..config(dir.path()) }, &clock, &faults);
     let t = tenant();
