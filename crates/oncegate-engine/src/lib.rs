@@ -528,7 +528,7 @@ impl Engine {
         &self,
         tenant: &Tenant,
         request: ReserveRequest,
-    ) -> impl Future<Output = Result<Reserved, Error>> + Send + 'static {
+    ) -> impl Future<Output = Result<Reserved, Error>> + Send + 'static + use<> {
         let started = self.start_reserve(tenant, request);
         async move {
             let (key, pending) = started?;
@@ -541,7 +541,7 @@ impl Engine {
         &self,
         tenant: &Tenant,
         request: CommitRequest,
-    ) -> impl Future<Output = Result<u64, Error>> + Send + 'static {
+    ) -> impl Future<Output = Result<u64, Error>> + Send + 'static + use<> {
         let started = self.start_commit(tenant, request);
         async move { Ok(expect_commit(started?.wait().await?)) }
     }
@@ -551,7 +551,7 @@ impl Engine {
         &self,
         tenant: &Tenant,
         request: KeyRequest,
-    ) -> impl Future<Output = Result<(), Error>> + Send + 'static {
+    ) -> impl Future<Output = Result<(), Error>> + Send + 'static + use<> {
         let started = self.start_release(tenant, &request);
         async move { started?.wait().await.map(expect_release) }
     }
@@ -561,7 +561,7 @@ impl Engine {
         &self,
         tenant: &Tenant,
         request: KeyRequest,
-    ) -> impl Future<Output = Result<Renewed, Error>> + Send + 'static {
+    ) -> impl Future<Output = Result<Renewed, Error>> + Send + 'static + use<> {
         let started = self.start_heartbeat(tenant, &request);
         async move { started?.wait().await.map(expect_heartbeat) }
     }
@@ -571,7 +571,7 @@ impl Engine {
         &self,
         tenant: &Tenant,
         request: KeyRequest,
-    ) -> impl Future<Output = Result<View, Error>> + Send + 'static {
+    ) -> impl Future<Output = Result<View, Error>> + Send + 'static + use<> {
         let started = self.start_get(tenant, &request);
         async move { started?.wait().await.map(expect_get) }
     }
@@ -580,7 +580,7 @@ impl Engine {
     pub fn inspect(
         &self,
         scope: Scope,
-    ) -> impl Future<Output = Result<(u32, State, Option<Record>), Error>> + Send + 'static {
+    ) -> impl Future<Output = Result<(u32, State, Option<Record>), Error>> + Send + 'static + use<> {
         let shard = self.shard_of(&scope);
         let started = self.submit(scope, Command::Inspect);
         async move {
@@ -596,12 +596,15 @@ impl Engine {
     pub fn force_release(
         &self,
         scope: Scope,
-    ) -> impl Future<Output = Result<(State, u64), Error>> + Send + 'static {
+    ) -> impl Future<Output = Result<(State, u64), Error>> + Send + 'static + use<> {
         self.remove(scope, Command::ForceRelease)
     }
 
     /// Operator: deletes a key's live record in any state, completion included.
-    pub fn purge(&self, scope: Scope) -> impl Future<Output = Result<(State, u64), Error>> + Send + 'static {
+    pub fn purge(
+        &self,
+        scope: Scope,
+    ) -> impl Future<Output = Result<(State, u64), Error>> + Send + 'static + use<> {
         self.remove(scope, Command::Purge)
     }
 
@@ -609,7 +612,7 @@ impl Engine {
         &self,
         scope: Scope,
         command: Command,
-    ) -> impl Future<Output = Result<(State, u64), Error>> + Send + 'static {
+    ) -> impl Future<Output = Result<(State, u64), Error>> + Send + 'static + use<> {
         let started = self.submit(scope, command);
         async move {
             match started?.wait().await? {

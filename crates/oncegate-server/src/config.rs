@@ -110,6 +110,9 @@ pub struct ServerConfig {
     /// Calls served at once across all connections; more are refused with
     /// `RESOURCE_EXHAUSTED` (load shedding).
     pub requests_in_flight_max: usize,
+    /// Calls in flight on one `Session` stream; the server reads no further request of
+    /// the stream until an answer goes out (backpressure, not buffering).
+    pub session_calls_in_flight_max: usize,
     /// How often the health service looks at the shards' states.
     pub health_poll_ms: u64,
     /// After SIGTERM, how long in-flight calls (and watch streams) may run before their
@@ -176,6 +179,7 @@ impl Default for ServerConfig {
             streams_per_connection_max: 1024,
             request_timeout_ms: 60_000,
             requests_in_flight_max: 16_384,
+            session_calls_in_flight_max: 256,
             health_poll_ms: 1_000,
             shutdown_grace_ms: 10_000,
             connections_max: 4_096,
@@ -394,6 +398,8 @@ impl Config {
         );
         let in_flight = server.requests_in_flight_max as u64;
         problems.within(&field("requests_in_flight_max"), in_flight, 1, 1 << 20, Unit::Count);
+        let session = server.session_calls_in_flight_max as u64;
+        problems.within(&field("session_calls_in_flight_max"), session, 1, 65_536, Unit::Count);
         problems.within(&field("health_poll_ms"), server.health_poll_ms, 10, 60_000, Unit::Ms);
         problems.within(&field("shutdown_grace_ms"), server.shutdown_grace_ms, 0, 600_000, Unit::Ms);
         problems.within(&field("connections_max"), server.connections_max as u64, 1, 1 << 20, Unit::Count);

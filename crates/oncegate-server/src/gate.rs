@@ -22,6 +22,7 @@ pub struct GateService {
     engine: Engine,
     auth: Arc<Auth>,
     admit: Arc<Admit>,
+    pub(crate) session_calls_in_flight_max: usize,
 }
 
 /// A short, stable digest of a key for logs: keys can carry customer data, so the raw
@@ -103,6 +104,8 @@ fn outcome_name(outcome: &pb::reserve_response::Outcome) -> &'static str {
 
 /// The span of one request: RPC, tenant, namespace, a digest of the key (never the key),
 /// the shard (recorded by the engine when it routes the call), outcome and duration.
+/// Built only when debug logging is on for this module: without a subscriber that wants
+/// it, a span and its key digest are work every call would pay for nothing.
 fn request_span(rpc: &'static str, namespace: &str, key: &str) -> tracing::Span {
     tracing::debug_span!(
         "request",
@@ -116,13 +119,21 @@ fn request_span(rpc: &'static str, namespace: &str, key: &str) -> tracing::Span 
     )
 }
 
-/// Logs, counts and times one finished call. Keys are logged only as a digest.
-fn finish<T>(rpc: &'static str, tenant: Option<&Tenant>, key: &str, started: Instant, answer: &Answer<T>) {
+/// Logs, counts and times one finished call. Keys are logged only as a digest, and only
+/// when debug logging is on (`key` is `None` otherwise).
+fn finish<T>(
+    rpc: &'static str,
+    tenant: Option<&Tenant>,
+    key: Option<&str>,
+    started: Instant,
+    answer: &Answer<T>,
+) {
     let label = match answer {
         Ok((_, outcome)) => outcome,
         Err(refusal) => refusal.code().as_str(),
     };
     crate::telemetry::record_call(rpc, tenant, label, started);
+    let Some(key) = key else { return };
     let tenant = tenant.map_or("-", |t| t.as_str());
     let duration_us = started.elapsed().as_micros() as u64;
     let span = tracing::Span::current();
@@ -137,21 +148,33 @@ fn finish<T>(rpc: &'static str, tenant: Option<&Tenant>, key: &str, started: Ins
     }
 }
 
-/// What the one call path needs to know of each request message.
-trait Call: Send + 'static {
+/// What the one call path needs to know of each request message, and how it starts on
+/// the engine.
+pub(crate) trait Call: Send + Sized + 'static {
     /// The RPC's name, as metrics and logs label it.
     const RPC: &'static str;
+    /// The answer's message.
+    type Reply: Send + 'static;
     fn namespace(&self) -> &str;
     /// The key as logs digest it (a derived key's parts, joined, before it is derived).
     fn key(&self) -> Cow<'_, str>;
     /// What the call asks of the server's and the tenant's limits.
     fn demand(&self) -> Demand;
+    /// Translates the message and queues it on its shard before returning (so calls of
+    /// one stream reach their shards in the order they were read); the future is the
+    /// engine's answer, translated back.
+    fn start(
+        self,
+        engine: &Engine,
+        tenant: &Tenant,
+    ) -> impl Future<Output = Answer<Self::Reply>> + Send + 'static + use<Self>;
 }
 
 macro_rules! keyed_call {
-    ($message:ty, $rpc:literal, $demand:expr) => {
+    ($message:ty, $reply:ty, $rpc:literal, $demand:expr, $start:expr) => {
         impl Call for $message {
             const RPC: &'static str = $rpc;
+            type Reply = $reply;
             fn namespace(&self) -> &str {
                 &self.namespace
             }
@@ -161,17 +184,25 @@ macro_rules! keyed_call {
             fn demand(&self) -> Demand {
                 $demand
             }
+            fn start(
+                self,
+                engine: &Engine,
+                tenant: &Tenant,
+            ) -> impl Future<Output = Answer<Self::Reply>> + Send + 'static + use<> {
+                $start(self, engine, tenant)
+            }
         }
     };
 }
 
-keyed_call!(pb::CommitRequest, "commit", Demand::Finish);
-keyed_call!(pb::ReleaseRequest, "release", Demand::Finish);
-keyed_call!(pb::HeartbeatRequest, "heartbeat", Demand::Finish);
-keyed_call!(pb::GetRequest, "get", Demand::Start { waits: false });
+keyed_call!(pb::CommitRequest, pb::CommitResponse, "commit", Demand::Finish, start_commit);
+keyed_call!(pb::ReleaseRequest, pb::ReleaseResponse, "release", Demand::Finish, start_release);
+keyed_call!(pb::HeartbeatRequest, pb::HeartbeatResponse, "heartbeat", Demand::Finish, start_heartbeat);
+keyed_call!(pb::GetRequest, pb::GetResponse, "get", Demand::Start { waits: false }, start_get);
 
 impl Call for pb::ReserveRequest {
     const RPC: &'static str = "reserve";
+    type Reply = pb::ReserveResponse;
     fn namespace(&self) -> &str {
         &self.namespace
     }
@@ -181,50 +212,174 @@ impl Call for pb::ReserveRequest {
     fn demand(&self) -> Demand {
         Demand::Start { waits: self.wait_ms > 0 }
     }
+    fn start(
+        self,
+        engine: &Engine,
+        tenant: &Tenant,
+    ) -> impl Future<Output = Answer<Self::Reply>> + Send + 'static + use<> {
+        let r = self;
+        let call = ReserveRequest {
+            namespace: r.namespace,
+            key: r.key,
+            key_parts: r.key_parts,
+            bucket_ms: r.bucket_ms,
+            ttl_ms: r.ttl_ms,
+            lease_ms: r.lease_ms,
+            fingerprint: r.fingerprint,
+            wait_ms: r.wait_ms,
+        };
+        let pending = engine.reserve(tenant, call);
+        async move {
+            let reserved = pending.await?;
+            let outcome = reserve_to_wire(reserved.reply);
+            let label = outcome_name(&outcome);
+            Ok((pb::ReserveResponse { key: reserved.key.as_str().to_owned(), outcome: Some(outcome) }, label))
+        }
+    }
+}
+
+fn start_commit(
+    r: pb::CommitRequest,
+    engine: &Engine,
+    tenant: &Tenant,
+) -> impl Future<Output = Answer<pb::CommitResponse>> + Send + 'static + use<> {
+    let pending = outcome_from_wire(r.outcome).map(|outcome| {
+        let call = CommitRequest {
+            namespace: r.namespace,
+            key: r.key,
+            token: r.token,
+            outcome,
+            response: r.response,
+        };
+        engine.commit(tenant, call)
+    });
+    async move {
+        let expires_at_ms = pending?.await?;
+        Ok((pb::CommitResponse { expires_at_ms }, "ok"))
+    }
+}
+
+fn start_release(
+    r: pb::ReleaseRequest,
+    engine: &Engine,
+    tenant: &Tenant,
+) -> impl Future<Output = Answer<pb::ReleaseResponse>> + Send + 'static + use<> {
+    let pending = engine
+        .release(tenant, KeyRequest { namespace: r.namespace, key: r.key, token: r.token, lease_ms: 0 });
+    async move {
+        pending.await?;
+        Ok((pb::ReleaseResponse {}, "ok"))
+    }
+}
+
+fn start_heartbeat(
+    r: pb::HeartbeatRequest,
+    engine: &Engine,
+    tenant: &Tenant,
+) -> impl Future<Output = Answer<pb::HeartbeatResponse>> + Send + 'static + use<> {
+    let call = KeyRequest { namespace: r.namespace, key: r.key, token: r.token, lease_ms: r.lease_ms };
+    let pending = engine.heartbeat(tenant, call);
+    async move {
+        let renewed = pending.await?;
+        let reply = pb::HeartbeatResponse {
+            lease_until_ms: renewed.lease_until_ms,
+            expires_at_ms: renewed.expires_at_ms,
+        };
+        Ok((reply, "ok"))
+    }
+}
+
+fn start_get(
+    r: pb::GetRequest,
+    engine: &Engine,
+    tenant: &Tenant,
+) -> impl Future<Output = Answer<pb::GetResponse>> + Send + 'static + use<> {
+    let pending =
+        engine.get(tenant, KeyRequest { namespace: r.namespace, key: r.key, token: 0, lease_ms: 0 });
+    async move {
+        let view = pending.await?;
+        let reply = pb::GetResponse {
+            state: state_to_wire(view.state),
+            token: view.token,
+            attempt: view.attempt,
+            lease_until_ms: view.lease_until_ms,
+            expires_at_ms: view.expires_at_ms,
+            outcome: view.outcome.map_or(pb::Outcome::Unspecified as i32, outcome_to_wire),
+            response: view.response,
+        };
+        Ok((reply, "ok"))
+    }
 }
 
 /// A call's answer and its metric label (`granted`, `ok`, ...).
-type Answer<T> = Result<(T, &'static str), Refusal>;
+pub(crate) type Answer<T> = Result<(T, &'static str), Refusal>;
 
 impl GateService {
     /// A service answering from `engine`, authenticating with `auth`, admitting calls
-    /// through `admit`'s server and tenant limits.
-    pub(crate) fn new(engine: Engine, auth: Auth, admit: Admit) -> GateService {
-        GateService { engine, auth: Arc::new(auth), admit: Arc::new(admit) }
+    /// through `admit`'s server and tenant limits, with at most `session_calls_in_flight_max`
+    /// calls in flight per `Session` stream.
+    pub(crate) fn new(
+        engine: Engine,
+        auth: Auth,
+        admit: Admit,
+        session_calls_in_flight_max: usize,
+    ) -> GateService {
+        GateService { engine, auth: Arc::new(auth), admit: Arc::new(admit), session_calls_in_flight_max }
     }
 
-    /// The one path of every call: authenticate (an unauthenticated caller learns
-    /// nothing, not even load), admit, run `work`, then count, time and log the call.
-    async fn call<M, T, F, Fut>(&self, request: Request<M>, work: F) -> Result<Response<T>, Status>
-    where
-        M: Call,
-        F: FnOnce(Engine, Tenant, M) -> Fut,
-        Fut: Future<Output = Answer<T>>,
-    {
+    /// The one path of every call, unary or in a session, once its caller is
+    /// authenticated (or refused): admit, start on the engine (queued before this
+    /// returns), then count, time and log the answer. The admission holds the call's
+    /// slots until the engine answers.
+    pub(crate) fn begin<M: Call>(
+        &self,
+        tenant: Result<Tenant, Refusal>,
+        message: M,
+    ) -> impl Future<Output = Answer<M::Reply>> + Send + 'static + use<M> {
         let started = Instant::now();
-        let message = request.get_ref();
-        let span = request_span(M::RPC, message.namespace(), &message.key());
+        let debug = tracing::enabled!(tracing::Level::DEBUG);
+        let key = debug.then(|| message.key().into_owned());
+        let span = if debug {
+            request_span(M::RPC, message.namespace(), key.as_deref().unwrap_or(""))
+        } else {
+            tracing::Span::none()
+        };
+        // The engine records the shard in, and links its batch to, the span current when
+        // the call is queued.
+        let entered = span.enter();
+        let (tenant, admitted) = match tenant {
+            Ok(tenant) => {
+                let admitted = self
+                    .admit
+                    .admit(&tenant, message.demand())
+                    .map(|admission| (admission, message.start(&self.engine, &tenant)));
+                (Some(tenant), admitted)
+            }
+            Err(refusal) => (None, Err(refusal)),
+        };
+        drop(entered);
         async move {
-            let key = request.get_ref().key().into_owned();
-            let demand = request.get_ref().demand();
-            let (tenant, answer) = match self.auth.tenant(request.metadata()) {
-                Err(refusal) => (None, Err(refusal)),
-                Ok(tenant) => {
-                    let answer = match self.admit.admit(&tenant, demand) {
-                        // The admission holds the call's slots until the engine answers.
-                        Ok(_admission) => {
-                            work(self.engine.clone(), tenant.clone(), request.into_inner()).await
-                        }
-                        Err(refusal) => Err(refusal),
-                    };
-                    (Some(tenant), answer)
-                }
+            let answer = match admitted {
+                Ok((_admission, pending)) => pending.await,
+                Err(refusal) => Err(refusal),
             };
-            finish(M::RPC, tenant.as_ref(), &key, started, &answer);
-            answer.map(|(reply, _)| Response::new(reply)).map_err(|refusal| refusal.to_status())
+            finish(M::RPC, tenant.as_ref(), key.as_deref(), started, &answer);
+            answer
         }
         .instrument(span)
-        .await
+    }
+
+    /// How callers are authenticated.
+    pub(crate) fn auth(&self) -> &Auth {
+        &self.auth
+    }
+
+    /// A unary call: authenticate (an unauthenticated caller learns nothing, not even
+    /// load), then [`GateService::begin`].
+    async fn unary<M: Call>(&self, request: Request<M>) -> Result<Response<M::Reply>, Status> {
+        let tenant = self.auth.tenant(request.metadata());
+        let answer = self.begin(tenant, request.into_inner()).await;
+        answer.map(|(reply, _)| Response::new(reply)).map_err(|refusal| refusal.to_status())
     }
 }
 
@@ -234,87 +389,40 @@ impl pb::gate_server::Gate for GateService {
         &self,
         request: Request<pb::ReserveRequest>,
     ) -> Result<Response<pb::ReserveResponse>, Status> {
-        self.call(request, |engine, tenant, r| async move {
-            let call = ReserveRequest {
-                namespace: r.namespace,
-                key: r.key,
-                key_parts: r.key_parts,
-                bucket_ms: r.bucket_ms,
-                ttl_ms: r.ttl_ms,
-                lease_ms: r.lease_ms,
-                fingerprint: r.fingerprint,
-                wait_ms: r.wait_ms,
-            };
-            let reserved = engine.reserve(&tenant, call).await?;
-            let outcome = reserve_to_wire(reserved.reply);
-            let label = outcome_name(&outcome);
-            Ok((pb::ReserveResponse { key: reserved.key.as_str().to_owned(), outcome: Some(outcome) }, label))
-        })
-        .await
+        self.unary(request).await
     }
 
     async fn commit(
         &self,
         request: Request<pb::CommitRequest>,
     ) -> Result<Response<pb::CommitResponse>, Status> {
-        self.call(request, |engine, tenant, r| async move {
-            let call = CommitRequest {
-                namespace: r.namespace,
-                key: r.key,
-                token: r.token,
-                outcome: outcome_from_wire(r.outcome)?,
-                response: r.response,
-            };
-            let expires_at_ms = engine.commit(&tenant, call).await?;
-            Ok((pb::CommitResponse { expires_at_ms }, "ok"))
-        })
-        .await
+        self.unary(request).await
     }
 
     async fn release(
         &self,
         request: Request<pb::ReleaseRequest>,
     ) -> Result<Response<pb::ReleaseResponse>, Status> {
-        self.call(request, |engine, tenant, r| async move {
-            let call = KeyRequest { namespace: r.namespace, key: r.key, token: r.token, lease_ms: 0 };
-            engine.release(&tenant, call).await?;
-            Ok((pb::ReleaseResponse {}, "ok"))
-        })
-        .await
+        self.unary(request).await
     }
 
     async fn heartbeat(
         &self,
         request: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
-        self.call(request, |engine, tenant, r| async move {
-            let call =
-                KeyRequest { namespace: r.namespace, key: r.key, token: r.token, lease_ms: r.lease_ms };
-            let renewed = engine.heartbeat(&tenant, call).await?;
-            let reply = pb::HeartbeatResponse {
-                lease_until_ms: renewed.lease_until_ms,
-                expires_at_ms: renewed.expires_at_ms,
-            };
-            Ok((reply, "ok"))
-        })
-        .await
+        self.unary(request).await
     }
 
     async fn get(&self, request: Request<pb::GetRequest>) -> Result<Response<pb::GetResponse>, Status> {
-        self.call(request, |engine, tenant, r| async move {
-            let call = KeyRequest { namespace: r.namespace, key: r.key, token: 0, lease_ms: 0 };
-            let view = engine.get(&tenant, call).await?;
-            let reply = pb::GetResponse {
-                state: state_to_wire(view.state),
-                token: view.token,
-                attempt: view.attempt,
-                lease_until_ms: view.lease_until_ms,
-                expires_at_ms: view.expires_at_ms,
-                outcome: view.outcome.map_or(pb::Outcome::Unspecified as i32, outcome_to_wire),
-                response: view.response,
-            };
-            Ok((reply, "ok"))
-        })
-        .await
+        self.unary(request).await
+    }
+
+    type SessionStream = crate::session::Responses;
+
+    async fn session(
+        &self,
+        request: Request<tonic::Streaming<pb::SessionRequest>>,
+    ) -> Result<Response<Self::SessionStream>, Status> {
+        crate::session::open(self.clone(), request)
     }
 }

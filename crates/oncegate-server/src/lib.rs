@@ -10,6 +10,7 @@ mod auth;
 pub mod config;
 mod gate;
 mod listen;
+mod session;
 mod status;
 pub mod telemetry;
 mod tenants;
@@ -224,9 +225,10 @@ async fn routes(engine: &Engine, config: &Config) -> Result<(Routes, HealthRepor
         engine.clone(),
         AdminAuth::new(config),
     ));
-    let gate = GateServer::new(GateService::new(engine.clone(), auth, admit))
-        .max_decoding_message_size(server.message_bytes_max)
-        .max_encoding_message_size(server.message_bytes_max);
+    let gate =
+        GateServer::new(GateService::new(engine.clone(), auth, admit, server.session_calls_in_flight_max))
+            .max_decoding_message_size(server.message_bytes_max)
+            .max_encoding_message_size(server.message_bytes_max);
     let (reporter, health) = tonic_health::server::health_reporter();
     let all_serving = engine.shard_states().iter().all(|s| *s == ShardState::Serving);
     set_health(&reporter, all_serving).await;

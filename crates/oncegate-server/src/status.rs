@@ -56,22 +56,41 @@ impl Refusal {
         }
     }
 
-    /// The gRPC status: the code, and the field or limit, in trailers.
-    pub fn to_status(&self) -> tonic::Status {
+    /// The request field at fault and the limit reached, where the refusal names one.
+    fn detail(&self) -> (Option<&'static str>, Option<&'static str>) {
         use oncegate_engine::Error as E;
-        let message = self.to_string();
         match self {
             Refusal::Engine(E::Refused(oncegate_core::Error::Invalid(invalid))) => {
-                oncegate_proto::status::invalid_field(Some(invalid.field()), message)
+                (Some(invalid.field()), None)
             }
-            Refusal::Engine(E::ResourceExhausted { limit_name, .. }) => {
-                oncegate_proto::status::exhausted(limit_name, message)
-            }
-            Refusal::Exhausted { limit, .. } => oncegate_proto::status::exhausted(limit, message),
-            Refusal::RateLimited { .. } => oncegate_proto::status::exhausted(RATE_LIMIT, message),
-            Refusal::Engine(_) | Refusal::Unauthenticated(_) => {
-                oncegate_proto::status::with_code(self.code(), message)
-            }
+            Refusal::Engine(E::ResourceExhausted { limit_name, .. }) => (None, Some(limit_name)),
+            Refusal::Exhausted { limit, .. } => (None, Some(limit)),
+            Refusal::RateLimited { .. } => (None, Some(RATE_LIMIT)),
+            Refusal::Engine(_) | Refusal::Unauthenticated(_) => (None, None),
+        }
+    }
+
+    /// The gRPC status: the code, and the field or limit, in trailers.
+    pub fn to_status(&self) -> tonic::Status {
+        let message = self.to_string();
+        match self.detail() {
+            (Some(field), _) => oncegate_proto::status::invalid_field(Some(field), message),
+            (None, Some(limit)) => oncegate_proto::status::exhausted(limit, message),
+            (None, None) => oncegate_proto::status::with_code(self.code(), message),
+        }
+    }
+
+    /// The same refusal as one call of a `Session` stream answers it: what
+    /// [`Refusal::to_status`] puts in the status and its trailers, as a message.
+    pub fn to_wire(&self) -> oncegate_proto::v1::Refusal {
+        let (field, limit) = self.detail();
+        let code = self.code();
+        oncegate_proto::v1::Refusal {
+            grpc_code: grpc_code(code) as i32,
+            code: code.as_str().to_owned(),
+            message: self.to_string(),
+            field: field.unwrap_or_default().to_owned(),
+            limit: limit.unwrap_or_default().to_owned(),
         }
     }
 }

@@ -1,0 +1,150 @@
+//! The `Session` stream: many calls over one bidirectional stream, each answered as soon
+//! as its shard decides it (out of order), each exactly a unary call (the same
+//! [`GateService::begin`]: admission, engine, metrics, logs).
+//!
+//! One task per stream reads requests and owns the calls in flight. It reads a request
+//! only while fewer than `server.session_calls_in_flight_max` calls are in flight, and
+//! answers through a channel of that many slots, so a client that stops reading stops
+//! the server from reading its requests: backpressure, never unbounded buffering. A
+//! call is queued on its shard as it is read (so a stream's calls reach their shards in
+//! the order they were sent). When the stream ends (the client goes away, or sends a
+//! message that does not decode) the task drops its calls in flight, and each is then
+//! what a unary call whose caller has gone is: one not yet decided is skipped by its
+//! shard (never granted, never parked); one already written keeps its effect, and its
+//! answer is lost.
+
+use std::collections::HashSet;
+use std::pin::Pin;
+
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use oncegate_core::{Invalid, Tenant};
+use oncegate_proto::v1 as pb;
+use pb::session_request::Call as In;
+use pb::session_response::Result as Out;
+use tokio::sync::mpsc;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::gate::{Call, GateService};
+use crate::status::Refusal;
+
+/// The answers of one stream, as tonic sends them.
+pub type Responses = tokio_stream::wrappers::ReceiverStream<Result<pb::SessionResponse, Status>>;
+
+/// A call in flight: its answer, ready to send.
+type InFlight = Pin<Box<dyn Future<Output = pb::SessionResponse> + Send>>;
+
+/// Authenticates the stream once (its metadata names the tenant for every call), then
+/// serves it on a task of its own.
+pub(crate) fn open(
+    gate: GateService,
+    request: Request<Streaming<pb::SessionRequest>>,
+) -> Result<Response<Responses>, Status> {
+    let tenant = match gate.auth().tenant(request.metadata()) {
+        Ok(tenant) => tenant,
+        Err(refusal) => {
+            crate::telemetry::record_call(
+                "session",
+                None,
+                refusal.code().as_str(),
+                std::time::Instant::now(),
+            );
+            return Err(refusal.to_status());
+        }
+    };
+    let in_flight_max = gate.session_calls_in_flight_max;
+    let (answers, responses) = mpsc::channel(in_flight_max);
+    let session =
+        Session { gate, tenant, in_flight_max, ids: HashSet::new(), in_flight: FuturesUnordered::new() };
+    tokio::spawn(session.run(request.into_inner(), answers));
+    Ok(Response::new(Responses::new(responses)))
+}
+
+struct Session {
+    gate: GateService,
+    tenant: Tenant,
+    in_flight_max: usize,
+    /// The ids of the calls in flight.
+    ids: HashSet<u64>,
+    in_flight: FuturesUnordered<InFlight>,
+}
+
+impl Session {
+    async fn run(
+        mut self,
+        mut requests: Streaming<pb::SessionRequest>,
+        answers: mpsc::Sender<Result<pb::SessionResponse, Status>>,
+    ) {
+        let mut reading = true;
+        loop {
+            let room = self.in_flight.len() < self.in_flight_max;
+            let answer = tokio::select! {
+                biased;
+                // The client has gone: returning drops every call in flight.
+                () = answers.closed() => return,
+                Some(answer) = self.in_flight.next(), if !self.in_flight.is_empty() => {
+                    self.ids.remove(&answer.id);
+                    answer
+                }
+                message = requests.message(), if reading && room => match message {
+                    Ok(Some(request)) => match self.start(request) {
+                        Some(refused) => refused,
+                        None => continue,
+                    },
+                    // The client sent its last call: answer those in flight, then end.
+                    Ok(None) => {
+                        reading = false;
+                        continue;
+                    }
+                    // A message that does not decode (or a broken stream) ends the stream
+                    // with its status; the calls in flight are dropped.
+                    Err(status) => {
+                        let _ = answers.send(Err(status)).await;
+                        return;
+                    }
+                },
+                else => return,
+            };
+            if answers.send(Ok(answer)).await.is_err() {
+                return;
+            }
+        }
+    }
+
+    /// Starts one call, or returns its refusal when the request itself is wrong for a
+    /// session (no call, or an id already in flight).
+    fn start(&mut self, request: pb::SessionRequest) -> Option<pb::SessionResponse> {
+        let id = request.id;
+        let Some(call) = request.call else {
+            return Some(refused(id, Invalid::Rule { field: "call", rule: "must name one call" }));
+        };
+        if !self.ids.insert(id) {
+            let rule = "must be unique among the stream's calls in flight";
+            return Some(refused(id, Invalid::Rule { field: "id", rule }));
+        }
+        let call = match call {
+            In::Reserve(m) => self.begin(id, m, Out::Reserve),
+            In::Commit(m) => self.begin(id, m, Out::Commit),
+            In::Release(m) => self.begin(id, m, Out::Release),
+            In::Heartbeat(m) => self.begin(id, m, Out::Heartbeat),
+            In::Get(m) => self.begin(id, m, Out::Get),
+        };
+        self.in_flight.push(call);
+        None
+    }
+
+    /// One call on the unary path, its answer wrapped for the stream.
+    fn begin<M: Call>(&self, id: u64, message: M, wrap: fn(M::Reply) -> Out) -> InFlight {
+        let answer = self.gate.begin(Ok(self.tenant.clone()), message);
+        Box::pin(async move {
+            let result = match answer.await {
+                Ok((reply, _)) => wrap(reply),
+                Err(refusal) => Out::Refusal(refusal.to_wire()),
+            };
+            pb::SessionResponse { id, result: Some(result) }
+        })
+    }
+}
+
+fn refused(id: u64, invalid: Invalid) -> pb::SessionResponse {
+    pb::SessionResponse { id, result: Some(Out::Refusal(Refusal::from(invalid).to_wire())) }
+}
