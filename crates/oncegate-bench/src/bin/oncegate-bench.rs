@@ -10,6 +10,11 @@
 //! crates/oncegate-bench/scripts/peers.sh stop
 //! ```
 
+/// The allocator of the `oncegate` binary, so the embedded target and the child server
+/// it starts measure what production runs.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::path::PathBuf;
 use std::process::Child;
 use std::time::Duration;
@@ -17,7 +22,7 @@ use std::time::Duration;
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use oncegate_bench::cost::Probe;
-use oncegate_bench::targets::{Embedded, Grpc, Kind, Postgres, Redis, Target};
+use oncegate_bench::targets::{Embedded, Grpc, Kind, Postgres, Redis, Session, Target};
 use oncegate_bench::{ChildMode, Load, Report, Work, markdown};
 
 #[derive(Parser)]
@@ -144,6 +149,12 @@ impl Bench {
                     );
                 }
                 Ok(report)
+            }
+            Kind::GrpcSession => {
+                let (addr, pid) = self.server_addr()?;
+                let target = self.runtime.block_on(Session::connect(&addr, self.cli.connections))?;
+                let probe = pid.map(|pid| Probe { pid, with_children: false });
+                Ok(self.run(target, in_flight, probe))
             }
             Kind::Embedded => {
                 let data_dir = self.scratch.path().join(format!("embedded-{in_flight}"));

@@ -6,6 +6,7 @@ mod embedded;
 mod grpc;
 mod postgres;
 mod redis;
+mod session;
 
 use std::future::Future;
 
@@ -13,6 +14,7 @@ pub use embedded::Embedded;
 pub use grpc::Grpc;
 pub use postgres::Postgres;
 pub use redis::Redis;
+pub use session::Session;
 
 use crate::Work;
 
@@ -60,8 +62,10 @@ pub trait Target: Send + Sync + 'static {
 /// The targets, as the command line names them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Kind {
-    /// oncegate over gRPC.
+    /// oncegate over gRPC, one unary call per request.
     Grpc,
+    /// oncegate over gRPC, calls multiplexed over one `Session` stream per connection.
+    GrpcSession,
     /// oncegate in-process.
     Embedded,
     /// Redis with `appendfsync always`.
