@@ -13,13 +13,19 @@
 
 use std::collections::HashMap;
 
-/// Hash to row id(s).
+use nohash_hasher::BuildNoHashHasher;
+
+/// The keys are already xxh3 hashes of the scope, well mixed in every bit: hashing them
+/// again (std's SipHash) would cost a lookup's time for nothing.
+type ByHash<V> = HashMap<u64, V, BuildNoHashHasher<u64>>;
+
+/// Hash to row id(s): 16 bytes per live key plus the table's free slots.
 #[derive(Debug, Default)]
 pub(crate) struct Index {
     /// The common case: one row per hash.
-    one: HashMap<u64, i64>,
+    one: ByHash<i64>,
     /// Hashes shared by more than one row (rare: 64-bit hashes).
-    more: HashMap<u64, Vec<i64>>,
+    more: ByHash<Vec<i64>>,
 }
 
 /// A change to undo if the transaction that made it does not commit.
