@@ -433,7 +433,7 @@ async fn get(a: KeyArgs) -> Answer {
 
 fn shard_json(s: pb::ShardStats) -> Value {
     json!({
-        "shard": s.shard, "state": s.state, "mailbox_depth": s.mailbox_depth,
+        "shard": s.shard, "slots": s.slots, "state": s.state, "mailbox_depth": s.mailbox_depth,
         "batches": s.batches, "commands": s.commands, "batch_len_mean": s.batch_len_mean,
         "commits": s.commits, "failures": s.failures, "reclaimed": s.reclaimed,
         "waiters": s.waiters, "records_pending": s.records_pending,

@@ -104,4 +104,16 @@ pub enum OpenError {
         /// How many `shard-*.sqlite` files the directory holds.
         shard_files: usize,
     },
+    /// The manifest routes keys by the slot map, and the map file is gone.
+    #[error(
+        "{path} is missing, but the manifest routes keys by it; the slot map says which shard owns each \
+         key, so oncegate will not guess it. Restore it from a backup of this directory, then start again"
+    )]
+    SlotMapMissing {
+        /// The slot map's expected path.
+        path: PathBuf,
+    },
+    /// The slot map cannot be read or is damaged.
+    #[error(transparent)]
+    SlotMap(#[from] crate::slots::SlotMapError),
 }

@@ -20,6 +20,7 @@ pub mod manifest;
 mod quota;
 mod schedule;
 mod shard;
+pub mod slots;
 mod store;
 pub mod token;
 
@@ -122,6 +123,8 @@ pub struct Renewed {
 pub struct ShardStats {
     /// The shard number.
     pub shard: u32,
+    /// Slots the slot map gives this shard.
+    pub slots: u32,
     /// Serving, failed, starting or stopped.
     pub state: ShardState,
     /// Requests waiting in the mailbox now.
@@ -171,6 +174,8 @@ struct Inner {
     floor: Arc<FrameFloor>,
     /// Each tenant's most records per shard, read by every shard.
     quotas: quota::Quotas,
+    /// Which shard owns each slot.
+    slots: slots::SlotMap,
     /// Held for the engine's life: one process owns a data directory.
     _lock: files::LockGuard,
 }
@@ -329,7 +334,7 @@ impl Engine {
     ) -> Result<Engine, OpenError> {
         config.check().map_err(OpenError::Config)?;
         let lock = manifest::lock(&*files, &config.data_dir)?;
-        manifest::open_or_create(&*files, &config.data_dir, config.shards)?;
+        let slots = manifest::open_or_create(&*files, &config.data_dir, config.shards)?;
         let config = Arc::new(config);
         // The one wall-clock reading of the process: every shard's frame, and the frame of
         // derived keys, is anchored to it; nothing re-anchors until the next process.
@@ -377,6 +382,7 @@ impl Engine {
                 frame: Mutex::new(frame),
                 floor,
                 quotas,
+                slots,
                 _lock: lock,
             }),
         })
@@ -407,9 +413,9 @@ impl Engine {
         &self.inner.config.limits
     }
 
-    /// The shard that owns a scope.
+    /// The shard that owns a scope: the slot map's owner of the scope's slot.
     pub fn shard_of(&self, scope: &Scope) -> u32 {
-        route::shard_of(scope, self.inner.config.shards)
+        self.inner.slots.owner(route::slot_of(scope))
     }
 
     /// `now` for deriving keys: the process's frame, never below any shard's persisted
@@ -664,7 +670,8 @@ impl Engine {
 
     /// Each shard's counters.
     pub fn stats(&self) -> Vec<ShardStats> {
-        self.inner.shards.iter().enumerate().map(|(id, s)| s.stats(id as u32)).collect()
+        let slots = self.inner.slots.slots_per_shard(self.inner.config.shards);
+        self.inner.shards.iter().enumerate().map(|(id, s)| s.stats(id as u32, slots[id])).collect()
     }
 
     /// Waits until one shard's counters satisfy `done` (checked whenever the shard
@@ -677,7 +684,10 @@ impl Engine {
         done: impl Fn(&ShardStats) -> bool,
     ) -> bool {
         match self.inner.shards.get(shard as usize) {
-            Some(handle) => handle.shared.wait_until(timeout, |_| done(&handle.stats(shard))),
+            Some(handle) => {
+                let slots = self.inner.slots.slots_per_shard(self.inner.config.shards)[shard as usize];
+                handle.shared.wait_until(timeout, |_| done(&handle.stats(shard, slots)))
+            }
             None => false,
         }
     }
@@ -719,12 +729,13 @@ impl Engine {
 }
 
 impl ShardHandle {
-    fn stats(&self, shard: u32) -> ShardStats {
+    fn stats(&self, shard: u32, slots: u32) -> ShardStats {
         let shared = &self.shared;
         let batches = shared.batches.load(Ordering::Relaxed);
         let commands = shared.commands.load(Ordering::Relaxed);
         ShardStats {
             shard,
+            slots,
             state: shared.state(),
             mailbox_depth: self.data.len(),
             batches,

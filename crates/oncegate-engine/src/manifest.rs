@@ -1,8 +1,10 @@
 //! The data directory's files beside the shard files: the manifest, the lock and the
 //! token epochs.
 //!
-//! The manifest records what must never change for the life of a directory: its format
-//! version and its shard count (and, later, a slot map). It is written once. A directory
+//! The manifest records what must not change behind the directory's back: its format
+//! version, its shard count and how keys are routed (by the slot map in `slots.rs`, since
+//! this version; by `slot % shards` before). It is rewritten only to move a directory
+//! from the computed routing to its slot map. A directory
 //! that holds shard files but no manifest is refused, never given a new one: the shard
 //! count decides where every key lives, and a guess would route completed keys to
 //! shards that have never seen them.
@@ -18,6 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::OpenError;
 use crate::files::{Files, LockGuard, write_atomically};
+use crate::slots::{self, SlotMap};
 
 /// The manifest's file name inside the data directory.
 pub const MANIFEST_FILE: &str = "oncegate.manifest.toml";
@@ -25,8 +28,12 @@ pub const MANIFEST_FILE: &str = "oncegate.manifest.toml";
 pub const LOCK_FILE: &str = "oncegate.lock";
 /// The only manifest format this version reads and writes.
 pub const FORMAT_VERSION: u32 = 1;
-/// The routing algorithm, named so a later version can refuse a directory routed another way.
-pub const ROUTING: &str = "xxh3-64/len-prefixed/slots-16384/mod-shards";
+/// The routing algorithm, named so a later version can refuse a directory routed another
+/// way: the scope's hash onto 16,384 slots, and the slot map's owner of each slot.
+pub const ROUTING: &str = "xxh3-64/len-prefixed/slots-16384/slot-map";
+/// The routing of directories made before the slot map: the owner of a slot was
+/// `slot % shards`. Such a directory is given exactly that map when it opens.
+pub const ROUTING_COMPUTED: &str = "xxh3-64/len-prefixed/slots-16384/mod-shards";
 
 /// What a data directory records about itself.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -93,8 +100,45 @@ pub fn lock(files: &dyn Files, data_dir: &Path) -> Result<LockGuard, OpenError> 
     Ok(guard)
 }
 
-/// Reads the manifest, or creates it for a new directory, and checks the shard count.
-pub fn open_or_create(files: &dyn Files, data_dir: &Path, shards: u32) -> Result<Manifest, OpenError> {
+/// Reads the manifest and the slot map, or creates both for a new directory, checks the
+/// shard count, and gives a directory routed by `slot % shards` its slot map.
+pub fn open_or_create(files: &dyn Files, data_dir: &Path, shards: u32) -> Result<SlotMap, OpenError> {
+    let manifest = read_or_create(files, data_dir, shards)?;
+    let found = slots::read(files, data_dir, shards)?;
+    if manifest.routing == ROUTING {
+        // After a slot has moved, no computed map is right: a lost map is never guessed.
+        return found.ok_or_else(|| OpenError::SlotMapMissing { path: slots::path(data_dir) });
+    }
+    // Routed by `slot % shards` until now: the map is that, exactly. A map file already
+    // there was written by an upgrade that did not reach the manifest; nothing can have
+    // moved since, so it must be the computed one.
+    let map = SlotMap::even(shards);
+    if found.as_ref().is_some_and(|found| *found != map) {
+        let reason = format!("the manifest routes by {ROUTING_COMPUTED}, and this map is not that routing");
+        return Err(slots::SlotMapError::Damaged { path: slots::path(data_dir), reason }.into());
+    }
+    // The map is durable before the manifest names it, so a crash between the two
+    // leaves a directory that still opens (by the first branch, or this one again).
+    slots::write(files, data_dir, &map)?;
+    write_manifest(
+        files,
+        &data_dir.join(MANIFEST_FILE),
+        &Manifest { routing: ROUTING.to_owned(), ..manifest },
+    )?;
+    Ok(map)
+}
+
+fn write_manifest(files: &dyn Files, path: &Path, manifest: &Manifest) -> Result<(), OpenError> {
+    let text = format!(
+        "# Written by oncegate when this data directory was created or upgraded; never edit it.\n{}",
+        toml::to_string(manifest).expect("the manifest serialises")
+    );
+    write_atomically(files, path, text.as_bytes()).map_err(io(path))
+}
+
+/// Reads the manifest, or creates it (routed by the computed map, which
+/// [`open_or_create`] then turns into the slot map) for a new directory.
+fn read_or_create(files: &dyn Files, data_dir: &Path, shards: u32) -> Result<Manifest, OpenError> {
     let path = data_dir.join(MANIFEST_FILE);
     match files.read(&path) {
         Ok(bytes) => {
@@ -110,7 +154,7 @@ pub fn open_or_create(files: &dyn Files, data_dir: &Path, shards: u32) -> Result
                     ),
                 });
             }
-            if manifest.routing != ROUTING {
+            if manifest.routing != ROUTING && manifest.routing != ROUTING_COMPUTED {
                 return Err(OpenError::Manifest {
                     path,
                     reason: format!("routing is {:?}; this version routes by {ROUTING:?}", manifest.routing),
@@ -130,12 +174,9 @@ pub fn open_or_create(files: &dyn Files, data_dir: &Path, shards: u32) -> Result
             if shard_files > 0 {
                 return Err(OpenError::ManifestMissing { path, shard_files });
             }
-            let manifest = Manifest { format_version: FORMAT_VERSION, shards, routing: ROUTING.to_owned() };
-            let text = format!(
-                "# Written once when this data directory was created; never edit it.\n{}",
-                toml::to_string(&manifest).expect("the manifest serialises")
-            );
-            write_atomically(files, &path, text.as_bytes()).map_err(io(&path))?;
+            let manifest =
+                Manifest { format_version: FORMAT_VERSION, shards, routing: ROUTING_COMPUTED.to_owned() };
+            write_manifest(files, &path, &manifest)?;
             Ok(manifest)
         }
         Err(source) => Err(OpenError::Io { path, source }),

@@ -142,6 +142,7 @@ impl pb::admin_server::Admin for AdminService {
             .into_iter()
             .map(|s| pb::ShardStats {
                 shard: s.shard,
+                slots: s.slots,
                 state: s.state.as_str().to_owned(),
                 mailbox_depth: s.mailbox_depth as u64,
                 batches: s.batches,

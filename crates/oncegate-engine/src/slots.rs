@@ -1,0 +1,176 @@
+//! The slot map: which shard owns each of the 16,384 slots that keys hash onto
+//! (`oncegate_core::route`), persisted in the data directory beside the manifest.
+//!
+//! Until this map existed, a key's shard was `slot % shards`, computed; a directory made
+//! then is given exactly that map the first time this version opens it, so no key moves.
+//! From then on the map is the only truth about where a key lives, and the manifest's
+//! `routing` says so: a directory whose manifest names the map but whose map file is gone
+//! or damaged is refused, never given a computed map, because after a slot has moved a
+//! computed map would send its keys to a shard that has never seen them.
+//!
+//! The file (`oncegate.slots`) is binary and small (32 KiB): a magic line, the map's
+//! version (raised by every change), the slot count, one little-endian `u16` owner per
+//! slot, and an xxh3-64 checksum of everything before it. It is written only through
+//! `files::write_atomically` (temporary file, fsync, rename, fsync of the directory), so a
+//! crash leaves the old map or the new one.
+
+use std::path::{Path, PathBuf};
+
+use oncegate_core::route::{SLOT_COUNT, shard_of_slot};
+
+use crate::files::{Files, write_atomically};
+
+/// The slot map's file name inside the data directory.
+pub const SLOTS_FILE: &str = "oncegate.slots";
+
+const MAGIC: &[u8] = b"oncegate slot map v1\n";
+
+/// What is wrong with a slot map file.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SlotMapError {
+    /// The file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What the operating system said.
+        source: std::io::Error,
+    },
+    /// The file is not a slot map this version can trust.
+    #[error("slot map {path}: {reason}")]
+    Damaged {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+}
+
+/// Which shard owns each slot.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlotMap {
+    /// Raised by every change of an owner; 1 for a new map.
+    pub version: u64,
+    owners: Vec<u16>,
+}
+
+impl SlotMap {
+    /// Slots spread over `shards` as keys were routed before the map existed:
+    /// `slot % shards`.
+    pub fn even(shards: u32) -> SlotMap {
+        let owners = (0..SLOT_COUNT).map(|slot| shard_of_slot(slot, shards) as u16).collect();
+        SlotMap { version: 1, owners }
+    }
+
+    /// The shard that owns `slot`.
+    pub fn owner(&self, slot: u32) -> u32 {
+        u32::from(self.owners[slot as usize])
+    }
+
+    /// How many slots each of `shards` shards owns.
+    pub fn slots_per_shard(&self, shards: u32) -> Vec<u32> {
+        let mut counts = vec![0; shards as usize];
+        for owner in &self.owners {
+            if let Some(count) = counts.get_mut(usize::from(*owner)) {
+                *count += 1;
+            }
+        }
+        counts
+    }
+
+    /// The file's bytes.
+    fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(MAGIC.len() + 12 + self.owners.len() * 2 + 8);
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&self.version.to_le_bytes());
+        out.extend_from_slice(&(self.owners.len() as u32).to_le_bytes());
+        for owner in &self.owners {
+            out.extend_from_slice(&owner.to_le_bytes());
+        }
+        let checksum = xxhash_rust::xxh3::xxh3_64(&out);
+        out.extend_from_slice(&checksum.to_le_bytes());
+        out
+    }
+
+    /// Reads a map back, refusing anything but a whole, unaltered map whose owners are
+    /// all below `shards`.
+    fn decode(bytes: &[u8], shards: u32) -> Result<SlotMap, String> {
+        let body_len = bytes.len().checked_sub(8).ok_or("the file is truncated")?;
+        let (body, checksum) = bytes.split_at(body_len);
+        if xxhash_rust::xxh3::xxh3_64(body).to_le_bytes() != checksum {
+            return Err("its checksum does not match (the file is damaged)".to_owned());
+        }
+        let rest = body.strip_prefix(MAGIC).ok_or("it does not start with the slot map's header")?;
+        let (version, rest) = rest.split_at_checked(8).ok_or("the file is truncated")?;
+        let (count, rest) = rest.split_at_checked(4).ok_or("the file is truncated")?;
+        let version = u64::from_le_bytes(version.try_into().expect("8 bytes"));
+        let count = u32::from_le_bytes(count.try_into().expect("4 bytes"));
+        if count != SLOT_COUNT || rest.len() != SLOT_COUNT as usize * 2 {
+            return Err(format!("it maps {count} slots; this version routes {SLOT_COUNT}"));
+        }
+        let owners: Vec<u16> =
+            rest.chunks_exact(2).map(|pair| u16::from_le_bytes([pair[0], pair[1]])).collect();
+        if let Some(slot) = owners.iter().position(|owner| u32::from(*owner) >= shards) {
+            return Err(format!(
+                "slot {slot} belongs to shard {}, but the directory has {shards} shards",
+                owners[slot]
+            ));
+        }
+        Ok(SlotMap { version, owners })
+    }
+}
+
+/// The slot map file of a data directory.
+pub fn path(data_dir: &Path) -> PathBuf {
+    data_dir.join(SLOTS_FILE)
+}
+
+/// Reads the map; `None` when the file does not exist.
+pub fn read(files: &dyn Files, data_dir: &Path, shards: u32) -> Result<Option<SlotMap>, SlotMapError> {
+    let path = path(data_dir);
+    match files.read(&path) {
+        Ok(bytes) => {
+            SlotMap::decode(&bytes, shards).map(Some).map_err(|reason| SlotMapError::Damaged { path, reason })
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(SlotMapError::Io { path, source }),
+    }
+}
+
+/// Persists the map; returns only once it is durable.
+pub fn write(files: &dyn Files, data_dir: &Path, map: &SlotMap) -> Result<(), SlotMapError> {
+    let path = path(data_dir);
+    write_atomically(files, &path, &map.encode()).map_err(|source| SlotMapError::Io { path, source })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_even_map_routes_as_slot_mod_shards_did() {
+        for shards in [1, 2, 3, 7, 1024] {
+            let map = SlotMap::even(shards);
+            assert!((0..SLOT_COUNT).all(|slot| map.owner(slot) == slot % shards));
+            let counts = map.slots_per_shard(shards);
+            assert_eq!(counts.iter().sum::<u32>(), SLOT_COUNT);
+            assert!(counts.iter().max().unwrap() - counts.iter().min().unwrap() <= 1, "{counts:?}");
+        }
+    }
+
+    #[test]
+    fn a_map_reads_back_as_written_and_damage_is_refused() {
+        let mut map = SlotMap::even(4);
+        map.version = 9;
+        map.owners[77] = 3;
+        let bytes = map.encode();
+        assert_eq!(SlotMap::decode(&bytes, 4), Ok(map.clone()));
+        let mut flipped = bytes.clone();
+        flipped[MAGIC.len() + 20] ^= 1;
+        assert!(SlotMap::decode(&flipped, 4).unwrap_err().contains("checksum"));
+        assert!(SlotMap::decode(&bytes[..bytes.len() - 3], 4).is_err(), "truncated");
+        assert!(SlotMap::decode(&bytes, 3).unwrap_err().contains("shard 3"), "an owner past the shard count");
+        assert!(SlotMap::decode(b"", 4).is_err());
+    }
+}
