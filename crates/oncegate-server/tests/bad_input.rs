@@ -16,20 +16,7 @@ use tonic::{Code, Request, Status};
 
 mod common;
 
-use common::start_in;
-
-/// The reserve message with bytes where the contract has strings, to send invalid UTF-8.
-#[derive(Clone, PartialEq, prost::Message)]
-struct RawReserve {
-    #[prost(bytes = "vec", tag = "1")]
-    namespace: Vec<u8>,
-    #[prost(bytes = "vec", tag = "2")]
-    key: Vec<u8>,
-    #[prost(bytes = "vec", repeated, tag = "3")]
-    key_parts: Vec<Vec<u8>>,
-    #[prost(uint64, tag = "4")]
-    bucket_ms: u64,
-}
+use common::{RawReserve, start_in};
 
 async fn raw_reserve(channel: Channel, message: RawReserve) -> Result<(), Status> {
     let mut grpc = tonic::client::Grpc::new(channel);

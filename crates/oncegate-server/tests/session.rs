@@ -14,7 +14,7 @@ use tonic::{Code, Request, Streaming};
 
 mod common;
 
-use common::{Running, granted, reserve, start_with};
+use common::{RawReserve, Running, granted, reserve, start_with};
 
 /// One open stream: requests go in through `send`, answers come out of `answers`.
 struct Stream {
@@ -318,20 +318,16 @@ struct RawSessionRequest {
     reserve: Option<RawReserve>,
 }
 
-#[derive(Clone, PartialEq, prost::Message)]
-struct RawReserve {
-    #[prost(bytes = "vec", tag = "1")]
-    namespace: Vec<u8>,
-    #[prost(bytes = "vec", tag = "2")]
-    key: Vec<u8>,
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_that_does_not_decode_ends_the_stream_with_invalid_argument() {
     let server = start_with(|_| {}).await;
     let bad = RawSessionRequest {
         id: 1,
-        reserve: Some(RawReserve { namespace: b"live".to_vec(), key: vec![0xff, 0xfe] }),
+        reserve: Some(RawReserve {
+            namespace: b"live".to_vec(),
+            key: vec![0xff, 0xfe],
+            ..Default::default()
+        }),
     };
     let mut grpc = tonic::client::Grpc::new(server.channel().await);
     grpc.ready().await.unwrap();

@@ -35,18 +35,7 @@ impl Target for Grpc {
     }
 
     async fn reserve(&self, worker: usize, key: &str, _token: u64, work: &Work) -> anyhow::Result<Reserved> {
-        let request = pb::ReserveRequest {
-            namespace: "bench".into(),
-            key: key.into(),
-            ttl_ms: work.ttl_ms,
-            lease_ms: work.lease_ms,
-            ..Default::default()
-        };
-        Ok(match self.client(worker).reserve(request).await?.into_inner().outcome {
-            Some(pb::reserve_response::Outcome::Granted(g)) => Reserved::Granted(g.token),
-            Some(pb::reserve_response::Outcome::Completed(_)) => Reserved::Replayed,
-            _ => Reserved::Busy,
-        })
+        Ok(reserved(self.client(worker).reserve(reserve_request(key, work)).await?.into_inner()))
     }
 
     async fn commit(
@@ -57,14 +46,38 @@ impl Target for Grpc {
         response: &[u8],
         _work: &Work,
     ) -> anyhow::Result<()> {
-        let request = pb::CommitRequest {
-            namespace: "bench".into(),
-            key: key.into(),
-            token,
-            outcome: pb::Outcome::Succeeded as i32,
-            response: response.to_vec(),
-        };
-        self.client(worker).commit(request).await?;
+        self.client(worker).commit(commit_request(key, token, response)).await?;
         Ok(())
+    }
+}
+
+/// The bench's reserve, the same over unary calls and sessions.
+pub(super) fn reserve_request(key: &str, work: &Work) -> pb::ReserveRequest {
+    pb::ReserveRequest {
+        namespace: "bench".into(),
+        key: key.into(),
+        ttl_ms: work.ttl_ms,
+        lease_ms: work.lease_ms,
+        ..Default::default()
+    }
+}
+
+/// What a reserve's answer means to the load.
+pub(super) fn reserved(reply: pb::ReserveResponse) -> Reserved {
+    match reply.outcome {
+        Some(pb::reserve_response::Outcome::Granted(g)) => Reserved::Granted(g.token),
+        Some(pb::reserve_response::Outcome::Completed(_)) => Reserved::Replayed,
+        _ => Reserved::Busy,
+    }
+}
+
+/// The bench's commit of a response.
+pub(super) fn commit_request(key: &str, token: u64, response: &[u8]) -> pb::CommitRequest {
+    pb::CommitRequest {
+        namespace: "bench".into(),
+        key: key.into(),
+        token,
+        outcome: pb::Outcome::Succeeded as i32,
+        response: response.to_vec(),
     }
 }

@@ -13,6 +13,7 @@ use pb::session_response::Result as Out;
 use tokio::sync::{mpsc, oneshot};
 use tonic::transport::Channel;
 
+use super::grpc::{commit_request, reserve_request, reserved};
 use super::{Reserved, Target};
 use crate::Work;
 
@@ -87,21 +88,10 @@ impl Target for Session {
     }
 
     async fn reserve(&self, worker: usize, key: &str, _token: u64, work: &Work) -> anyhow::Result<Reserved> {
-        let request = pb::ReserveRequest {
-            namespace: "bench".into(),
-            key: key.into(),
-            ttl_ms: work.ttl_ms,
-            lease_ms: work.lease_ms,
-            ..Default::default()
-        };
-        let Out::Reserve(reply) = self.call(worker, Call::Reserve(request)).await? else {
+        let Out::Reserve(reply) = self.call(worker, Call::Reserve(reserve_request(key, work))).await? else {
             anyhow::bail!("a reserve answered with another call's reply")
         };
-        Ok(match reply.outcome {
-            Some(pb::reserve_response::Outcome::Granted(g)) => Reserved::Granted(g.token),
-            Some(pb::reserve_response::Outcome::Completed(_)) => Reserved::Replayed,
-            _ => Reserved::Busy,
-        })
+        Ok(reserved(reply))
     }
 
     async fn commit(
@@ -112,14 +102,7 @@ impl Target for Session {
         response: &[u8],
         _work: &Work,
     ) -> anyhow::Result<()> {
-        let request = pb::CommitRequest {
-            namespace: "bench".into(),
-            key: key.into(),
-            token,
-            outcome: pb::Outcome::Succeeded as i32,
-            response: response.to_vec(),
-        };
-        self.call(worker, Call::Commit(request)).await?;
+        self.call(worker, Call::Commit(commit_request(key, token, response))).await?;
         Ok(())
     }
 }

@@ -135,3 +135,16 @@ pub fn exhausted(status: &tonic::Status, limit: &str) {
     let trailer = status.metadata().get(oncegate_server::LIMIT_METADATA).and_then(|v| v.to_str().ok());
     assert_eq!(trailer, Some(limit), "{status:?}");
 }
+
+/// The reserve message with bytes where the contract has strings, to send invalid UTF-8.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct RawReserve {
+    #[prost(bytes = "vec", tag = "1")]
+    pub namespace: Vec<u8>,
+    #[prost(bytes = "vec", tag = "2")]
+    pub key: Vec<u8>,
+    #[prost(bytes = "vec", repeated, tag = "3")]
+    pub key_parts: Vec<Vec<u8>>,
+    #[prost(uint64, tag = "4")]
+    pub bucket_ms: u64,
+}
