@@ -1,8 +1,9 @@
 //! `oncegate`: the server (`serve`), a token helper (`hash-token`), client verbs
 //! (`reserve`, `commit`, `release`, `heartbeat`, `get`) and operator verbs (`status`,
-//! `inspect`, `admin release|purge`).
+//! `inspect`, `admin release|purge`, `reshard`).
 
 mod client;
+mod reshard;
 mod serve;
 
 use clap::{Parser, Subcommand};
@@ -45,6 +46,8 @@ enum Verb {
     Status(client::AdminTarget),
     /// Operator: the whole stored record of a key.
     Inspect(client::InspectArgs),
+    /// Operator: adds shards to a stopped data directory, moving slots to the new shards.
+    Reshard(reshard::ReshardArgs),
     /// Operator: force-release a pending key, or purge a record.
     Admin {
         #[command(subcommand)]
@@ -89,6 +92,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Verb::Status(args) => client::run(client::Call::Status(args)),
         Verb::Inspect(args) => client::run(client::Call::Inspect(args)),
         Verb::Admin { action } => client::run(client::Call::Admin(action)),
+        Verb::Reshard(args) => reshard::run(args),
     }
 }
 

@@ -234,3 +234,44 @@ fn client_verbs_speak_tls_and_mutual_tls() {
     assert!(answer.as_ref().is_none_or(|a| a.get("state").is_none()), "{answer:?}");
     assert!(server.terminate());
 }
+
+#[test]
+fn reshard_adds_shards_to_a_stopped_directory_and_keys_stay_answered() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path(), &[]);
+    let mut tokens = Vec::new();
+    for i in 0..20 {
+        let key = format!("order-{i}");
+        let (_, granted) = server.call(&["reserve", &key]);
+        let token = granted["token"].as_u64().unwrap();
+        server.call(&["commit", &key, &token.to_string(), "--response", &key]);
+        tokens.push((key, token));
+    }
+    // The running server holds the directory's lock.
+    let locked =
+        Command::new(BIN).args(["reshard", "--to", "4", "--data-dir"]).arg(dir.path()).output().unwrap();
+    assert!(!locked.status.success());
+    assert!(String::from_utf8_lossy(&locked.stderr).contains("locked"), "{locked:?}");
+    assert!(server.terminate());
+
+    let out =
+        Command::new(BIN).args(["reshard", "--to", "4", "--data-dir"]).arg(dir.path()).output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let summary: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        (summary["shards_after"].as_u64(), summary["slots_moved"].as_u64()),
+        (Some(4), Some(8_192)),
+        "{summary}"
+    );
+
+    let server = Server::start(dir.path(), &["--shards", "4"]);
+    for (key, token) in &tokens {
+        let (code, replay) = server.call(&["reserve", key]);
+        assert_eq!(
+            (code, replay["outcome"].as_str(), replay["token"].as_u64()),
+            (0, Some("completed"), Some(*token)),
+            "{replay}"
+        );
+    }
+    assert!(server.terminate());
+}

@@ -36,10 +36,16 @@ pub fn scope_hash(scope: &Scope) -> u64 {
 
 /// The slot of a scope, in `0..SLOT_COUNT`.
 pub fn slot_of(scope: &Scope) -> u32 {
-    (scope_hash(scope) % u64::from(SLOT_COUNT)) as u32
+    slot_of_hash(scope_hash(scope))
 }
 
-/// The shard that owns a slot when slots are spread evenly (the only layout so far).
+/// The slot of a scope's routing hash (stores keep the hash beside each record).
+pub fn slot_of_hash(hash: u64) -> u32 {
+    (hash % u64::from(SLOT_COUNT)) as u32
+}
+
+/// The owner of a slot when slots are spread evenly: how keys were routed before the
+/// slot map, and how a new directory's map starts.
 pub fn shard_of_slot(slot: u32, shard_count: u32) -> u32 {
     assert!(shard_count > 0, "a store has at least one shard");
     slot % shard_count

@@ -80,7 +80,9 @@ pub enum OpenError {
     },
     /// The directory was created with another shard count.
     #[error(
-        "data directory {path} has {found} shards but the configuration asks for {configured}; the shard count is fixed when a directory is created"
+        "data directory {path} has {found} shards but the configuration asks for {configured}; keys are never \
+         re-routed silently. To add shards, stop the server and run `oncegate reshard --data-dir {path} --to {configured}` \
+         (shards cannot be removed)"
     )]
     ShardCount {
         /// The data directory.
@@ -112,6 +114,15 @@ pub enum OpenError {
     SlotMapMissing {
         /// The slot map's expected path.
         path: PathBuf,
+    },
+    /// A shard file could not be opened or changed by a tool that works on the stopped
+    /// directory (adding shards).
+    #[error("shard {shard}: {reason}")]
+    Shard {
+        /// The shard.
+        shard: u32,
+        /// What went wrong.
+        reason: String,
     },
     /// The slot map cannot be read or is damaged.
     #[error(transparent)]

@@ -18,6 +18,7 @@ pub mod files;
 mod index;
 pub mod manifest;
 mod quota;
+pub mod reshard;
 mod schedule;
 mod shard;
 pub mod slots;
@@ -175,7 +176,7 @@ struct Inner {
     /// Each tenant's most records per shard, read by every shard.
     quotas: quota::Quotas,
     /// Which shard owns each slot.
-    slots: slots::SlotMap,
+    slots: Arc<slots::SlotMap>,
     /// Held for the engine's life: one process owns a data directory.
     _lock: files::LockGuard,
 }
@@ -189,6 +190,7 @@ struct Common {
     faults: Faults,
     quotas: quota::Quotas,
     files: Arc<dyn files::Files>,
+    slots: Arc<slots::SlotMap>,
 }
 
 /// Makes one shard's channels and starts its thread.
@@ -213,6 +215,7 @@ fn start_shard(id: u32, common: Common, started: shard::Started) -> Result<Shard
         gone,
         quotas: common.quotas,
         files: common.files,
+        slots: common.slots,
     };
     let thread = spawn_shard(Shard::new(parts), id, Arc::clone(&shared), started)
         .map_err(|source| OpenError::Io { path: data_dir, source })?;
@@ -334,7 +337,7 @@ impl Engine {
     ) -> Result<Engine, OpenError> {
         config.check().map_err(OpenError::Config)?;
         let lock = manifest::lock(&*files, &config.data_dir)?;
-        let slots = manifest::open_or_create(&*files, &config.data_dir, config.shards)?;
+        let slots = Arc::new(manifest::open_or_create(&*files, &config.data_dir, config.shards)?);
         let config = Arc::new(config);
         // The one wall-clock reading of the process: every shard's frame, and the frame of
         // derived keys, is anchored to it; nothing re-anchors until the next process.
@@ -353,6 +356,7 @@ impl Engine {
                 faults: faults.clone(),
                 quotas: quotas.clone(),
                 files: Arc::clone(&files),
+                slots: Arc::clone(&slots),
             };
             shards.push(start_shard(id, common, started_tx.clone())?);
         }

@@ -140,45 +140,55 @@ fn write_manifest(files: &dyn Files, path: &Path, manifest: &Manifest) -> Result
 /// [`open_or_create`] then turns into the slot map) for a new directory.
 fn read_or_create(files: &dyn Files, data_dir: &Path, shards: u32) -> Result<Manifest, OpenError> {
     let path = data_dir.join(MANIFEST_FILE);
-    match files.read(&path) {
-        Ok(bytes) => {
-            let text = String::from_utf8_lossy(&bytes);
-            let manifest: Manifest = toml::from_str(&text)
-                .map_err(|e| OpenError::Manifest { path: path.clone(), reason: e.message().to_owned() })?;
-            if manifest.format_version != FORMAT_VERSION {
-                return Err(OpenError::Manifest {
-                    path,
-                    reason: format!(
-                        "format_version is {}; this version reads {FORMAT_VERSION}",
-                        manifest.format_version
-                    ),
-                });
-            }
-            if manifest.routing != ROUTING && manifest.routing != ROUTING_COMPUTED {
-                return Err(OpenError::Manifest {
-                    path,
-                    reason: format!("routing is {:?}; this version routes by {ROUTING:?}", manifest.routing),
-                });
-            }
-            if manifest.shards != shards {
-                return Err(OpenError::ShardCount {
-                    path: data_dir.to_owned(),
-                    found: manifest.shards,
-                    configured: shards,
-                });
-            }
-            Ok(manifest)
+    if let Some(manifest) = read(files, data_dir)? {
+        if manifest.shards != shards {
+            return Err(OpenError::ShardCount {
+                path: data_dir.to_owned(),
+                found: manifest.shards,
+                configured: shards,
+            });
         }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            let shard_files = shard_file_count(files, data_dir)?;
-            if shard_files > 0 {
-                return Err(OpenError::ManifestMissing { path, shard_files });
-            }
-            let manifest =
-                Manifest { format_version: FORMAT_VERSION, shards, routing: ROUTING_COMPUTED.to_owned() };
-            write_manifest(files, &path, &manifest)?;
-            Ok(manifest)
-        }
-        Err(source) => Err(OpenError::Io { path, source }),
+        return Ok(manifest);
     }
+    let shard_files = shard_file_count(files, data_dir)?;
+    if shard_files > 0 {
+        return Err(OpenError::ManifestMissing { path, shard_files });
+    }
+    let manifest = Manifest { format_version: FORMAT_VERSION, shards, routing: ROUTING_COMPUTED.to_owned() };
+    write_manifest(files, &path, &manifest)?;
+    Ok(manifest)
+}
+
+/// Reads and checks the manifest; `None` when the directory has none.
+pub fn read(files: &dyn Files, data_dir: &Path) -> Result<Option<Manifest>, OpenError> {
+    let path = data_dir.join(MANIFEST_FILE);
+    let bytes = match files.read(&path) {
+        Ok(bytes) => bytes,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => return Err(OpenError::Io { path, source }),
+    };
+    let text = String::from_utf8_lossy(&bytes);
+    let manifest: Manifest = toml::from_str(&text)
+        .map_err(|e| OpenError::Manifest { path: path.clone(), reason: e.message().to_owned() })?;
+    if manifest.format_version != FORMAT_VERSION {
+        let reason =
+            format!("format_version is {}; this version reads {FORMAT_VERSION}", manifest.format_version);
+        return Err(OpenError::Manifest { path, reason });
+    }
+    if manifest.routing != ROUTING && manifest.routing != ROUTING_COMPUTED {
+        let reason = format!("routing is {:?}; this version routes by {ROUTING:?}", manifest.routing);
+        return Err(OpenError::Manifest { path, reason });
+    }
+    Ok(Some(manifest))
+}
+
+/// Records a new shard count (adding shards: the new shards own no slot until the map
+/// gives them some).
+pub(crate) fn set_shards(
+    files: &dyn Files,
+    data_dir: &Path,
+    manifest: &Manifest,
+    shards: u32,
+) -> Result<(), OpenError> {
+    write_manifest(files, &data_dir.join(MANIFEST_FILE), &Manifest { shards, ..manifest.clone() })
 }

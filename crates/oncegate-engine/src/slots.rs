@@ -79,6 +79,38 @@ impl SlotMap {
         counts
     }
 
+    /// Gives `slot` to `shard` (the caller raises `version` once per persisted change).
+    pub fn set_owner(&mut self, slot: u32, shard: u32) {
+        self.owners[slot as usize] = shard as u16;
+    }
+
+    /// The moves `(slot, from, to)` that spread the slots evenly over `shards` (each owns
+    /// 16,384 / `shards` slots, the first few one more), taking slots only from shards
+    /// over their share: adding shards moves no slot between the shards that were there.
+    /// The same map always gives the same moves, so a move cut short resumes where it was.
+    pub fn moves_to_spread(&self, shards: u32) -> Vec<(u32, u32, u32)> {
+        let share = |shard: u32| SLOT_COUNT / shards + u32::from(shard < SLOT_COUNT % shards);
+        let mut counts = self.slots_per_shard(shards);
+        let mut moves = Vec::new();
+        let mut receiver = 0;
+        for slot in 0..SLOT_COUNT {
+            let from = self.owner(slot);
+            if counts[from as usize] <= share(from) {
+                continue;
+            }
+            while receiver < shards && counts[receiver as usize] >= share(receiver) {
+                receiver += 1;
+            }
+            if receiver == shards {
+                break;
+            }
+            counts[from as usize] -= 1;
+            counts[receiver as usize] += 1;
+            moves.push((slot, from, receiver));
+        }
+        moves
+    }
+
     /// The file's bytes.
     fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(MAGIC.len() + 12 + self.owners.len() * 2 + 8);
@@ -121,6 +153,22 @@ impl SlotMap {
     }
 }
 
+/// The slots one shard owns, as its store checks them at open.
+#[derive(Clone, Debug)]
+pub struct Owned {
+    /// The map.
+    pub map: std::sync::Arc<SlotMap>,
+    /// The shard.
+    pub shard: u32,
+}
+
+impl Owned {
+    /// Whether the shard owns `slot`.
+    pub fn owns(&self, slot: u32) -> bool {
+        self.map.owner(slot) == self.shard
+    }
+}
+
 /// The slot map file of a data directory.
 pub fn path(data_dir: &Path) -> PathBuf {
     data_dir.join(SLOTS_FILE)
@@ -157,6 +205,26 @@ mod tests {
             assert_eq!(counts.iter().sum::<u32>(), SLOT_COUNT);
             assert!(counts.iter().max().unwrap() - counts.iter().min().unwrap() <= 1, "{counts:?}");
         }
+    }
+
+    #[test]
+    fn spreading_over_more_shards_moves_only_to_the_new_ones_and_evenly() {
+        let mut map = SlotMap::even(2);
+        let moves = map.moves_to_spread(4);
+        assert_eq!(moves.len(), 8_192);
+        assert!(moves.iter().all(|(_, from, to)| *from < 2 && *to >= 2));
+        for (slot, _, to) in &moves {
+            map.set_owner(*slot, *to);
+        }
+        assert_eq!(map.slots_per_shard(4), vec![4_096; 4]);
+        assert!(map.moves_to_spread(4).is_empty(), "spread already");
+        // Cut short half-way, the rest is exactly what was left.
+        let mut half = SlotMap::even(3);
+        let moves = half.moves_to_spread(7);
+        for (slot, _, to) in &moves[..moves.len() / 2] {
+            half.set_owner(*slot, *to);
+        }
+        assert_eq!(half.moves_to_spread(7), moves[moves.len() / 2..].to_vec());
     }
 
     #[test]

@@ -86,6 +86,7 @@ macro_rules! columns {
 
 const SELECT_RECORD: &str =
     concat!("SELECT tenant, namespace, key, ", columns!(), " FROM records WHERE id = ?1");
+const DELETE_RECORD: &str = "DELETE FROM records WHERE id = ?1";
 const SELECT_SCOPE: &str = "SELECT tenant, namespace, key FROM records WHERE id = ?1";
 const INSERT_RECORD: &str = concat!(
     "INSERT INTO records (hash, tenant, namespace, key, reclaim_at_ms, ",
@@ -163,6 +164,9 @@ pub(crate) struct Tuning {
     pub wal_checkpoint_pages: u64,
     /// The width of the reclaim schedule's windows.
     pub reclaim_granularity_ms: u64,
+    /// The slots this file's shard owns; rows of other slots (left by a slot move that
+    /// was cut short) are deleted at open. `None`: every slot (tools that copy rows).
+    pub owned: Option<crate::slots::Owned>,
     /// The files seam, and with it the SQLite VFS.
     pub files: Arc<dyn Files>,
 }
@@ -292,11 +296,15 @@ impl Store {
         let page_bytes: i64 = conn.query_row("PRAGMA page_size", [], |row| row.get(0))?;
         let pages = faults.page_count_max().unwrap_or(tuning.file_bytes_max / from_sql(page_bytes).max(512));
         let _: i64 = conn.query_row(&format!("PRAGMA max_page_count = {pages}"), [], |row| row.get(0))?;
-        let Scanned { index, schedule, tally, rows } = scan(&conn, tuning.reclaim_granularity_ms)?;
+        let Scanned { index, schedule, tally, rows, foreign } =
+            scan(&conn, tuning.reclaim_granularity_ms, tuning.owned.as_ref())?;
         let meta = Meta {
             next_token: stored.next_token.max(rows.next_token),
             high_water_ms: stored.high_water_ms.max(rows.high_water_ms),
         };
+        if !foreign.is_empty() {
+            delete_foreign(&mut conn, &foreign, meta)?;
+        }
         let store = Store { conn, faults: faults.clone(), index, schedule, tally: Some(tally) };
         Ok((store, meta, version == 0))
     }
@@ -410,6 +418,8 @@ fn migrate_to_appended_rows(tx: &Transaction<'_>) -> Result<(), StoreError> {
 
 /// What one pass over a freshly opened file's rows builds.
 struct Scanned {
+    /// Rows of slots the shard does not own: the copies a cut-short slot move left.
+    foreign: Vec<i64>,
     index: Index,
     schedule: Schedule,
     tally: Tally,
@@ -422,7 +432,12 @@ struct Scanned {
 /// one pass over a freshly opened file. Two rows of one scope (which the old primary key
 /// made impossible, and only the index prevents now) are refused as corruption rather
 /// than served from either.
-fn scan(conn: &Connection, reclaim_granularity_ms: u64) -> Result<Scanned, StoreError> {
+fn scan(
+    conn: &Connection,
+    reclaim_granularity_ms: u64,
+    owned: Option<&crate::slots::Owned>,
+) -> Result<Scanned, StoreError> {
+    let mut foreign = Vec::new();
     let mut index = Index::default();
     let mut schedule = Schedule::new(reclaim_granularity_ms);
     let mut tally = Tally::default();
@@ -435,16 +450,21 @@ fn scan(conn: &Connection, reclaim_granularity_ms: u64) -> Result<Scanned, Store
     let mut rows = stmt.query([])?;
     while let Some(row) = rows.next()? {
         let (hash, id) = (hash_from_sql(row.get(0)?), row.get(1)?);
+        // The counters cover foreign rows too: their tokens and times were issued here.
+        counters.next_token = counters.next_token.max(from_sql(row.get(5)?).saturating_add(1));
+        if let Some(at) = row.get::<_, Option<Vec<u8>>>(6)?.and_then(|b| <[u8; 8]>::try_from(b).ok()) {
+            counters.high_water_ms = counters.high_water_ms.max(u64::from_le_bytes(at));
+        }
+        if owned.is_some_and(|owned| !owned.owns(route::slot_of_hash(hash))) {
+            foreign.push(id);
+            continue;
+        }
         if index.ids(hash).next().is_some() {
             shared_hashes.push(hash);
         }
         index.insert(hash, id);
         schedule.add(from_sql(row.get(4)?), id);
         tally.add_stored(&stored_tenant(row.get(2)?)?, row.get(3)?);
-        counters.next_token = counters.next_token.max(from_sql(row.get(5)?).saturating_add(1));
-        if let Some(at) = row.get::<_, Option<Vec<u8>>>(6)?.and_then(|b| <[u8; 8]>::try_from(b).ok()) {
-            counters.high_water_ms = counters.high_water_ms.max(u64::from_le_bytes(at));
-        }
     }
     drop(rows);
     let mut select = conn.prepare("SELECT tenant, namespace, key FROM records WHERE id = ?1")?;
@@ -461,7 +481,29 @@ fn scan(conn: &Connection, reclaim_granularity_ms: u64) -> Result<Scanned, Store
             }
         }
     }
-    Ok(Scanned { index, schedule, tally, rows: counters })
+    Ok(Scanned { index, schedule, tally, rows: counters, foreign })
+}
+
+/// Deletes the rows of slots the shard does not own, writing the counters first (a
+/// transaction that deletes rows writes `meta`, see `Txn::commit`).
+fn delete_foreign(conn: &mut Connection, foreign: &[i64], meta: Meta) -> Result<(), StoreError> {
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    tx.execute(
+        "UPDATE meta SET next_token = ?1, high_water_ms = ?2 WHERE id = 0",
+        params![to_sql(meta.next_token), to_sql(meta.high_water_ms)],
+    )?;
+    {
+        let mut delete = tx.prepare(DELETE_RECORD)?;
+        for id in foreign {
+            delete.execute(params![id])?;
+        }
+    }
+    tx.commit()?;
+    tracing::info!(
+        rows = foreign.len(),
+        "deleted rows of slots this shard does not own (a slot move was cut short)"
+    );
+    Ok(())
 }
 
 /// A 64-bit hash as SQLite's signed integer, bit for bit (unlike `to_sql`, which clamps
@@ -658,7 +700,7 @@ impl Txn<'_> {
     pub fn delete(&self, scope: &Scope) -> Result<(), StoreError> {
         self.failpoint()?;
         let Some(id) = self.locate(scope)? else { return Ok(()) };
-        self.tx().prepare_cached("DELETE FROM records WHERE id = ?1")?.execute(params![id])?;
+        self.tx().prepare_cached(DELETE_RECORD)?.execute(params![id])?;
         self.forget(route::scope_hash(scope), id);
         Ok(())
     }
@@ -769,6 +811,95 @@ impl Txn<'_> {
     }
 }
 
+/// Copying a slot's rows from one shard file to another, for moving slots (`reshard.rs`).
+impl Store {
+    /// Copies every row of `slots` from `src` into this store, replacing any rows of those
+    /// slots already here (left by a copy that was cut short), in one transaction that
+    /// also raises `meta` to cover the copied tokens and times. `meta` is this store's
+    /// counters as opened. Returns the rows copied.
+    pub(crate) fn copy_slots_from(
+        &mut self,
+        src: &Store,
+        slots: &std::collections::HashSet<u32>,
+        meta: Meta,
+    ) -> Result<u64, StoreError> {
+        let in_slots = |hash: i64| slots.contains(&route::slot_of_hash(hash_from_sql(hash)));
+        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let stale: Vec<i64> = {
+            let mut stmt = tx.prepare("SELECT id, hash FROM records")?;
+            let rows = stmt.query_map([], |row| Ok((row.get::<_, i64>(0)?, row.get::<_, i64>(1)?)))?;
+            rows.filter_map(|row| row.map(|(id, hash)| in_slots(hash).then_some(id)).transpose())
+                .collect::<Result<_, _>>()?
+        };
+        let mut counters = meta;
+        let mut copied = 0;
+        {
+            let mut delete = tx.prepare(DELETE_RECORD)?;
+            for id in stale {
+                delete.execute(params![id])?;
+            }
+            let mut read = src.conn.prepare(concat!(
+                "SELECT hash, tenant, namespace, key, reclaim_at_ms, ",
+                columns!(),
+                ", substr(history, -16, 8) FROM records"
+            ))?;
+            let mut insert = tx.prepare(INSERT_RECORD)?;
+            let mut rows = read.query([])?;
+            while let Some(row) = rows.next()? {
+                if !in_slots(row.get(0)?) {
+                    continue;
+                }
+                let values: Vec<rusqlite::types::Value> =
+                    (0..15).map(|c| row.get(c)).collect::<Result<_, _>>()?;
+                insert.execute(rusqlite::params_from_iter(values))?;
+                counters.next_token = counters.next_token.max(from_sql(row.get(5)?).saturating_add(1));
+                if let Some(at) = row.get::<_, Option<Vec<u8>>>(15)?.and_then(|b| <[u8; 8]>::try_from(b).ok())
+                {
+                    counters.high_water_ms = counters.high_water_ms.max(u64::from_le_bytes(at));
+                }
+                copied += 1;
+            }
+        }
+        tx.execute(
+            "UPDATE meta SET next_token = ?1, high_water_ms = ?2 WHERE id = 0",
+            params![to_sql(counters.next_token), to_sql(counters.high_water_ms)],
+        )?;
+        tx.commit()?;
+        Ok(copied)
+    }
+
+    /// Deletes every row of `slots`, writing `meta` (this store's counters as opened) in
+    /// the same transaction. Returns the rows deleted.
+    pub(crate) fn delete_slots(
+        &mut self,
+        slots: &std::collections::HashSet<u32>,
+        meta: Meta,
+    ) -> Result<u64, StoreError> {
+        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        tx.execute(
+            "UPDATE meta SET next_token = ?1, high_water_ms = ?2 WHERE id = 0",
+            params![to_sql(meta.next_token), to_sql(meta.high_water_ms)],
+        )?;
+        let ids: Vec<i64> = {
+            let mut stmt = tx.prepare("SELECT id, hash FROM records")?;
+            let rows = stmt.query_map([], |row| Ok((row.get::<_, i64>(0)?, row.get::<_, i64>(1)?)))?;
+            rows.filter_map(|row| {
+                row.map(|(id, hash)| slots.contains(&route::slot_of_hash(hash_from_sql(hash))).then_some(id))
+                    .transpose()
+            })
+            .collect::<Result<_, _>>()?
+        };
+        {
+            let mut delete = tx.prepare(DELETE_RECORD)?;
+            for id in &ids {
+                delete.execute(params![id])?;
+            }
+        }
+        tx.commit()?;
+        Ok(ids.len() as u64)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -780,6 +911,7 @@ mod tests {
             page_cache_bytes_max: 1 << 20,
             wal_checkpoint_pages: 1_000,
             reclaim_granularity_ms: 1_000,
+            owned: None,
             files: Arc::new(crate::files::OsFiles),
         }
     }

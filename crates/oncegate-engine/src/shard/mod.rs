@@ -84,6 +84,8 @@ pub(crate) struct Parts {
     pub quotas: Quotas,
     /// The files seam (the operating system's, or a simulated disk).
     pub files: Arc<dyn Files>,
+    /// Which shard owns each slot.
+    pub slots: Arc<crate::slots::SlotMap>,
 }
 
 /// Sent once per shard when its first open attempt is over.
@@ -111,14 +113,28 @@ pub(crate) struct Shard {
     epoch: u64,
     book: Book,
     files: Arc<dyn Files>,
+    slots: Arc<crate::slots::SlotMap>,
     backoff_ms: u64,
     reopen_at: Option<Instant>,
 }
 
 impl Shard {
     pub fn new(parts: Parts) -> Shard {
-        let Parts { id, config, clock, start, floor, faults, shared, data, control, gone, quotas, files } =
-            parts;
+        let Parts {
+            id,
+            config,
+            clock,
+            start,
+            floor,
+            faults,
+            shared,
+            data,
+            control,
+            gone,
+            quotas,
+            files,
+            slots,
+        } = parts;
         Shard {
             id,
             path: manifest::shard_file(&config.data_dir, id),
@@ -139,6 +155,7 @@ impl Shard {
             epoch: 0,
             book: Book::new(id, quotas),
             files,
+            slots,
             reopen_at: None,
         }
     }

@@ -43,6 +43,7 @@ impl Shard {
             page_cache_bytes_max: self.config.page_cache_bytes_max,
             wal_checkpoint_pages: self.config.wal_checkpoint_pages,
             reclaim_granularity_ms: self.config.reclaim_granularity_ms,
+            owned: Some(crate::slots::Owned { map: Arc::clone(&self.slots), shard: self.id }),
             files: Arc::clone(&self.files),
         };
         // Only the first open of the process checks the file and re-anchors the clock;

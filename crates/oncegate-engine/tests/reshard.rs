@@ -1,0 +1,131 @@
+//! Adding shards to a stopped directory (`reshard::add_shards`): every key answered as
+//! before on its new shard, holders keep their leases and tokens, the next grant of a
+//! moved key is above every earlier token, and a reshard cut short after any durable
+//! step leaves a directory that opens correctly and finishes when run again.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use common::*;
+use oncegate_core::{ReserveReply, State};
+use oncegate_engine::files::OsFiles;
+use oncegate_engine::reshard::{Resharded, add_shards, add_shards_on};
+use oncegate_engine::{Engine, EngineConfig, Faults, ManualClock, OpenError};
+
+const KEYS: usize = 120;
+
+/// What the test wrote: each key's token, and whether it was committed.
+type Written = HashMap<String, (u64, bool)>;
+
+/// Fills a 2-shard directory: every third key stays pending (its holder keeps the
+/// lease), the rest are committed with their name as the response.
+fn fill(dir: &std::path::Path, clock: &ManualClock) -> Written {
+    let engine = open(EngineConfig { shards: 2, ..config(dir) }, clock, &Faults::default());
+    let mut written = Written::new();
+    for i in 0..KEYS {
+        let name = format!("k{i}");
+        let token =
+            granted(&engine.reserve_blocking(&tenant(), reserve_for(&name, 600_000, 0, 0)).unwrap().reply);
+        let committed = i % 3 != 0;
+        if committed {
+            engine.commit_blocking(&tenant(), commit(&name, token, name.as_bytes())).unwrap();
+        }
+        written.insert(name, (token, committed));
+    }
+    engine.shutdown();
+    written
+}
+
+/// Every key reads as written, on the shard the map now gives it.
+fn check(engine: &Engine, written: &Written) {
+    for (name, (token, committed)) in written {
+        let view = engine.get_blocking(&tenant(), key(name, 0)).unwrap();
+        let state = if *committed { State::Completed } else { State::Pending };
+        assert_eq!((view.state, view.token), (state, *token), "{name}");
+        if *committed {
+            assert_eq!(view.response, name.as_bytes());
+        }
+    }
+    let stored: u64 = engine.stats().iter().map(|s| s.records_pending + s.records_completed).sum();
+    assert_eq!(stored, written.len() as u64, "no key lost, none stored twice");
+}
+
+fn open_four(dir: &std::path::Path, clock: &ManualClock) -> Engine {
+    open(EngineConfig { shards: 4, ..config(dir) }, clock, &Faults::default())
+}
+
+#[test]
+fn adding_shards_spreads_the_slots_and_keeps_every_key_where_the_map_says() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let written = fill(dir.path(), &clock);
+    let mut seen = Vec::new();
+    let done = add_shards(&config(dir.path()), 4, &mut |moved, total| seen.push((moved, total))).unwrap();
+    assert_eq!((done.shards_before, done.shards_after, done.slots_moved), (2, 4, 8_192), "{done:?}");
+    assert!(done.records_moved > 0 && done.records_moved < KEYS as u64, "{done:?}");
+    assert_eq!(seen.last(), Some(&(8_192, 8_192)));
+    let engine = open_four(dir.path(), &clock);
+    assert_eq!(engine.stats().iter().map(|s| s.slots).collect::<Vec<_>>(), vec![4_096; 4]);
+    check(&engine, &written);
+    for (name, (token, committed)) in &written {
+        if *committed {
+            continue;
+        }
+        // The holder's token still commits on the key's new shard ...
+        engine.commit_blocking(&tenant(), commit(name, *token, b"late")).unwrap();
+        // ... and a new attempt after the key is gone gets a greater token.
+        block_on(engine.purge(engine.scope(&tenant(), "live", name).unwrap())).unwrap();
+        let next = granted(&engine.reserve_blocking(&tenant(), reserve(name)).unwrap().reply);
+        assert!(next > *token, "{name}: {next} after {token}");
+    }
+    drop(engine);
+    // Nothing left to do at the same count.
+    let again = add_shards(&config(dir.path()), 4, &mut |_, _| {}).unwrap();
+    assert_eq!(again.slots_moved, 0);
+}
+
+#[test]
+fn a_reshard_cut_after_any_step_opens_correctly_and_finishes_when_run_again() {
+    // 2 to 4 shards is four groups of slots, each copied, flipped, then deleted at the
+    // source: a cut after the 1st to the 8th durable step.
+    for cut in 1..=8 {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = ManualClock::new(T0);
+        let written = fill(dir.path(), &clock);
+        let faults = Faults::default();
+        faults.fail_op_after(cut);
+        let stopped = add_shards_on(&config(dir.path()), 4, Arc::new(OsFiles), &faults, &mut |_, _| {});
+        assert!(stopped.is_err(), "cut {cut}: the injected stop");
+        let engine = open_four(dir.path(), &clock);
+        check(&engine, &written);
+        drop(engine);
+        let done: Resharded = add_shards(&config(dir.path()), 4, &mut |_, _| {}).unwrap();
+        // From the first flip of the map on, what moved stays moved.
+        assert_eq!(done.slots_moved < 8_192, cut >= 2, "cut {cut}: resumed, not restarted: {done:?}");
+        let engine = open_four(dir.path(), &clock);
+        assert_eq!(engine.stats().iter().map(|s| s.slots).collect::<Vec<_>>(), vec![4_096; 4], "cut {cut}");
+        check(&engine, &written);
+        let fresh = engine.reserve_blocking(&tenant(), reserve("fresh")).unwrap().reply;
+        assert!(matches!(fresh, ReserveReply::Granted { .. }));
+    }
+}
+
+#[test]
+fn more_shards_than_the_directory_has_are_refused_with_how_to_add_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    fill(dir.path(), &clock);
+    let refused = Engine::open_with(
+        EngineConfig { shards: 4, ..config(dir.path()) },
+        Arc::new(clock),
+        Faults::default(),
+    )
+    .err()
+    .expect("refused");
+    assert!(matches!(refused, OpenError::ShardCount { found: 2, configured: 4, .. }), "{refused:?}");
+    assert!(refused.to_string().contains("oncegate reshard"), "{refused}");
+    let fewer = add_shards(&config(dir.path()), 1, &mut |_, _| {}).expect_err("refused");
+    assert!(fewer.to_string().contains("never removed"), "{fewer}");
+}
