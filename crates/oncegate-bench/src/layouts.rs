@@ -31,6 +31,13 @@ pub enum Layout {
     /// `AppendInMemoryFull` with the response and the history in a table of their own,
     /// keyed by the record's id and written at commit, so the hot row keeps its size.
     AppendSplit,
+    /// The engine's schema 5: `AppendInMemoryFull` without the reclaim index, 2 KiB
+    /// pages, and no `meta` write per transaction.
+    Schema5,
+    /// `Schema5` with pending records in a `pending` table of their own: a commit
+    /// deletes the pending row and appends the completed record, at its final size, to
+    /// `records`, so no row grows in place and the pending table stays a few hot pages.
+    PendingSide,
 }
 
 impl Layout {
@@ -69,6 +76,17 @@ impl Layout {
                    completed_at_ms INTEGER, history BLOB);
                  CREATE INDEX records_by_reclaim_at ON records (reclaim_at_ms);"
             }
+            Layout::Schema5 | Layout::PendingSide => {
+                "CREATE TABLE records (id INTEGER PRIMARY KEY, hash INTEGER NOT NULL, tenant TEXT NOT NULL,
+                   namespace TEXT NOT NULL, key TEXT NOT NULL, token INTEGER NOT NULL, attempt INTEGER NOT NULL,
+                   lease_until_ms INTEGER NOT NULL, expires_at_ms INTEGER NOT NULL, ttl_ms INTEGER NOT NULL,
+                   reclaim_at_ms INTEGER NOT NULL, fingerprint BLOB NOT NULL, outcome INTEGER, response BLOB,
+                   completed_at_ms INTEGER, history BLOB);
+                 CREATE TABLE pending (id INTEGER PRIMARY KEY, hash INTEGER NOT NULL, tenant TEXT NOT NULL,
+                   namespace TEXT NOT NULL, key TEXT NOT NULL, token INTEGER NOT NULL, attempt INTEGER NOT NULL,
+                   lease_until_ms INTEGER NOT NULL, expires_at_ms INTEGER NOT NULL, ttl_ms INTEGER NOT NULL,
+                   reclaim_at_ms INTEGER NOT NULL, fingerprint BLOB NOT NULL, history BLOB);"
+            }
             Layout::AppendSplit => {
                 "CREATE TABLE records (id INTEGER PRIMARY KEY, hash INTEGER NOT NULL, tenant TEXT NOT NULL,
                    namespace TEXT NOT NULL, key TEXT NOT NULL, token INTEGER NOT NULL, attempt INTEGER NOT NULL,
@@ -96,6 +114,13 @@ pub struct Measured {
     pub file_bytes: u64,
 }
 
+/// The single writer's memory beside an open transaction.
+struct Memory<'a> {
+    layout: Layout,
+    index: &'a mut HashMap<u64, i64>,
+    next_id: &'a mut i64,
+}
+
 /// A shard file under one layout, with its in-memory index where the layout has one.
 struct Store {
     conn: Connection,
@@ -121,6 +146,9 @@ fn hash_of(key: &str) -> u64 {
 impl Store {
     fn open(path: &std::path::Path, layout: Layout) -> anyhow::Result<Store> {
         let conn = Connection::open(path)?;
+        if matches!(layout, Layout::Schema5 | Layout::PendingSide) {
+            conn.pragma_update(None, "page_size", 2048)?;
+        }
         oncegate_engine::configure_sqlite(&conn, &oncegate_engine::EngineConfig::default())?;
         conn.execute_batch(layout.schema())?;
         conn.execute_batch(
@@ -130,12 +158,51 @@ impl Store {
         Ok(Store { conn, layout, index: HashMap::new(), next_id: 1 })
     }
 
+    /// A transaction, and the memory the writes keep in step with it.
+    fn split(&mut self) -> rusqlite::Result<(Transaction<'_>, Memory<'_>)> {
+        let Store { conn, layout, index, next_id } = self;
+        Ok((conn.transaction()?, Memory { layout: *layout, index, next_id }))
+    }
+
     /// Inserts a pending record for each key, and the meta row, in one transaction.
     fn reserve(&mut self, keys: &[String], now: i64) -> anyhow::Result<()> {
-        let tx = self.conn.transaction()?;
+        let (tx, mut mem) = self.split()?;
+        Store::reserve_in(&mut mem, &tx, keys, now)?;
+        if !mem.layout.rows_carry_counters() {
+            meta(&tx, now)?;
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// The engine's batches at moderate load: this batch's reserves and the commits of
+    /// the keys reserved one batch earlier, in one transaction.
+    fn interleaved(
+        &mut self,
+        reserve: &[String],
+        commit: &[String],
+        now: i64,
+        response: &[u8],
+    ) -> anyhow::Result<()> {
+        let (tx, mut mem) = self.split()?;
+        Store::reserve_in(&mut mem, &tx, reserve, now)?;
+        Store::commit_in(&mut mem, &tx, commit, now, response)?;
+        if !mem.layout.rows_carry_counters() {
+            meta(&tx, now)?;
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
+    fn reserve_in(
+        mem: &mut Memory<'_>,
+        tx: &Transaction<'_>,
+        keys: &[String],
+        now: i64,
+    ) -> anyhow::Result<()> {
         for key in keys {
             let hash = hash_of(key) as i64;
-            match self.layout {
+            match mem.layout {
                 Layout::Today => {
                     tx.prepare_cached(
                         "INSERT INTO records (tenant, namespace, key, token, attempt, lease_until_ms, expires_at_ms,
@@ -152,52 +219,70 @@ impl Store {
                     .execute(params![hash, key.as_bytes(), now + 30_000, now + 3_600_000])?;
                 }
                 Layout::AppendIndexed | Layout::AppendInMemory => {
-                    let id = self.next_id;
-                    self.next_id += 1;
+                    let id = *mem.next_id;
+                    *mem.next_id += 1;
                     tx.prepare_cached(
                         "INSERT INTO records (id, hash, scope, token, lease_until_ms, expires_at_ms, fingerprint)
                          VALUES (?1, ?2, ?3, ?2, ?4, ?5, x'')",
                     )?
                     .execute(params![id, hash, key.as_bytes(), now + 30_000, now + 3_600_000])?;
-                    if self.layout == Layout::AppendInMemory {
-                        self.index.insert(hash as u64, id);
+                    if mem.layout == Layout::AppendInMemory {
+                        mem.index.insert(hash as u64, id);
                     }
                 }
                 Layout::AppendSplit => {
-                    let id = self.next_id;
-                    self.next_id += 1;
+                    let id = *mem.next_id;
+                    *mem.next_id += 1;
                     tx.prepare_cached(
                         "INSERT INTO records (id, hash, tenant, namespace, key, token, attempt, lease_until_ms,
                            expires_at_ms, ttl_ms, reclaim_at_ms, fingerprint)
                          VALUES (?1, ?2, 'default', 'bench', ?3, ?2, 1, ?4, ?5, 3600000, ?5, x'')",
                     )?
                     .execute(params![id, hash, key, now + 30_000, now + 3_600_000])?;
-                    self.index.insert(hash as u64, id);
+                    mem.index.insert(hash as u64, id);
                 }
-                Layout::AppendInMemoryFull => {
-                    let id = self.next_id;
-                    self.next_id += 1;
-                    tx.prepare_cached(
-                        "INSERT INTO records (id, hash, tenant, namespace, key, token, attempt, lease_until_ms,
+                Layout::AppendInMemoryFull | Layout::Schema5 | Layout::PendingSide => {
+                    let table = if mem.layout == Layout::PendingSide { "pending" } else { "records" };
+                    tx.prepare_cached(&format!(
+                        "INSERT INTO {table} (hash, tenant, namespace, key, token, attempt, lease_until_ms,
                            expires_at_ms, ttl_ms, reclaim_at_ms, fingerprint, history)
-                         VALUES (?1, ?2, 'default', 'bench', ?3, ?2, 1, ?4, ?5, 3600000, ?5, x'', ?6)",
-                    )?
-                    .execute(params![id, hash, key, now + 30_000, now + 3_600_000, &HISTORY[..17]])?;
-                    self.index.insert(hash as u64, id);
+                         VALUES (?1, 'default', 'bench', ?2, ?1, 1, ?3, ?4, 3600000, ?4, x'', ?5)"
+                    ))?
+                    .execute(params![
+                        hash,
+                        key,
+                        now + 30_000,
+                        now + 3_600_000,
+                        &HISTORY[..17]
+                    ])?;
+                    mem.index.insert(hash as u64, tx.last_insert_rowid());
                 }
             }
         }
-        meta(&tx, now)?;
-        tx.commit()?;
         Ok(())
     }
 
     /// Completes each key with its response, and the meta row, in one transaction.
     fn commit(&mut self, keys: &[String], now: i64, response: &[u8]) -> anyhow::Result<()> {
-        let tx = self.conn.transaction()?;
+        let (tx, mut mem) = self.split()?;
+        Store::commit_in(&mut mem, &tx, keys, now, response)?;
+        if !mem.layout.rows_carry_counters() {
+            meta(&tx, now)?;
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
+    fn commit_in(
+        mem: &mut Memory<'_>,
+        tx: &Transaction<'_>,
+        keys: &[String],
+        now: i64,
+        response: &[u8],
+    ) -> anyhow::Result<()> {
         for key in keys {
             let hash = hash_of(key) as i64;
-            let sql = match self.layout {
+            let sql = match mem.layout {
                 Layout::Today => {
                     tx.prepare_cached(
                         "UPDATE records SET outcome = 1, response = ?2, completed_at_ms = ?3, history = ?4,
@@ -216,7 +301,7 @@ impl Store {
                        expires_at_ms = ?3 + 3600000 WHERE hash = ?1"
                 }
                 Layout::AppendSplit => {
-                    let id = self.index.get(&(hash as u64)).copied().unwrap_or(0);
+                    let id = mem.index.get(&(hash as u64)).copied().unwrap_or(0);
                     tx.prepare_cached(
                         "UPDATE records SET outcome = 1, completed_at_ms = ?2,
                            expires_at_ms = ?2 + 3600000, reclaim_at_ms = ?2 + 3600000 WHERE id = ?1",
@@ -226,8 +311,21 @@ impl Store {
                         .execute(params![id, response, &HISTORY[..]])?;
                     continue;
                 }
-                Layout::AppendInMemoryFull => {
-                    let id = self.index.get(&(hash as u64)).copied().unwrap_or(0);
+                Layout::PendingSide => {
+                    let id = mem.index.get(&(hash as u64)).copied().unwrap_or(0);
+                    tx.prepare_cached(
+                        "INSERT INTO records (hash, tenant, namespace, key, token, attempt, lease_until_ms,
+                           expires_at_ms, ttl_ms, reclaim_at_ms, fingerprint, outcome, response, completed_at_ms, history)
+                         SELECT hash, tenant, namespace, key, token, attempt, lease_until_ms, ?2 + 3600000, ttl_ms,
+                           ?2 + 3600000, fingerprint, 1, ?3, ?2, ?4 FROM pending WHERE id = ?1",
+                    )?
+                    .execute(params![id, now, response, &HISTORY[..]])?;
+                    mem.index.insert(hash as u64, tx.last_insert_rowid());
+                    tx.prepare_cached("DELETE FROM pending WHERE id = ?1")?.execute(params![id])?;
+                    continue;
+                }
+                Layout::AppendInMemoryFull | Layout::Schema5 => {
+                    let id = mem.index.get(&(hash as u64)).copied().unwrap_or(0);
                     tx.prepare_cached(
                         "UPDATE records SET outcome = 1, response = ?2, completed_at_ms = ?3, history = ?4,
                            expires_at_ms = ?3 + 3600000, reclaim_at_ms = ?3 + 3600000 WHERE id = ?1",
@@ -236,7 +334,7 @@ impl Store {
                     continue;
                 }
                 Layout::AppendInMemory => {
-                    let id = self.index.get(&(hash as u64)).copied().unwrap_or(0);
+                    let id = mem.index.get(&(hash as u64)).copied().unwrap_or(0);
                     tx.prepare_cached(
                         "UPDATE records SET outcome = 1, response = ?2, completed_at_ms = ?3,
                            expires_at_ms = ?3 + 3600000 WHERE id = ?1",
@@ -247,9 +345,15 @@ impl Store {
             };
             tx.prepare_cached(sql)?.execute(params![hash, response, now])?;
         }
-        meta(&tx, now)?;
-        tx.commit()?;
         Ok(())
+    }
+}
+
+impl Layout {
+    /// Whether the rows carry the token counter and the time (schema 5), so no `meta`
+    /// row is written per transaction.
+    fn rows_carry_counters(self) -> bool {
+        matches!(self, Layout::Schema5 | Layout::PendingSide)
     }
 }
 
@@ -259,14 +363,17 @@ fn meta(tx: &Transaction<'_>, now: i64) -> rusqlite::Result<usize> {
 }
 
 /// Preloads `preload` completed records, then measures `pairs` pairs in batches of
-/// `batch` (a batch of reserves, then a batch of their commits), ending with a
-/// checkpoint of the whole WAL into the file, which is counted.
+/// `batch` (a batch of reserves, then a batch of their commits; or, `interleaved`, each
+/// transaction the reserves of a batch and the commits of the batch before, as the
+/// engine's batches are at moderate load), ending with a checkpoint of the whole WAL into
+/// the file, which is counted.
 pub fn measure(
     dir: &std::path::Path,
     layout: Layout,
     preload: u64,
     pairs: u64,
     batch: usize,
+    interleaved: bool,
 ) -> anyhow::Result<Measured> {
     let path = dir.join(format!("{layout:?}.sqlite"));
     let mut store = Store::open(&path, layout)?;
@@ -284,10 +391,27 @@ pub fn measure(
         }
         Ok(())
     };
+    let run_interleaved = |store: &mut Store, count: u64, n: &mut u64| -> anyhow::Result<()> {
+        let mut previous: Vec<String> = Vec::new();
+        let mut done = 0;
+        while done < count {
+            let keys: Vec<String> = (0..batch as u64).map(|i| key_of(*n + i)).collect();
+            *n += batch as u64;
+            let now = 1_700_000_000_000 + *n as i64;
+            store.interleaved(&keys, &previous, now, &response)?;
+            previous = keys;
+            done += batch as u64;
+        }
+        store.commit(&previous, 1_700_000_000_000 + *n as i64, &response)
+    };
     run(&mut store, preload, &mut n)?;
     store.conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))?;
     let (ticks, bytes, started) = (this_thread_ticks(), this_process_write_bytes(), Instant::now());
-    run(&mut store, pairs, &mut n)?;
+    if interleaved {
+        run_interleaved(&mut store, pairs, &mut n)?;
+    } else {
+        run(&mut store, pairs, &mut n)?;
+    }
     store.conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))?;
     let (elapsed, ticks, bytes) =
         (started.elapsed(), this_thread_ticks() - ticks, this_process_write_bytes() - bytes);

@@ -30,6 +30,10 @@ struct Cli {
     /// Where the files go (a real disk, for the figures to mean anything).
     #[arg(long)]
     dir: Option<std::path::PathBuf>,
+    /// Each transaction holds a batch's reserves and the previous batch's commits, as
+    /// the engine's do at moderate load (otherwise a batch of reserves, then their commits).
+    #[arg(long)]
+    interleaved: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -39,7 +43,7 @@ fn main() -> anyhow::Result<()> {
         "| layout | pairs/s | CPU µs/pair | disk bytes/pair | file MiB |\n| --- | --- | --- | --- | --- |"
     );
     for layout in cli.layouts {
-        let m = measure(scratch.path(), layout, cli.preload, cli.pairs, cli.batch)?;
+        let m = measure(scratch.path(), layout, cli.preload, cli.pairs, cli.batch, cli.interleaved)?;
         println!(
             "| {} | {:.0} | {:.1} | {:.0} | {:.1} |",
             m.layout,
