@@ -484,20 +484,41 @@ fn scan(
     Ok(Scanned { index, schedule, tally, rows: counters, foreign })
 }
 
+/// Writes the counters; every write of `meta` goes through here.
+fn write_meta(conn: &Connection, meta: Meta) -> Result<(), StoreError> {
+    conn.prepare_cached("UPDATE meta SET next_token = ?1, high_water_ms = ?2 WHERE id = 0")?
+        .execute(params![to_sql(meta.next_token), to_sql(meta.high_water_ms)])?;
+    Ok(())
+}
+
+/// Deletes rows by id, in the caller's transaction.
+fn delete_rows(conn: &Connection, ids: &[i64]) -> Result<(), StoreError> {
+    let mut delete = conn.prepare_cached(DELETE_RECORD)?;
+    for id in ids {
+        delete.execute(params![id])?;
+    }
+    Ok(())
+}
+
+/// The ids of the rows whose scope falls in `slots` (one pass over the table).
+fn ids_in_slots(conn: &Connection, slots: &std::collections::HashSet<u32>) -> Result<Vec<i64>, StoreError> {
+    let mut stmt = conn.prepare("SELECT id, hash FROM records")?;
+    let mut rows = stmt.query([])?;
+    let mut ids = Vec::new();
+    while let Some(row) = rows.next()? {
+        if slots.contains(&route::slot_of_hash(hash_from_sql(row.get(1)?))) {
+            ids.push(row.get(0)?);
+        }
+    }
+    Ok(ids)
+}
+
 /// Deletes the rows of slots the shard does not own, writing the counters first (a
 /// transaction that deletes rows writes `meta`, see `Txn::commit`).
 fn delete_foreign(conn: &mut Connection, foreign: &[i64], meta: Meta) -> Result<(), StoreError> {
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-    tx.execute(
-        "UPDATE meta SET next_token = ?1, high_water_ms = ?2 WHERE id = 0",
-        params![to_sql(meta.next_token), to_sql(meta.high_water_ms)],
-    )?;
-    {
-        let mut delete = tx.prepare(DELETE_RECORD)?;
-        for id in foreign {
-            delete.execute(params![id])?;
-        }
-    }
+    write_meta(&tx, meta)?;
+    delete_rows(&tx, foreign)?;
     tx.commit()?;
     tracing::info!(
         rows = foreign.len(),
@@ -756,10 +777,7 @@ impl Txn<'_> {
     /// Writes the counters (at open; otherwise [`Txn::commit`] does when it must).
     pub fn set_meta(&self, meta: Meta) -> Result<(), StoreError> {
         self.failpoint()?;
-        let mut stmt =
-            self.tx().prepare_cached("UPDATE meta SET next_token = ?1, high_water_ms = ?2 WHERE id = 0")?;
-        stmt.execute(params![to_sql(meta.next_token), to_sql(meta.high_water_ms)])?;
-        Ok(())
+        write_meta(self.tx(), meta)
     }
 
     /// Whether `error` undid only the statement that raised it, so that its request alone
@@ -825,19 +843,10 @@ impl Store {
     ) -> Result<u64, StoreError> {
         let in_slots = |hash: i64| slots.contains(&route::slot_of_hash(hash_from_sql(hash)));
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-        let stale: Vec<i64> = {
-            let mut stmt = tx.prepare("SELECT id, hash FROM records")?;
-            let rows = stmt.query_map([], |row| Ok((row.get::<_, i64>(0)?, row.get::<_, i64>(1)?)))?;
-            rows.filter_map(|row| row.map(|(id, hash)| in_slots(hash).then_some(id)).transpose())
-                .collect::<Result<_, _>>()?
-        };
+        delete_rows(&tx, &ids_in_slots(&tx, slots)?)?;
         let mut counters = meta;
         let mut copied = 0;
         {
-            let mut delete = tx.prepare(DELETE_RECORD)?;
-            for id in stale {
-                delete.execute(params![id])?;
-            }
             let mut read = src.conn.prepare(concat!(
                 "SELECT hash, tenant, namespace, key, reclaim_at_ms, ",
                 columns!(),
@@ -860,10 +869,7 @@ impl Store {
                 copied += 1;
             }
         }
-        tx.execute(
-            "UPDATE meta SET next_token = ?1, high_water_ms = ?2 WHERE id = 0",
-            params![to_sql(counters.next_token), to_sql(counters.high_water_ms)],
-        )?;
+        write_meta(&tx, counters)?;
         tx.commit()?;
         Ok(copied)
     }
@@ -876,25 +882,9 @@ impl Store {
         meta: Meta,
     ) -> Result<u64, StoreError> {
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-        tx.execute(
-            "UPDATE meta SET next_token = ?1, high_water_ms = ?2 WHERE id = 0",
-            params![to_sql(meta.next_token), to_sql(meta.high_water_ms)],
-        )?;
-        let ids: Vec<i64> = {
-            let mut stmt = tx.prepare("SELECT id, hash FROM records")?;
-            let rows = stmt.query_map([], |row| Ok((row.get::<_, i64>(0)?, row.get::<_, i64>(1)?)))?;
-            rows.filter_map(|row| {
-                row.map(|(id, hash)| slots.contains(&route::slot_of_hash(hash_from_sql(hash))).then_some(id))
-                    .transpose()
-            })
-            .collect::<Result<_, _>>()?
-        };
-        {
-            let mut delete = tx.prepare(DELETE_RECORD)?;
-            for id in &ids {
-                delete.execute(params![id])?;
-            }
-        }
+        write_meta(&tx, meta)?;
+        let ids = ids_in_slots(&tx, slots)?;
+        delete_rows(&tx, &ids)?;
         tx.commit()?;
         Ok(ids.len() as u64)
     }
