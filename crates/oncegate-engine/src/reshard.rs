@@ -126,15 +126,7 @@ fn move_group(
     dest: u32,
     group: &HashSet<u32>,
 ) -> Result<u64, OpenError> {
-    let tuning = Tuning {
-        durability: config.durability,
-        file_bytes_max: config.shard_file_bytes_max,
-        page_cache_bytes_max: config.page_cache_bytes_max,
-        wal_checkpoint_pages: config.wal_checkpoint_pages,
-        reclaim_granularity_ms: config.reclaim_granularity_ms,
-        owned: None,
-        files: Arc::clone(files),
-    };
+    let tuning = Tuning::of(config, Arc::clone(files), None);
     let shard_error =
         |shard: u32| move |e: crate::store::StoreError| OpenError::Shard { shard, reason: e.to_string() };
     let dir = &config.data_dir;

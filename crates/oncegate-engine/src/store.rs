@@ -21,7 +21,7 @@ use crate::schedule::Schedule;
 use crate::{Durability, Faults};
 
 /// The schema version this code reads and writes (`PRAGMA user_version`).
-const SCHEMA_VERSION: i64 = 5;
+const SCHEMA_VERSION: i64 = 6;
 
 /// `records` holds only pending and completed records, one row per key, appended in
 /// arrival order (`id`); `hash` is the routing hash of the scope, which the in-memory
@@ -67,12 +67,25 @@ INSERT INTO meta (id, next_token, high_water_ms) VALUES (0, 1, 0);
 
 /// SQLite undoes just the failing statement on `SQLITE_FULL` only when the statement keeps
 /// a statement journal, which it does when a trigger may run (and a constraint may
-/// abort). Without one, a write that does not fit cancels the whole batch's transaction.
-/// This trigger never fires (`WHEN 0`); it exists so that every write to `records` is
-/// undone on its own when the file is full, and only that request is refused.
-const STATEMENT_JOURNAL: &str = "
-CREATE TRIGGER IF NOT EXISTS records_insert_undoable AFTER INSERT ON records WHEN 0 BEGIN SELECT 0; END;
-CREATE TRIGGER IF NOT EXISTS records_update_undoable AFTER UPDATE ON records WHEN 0 BEGIN SELECT 0; END;
+/// abort); without one, a write that does not fit cancels the whole batch's transaction,
+/// savepoints included. These triggers never fire (`WHEN 0`); while they exist every write
+/// to `records` is undone on its own when the file is full, and only that request is
+/// refused. They cost about 7% of a shard's CPU (docs/benchmarks.md), so they are
+/// connection-local (`TEMP`) and exist only while the file is close enough to
+/// `shard_file_bytes_max` that a batch could reach it (`Store::begin`). Schema 3 to 5
+/// kept them in the file, always on.
+const STATEMENT_JOURNAL_ON: &str = "
+CREATE TEMP TRIGGER IF NOT EXISTS records_insert_undoable AFTER INSERT ON main.records WHEN 0 BEGIN SELECT 0; END;
+CREATE TEMP TRIGGER IF NOT EXISTS records_update_undoable AFTER UPDATE ON main.records WHEN 0 BEGIN SELECT 0; END;
+";
+const STATEMENT_JOURNAL_OFF: &str = "
+DROP TRIGGER IF EXISTS temp.records_insert_undoable;
+DROP TRIGGER IF EXISTS temp.records_update_undoable;
+";
+/// The file-resident triggers of schemas 3 to 5.
+const DROP_FILE_TRIGGERS: &str = "
+DROP TRIGGER IF EXISTS main.records_insert_undoable;
+DROP TRIGGER IF EXISTS main.records_update_undoable;
 ";
 
 /// The record's columns in the order `read_record` expects (a macro so that statements
@@ -164,6 +177,10 @@ pub(crate) struct Tuning {
     pub wal_checkpoint_pages: u64,
     /// The width of the reclaim schedule's windows.
     pub reclaim_granularity_ms: u64,
+    /// The largest write of one record, in bytes (every field at its limit).
+    pub write_bytes_max: u64,
+    /// The most records one batch writes: its commands and the waiters it serves.
+    pub batch_writes_max: u64,
     /// The slots this file's shard owns; rows of other slots (left by a slot move that
     /// was cut short) are deleted at open. `None`: every slot (tools that copy rows).
     pub owned: Option<crate::slots::Owned>,
@@ -178,6 +195,41 @@ pub(crate) struct Store {
     schedule: Schedule,
     /// The record counts read at open, until the shard takes them.
     tally: Option<Tally>,
+    /// `max_page_count`: the file's size limit in pages.
+    pages_max: u64,
+    /// The most pages one batch's writes can take.
+    batch_pages_max: u64,
+    /// Whether the statement journal's triggers exist on this connection.
+    journaled: bool,
+}
+
+impl Tuning {
+    /// The settings of an engine's shard files.
+    pub fn of(
+        config: &crate::EngineConfig,
+        files: Arc<dyn Files>,
+        owned: Option<crate::slots::Owned>,
+    ) -> Tuning {
+        let limits = &config.limits;
+        // Every field at its limit, the full history, and room for SQLite's own headers.
+        let write_bytes_max = limits.response_bytes_max
+            + limits.key_bytes_max
+            + limits.fingerprint_bytes_max
+            + 2 * 64
+            + 16 * 17
+            + 256;
+        Tuning {
+            durability: config.durability,
+            file_bytes_max: config.shard_file_bytes_max,
+            page_cache_bytes_max: config.page_cache_bytes_max,
+            wal_checkpoint_pages: config.wal_checkpoint_pages,
+            reclaim_granularity_ms: config.reclaim_granularity_ms,
+            write_bytes_max: write_bytes_max as u64,
+            batch_writes_max: (config.batch_len_max + config.waiters_per_shard_max) as u64,
+            owned,
+            files,
+        }
+    }
 }
 
 /// SQLite integers are signed; every value stored here is a time in ms or a counter far
@@ -263,7 +315,6 @@ impl Store {
                 let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
                 tx.execute_batch(SCHEMA_RECORDS)?;
                 tx.execute_batch(SCHEMA_META)?;
-                tx.execute_batch(STATEMENT_JOURNAL)?;
                 tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
                 tx.commit()?;
             }
@@ -277,10 +328,12 @@ impl Store {
                 tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
                 tx.commit()?;
             }
-            4 => {
-                // The reclaim schedule moved into memory; its index in the file goes.
+            4 | 5 => {
+                // The reclaim schedule moved into memory (its index in the file goes), and
+                // the statement journal's triggers became connection-local.
                 let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
                 tx.execute_batch("DROP INDEX IF EXISTS records_by_reclaim_at;")?;
+                tx.execute_batch(DROP_FILE_TRIGGERS)?;
                 tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
                 tx.commit()?;
             }
@@ -305,13 +358,38 @@ impl Store {
         if !foreign.is_empty() {
             delete_foreign(&mut conn, &foreign, meta)?;
         }
-        let store = Store { conn, faults: faults.clone(), index, schedule, tally: Some(tally) };
+        // Room for the largest batch: every write at its largest, plus the splits it may
+        // cause up a tree of several levels.
+        let write_pages = tuning.write_bytes_max / from_sql(page_bytes).saturating_sub(64).max(64) + 1 + 8;
+        let store = Store {
+            conn,
+            faults: faults.clone(),
+            index,
+            schedule,
+            tally: Some(tally),
+            pages_max: pages,
+            batch_pages_max: write_pages.saturating_mul(tuning.batch_writes_max),
+            journaled: false,
+        };
         Ok((store, meta, version == 0))
     }
 
-    /// Starts the batch's write transaction.
+    /// Starts the batch's write transaction, with every write keeping a statement
+    /// journal when the batch could reach the file's size limit.
     pub fn begin(&mut self) -> Result<Txn<'_>, StoreError> {
+        let near_full = self.pages_left()? < self.batch_pages_max;
+        if near_full != self.journaled {
+            self.conn.execute_batch(if near_full { STATEMENT_JOURNAL_ON } else { STATEMENT_JOURNAL_OFF })?;
+            self.journaled = near_full;
+        }
         self.start(TransactionBehavior::Immediate)
+    }
+
+    /// Pages the file may still take: those below its limit and those on its free list.
+    fn pages_left(&self) -> Result<u64, StoreError> {
+        let count: i64 = self.conn.prepare_cached("PRAGMA page_count")?.query_row([], |row| row.get(0))?;
+        let free: i64 = self.conn.prepare_cached("PRAGMA freelist_count")?.query_row([], |row| row.get(0))?;
+        Ok(self.pages_max.saturating_sub(from_sql(count)) + from_sql(free))
     }
 
     /// Starts a read transaction for a batch of reads: one consistent snapshot, no write
@@ -412,7 +490,6 @@ fn migrate_to_appended_rows(tx: &Transaction<'_>) -> Result<(), StoreError> {
         }
     }
     tx.execute_batch("DROP TABLE records_keyed;")?;
-    tx.execute_batch(STATEMENT_JOURNAL)?;
     Ok(())
 }
 
@@ -901,6 +978,8 @@ mod tests {
             page_cache_bytes_max: 1 << 20,
             wal_checkpoint_pages: 1_000,
             reclaim_granularity_ms: 1_000,
+            write_bytes_max: 70_000,
+            batch_writes_max: 256,
             owned: None,
             files: Arc::new(crate::files::OsFiles),
         }

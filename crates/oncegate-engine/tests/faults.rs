@@ -159,6 +159,33 @@ fn fill(engine: &Engine, response: &[u8]) -> (Vec<String>, Error) {
     }
 }
 
+/// The statement journal that keeps a full file's refusal to one request is switched on
+/// only near the limit (it costs CPU on every write): a file that starts far from its
+/// limit must have it by the time it fills.
+#[test]
+fn a_file_filling_up_from_far_below_its_limit_still_refuses_only_the_write_that_does_not_fit() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let faults = Faults::default();
+    // A batch here can take at most (4 commands) x (2 KiB response and the rest: about 10
+    // pages), so the journal comes on in the last ~40 of the 600 pages.
+    faults.limit_pages(600);
+    let mut config =
+        EngineConfig { shards: 1, batch_len_max: 4, waiters_per_shard_max: 0, ..config(dir.path()) };
+    config.limits.response_bytes_max = 2048;
+    config.limits.key_bytes_max = 64;
+    config.waiters_per_key_max = 0;
+    let engine = open(config, &clock, &faults);
+    let (acknowledged, refusal) = fill(&engine, &[5u8; 2048]);
+    assert_eq!(refusal.code(), Code::ResourceExhausted, "{refusal}");
+    assert!(acknowledged.len() > 100, "the file started far from its limit: {}", acknowledged.len());
+    let stats = &engine.stats()[0];
+    assert_eq!((stats.state, stats.failures), (ShardState::Serving, 0), "a full file is not a failed shard");
+    for name in &acknowledged {
+        assert_eq!(engine.get_blocking(&tenant(), key(name, 0)).unwrap().state, State::Completed, "{name}");
+    }
+}
+
 #[test]
 fn a_full_shard_file_refuses_only_the_write_that_does_not_fit() {
     let dir = tempfile::tempdir().unwrap();

@@ -79,7 +79,7 @@ fn opens_and_reads_as_written(fixture: &str) {
             |row| row.get(0),
         )
         .unwrap();
-    assert_eq!((version, indexes), (5, 0));
+    assert_eq!((version, indexes), (6, 0));
 }
 
 #[test]

@@ -37,15 +37,8 @@ impl Shard {
     }
 
     pub(super) fn try_open(&mut self) -> Result<Store, StoreError> {
-        let tuning = Tuning {
-            durability: self.config.durability,
-            file_bytes_max: self.config.shard_file_bytes_max,
-            page_cache_bytes_max: self.config.page_cache_bytes_max,
-            wal_checkpoint_pages: self.config.wal_checkpoint_pages,
-            reclaim_granularity_ms: self.config.reclaim_granularity_ms,
-            owned: Some(crate::slots::Owned { map: Arc::clone(&self.slots), shard: self.id }),
-            files: Arc::clone(&self.files),
-        };
+        let owned = crate::slots::Owned { map: Arc::clone(&self.slots), shard: self.id };
+        let tuning = Tuning::of(&self.config, Arc::clone(&self.files), Some(owned));
         // Only the first open of the process checks the file and re-anchors the clock;
         // an in-process reopen keeps the frame, so a wall-clock step cannot age records.
         let process_start = !self.opened;
