@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 use crate::files::{Files, OsFiles};
 use crate::slots::{self, SlotMap};
-use crate::store::{Store, Tuning};
+use crate::store::{Meta, Store, Tuning};
 use crate::{EngineConfig, Faults, OpenError, manifest};
 
 /// What a reshard did.
@@ -126,7 +126,9 @@ fn move_group(
     dest: u32,
     group: &HashSet<u32>,
 ) -> Result<u64, OpenError> {
-    let tuning = Tuning::of(config, Arc::clone(files), None);
+    // Always synced: the map must never name a destination whose copy a power cut undid.
+    let tuning =
+        Tuning { durability: crate::Durability::Full, ..Tuning::of(config, Arc::clone(files), None) };
     let shard_error =
         |shard: u32| move |e: crate::store::StoreError| OpenError::Shard { shard, reason: e.to_string() };
     let dir = &config.data_dir;
@@ -134,7 +136,16 @@ fn move_group(
         Store::open(&manifest::shard_file(dir, from), &tuning, faults, false).map_err(shard_error(from))?;
     let (mut destination, destination_meta, _) =
         Store::open(&manifest::shard_file(dir, dest), &tuning, faults, false).map_err(shard_error(dest))?;
-    let copied = destination.copy_slots_from(&source, group, destination_meta).map_err(shard_error(dest))?;
+    step(faults)?;
+    // The destination's counters start above the source's, not only above the tokens of
+    // the rows it copies: a key of the group released or reclaimed at the source has no
+    // row, and its next grant must still be above its last token there (the source's
+    // epoch may have risen past the destination's since the new shards were made).
+    let start = Meta {
+        next_token: destination_meta.next_token.max(source_meta.next_token),
+        high_water_ms: destination_meta.high_water_ms.max(source_meta.high_water_ms),
+    };
+    let copied = destination.copy_slots_from(&source, group, start).map_err(shard_error(dest))?;
     step(faults)?;
     for slot in group {
         map.set_owner(*slot, dest);

@@ -408,6 +408,7 @@ impl Store {
             undo: RefCell::default(),
             unscheduled: RefCell::default(),
             deleted: Cell::new(false),
+            wrote: Cell::new(false),
             located: RefCell::default(),
         })
     }
@@ -439,6 +440,8 @@ pub(crate) struct Txn<'s> {
     unscheduled: RefCell<Vec<(u64, i64)>>,
     /// Whether the transaction deleted a row (and so must write `meta`).
     deleted: Cell<bool>,
+    /// Whether the transaction wrote a row (which then carries the batch's time).
+    wrote: Cell<bool>,
     /// The last scope found, its row, and the row's `reclaim_at_ms` when it was read, so
     /// that the write after a read neither looks the row up again nor schedules it twice.
     located: RefCell<Option<Located>>,
@@ -753,6 +756,7 @@ impl Txn<'_> {
             encode_history(&record.history),
         ];
         let reclaim_at_ms = record.reclaim_at_ms();
+        self.wrote.set(true);
         if let Some(id) = self.locate(scope)? {
             let mut stmt = self.tx().prepare_cached(UPDATE_RECORD)?;
             let mut all: Vec<&dyn rusqlite::ToSql> = vec![&id];
@@ -881,12 +885,13 @@ impl Txn<'_> {
     /// `synchronous=FULL`, after the WAL is synced).
     ///
     /// `meta` is the counters after the batch. They are written only when the batch
-    /// deleted a row: every row a batch writes carries its grant's token and an event at
-    /// the batch's time, so what the rows and `meta` say together at the next open covers
-    /// every token handed out and every time used, unless a delete took the row that
-    /// said so.
+    /// deleted a row or wrote none: every row a batch writes carries its grant's token and
+    /// an event at the batch's time, so what the rows and `meta` say together at the next
+    /// open covers every token handed out and every time used, unless a delete took the
+    /// row that said so, or no row says it (a batch whose answers were all replays,
+    /// refusals or `in progress` still records the time they were decided at).
     pub fn commit(mut self, meta: Meta) -> Result<(), StoreError> {
-        if self.deleted.get() {
+        if self.deleted.get() || !self.wrote.get() {
             self.set_meta(meta)?;
         }
         self.failpoint()?;

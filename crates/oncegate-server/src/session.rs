@@ -76,6 +76,10 @@ impl Session {
     ) {
         let mut reading = true;
         loop {
+            // The client sent its last call and every call is answered: the stream ends.
+            if !reading && self.in_flight.is_empty() {
+                return;
+            }
             let room = self.in_flight.len() < self.in_flight_max;
             let answer = tokio::select! {
                 biased;
@@ -96,8 +100,10 @@ impl Session {
                         continue;
                     }
                     // A message that does not decode (or a broken stream) ends the stream
-                    // with its status; the calls in flight are dropped.
+                    // with its status. The calls in flight are dropped first, so none is
+                    // granted while the status waits for the client to read.
                     Err(status) => {
+                        self.in_flight.clear();
                         let _ = answers.send(Err(status)).await;
                         return;
                     }

@@ -145,6 +145,24 @@ async fn each_call_is_answered_as_its_unary_twin() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_closes_its_side_gets_every_answer_then_the_end_of_the_stream() {
+    let server = start_with(|_| {}).await;
+    let Stream { requests, mut answers } = Stream::open(&server).await;
+    for id in 1..=5 {
+        let call = Call::Reserve(reserve(&format!("k{id}")));
+        requests.send(pb::SessionRequest { id, call: Some(call) }).await.unwrap();
+    }
+    drop(requests);
+    let mut ids = Vec::new();
+    while let Some(answer) = answers.message().await.expect("no stream error") {
+        ids.push(answer.id);
+    }
+    ids.sort_unstable();
+    assert_eq!(ids, vec![1, 2, 3, 4, 5], "every call answered, then the stream ended");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_call_is_answered_and_the_stream_goes_on() {
     let server = start_with(|_| {}).await;
     let mut stream = Stream::open(&server).await;
