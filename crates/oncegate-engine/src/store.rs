@@ -349,6 +349,9 @@ impl Store {
         let page_bytes: i64 = conn.query_row("PRAGMA page_size", [], |row| row.get(0))?;
         let pages = faults.page_count_max().unwrap_or(tuning.file_bytes_max / from_sql(page_bytes).max(512));
         let _: i64 = conn.query_row(&format!("PRAGMA max_page_count = {pages}"), [], |row| row.get(0))?;
+        if check_integrity {
+            verify_hashes(&conn)?;
+        }
         let Scanned { index, schedule, tally, rows, foreign } =
             scan(&conn, tuning.reclaim_granularity_ms, tuning.owned.as_ref())?;
         let meta = Meta {
@@ -493,6 +496,26 @@ fn migrate_to_appended_rows(tx: &Transaction<'_>) -> Result<(), StoreError> {
         }
     }
     tx.execute_batch("DROP TABLE records_keyed;")?;
+    Ok(())
+}
+
+/// Checks, at process start, that every row's stored hash is its scope's: the index is
+/// built from the hash alone, so a damaged hash would hide the row from its key (which
+/// would then be granted again), and `quick_check` checks the file's structure, not the
+/// values in it. Keys are not named in the error (they may carry customers' data).
+fn verify_hashes(conn: &Connection) -> Result<(), StoreError> {
+    let mut stmt = conn.prepare("SELECT id, hash, tenant, namespace, key FROM records")?;
+    let mut rows = stmt.query([])?;
+    while let Some(row) = rows.next()? {
+        let id: i64 = row.get(0)?;
+        let (tenant, namespace): (String, String) = (row.get(2)?, row.get(3)?);
+        let scope = stored_scope(tenant.clone(), namespace.clone(), row.get(4)?)?;
+        if route::scope_hash(&scope) != hash_from_sql(row.get(1)?) {
+            return Err(StoreError::Corrupt(format!(
+                "row {id} (tenant {tenant}, namespace {namespace}): its stored hash is not its key's"
+            )));
+        }
+    }
     Ok(())
 }
 

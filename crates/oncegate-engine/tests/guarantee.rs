@@ -251,3 +251,30 @@ fn derived_keys_are_refused_until_every_shard_has_opened_once() {
     assert!(engine.reopen_shard(0));
     assert!(matches!(engine.reserve_blocking(&t, derived).unwrap().reply, ReserveReply::Granted { .. }));
 }
+
+/// A row whose stored hash no longer matches its key would be invisible to that key (the
+/// index is built from the hash), which would then be granted again: the first open of
+/// the process checks every row and refuses the file.
+#[test]
+fn a_row_whose_hash_does_not_match_its_key_fails_the_shard_at_process_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let config = EngineConfig { shards: 1, ..config(dir.path()) };
+    let engine = open(config.clone(), &clock, &Faults::default());
+    let token = granted(&engine.reserve_blocking(&tenant(), reserve("k")).unwrap().reply);
+    engine.commit_blocking(&tenant(), commit("k", token, b"done")).unwrap();
+    drop(engine);
+    let shard_file = oncegate_engine::manifest::shard_file(dir.path(), 0);
+    let conn = rusqlite::Connection::open(&shard_file).unwrap();
+    conn.execute("UPDATE records SET hash = hash + 1", []).unwrap();
+    drop(conn);
+    let engine = open(config, &clock, &Faults::default());
+    let stats = &engine.stats()[0];
+    assert_eq!(stats.state, oncegate_engine::ShardState::Failed, "{stats:?}");
+    assert!(stats.last_error.as_deref().unwrap_or("").contains("stored hash"), "{stats:?}");
+    assert!(!stats.last_error.as_deref().unwrap_or("").contains("\"k\""), "the key is not named");
+    assert_eq!(
+        engine.get_blocking(&tenant(), key("k", 0)).unwrap_err().code(),
+        oncegate_core::Code::Unavailable
+    );
+}
