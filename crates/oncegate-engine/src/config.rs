@@ -29,7 +29,8 @@ pub const SHARDS_MAX: u32 = 1024;
 pub struct EngineConfig {
     /// Where the manifest and the shard files live.
     pub data_dir: PathBuf,
-    /// How many shards (threads and SQLite files); fixed when the directory is created.
+    /// How many shards (threads and SQLite files); must match the directory's manifest
+    /// (`oncegate reshard` adds shards to a stopped directory).
     pub shards: u32,
     /// How hard a commit waits for the disk.
     pub durability: Durability,

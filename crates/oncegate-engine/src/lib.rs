@@ -177,6 +177,8 @@ struct Inner {
     quotas: quota::Quotas,
     /// Which shard owns each slot.
     slots: Arc<slots::SlotMap>,
+    /// How many slots each shard owns (the map does not change while the engine runs).
+    slots_per_shard: Vec<u32>,
     /// Held for the engine's life: one process owns a data directory.
     _lock: files::LockGuard,
 }
@@ -338,6 +340,7 @@ impl Engine {
         config.check().map_err(OpenError::Config)?;
         let lock = manifest::lock(&*files, &config.data_dir)?;
         let slots = Arc::new(manifest::open_or_create(&*files, &config.data_dir, config.shards)?);
+        let slots_per_shard = slots.slots_per_shard(config.shards);
         let config = Arc::new(config);
         // The one wall-clock reading of the process: every shard's frame, and the frame of
         // derived keys, is anchored to it; nothing re-anchors until the next process.
@@ -386,6 +389,7 @@ impl Engine {
                 frame: Mutex::new(frame),
                 floor,
                 quotas,
+                slots_per_shard,
                 slots,
                 _lock: lock,
             }),
@@ -674,7 +678,7 @@ impl Engine {
 
     /// Each shard's counters.
     pub fn stats(&self) -> Vec<ShardStats> {
-        let slots = self.inner.slots.slots_per_shard(self.inner.config.shards);
+        let slots = &self.inner.slots_per_shard;
         self.inner.shards.iter().enumerate().map(|(id, s)| s.stats(id as u32, slots[id])).collect()
     }
 
@@ -689,7 +693,7 @@ impl Engine {
     ) -> bool {
         match self.inner.shards.get(shard as usize) {
             Some(handle) => {
-                let slots = self.inner.slots.slots_per_shard(self.inner.config.shards)[shard as usize];
+                let slots = self.inner.slots_per_shard[shard as usize];
                 handle.shared.wait_until(timeout, |_| done(&handle.stats(shard, slots)))
             }
             None => false,

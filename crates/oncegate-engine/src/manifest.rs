@@ -41,7 +41,7 @@ pub const ROUTING_COMPUTED: &str = "xxh3-64/len-prefixed/slots-16384/mod-shards"
 pub struct Manifest {
     /// The format of the manifest and of the shard files.
     pub format_version: u32,
-    /// The number of shards; fixed at creation.
+    /// The number of shards (raised only by adding shards, `reshard.rs`).
     pub shards: u32,
     /// How keys map to shards.
     pub routing: String,
@@ -103,8 +103,9 @@ pub fn lock(files: &dyn Files, data_dir: &Path) -> Result<LockGuard, OpenError> 
 /// Reads the manifest and the slot map, or creates both for a new directory, checks the
 /// shard count, and gives a directory routed by `slot % shards` its slot map.
 pub fn open_or_create(files: &dyn Files, data_dir: &Path, shards: u32) -> Result<SlotMap, OpenError> {
-    let manifest = read_or_create(files, data_dir, shards)?;
-    let found = slots::read(files, data_dir, shards)?;
+    let (manifest, new) = read_or_new(files, data_dir, shards)?;
+    // A map in a new directory is a creation's that did not reach its manifest.
+    let found = if new { None } else { slots::read(files, data_dir, shards)? };
     if manifest.routing == ROUTING {
         // After a slot has moved, no computed map is right: a lost map is never guessed.
         return found.ok_or_else(|| OpenError::SlotMapMissing { path: slots::path(data_dir) });
@@ -118,7 +119,8 @@ pub fn open_or_create(files: &dyn Files, data_dir: &Path, shards: u32) -> Result
         return Err(slots::SlotMapError::Damaged { path: slots::path(data_dir), reason }.into());
     }
     // The map is durable before the manifest names it, so a crash between the two
-    // leaves a directory that still opens (by the first branch, or this one again).
+    // leaves a directory that still opens (by the first branch, or this one again). A
+    // new directory takes the same path: its manifest is written once, naming the map.
     slots::write(files, data_dir, &map)?;
     write_manifest(
         files,
@@ -136,9 +138,9 @@ fn write_manifest(files: &dyn Files, path: &Path, manifest: &Manifest) -> Result
     write_atomically(files, path, text.as_bytes()).map_err(io(path))
 }
 
-/// Reads the manifest, or creates it (routed by the computed map, which
-/// [`open_or_create`] then turns into the slot map) for a new directory.
-fn read_or_create(files: &dyn Files, data_dir: &Path, shards: u32) -> Result<Manifest, OpenError> {
+/// Reads the manifest, or makes one (not yet written, routed by the computed map, which
+/// [`open_or_create`] turns into the slot map) for a new directory; says which.
+fn read_or_new(files: &dyn Files, data_dir: &Path, shards: u32) -> Result<(Manifest, bool), OpenError> {
     let path = data_dir.join(MANIFEST_FILE);
     if let Some(manifest) = read(files, data_dir)? {
         if manifest.shards != shards {
@@ -148,15 +150,13 @@ fn read_or_create(files: &dyn Files, data_dir: &Path, shards: u32) -> Result<Man
                 configured: shards,
             });
         }
-        return Ok(manifest);
+        return Ok((manifest, false));
     }
     let shard_files = shard_file_count(files, data_dir)?;
     if shard_files > 0 {
         return Err(OpenError::ManifestMissing { path, shard_files });
     }
-    let manifest = Manifest { format_version: FORMAT_VERSION, shards, routing: ROUTING_COMPUTED.to_owned() };
-    write_manifest(files, &path, &manifest)?;
-    Ok(manifest)
+    Ok((Manifest { format_version: FORMAT_VERSION, shards, routing: ROUTING_COMPUTED.to_owned() }, true))
 }
 
 /// Reads and checks the manifest; `None` when the directory has none.

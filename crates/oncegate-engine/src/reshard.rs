@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 use crate::files::{Files, OsFiles};
 use crate::slots::{self, SlotMap};
-use crate::store::{Meta, Store, Tuning};
+use crate::store::{Store, Tuning};
 use crate::{EngineConfig, Faults, OpenError, manifest};
 
 /// What a reshard did.
@@ -141,10 +141,7 @@ fn move_group(
     // the rows it copies: a key of the group released or reclaimed at the source has no
     // row, and its next grant must still be above its last token there (the source's
     // epoch may have risen past the destination's since the new shards were made).
-    let start = Meta {
-        next_token: destination_meta.next_token.max(source_meta.next_token),
-        high_water_ms: destination_meta.high_water_ms.max(source_meta.high_water_ms),
-    };
+    let start = destination_meta.max(source_meta);
     let copied = destination.copy_slots_from(&source, group, start).map_err(shard_error(dest))?;
     step(faults)?;
     for slot in group {

@@ -162,6 +162,32 @@ pub(crate) struct Meta {
     pub high_water_ms: u64,
 }
 
+impl Meta {
+    /// Counters covering both.
+    pub fn max(self, other: Meta) -> Meta {
+        Meta {
+            next_token: self.next_token.max(other.next_token),
+            high_water_ms: self.high_water_ms.max(other.high_water_ms),
+        }
+    }
+
+    /// Raises the counters over a stored row: its token, and the time of its last
+    /// history entry (read with `last_event_at!()`: 8 bytes, or nothing).
+    fn cover(&mut self, token: i64, last_event_at: Option<Vec<u8>>) {
+        self.next_token = self.next_token.max(from_sql(token).saturating_add(1));
+        if let Some(at) = last_event_at.and_then(|b| <[u8; 8]>::try_from(b).ok()) {
+            self.high_water_ms = self.high_water_ms.max(u64::from_le_bytes(at));
+        }
+    }
+}
+
+/// The time of a row's last history entry: the 8 bytes after its transition byte.
+macro_rules! last_event_at {
+    () => {
+        "substr(history, -16, 8)"
+    };
+}
+
 /// The page size of new shard files. Each commit writes whole pages: the right edge of
 /// `records` (partly filled), the pages of rows a commit grows, their parent and page 1
 /// (the file's size); at the batch sizes the engine runs, half of SQLite's default 4 KiB
@@ -278,6 +304,50 @@ pub fn configure(
     Ok(())
 }
 
+/// Brings a file of schema `version` to [`SCHEMA_VERSION`], each step in one transaction
+/// (a crash leaves the old file or the new one), or refuses a newer one.
+fn upgrade(conn: &mut Connection, version: i64) -> Result<(), StoreError> {
+    if version == SCHEMA_VERSION {
+        return Ok(());
+    }
+    if !(0..SCHEMA_VERSION).contains(&version) {
+        return Err(StoreError::Schema { found: version });
+    }
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    match version {
+        0 => {
+            tx.execute_batch(SCHEMA_RECORDS)?;
+            tx.execute_batch(SCHEMA_META)?;
+        }
+        1..=3 => {
+            // Version 1 had no history column (records written by it start with none).
+            if version == 1 {
+                tx.execute_batch("ALTER TABLE records ADD COLUMN history BLOB")?;
+            }
+            migrate_to_appended_rows(&tx)?;
+        }
+        _ => {
+            // 4 and 5: the reclaim schedule moved into memory (its index in the file
+            // goes), and the statement journal's triggers became connection-local.
+            tx.execute_batch("DROP INDEX IF EXISTS records_by_reclaim_at;")?;
+            tx.execute_batch(DROP_FILE_TRIGGERS)?;
+        }
+    }
+    tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
+    tx.commit()?;
+    Ok(())
+}
+
+/// `PRAGMA quick_check`: reads the whole file (at process start only).
+fn quick_check(conn: &Connection, faults: &Faults) -> Result<(), StoreError> {
+    let check: String = conn.query_row("PRAGMA quick_check", [], |row| row.get(0))?;
+    let check = if faults.integrity_check_should_fail() { "injected corruption".to_owned() } else { check };
+    if check != "ok" {
+        return Err(StoreError::Corrupt(check));
+    }
+    Ok(())
+}
+
 impl Store {
     /// Opens (creating if needed) a shard file, checks it when `check_integrity` (at
     /// process start: a `quick_check` reads the whole file), and reads its counters.
@@ -302,44 +372,10 @@ impl Store {
         let checkpoint_pages = faults.wal_checkpoint_pages().unwrap_or(tuning.wal_checkpoint_pages);
         configure(&conn, tuning.durability, checkpoint_pages, tuning.page_cache_bytes_max)?;
         if check_integrity {
-            let check: String = conn.query_row("PRAGMA quick_check", [], |row| row.get(0))?;
-            let check =
-                if faults.integrity_check_should_fail() { "injected corruption".to_owned() } else { check };
-            if check != "ok" {
-                return Err(StoreError::Corrupt(check));
-            }
+            quick_check(&conn, faults)?;
         }
         let version: i64 = conn.query_row("PRAGMA user_version", [], |row| row.get(0))?;
-        match version {
-            0 => {
-                let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-                tx.execute_batch(SCHEMA_RECORDS)?;
-                tx.execute_batch(SCHEMA_META)?;
-                tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
-                tx.commit()?;
-            }
-            1..=3 => {
-                let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-                // Version 1 had no history column (records written by it start with none).
-                if version == 1 {
-                    tx.execute_batch("ALTER TABLE records ADD COLUMN history BLOB")?;
-                }
-                migrate_to_appended_rows(&tx)?;
-                tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
-                tx.commit()?;
-            }
-            4 | 5 => {
-                // The reclaim schedule moved into memory (its index in the file goes), and
-                // the statement journal's triggers became connection-local.
-                let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-                tx.execute_batch("DROP INDEX IF EXISTS records_by_reclaim_at;")?;
-                tx.execute_batch(DROP_FILE_TRIGGERS)?;
-                tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
-                tx.commit()?;
-            }
-            SCHEMA_VERSION => {}
-            found => return Err(StoreError::Schema { found }),
-        }
+        upgrade(&mut conn, version)?;
         let stored =
             conn.query_row("SELECT next_token, high_water_ms FROM meta WHERE id = 0", [], |row| {
                 Ok(Meta { next_token: from_sql(row.get(0)?), high_water_ms: from_sql(row.get(1)?) })
@@ -349,15 +385,9 @@ impl Store {
         let page_bytes: i64 = conn.query_row("PRAGMA page_size", [], |row| row.get(0))?;
         let pages = faults.page_count_max().unwrap_or(tuning.file_bytes_max / from_sql(page_bytes).max(512));
         let _: i64 = conn.query_row(&format!("PRAGMA max_page_count = {pages}"), [], |row| row.get(0))?;
-        if check_integrity {
-            verify_hashes(&conn)?;
-        }
         let Scanned { index, schedule, tally, rows, foreign } =
-            scan(&conn, tuning.reclaim_granularity_ms, tuning.owned.as_ref())?;
-        let meta = Meta {
-            next_token: stored.next_token.max(rows.next_token),
-            high_water_ms: stored.high_water_ms.max(rows.high_water_ms),
-        };
+            scan(&conn, tuning.reclaim_granularity_ms, tuning.owned.as_ref(), check_integrity)?;
+        let meta = stored.max(rows);
         if !foreign.is_empty() {
             delete_foreign(&mut conn, &foreign, meta)?;
         }
@@ -499,26 +529,6 @@ fn migrate_to_appended_rows(tx: &Transaction<'_>) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// Checks, at process start, that every row's stored hash is its scope's: the index is
-/// built from the hash alone, so a damaged hash would hide the row from its key (which
-/// would then be granted again), and `quick_check` checks the file's structure, not the
-/// values in it. Keys are not named in the error (they may carry customers' data).
-fn verify_hashes(conn: &Connection) -> Result<(), StoreError> {
-    let mut stmt = conn.prepare("SELECT id, hash, tenant, namespace, key FROM records")?;
-    let mut rows = stmt.query([])?;
-    while let Some(row) = rows.next()? {
-        let id: i64 = row.get(0)?;
-        let (tenant, namespace): (String, String) = (row.get(2)?, row.get(3)?);
-        let scope = stored_scope(tenant.clone(), namespace.clone(), row.get(4)?)?;
-        if route::scope_hash(&scope) != hash_from_sql(row.get(1)?) {
-            return Err(StoreError::Corrupt(format!(
-                "row {id} (tenant {tenant}, namespace {namespace}): its stored hash is not its key's"
-            )));
-        }
-    }
-    Ok(())
-}
-
 /// What one pass over a freshly opened file's rows builds.
 struct Scanned {
     /// Rows of slots the shard does not own: the copies a cut-short slot move left.
@@ -535,10 +545,17 @@ struct Scanned {
 /// one pass over a freshly opened file. Two rows of one scope (which the old primary key
 /// made impossible, and only the index prevents now) are refused as corruption rather
 /// than served from either.
+///
+/// With `verify_hashes` (at process start) it also checks that every row's stored hash is
+/// its scope's: the index is built from the hash alone, so a damaged hash would hide the
+/// row from its key (which would then be granted again), and `quick_check` checks the
+/// file's structure, not the values in it. Keys are not named in the error (they may
+/// carry customers' data).
 fn scan(
     conn: &Connection,
     reclaim_granularity_ms: u64,
     owned: Option<&crate::slots::Owned>,
+    verify_hashes: bool,
 ) -> Result<Scanned, StoreError> {
     let mut foreign = Vec::new();
     let mut index = Index::default();
@@ -546,18 +563,25 @@ fn scan(
     let mut tally = Tally::default();
     let mut counters = Meta { next_token: 0, high_water_ms: 0 };
     let mut shared_hashes = Vec::new();
-    // The last history entry's time is its 8 bytes after the transition byte.
-    let mut stmt = conn.prepare(
-        "SELECT hash, id, tenant, outcome IS NULL, reclaim_at_ms, token, substr(history, -16, 8) FROM records",
-    )?;
+    let mut stmt = conn.prepare(concat!(
+        "SELECT hash, id, tenant, outcome IS NULL, reclaim_at_ms, token, ",
+        last_event_at!(),
+        ", namespace, key FROM records"
+    ))?;
     let mut rows = stmt.query([])?;
     while let Some(row) = rows.next()? {
         let (hash, id) = (hash_from_sql(row.get(0)?), row.get(1)?);
-        // The counters cover foreign rows too: their tokens and times were issued here.
-        counters.next_token = counters.next_token.max(from_sql(row.get(5)?).saturating_add(1));
-        if let Some(at) = row.get::<_, Option<Vec<u8>>>(6)?.and_then(|b| <[u8; 8]>::try_from(b).ok()) {
-            counters.high_water_ms = counters.high_water_ms.max(u64::from_le_bytes(at));
+        if verify_hashes {
+            let (tenant, namespace): (String, String) = (row.get(2)?, row.get(7)?);
+            let scope = stored_scope(tenant.clone(), namespace.clone(), row.get(8)?)?;
+            if route::scope_hash(&scope) != hash {
+                return Err(StoreError::Corrupt(format!(
+                    "row {id} (tenant {tenant}, namespace {namespace}): its stored hash is not its key's"
+                )));
+            }
         }
+        // The counters cover foreign rows too: their tokens and times were issued here.
+        counters.cover(row.get(5)?, row.get(6)?);
         if owned.is_some_and(|owned| !owned.owns(route::slot_of_hash(hash))) {
             foreign.push(id);
             continue;
@@ -955,7 +979,9 @@ impl Store {
             let mut read = src.conn.prepare(concat!(
                 "SELECT hash, tenant, namespace, key, reclaim_at_ms, ",
                 columns!(),
-                ", substr(history, -16, 8) FROM records"
+                ", ",
+                last_event_at!(),
+                " FROM records"
             ))?;
             let mut insert = tx.prepare(INSERT_RECORD)?;
             let mut rows = read.query([])?;
@@ -966,11 +992,7 @@ impl Store {
                 let values: Vec<rusqlite::types::Value> =
                     (0..15).map(|c| row.get(c)).collect::<Result<_, _>>()?;
                 insert.execute(rusqlite::params_from_iter(values))?;
-                counters.next_token = counters.next_token.max(from_sql(row.get(5)?).saturating_add(1));
-                if let Some(at) = row.get::<_, Option<Vec<u8>>>(15)?.and_then(|b| <[u8; 8]>::try_from(b).ok())
-                {
-                    counters.high_water_ms = counters.high_water_ms.max(u64::from_le_bytes(at));
-                }
+                counters.cover(row.get(5)?, row.get(15)?);
                 copied += 1;
             }
         }
