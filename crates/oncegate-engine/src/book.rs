@@ -44,6 +44,16 @@ struct WaitQueue {
     lease_until_ms: u64,
 }
 
+/// The parked reserves of a moving slot's keys, on their way to its new shard.
+pub(crate) struct Parked(Vec<(Scope, WaitQueue)>);
+
+impl Parked {
+    /// Where the waiters' answers go, for refusing them all (the move failed).
+    pub fn into_replies(self) -> impl Iterator<Item = ReplyTo> {
+        self.0.into_iter().flat_map(|(_, queue)| queue.waiters.into_iter().map(|w| w.reply))
+    }
+}
+
 /// The refusal for a write that does not fit in the shard file.
 pub(crate) fn file_full(shard: u32, config: &EngineConfig) -> Error {
     Error::ResourceExhausted {
@@ -257,6 +267,26 @@ impl Book {
     pub fn drain_waiters(&mut self) -> Vec<ReplyTo> {
         self.waiters_len = 0;
         self.queues.drain().flat_map(|(_, q)| q.waiters.into_iter().map(|w| w.reply)).collect()
+    }
+
+    /// Takes out the parked reserves of the keys of `slot`, which is moving to another
+    /// shard: they wait there, in the same order, with the same deadlines.
+    pub fn take_parked(&mut self, slot: u32) -> Parked {
+        let scopes: Vec<Scope> = self
+            .queues
+            .keys()
+            .filter(|scope| oncegate_core::route::slot_of(scope) == slot)
+            .cloned()
+            .collect();
+        let parked = scopes.into_iter().filter_map(|scope| self.queues.remove_entry(&scope)).collect();
+        self.count_waiters();
+        Parked(parked)
+    }
+
+    /// Parks reserves handed over with a slot that moved here.
+    pub fn adopt(&mut self, parked: Parked) {
+        self.queues.extend(parked.0);
+        self.count_waiters();
     }
 
     /// The earliest deadline among parked reserves and the leases they wait on.

@@ -29,8 +29,10 @@ pub const SHARDS_MAX: u32 = 1024;
 pub struct EngineConfig {
     /// Where the manifest and the shard files live.
     pub data_dir: PathBuf,
-    /// How many shards (threads and SQLite files); must match the directory's manifest
-    /// (`oncegate reshard` adds shards to a stopped directory).
+    /// How many shards (threads and SQLite files) a new directory gets. An existing
+    /// directory keeps its own count (its manifest), which only grows: online with
+    /// `oncegate admin add-shards`, offline with `oncegate reshard`; asking for more than
+    /// it has is refused with how to add them.
     pub shards: u32,
     /// How hard a commit waits for the disk.
     pub durability: Durability,
@@ -65,6 +67,9 @@ pub struct EngineConfig {
     /// since schema 5, 4 KiB in older ones). Larger means
     /// fewer copies of hot pages and a larger WAL file between checkpoints.
     pub wal_checkpoint_pages: u64,
+    /// Slots an online add-shards moves per second at most (each move pauses its slot's
+    /// requests for about three fsyncs); 0 moves as fast as the disk allows.
+    pub slot_moves_per_second_max: u32,
 }
 
 impl Default for EngineConfig {
@@ -86,6 +91,7 @@ impl Default for EngineConfig {
             shard_file_bytes_max: 64 << 30,
             page_cache_bytes_max: 32 << 20,
             wal_checkpoint_pages: 16_384,
+            slot_moves_per_second_max: 200,
         }
     }
 }
@@ -171,6 +177,13 @@ impl EngineConfig {
         problems.within("shard_file_bytes_max", self.shard_file_bytes_max, 1 << 20, u64::MAX, Unit::Bytes);
         problems.within("page_cache_bytes_max", self.page_cache_bytes_max, 1 << 20, 16 << 30, Unit::Bytes);
         problems.within("wal_checkpoint_pages", self.wal_checkpoint_pages, 100, 1 << 20, Unit::Count);
+        problems.within(
+            "slot_moves_per_second_max",
+            u64::from(self.slot_moves_per_second_max),
+            0,
+            100_000,
+            Unit::Count,
+        );
         problems.into_result()
     }
 }

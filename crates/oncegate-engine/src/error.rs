@@ -78,11 +78,12 @@ pub enum OpenError {
         /// What is wrong with it.
         reason: String,
     },
-    /// The directory was created with another shard count.
+    /// The configuration asks for more shards than the directory has.
     #[error(
         "data directory {path} has {found} shards but the configuration asks for {configured}; keys are never \
-         re-routed silently. To add shards, stop the server and run `oncegate reshard --data-dir {path} --to {configured}` \
-         (shards cannot be removed)"
+         re-routed silently. To add shards, start the server with its {found} shards and run \
+         `oncegate admin add-shards --to {configured}` (online), or stop it and run \
+         `oncegate reshard --data-dir {path} --to {configured}` (shards cannot be removed)"
     )]
     ShardCount {
         /// The data directory.

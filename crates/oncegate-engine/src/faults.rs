@@ -19,6 +19,9 @@ struct FaultsInner {
     commits_failing: AtomicU32,
     /// The next this many opens (and reopens) of a shard fail.
     opens_failing: AtomicU32,
+    /// When positive, counts the durable steps of online slot moves down; the mover stops
+    /// dead at the one that takes it to zero, as a crash there would leave things.
+    move_steps_until_stop: AtomicI64,
     /// When positive, counts store operations down; the one that takes it to zero fails.
     /// A random starting value puts the failure at a random point of the write path.
     ops_until_failure: AtomicI64,
@@ -62,6 +65,13 @@ impl Faults {
     /// counters' update or the commit, wherever the count runs out.
     pub fn fail_op_after(&self, n: u32) {
         self.inner.ops_until_failure.store(i64::from(n.max(1)), Ordering::SeqCst);
+    }
+
+    /// Makes an online add-shards stop dead after `n` durable steps of its slot moves
+    /// (each move has three: the slot handed over, copied durably, the map flipped),
+    /// leaving the moving slot's requests unanswered and the files as a crash would.
+    pub fn stop_moves_after(&self, n: u32) {
+        self.inner.move_steps_until_stop.store(i64::from(n.max(1)), Ordering::SeqCst);
     }
 
     /// Makes the next `n` shard opens fail.
@@ -136,6 +146,11 @@ impl Faults {
     pub(crate) fn op_should_fail(&self) -> bool {
         self.inner.ops_until_failure.load(Ordering::Relaxed) > 0
             && self.inner.ops_until_failure.fetch_sub(1, Ordering::SeqCst) == 1
+    }
+
+    pub(crate) fn move_should_stop(&self) -> bool {
+        self.inner.move_steps_until_stop.load(Ordering::Relaxed) > 0
+            && self.inner.move_steps_until_stop.fetch_sub(1, Ordering::SeqCst) == 1
     }
 
     pub(crate) fn commit_should_fail(&self) -> bool {

@@ -44,6 +44,12 @@ impl Index {
         self.one.get(&hash).copied().into_iter().chain(self.more.get(&hash).into_iter().flatten().copied())
     }
 
+    /// Every (hash, row id), in no order: a slot move picks its slot's rows from them.
+    pub fn iter(&self) -> impl Iterator<Item = (u64, i64)> + '_ {
+        let one = self.one.iter().map(|(hash, id)| (*hash, *id));
+        one.chain(self.more.iter().flat_map(|(hash, ids)| ids.iter().map(move |id| (*hash, *id))))
+    }
+
     pub fn insert(&mut self, hash: u64, id: i64) {
         if let Some(ids) = self.more.get_mut(&hash) {
             ids.push(id);

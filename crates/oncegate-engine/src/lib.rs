@@ -15,10 +15,12 @@ mod config;
 mod error;
 mod faults;
 pub mod files;
+mod grow;
 mod index;
 pub mod manifest;
 mod quota;
 pub mod reshard;
+mod routes;
 mod schedule;
 mod shard;
 pub mod slots;
@@ -26,7 +28,7 @@ mod store;
 pub mod token;
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{Sender, TrySendError};
@@ -50,7 +52,7 @@ pub fn configure_sqlite(conn: &rusqlite::Connection, config: &EngineConfig) -> R
     store::configure(conn, config.durability, config.wal_checkpoint_pages, config.page_cache_bytes_max)
 }
 
-use shard::{Control, FrameFloor, Parts, Request, Shard, Shared, Start};
+use shard::{Control, FrameFloor, Mail, Parts, Request, Shard, Shared, Start};
 
 /// A reserve as a caller sends it, before validation.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -155,7 +157,7 @@ pub struct ShardStats {
 }
 
 struct ShardHandle {
-    data: Sender<Request>,
+    data: Sender<Mail>,
     control: Sender<Control>,
     /// Callers that stop waiting nudge the shard here (capacity 1: nudges coalesce).
     gone: Sender<()>,
@@ -166,7 +168,10 @@ struct ShardHandle {
 struct Inner {
     config: Arc<EngineConfig>,
     clock: Arc<dyn Clock>,
-    shards: Vec<ShardHandle>,
+    /// The shards and the slot map that routes to them (`routes.rs`).
+    table: RwLock<routes::Table>,
+    /// The map as shards read it when they open, with the slot moving now.
+    live: Arc<slots::LiveMap>,
     closing: AtomicBool,
     /// The time frame for deriving keys, anchored like the shards' (wall clock at open,
     /// then monotonic time), so a clock step cannot move a derived key into another bucket.
@@ -175,10 +180,12 @@ struct Inner {
     floor: Arc<FrameFloor>,
     /// Each tenant's most records per shard, read by every shard.
     quotas: quota::Quotas,
-    /// Which shard owns each slot.
-    slots: Arc<slots::SlotMap>,
-    /// How many slots each shard owns (the map does not change while the engine runs).
-    slots_per_shard: Vec<u32>,
+    /// What shards added later start from, like the first ones.
+    start: Start,
+    faults: Faults,
+    files: Arc<dyn files::Files>,
+    /// Held while shards are added: one add-shards at a time.
+    growing: Mutex<()>,
     /// Held for the engine's life: one process owns a data directory.
     _lock: files::LockGuard,
 }
@@ -192,7 +199,7 @@ struct Common {
     faults: Faults,
     quotas: quota::Quotas,
     files: Arc<dyn files::Files>,
-    slots: Arc<slots::SlotMap>,
+    slots: Arc<slots::LiveMap>,
 }
 
 /// Makes one shard's channels and starts its thread.
@@ -339,61 +346,41 @@ impl Engine {
     ) -> Result<Engine, OpenError> {
         config.check().map_err(OpenError::Config)?;
         let lock = manifest::lock(&*files, &config.data_dir)?;
-        let slots = Arc::new(manifest::open_or_create(&*files, &config.data_dir, config.shards)?);
-        let slots_per_shard = slots.slots_per_shard(config.shards);
+        let (map, shards) = manifest::open_or_create(&*files, &config.data_dir, config.shards)?;
+        if shards > config.shards {
+            tracing::warn!(
+                configured = config.shards,
+                shards,
+                "the data directory has more shards than configured (they were added); serving all of them"
+            );
+        }
         let config = Arc::new(config);
         // The one wall-clock reading of the process: every shard's frame, and the frame of
         // derived keys, is anchored to it; nothing re-anchors until the next process.
         let start = Start { wall_ms: clock.now_ms(), monotonic_ms: clock.monotonic_ms() };
         let floor = Arc::new(FrameFloor::default());
-        floor.unopened.store(config.shards, Ordering::SeqCst);
-        let quotas = quota::Quotas::default();
-        let (started_tx, started_rx) = crossbeam_channel::bounded(config.shards as usize);
-        let mut shards = Vec::with_capacity(config.shards as usize);
-        for id in 0..config.shards {
-            let common = Common {
-                config: Arc::clone(&config),
-                clock: Arc::clone(&clock),
-                start,
-                floor: Arc::clone(&floor),
-                faults: faults.clone(),
-                quotas: quotas.clone(),
-                files: Arc::clone(&files),
-                slots: Arc::clone(&slots),
-            };
-            shards.push(start_shard(id, common, started_tx.clone())?);
-        }
-        drop(started_tx);
-        // Every shard has made its first open attempt before `open` returns, so states
-        // read right after are meaningful. A shard whose file failed to open is not fatal:
-        // it answers `unavailable` and keeps retrying while the others serve.
-        for _ in 0..config.shards {
-            if started_rx.recv().is_err() {
-                break;
-            }
-        }
-        for (id, shard) in shards.iter().enumerate() {
-            if shard.shared.state() != ShardState::Serving {
-                tracing::warn!(shard = id, "shard failed to open; it answers unavailable and keeps retrying");
-            }
-        }
+        floor.unopened.store(shards, Ordering::SeqCst);
         // Derived keys use the same frame, never below any shard's persisted mark.
         let mut frame = ClockGuard::new(0);
         frame.anchor(start.wall_ms, start.monotonic_ms);
-        Ok(Engine {
-            inner: Arc::new(Inner {
-                config,
-                clock,
-                shards,
-                closing: AtomicBool::new(false),
-                frame: Mutex::new(frame),
-                floor,
-                quotas,
-                slots_per_shard,
-                slots,
-                _lock: lock,
-            }),
-        })
+        let inner = Inner {
+            live: Arc::new(slots::LiveMap::new(map.clone())),
+            table: RwLock::new(routes::Table { map, shards: Vec::new(), moving: None }),
+            config,
+            clock,
+            closing: AtomicBool::new(false),
+            frame: Mutex::new(frame),
+            floor,
+            quotas: quota::Quotas::default(),
+            start,
+            faults,
+            files,
+            growing: Mutex::new(()),
+            _lock: lock,
+        };
+        let handles = inner.start_shards(0..shards)?;
+        inner.table_mut().shards = handles;
+        Ok(Engine { inner: Arc::new(inner) })
     }
 
     /// Sets each tenant's most stored records per shard (replacing any earlier table); a
@@ -423,7 +410,7 @@ impl Engine {
 
     /// The shard that owns a scope: the slot map's owner of the scope's slot.
     pub fn shard_of(&self, scope: &Scope) -> u32 {
-        self.inner.slots.owner(route::slot_of(scope))
+        self.inner.table().map.owner(route::slot_of(scope))
     }
 
     /// `now` for deriving keys: the process's frame, never below any shard's persisted
@@ -444,24 +431,32 @@ impl Engine {
         Ok(frame.read(monotonic))
     }
 
+    /// Queues a request on its slot's shard, or holds it while the slot moves; either
+    /// way under the table's read lock (`routes.rs` says why).
     fn submit(&self, scope: Scope, command: Command) -> Result<Pending, Error> {
-        let shard = self.shard_of(&scope);
+        let slot = route::slot_of(&scope);
+        let table = self.inner.table();
+        let shard = table.map.owner(slot);
         if self.inner.closing.load(Ordering::Acquire) {
             return Err(Error::Unavailable { shard, reason: "the engine is shutting down".to_owned() });
         }
         let (reply, rx) = oneshot::channel();
-        let handle = &self.inner.shards[shard as usize];
+        let handle = &table.shards[shard as usize];
         let span = tracing::Span::current();
         span.record("shard", shard);
-        match handle.data.try_send(Request { scope, command, reply, span }) {
-            Ok(()) => Ok(Pending { shard, rx: Some(rx), gone: handle.gone.clone() }),
-            Err(TrySendError::Full(_)) => Err(Error::ResourceExhausted {
-                what: format!("shard {shard} mailbox"),
-                limit_name: "mailbox_depth_max",
-                limit: self.inner.config.mailbox_depth_max,
+        let request = Request { scope, command, reply, span };
+        let sent = match table.moving.as_ref().filter(|moving| moving.step.slot == slot) {
+            Some(moving) => moving.hold(request, self.inner.config.mailbox_depth_max),
+            None => handle.data.try_send(Mail::Call(request)).map_err(|error| match error {
+                TrySendError::Full(_) => Error::ResourceExhausted {
+                    what: format!("shard {shard} mailbox"),
+                    limit_name: "mailbox_depth_max",
+                    limit: self.inner.config.mailbox_depth_max,
+                },
+                TrySendError::Disconnected(_) => Pending::lost(shard),
             }),
-            Err(TrySendError::Disconnected(_)) => Err(Pending::lost(shard)),
-        }
+        };
+        sent.map(|()| Pending { shard, rx: Some(rx), gone: handle.gone.clone() })
     }
 
     /// Validates a key's address against the limits.
@@ -664,13 +659,13 @@ impl Engine {
 
     /// Each shard's state, cheaply (no message to the shard): for health checks.
     pub fn shard_states(&self) -> Vec<ShardState> {
-        self.inner.shards.iter().map(|s| s.shared.state()).collect()
+        self.inner.table().shards.iter().map(|s| s.shared.state()).collect()
     }
 
     /// Waits until a shard reaches `state` or `timeout` passes; returns whether it did.
     /// Operators and tests use it to wait for recovery without polling.
     pub fn wait_shard_state(&self, shard: u32, state: ShardState, timeout: std::time::Duration) -> bool {
-        match self.inner.shards.get(shard as usize) {
+        match self.inner.handle(shard) {
             Some(handle) => handle.shared.wait_until(timeout, |shared| shared.state() == state),
             None => false,
         }
@@ -678,8 +673,14 @@ impl Engine {
 
     /// Each shard's counters.
     pub fn stats(&self) -> Vec<ShardStats> {
-        let slots = &self.inner.slots_per_shard;
-        self.inner.shards.iter().enumerate().map(|(id, s)| s.stats(id as u32, slots[id])).collect()
+        let table = self.inner.table();
+        let slots = table.map.slots_per_shard(table.shards.len() as u32);
+        table.shards.iter().enumerate().map(|(id, s)| s.stats(id as u32, slots[id])).collect()
+    }
+
+    /// The slot moving now, if an add-shards is under way.
+    pub fn slot_moving(&self) -> Option<slots::SlotMove> {
+        self.inner.table().moving.as_ref().map(|moving| moving.step)
     }
 
     /// Waits until one shard's counters satisfy `done` (checked whenever the shard
@@ -691,11 +692,11 @@ impl Engine {
         timeout: std::time::Duration,
         done: impl Fn(&ShardStats) -> bool,
     ) -> bool {
-        match self.inner.shards.get(shard as usize) {
-            Some(handle) => {
-                let slots = self.inner.slots_per_shard[shard as usize];
-                handle.shared.wait_until(timeout, |_| done(&handle.stats(shard, slots)))
-            }
+        match self.inner.handle(shard) {
+            Some(handle) => handle.shared.wait_until(timeout, |_| {
+                let slots = self.inner.table().map.slots_per_shard(shard + 1)[shard as usize];
+                done(&handle.stats(shard, slots))
+            }),
             None => false,
         }
     }
@@ -704,9 +705,10 @@ impl Engine {
     /// expiry for waiters, waiter deadlines. Shards do this on their own at each
     /// deadline; tests that move a `ManualClock` call it instead of sleeping.
     pub fn run_alarms(&self) {
-        let (done_tx, done_rx) = crossbeam_channel::bounded(self.inner.shards.len());
+        let shards = self.inner.handles();
+        let (done_tx, done_rx) = crossbeam_channel::bounded(shards.len());
         let mut asked = 0;
-        for shard in &self.inner.shards {
+        for shard in &shards {
             if shard.control.send(Control::RunAlarms(done_tx.clone())).is_ok() {
                 asked += 1;
             }
@@ -720,7 +722,7 @@ impl Engine {
 
     /// Asks one shard to close and reopen its file now; returns whether it serves again.
     pub fn reopen_shard(&self, shard: u32) -> bool {
-        let Some(handle) = self.inner.shards.get(shard as usize) else { return false };
+        let Some(handle) = self.inner.handle(shard) else { return false };
         let (done_tx, done_rx) = crossbeam_channel::bounded(1);
         if handle.control.send(Control::Reopen(done_tx)).is_err() {
             return false;
@@ -797,12 +799,66 @@ fn spawn_shard(
 }
 
 impl Inner {
+    fn table(&self) -> RwLockReadGuard<'_, routes::Table> {
+        self.table.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn table_mut(&self) -> RwLockWriteGuard<'_, routes::Table> {
+        self.table.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The shards, taken out of the table so that waiting on one holds no lock.
+    fn handles(&self) -> Vec<Arc<ShardHandle>> {
+        self.table().shards.clone()
+    }
+
+    fn handle(&self, shard: u32) -> Option<Arc<ShardHandle>> {
+        self.table().shards.get(shard as usize).cloned()
+    }
+
+    fn common(&self) -> Common {
+        Common {
+            config: Arc::clone(&self.config),
+            clock: Arc::clone(&self.clock),
+            start: self.start,
+            floor: Arc::clone(&self.floor),
+            faults: self.faults.clone(),
+            quotas: self.quotas.clone(),
+            files: Arc::clone(&self.files),
+            slots: Arc::clone(&self.live),
+        }
+    }
+
+    /// Starts shards `ids` and returns once each has made its first open attempt, so
+    /// states read right after are meaningful. A shard whose file failed to open is not
+    /// fatal: it answers `unavailable` and keeps retrying while the others serve.
+    fn start_shards(&self, ids: std::ops::Range<u32>) -> Result<Vec<Arc<ShardHandle>>, OpenError> {
+        let (started_tx, started_rx) = crossbeam_channel::bounded(ids.len());
+        let mut handles = Vec::with_capacity(ids.len());
+        for id in ids.clone() {
+            handles.push(Arc::new(start_shard(id, self.common(), started_tx.clone())?));
+        }
+        drop(started_tx);
+        for _ in 0..handles.len() {
+            if started_rx.recv().is_err() {
+                break;
+            }
+        }
+        for (id, shard) in ids.zip(&handles) {
+            if shard.shared.state() != ShardState::Serving {
+                tracing::warn!(shard = id, "shard failed to open; it answers unavailable and keeps retrying");
+            }
+        }
+        Ok(handles)
+    }
+
     fn shutdown(&self) {
         self.closing.store(true, Ordering::Release);
-        for shard in &self.shards {
+        let shards = self.handles();
+        for shard in &shards {
             let _ = shard.control.send(Control::Shutdown);
         }
-        for shard in &self.shards {
+        for shard in &shards {
             let thread = shard.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
             if let Some(thread) = thread
                 && thread.join().is_err()

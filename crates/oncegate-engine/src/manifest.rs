@@ -101,14 +101,18 @@ pub fn lock(files: &dyn Files, data_dir: &Path) -> Result<LockGuard, OpenError> 
 }
 
 /// Reads the manifest and the slot map, or creates both for a new directory, checks the
-/// shard count, and gives a directory routed by `slot % shards` its slot map.
-pub fn open_or_create(files: &dyn Files, data_dir: &Path, shards: u32) -> Result<SlotMap, OpenError> {
+/// shard count, and gives a directory routed by `slot % shards` its slot map. Returns the
+/// map and the directory's shard count: at least `shards` (a directory that has grown
+/// past the configured count opens with all of its shards).
+pub fn open_or_create(files: &dyn Files, data_dir: &Path, shards: u32) -> Result<(SlotMap, u32), OpenError> {
     let (manifest, new) = read_or_new(files, data_dir, shards)?;
+    let shards = manifest.shards;
     // A map in a new directory is a creation's that did not reach its manifest.
     let found = if new { None } else { slots::read(files, data_dir, shards)? };
     if manifest.routing == ROUTING {
         // After a slot has moved, no computed map is right: a lost map is never guessed.
-        return found.ok_or_else(|| OpenError::SlotMapMissing { path: slots::path(data_dir) });
+        let map = found.ok_or_else(|| OpenError::SlotMapMissing { path: slots::path(data_dir) })?;
+        return Ok((map, shards));
     }
     // Routed by `slot % shards` until now: the map is that, exactly. A map file already
     // there was written by an upgrade that did not reach the manifest; nothing can have
@@ -127,7 +131,7 @@ pub fn open_or_create(files: &dyn Files, data_dir: &Path, shards: u32) -> Result
         &data_dir.join(MANIFEST_FILE),
         &Manifest { routing: ROUTING.to_owned(), ..manifest },
     )?;
-    Ok(map)
+    Ok((map, shards))
 }
 
 fn write_manifest(files: &dyn Files, path: &Path, manifest: &Manifest) -> Result<(), OpenError> {
@@ -143,7 +147,7 @@ fn write_manifest(files: &dyn Files, path: &Path, manifest: &Manifest) -> Result
 fn read_or_new(files: &dyn Files, data_dir: &Path, shards: u32) -> Result<(Manifest, bool), OpenError> {
     let path = data_dir.join(MANIFEST_FILE);
     if let Some(manifest) = read(files, data_dir)? {
-        if manifest.shards != shards {
+        if manifest.shards < shards {
             return Err(OpenError::ShardCount {
                 path: data_dir.to_owned(),
                 found: manifest.shards,

@@ -74,26 +74,10 @@ pub fn add_shards_on(
             ),
         )]));
     }
-    let mut map = manifest::open_or_create(&*files, dir, before)?;
+    let (mut map, _) = manifest::open_or_create(&*files, dir, before)?;
     // Read again: opening may have moved an older directory's routing to the map.
     let manifest = manifest::read(&*files, dir)?.unwrap_or(manifest);
-    // Above every epoch any shard has used, before a new shard owns anything.
-    let epoch = (0..to)
-        .map(|shard| manifest::read_epoch(&*files, &manifest::epoch_file(dir, shard)))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|source| OpenError::Io { path: dir.clone(), source })?
-        .into_iter()
-        .flatten()
-        .max()
-        .unwrap_or(0)
-        + 1;
-    for shard in before..to {
-        let path = manifest::epoch_file(dir, shard);
-        manifest::write_epoch(&*files, &path, epoch).map_err(|source| OpenError::Io { path, source })?;
-    }
-    if to != before {
-        manifest::set_shards(&*files, dir, &manifest, to)?;
-    }
+    prepare_new_shards(&*files, dir, &manifest, to)?;
     let moves = map.moves_to_spread(to);
     let total = moves.len() as u32;
     let mut groups: BTreeMap<(u32, u32), HashSet<u32>> = BTreeMap::new();
@@ -114,6 +98,34 @@ pub fn add_shards_on(
         records_moved: records,
         map_version: map.version,
     })
+}
+
+/// Makes shards `manifest.shards..to` part of the directory: their token epochs above
+/// every epoch any shard has used (before a new shard owns anything), then the manifest's
+/// new count. The new shards own no slot until the map gives them some.
+pub(crate) fn prepare_new_shards(
+    files: &dyn Files,
+    dir: &std::path::Path,
+    manifest: &manifest::Manifest,
+    to: u32,
+) -> Result<(), OpenError> {
+    let epoch = (0..to)
+        .map(|shard| manifest::read_epoch(files, &manifest::epoch_file(dir, shard)))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|source| OpenError::Io { path: dir.to_owned(), source })?
+        .into_iter()
+        .flatten()
+        .max()
+        .unwrap_or(0)
+        + 1;
+    for shard in manifest.shards..to {
+        let path = manifest::epoch_file(dir, shard);
+        manifest::write_epoch(files, &path, epoch).map_err(|source| OpenError::Io { path, source })?;
+    }
+    if to != manifest.shards {
+        manifest::set_shards(files, dir, manifest, to)?;
+    }
+    Ok(())
 }
 
 /// The three steps of one group: copy, flip the map, delete at the source.

@@ -15,6 +15,7 @@
 //! crash leaves the old map or the new one.
 
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use oncegate_core::route::{SLOT_COUNT, shard_of_slot};
 
@@ -153,19 +154,65 @@ impl SlotMap {
     }
 }
 
+/// A slot on its way from one shard to another (`shard/moves.rs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlotMove {
+    /// The slot.
+    pub slot: u32,
+    /// The shard that owns it until the map is flipped.
+    pub from: u32,
+    /// The shard that owns it after.
+    pub to: u32,
+}
+
 /// The slots one shard owns, as its store checks them at open.
 #[derive(Clone, Debug)]
 pub struct Owned {
     /// The map.
-    pub map: std::sync::Arc<SlotMap>,
+    pub map: Arc<SlotMap>,
     /// The shard.
     pub shard: u32,
+    /// A slot being moved: both its shards keep its rows until the move ends, because
+    /// until the map is flipped the source's rows are the truth, and after it the
+    /// destination's copies are.
+    pub moving: Option<SlotMove>,
 }
 
 impl Owned {
-    /// Whether the shard owns `slot`.
+    /// Whether the shard keeps the rows of `slot`.
     pub fn owns(&self, slot: u32) -> bool {
         self.map.owner(slot) == self.shard
+            || self.moving.is_some_and(|m| m.slot == slot && (m.from == self.shard || m.to == self.shard))
+    }
+}
+
+/// The map as a running engine has it, for shards that open (or reopen) while slots
+/// move. Only the mover writes it, and never while it waits for a shard, so a shard that
+/// takes the lock at open never waits for a move.
+#[derive(Debug)]
+pub(crate) struct LiveMap {
+    state: Mutex<(Arc<SlotMap>, Option<SlotMove>)>,
+}
+
+impl LiveMap {
+    pub fn new(map: SlotMap) -> LiveMap {
+        LiveMap { state: Mutex::new((Arc::new(map), None)) }
+    }
+
+    /// What `shard` keeps rows of now.
+    pub fn owned(&self, shard: u32) -> Owned {
+        let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        Owned { map: Arc::clone(&state.0), shard, moving: state.1 }
+    }
+
+    /// A move starts or ends (`None`).
+    pub fn set_moving(&self, moving: Option<SlotMove>) {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).1 = moving;
+    }
+
+    /// The map was flipped: `map` is the new one, and no slot is moving.
+    pub fn set_map(&self, map: SlotMap) {
+        *self.state.lock().unwrap_or_else(|p| p.into_inner()) = (Arc::new(map), None);
     }
 }
 

@@ -958,6 +958,50 @@ impl Txn<'_> {
     }
 }
 
+/// A slot's rows in a live shard, for moving the slot to another one (`shard/moves.rs`).
+/// There is no on-disk index on the slot (it would put a random page back into every
+/// write); one pass over the in-memory index finds a slot's rows, a few milliseconds per
+/// million keys.
+impl Txn<'_> {
+    /// The (hash, row id) of every row of `slot`.
+    fn slot_rows(&self, slot: u32) -> Vec<(u64, i64)> {
+        self.index.borrow().iter().filter(|(hash, _)| route::slot_of_hash(*hash) == slot).collect()
+    }
+
+    /// Every stored record of `slot` with its scope, expired ones included (their
+    /// destination reclaims them as this shard would have).
+    pub fn slot_records(&self, slot: u32) -> Result<Vec<(Scope, Record)>, StoreError> {
+        self.failpoint()?;
+        let mut stmt = self.tx().prepare_cached(SELECT_RECORD)?;
+        let mut records = Vec::new();
+        for (_, id) in self.slot_rows(slot) {
+            let (tenant, namespace, key, record) = stmt.query_row(params![id], |row| {
+                Ok((row.get(0)?, row.get(1)?, row.get(2)?, read_record(row, 3)?))
+            })?;
+            records.push((stored_scope(tenant, namespace, key)?, record));
+        }
+        Ok(records)
+    }
+
+    /// Deletes at most `limit` rows of `slot`; returns what was deleted, counted by state
+    /// and tenant, and whether rows of the slot are left.
+    pub fn delete_slot(&self, slot: u32, limit: usize) -> Result<(Tally, bool), StoreError> {
+        self.failpoint()?;
+        let rows = self.slot_rows(slot);
+        let mut stmt = self
+            .tx()
+            .prepare_cached("DELETE FROM records WHERE id = ?1 RETURNING tenant, outcome IS NULL")?;
+        let mut removed = Tally::default();
+        for (hash, id) in rows.iter().take(limit) {
+            let (tenant, pending): (String, bool) =
+                stmt.query_row(params![id], |row| Ok((row.get(0)?, row.get(1)?)))?;
+            removed.add_stored(&stored_tenant(tenant)?, pending);
+            self.forget(*hash, *id);
+        }
+        Ok((removed, rows.len() > limit))
+    }
+}
+
 /// Copying a slot's rows from one shard file to another, for moving slots (`reshard.rs`).
 impl Store {
     /// Copies every row of `slots` from `src` into this store, replacing any rows of those

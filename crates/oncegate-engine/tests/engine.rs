@@ -228,7 +228,7 @@ fn keys_spread_over_shards_by_the_documented_hash() {
 }
 
 #[test]
-fn the_shard_count_is_fixed_at_creation_and_the_directory_is_locked() {
+fn a_directory_keeps_its_shard_count_and_is_locked() {
     let dir = tempfile::tempdir().unwrap();
     let clock = ManualClock::new(T0);
     let engine = open(EngineConfig { shards: 3, ..config(dir.path()) }, &clock, &Faults::default());
@@ -236,9 +236,15 @@ fn the_shard_count_is_fixed_at_creation_and_the_directory_is_locked() {
     assert!(matches!(second, Err(OpenError::Locked { .. })), "a second owner is refused");
     engine.shutdown();
     drop(engine);
-    let err = Engine::open(EngineConfig { shards: 2, ..config(dir.path()) }).err().expect("refused");
+    let err = Engine::open(EngineConfig { shards: 4, ..config(dir.path()) }).err().expect("refused");
     let message = err.to_string();
-    assert!(message.contains("has 3 shards") && message.contains("asks for 2"), "{message}");
+    assert!(message.contains("has 3 shards") && message.contains("asks for 4"), "{message}");
+    assert!(message.contains("oncegate admin add-shards --to 4"), "{message}");
+    let fewer =
+        Engine::open(EngineConfig { shards: 2, ..config(dir.path()) }).expect("fewer configured opens");
+    assert_eq!(fewer.stats().len(), 3, "a directory that grew keeps all of its shards");
+    fewer.shutdown();
+    drop(fewer);
     Engine::open(EngineConfig { shards: 3, ..config(dir.path()) }).expect("the same count opens");
 }
 

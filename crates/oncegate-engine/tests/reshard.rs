@@ -5,51 +5,27 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use common::*;
-use oncegate_core::{ReserveReply, State};
+use oncegate_core::ReserveReply;
 use oncegate_engine::files::OsFiles;
 use oncegate_engine::reshard::{Resharded, add_shards, add_shards_on};
 use oncegate_engine::{Engine, EngineConfig, Faults, ManualClock, OpenError};
 
 const KEYS: usize = 120;
 
-/// What the test wrote: each key's token, and whether it was committed.
-type Written = HashMap<String, (u64, bool)>;
-
-/// Fills a 2-shard directory: every third key stays pending (its holder keeps the
-/// lease), the rest are committed with their name as the response.
 fn fill(dir: &std::path::Path, clock: &ManualClock) -> Written {
     let engine = open(EngineConfig { shards: 2, ..config(dir) }, clock, &Faults::default());
-    let mut written = Written::new();
-    for i in 0..KEYS {
-        let name = format!("k{i}");
-        let token =
-            granted(&engine.reserve_blocking(&tenant(), reserve_for(&name, 600_000, 0, 0)).unwrap().reply);
-        let committed = i % 3 != 0;
-        if committed {
-            engine.commit_blocking(&tenant(), commit(&name, token, name.as_bytes())).unwrap();
-        }
-        written.insert(name, (token, committed));
-    }
+    let written = fill_keys(&engine, KEYS);
     engine.shutdown();
     written
 }
 
-/// Every key reads as written, on the shard the map now gives it.
+/// Every key reads as written, and each is stored once.
 fn check(engine: &Engine, written: &Written) {
-    for (name, (token, committed)) in written {
-        let view = engine.get_blocking(&tenant(), key(name, 0)).unwrap();
-        let state = if *committed { State::Completed } else { State::Pending };
-        assert_eq!((view.state, view.token), (state, *token), "{name}");
-        if *committed {
-            assert_eq!(view.response, name.as_bytes());
-        }
-    }
-    let stored: u64 = engine.stats().iter().map(|s| s.records_pending + s.records_completed).sum();
-    assert_eq!(stored, written.len() as u64, "no key lost, none stored twice");
+    check_keys(engine, written);
+    assert_eq!(stored(engine), written.len() as u64, "no key lost, none stored twice");
 }
 
 fn open_four(dir: &std::path::Path, clock: &ManualClock) -> Engine {

@@ -61,6 +61,8 @@ impl Shard {
         let token_before = self.book.next_token;
         let mut outbox: Outbox = Vec::new();
         let book = &mut self.book;
+        let leaving = &mut self.leaving;
+        let owned = (!leaving.is_empty()).then(|| self.slots.owned(self.id));
         let result = (|| -> Result<usize, StoreError> {
             let txn = store.begin()?;
             for scope in &book.due(now) {
@@ -68,6 +70,9 @@ impl Shard {
             }
             let removed = txn.reclaim(now, limit)?;
             book.records_delta.remove(&removed);
+            if let Some(owned) = &owned {
+                super::moves::drop_leaving(&txn, leaving, owned, limit, book)?;
+            }
             txn.commit(Meta { next_token: book.next_token, high_water_ms: now })?;
             Ok((removed.pending + removed.completed) as usize)
         })();
@@ -86,7 +91,10 @@ impl Shard {
     /// Shutdown: serve what was accepted, answer waiters, close the file.
     pub(super) fn finish(mut self) {
         loop {
-            let requests = self.drain(None);
+            let (requests, move_out) = self.drain(None);
+            if let Some(move_out) = move_out {
+                let _ = move_out.reply.send(Err(self.unavailable("the shard is stopping")));
+            }
             if requests.is_empty() {
                 break;
             }
@@ -129,7 +137,7 @@ impl Shard {
     /// does every answer go out. Failed: nothing of it is durable, so the token counter
     /// goes back, its counts are forgotten, the shard fails, and every caller hears
     /// `unavailable`, never an acknowledgement.
-    fn conclude<T>(
+    pub(super) fn conclude<T>(
         &mut self,
         result: Result<T, StoreError>,
         outbox: Outbox,

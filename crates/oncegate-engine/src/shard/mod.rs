@@ -41,9 +41,11 @@ use crate::store::{Store, StoreError};
 use crate::{Clock, EngineConfig, Error, Faults, manifest};
 
 mod batch;
+mod moves;
 mod open;
 mod state;
 
+pub(crate) use moves::{Handover, MoveOut};
 pub use state::ShardState;
 pub(crate) use state::{FrameFloor, Shared, Start};
 
@@ -57,6 +59,15 @@ pub(crate) struct Request {
     pub span: tracing::Span,
 }
 
+/// What arrives on a shard's data channel, in the order it was sent.
+pub(crate) enum Mail {
+    /// A caller's request.
+    Call(Request),
+    /// Hand a moving slot over: it comes behind every request of the slot sent before
+    /// the move began, so those are decided here first (`moves.rs`).
+    MoveOut(MoveOut),
+}
+
 /// Requests that must not wait behind data.
 pub(crate) enum Control {
     /// Finish what is queued, answer waiters, close the file, exit.
@@ -65,6 +76,11 @@ pub(crate) enum Control {
     RunAlarms(crossbeam_channel::Sender<()>),
     /// Close and reopen the file now (after an operator fixed a fault).
     Reopen(crossbeam_channel::Sender<bool>),
+    /// Take in a moving slot's records, counters and waiters, durably; answer how many
+    /// records came.
+    MoveIn(Handover, crossbeam_channel::Sender<Result<u64, Error>>),
+    /// Delete the rows of a slot this shard no longer owns (a bounded chunk per alarm).
+    DropSlot(u32),
 }
 
 /// What a shard is made of, handed over by the engine.
@@ -76,7 +92,7 @@ pub(crate) struct Parts {
     pub floor: Arc<FrameFloor>,
     pub faults: Faults,
     pub shared: Arc<Shared>,
-    pub data: Receiver<Request>,
+    pub data: Receiver<Mail>,
     pub control: Receiver<Control>,
     /// Nudges from callers that stopped waiting.
     pub gone: Receiver<()>,
@@ -84,8 +100,8 @@ pub(crate) struct Parts {
     pub quotas: Quotas,
     /// The files seam (the operating system's, or a simulated disk).
     pub files: Arc<dyn Files>,
-    /// Which shard owns each slot.
-    pub slots: Arc<crate::slots::SlotMap>,
+    /// Which shard owns each slot, as slots move.
+    pub slots: Arc<crate::slots::LiveMap>,
 }
 
 /// Sent once per shard when its first open attempt is over.
@@ -104,7 +120,7 @@ pub(crate) struct Shard {
     opened: bool,
     faults: Faults,
     shared: Arc<Shared>,
-    data: Receiver<Request>,
+    data: Receiver<Mail>,
     control: Receiver<Control>,
     gone: Receiver<()>,
     store: Option<Store>,
@@ -113,7 +129,9 @@ pub(crate) struct Shard {
     epoch: u64,
     book: Book,
     files: Arc<dyn Files>,
-    slots: Arc<crate::slots::SlotMap>,
+    slots: Arc<crate::slots::LiveMap>,
+    /// Slots that moved away whose rows are still here; alarms delete them in chunks.
+    leaving: Vec<u32>,
     backoff_ms: u64,
     reopen_at: Option<Instant>,
 }
@@ -156,6 +174,7 @@ impl Shard {
             book: Book::new(id, quotas),
             files,
             slots,
+            leaving: Vec::new(),
             reopen_at: None,
         }
     }
@@ -236,6 +255,14 @@ impl Shard {
                 let _ = done.send(ok);
                 false
             }
+            Control::MoveIn(handover, done) => {
+                let _ = done.send(self.move_in(handover));
+                false
+            }
+            Control::DropSlot(slot) => {
+                self.leaving.push(slot);
+                false
+            }
         }
     }
 
@@ -254,6 +281,9 @@ impl Shard {
         if self.store.is_none() {
             return self.reopen_at;
         }
+        if !self.leaving.is_empty() {
+            return Some(Instant::now());
+        }
         let deadline_ms = match (self.book.next_reclaim_ms, self.book.waiters_alarm_ms()) {
             (Some(a), Some(b)) => a.min(b),
             (a, b) => a.or(b)?,
@@ -263,21 +293,31 @@ impl Shard {
         Some(Instant::now() + Duration::from_millis(deadline_ms.saturating_sub(now_ms)))
     }
 
-    fn batch(&mut self, first: Request) {
-        let requests = self.drain(Some(first));
-        self.serve_batch(requests);
+    fn batch(&mut self, first: Mail) {
+        let (requests, move_out) = self.drain(Some(first));
+        if !requests.is_empty() {
+            self.serve_batch(requests);
+        }
+        if let Some(move_out) = move_out {
+            self.move_out(move_out);
+        }
     }
 
-    /// Takes what the mailbox holds now, after `first`, up to `batch_len_max` in all.
-    fn drain(&self, first: Option<Request>) -> Vec<Request> {
+    /// Takes what the mailbox holds now, after `first`, up to `batch_len_max` requests in
+    /// all, stopping at a slot's hand-over (served after the requests before it).
+    fn drain(&self, first: Option<Mail>) -> (Vec<Request>, Option<MoveOut>) {
         let mut requests = Vec::with_capacity(self.config.batch_len_max.min(64));
-        requests.extend(first);
-        while requests.len() < self.config.batch_len_max {
-            match self.data.try_recv() {
-                Ok(request) => requests.push(request),
-                Err(_) => break,
+        let mut next = first;
+        loop {
+            match next {
+                Some(Mail::Call(request)) => requests.push(request),
+                Some(Mail::MoveOut(move_out)) => return (requests, Some(move_out)),
+                None => return (requests, None),
             }
+            if requests.len() >= self.config.batch_len_max {
+                return (requests, None);
+            }
+            next = self.data.try_recv().ok();
         }
-        requests
     }
 }

@@ -37,7 +37,7 @@ impl Shard {
     }
 
     pub(super) fn try_open(&mut self) -> Result<Store, StoreError> {
-        let owned = crate::slots::Owned { map: Arc::clone(&self.slots), shard: self.id };
+        let owned = self.slots.owned(self.id);
         let tuning = Tuning::of(&self.config, Arc::clone(&self.files), Some(owned));
         // Only the first open of the process checks the file and re-anchors the clock;
         // an in-process reopen keeps the frame, so a wall-clock step cannot age records.
@@ -65,6 +65,8 @@ impl Shard {
         txn.commit(meta)?;
         self.epoch = epoch;
         self.book.next_token = next_token;
+        // The open deleted the rows of every slot the shard does not own.
+        self.leaving.clear();
         self.book.next_reclaim_ms = store.next_reclaim_ms();
         self.book.reset_records(store.take_count());
         self.book.settle(&self.shared);

@@ -1,11 +1,12 @@
 //! Helpers shared by the engine's integration tests.
 #![allow(dead_code)]
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::path::Path;
 use std::sync::Arc;
 
-use oncegate_core::{Outcome, ReserveReply, Tenant};
+use oncegate_core::{Outcome, ReserveReply, State, Tenant};
 use oncegate_engine::{CommitRequest, Engine, EngineConfig, Faults, KeyRequest, ManualClock, ReserveRequest};
 
 /// A fixed start time, so that test failures print readable numbers.
@@ -62,4 +63,41 @@ pub fn granted(reply: &ReserveReply) -> u64 {
         ReserveReply::Granted { token, .. } => *token,
         other => panic!("expected a grant, got {other:?}"),
     }
+}
+
+/// What a test wrote: each key's token, and whether it was committed.
+pub type Written = HashMap<String, (u64, bool)>;
+
+/// Writes `keys` keys: every third stays pending (its holder keeps a long lease), the
+/// rest are committed with their name as the response.
+pub fn fill_keys(engine: &Engine, keys: usize) -> Written {
+    let mut written = Written::new();
+    for i in 0..keys {
+        let name = format!("k{i}");
+        let token =
+            granted(&engine.reserve_blocking(&tenant(), reserve_for(&name, 600_000, 0, 0)).unwrap().reply);
+        let committed = i % 3 != 0;
+        if committed {
+            engine.commit_blocking(&tenant(), commit(&name, token, name.as_bytes())).unwrap();
+        }
+        written.insert(name, (token, committed));
+    }
+    written
+}
+
+/// Every key reads as written, on the shard the map now gives it.
+pub fn check_keys(engine: &Engine, written: &Written) {
+    for (name, (token, committed)) in written {
+        let view = engine.get_blocking(&tenant(), key(name, 0)).unwrap();
+        let state = if *committed { State::Completed } else { State::Pending };
+        assert_eq!((view.state, view.token), (state, *token), "{name}");
+        if *committed {
+            assert_eq!(view.response, name.as_bytes());
+        }
+    }
+}
+
+/// Records stored over all shards (expired ones not yet reclaimed included).
+pub fn stored(engine: &Engine) -> u64 {
+    engine.stats().iter().map(|s| s.records_pending + s.records_completed).sum()
 }

@@ -1,0 +1,219 @@
+//! Adding shards to a running engine (`Engine::add_shards`, `oncegate admin add-shards`):
+//! the new shards start owning nothing, then slots move to them one at a time while
+//! every shard serves.
+//!
+//! One move, as the mover runs it (the shards' side is `shard/moves.rs`):
+//!
+//! 1. the routing table marks the slot moving: its new requests are held, in order
+//!    (`routes.rs`), and the source is sent the hand-over behind the slot's earlier
+//!    requests;
+//! 2. the destination writes the slot's records durably with its counters raised;
+//! 3. the map file is flipped durably (`slots::write`);
+//! 4. the table gives the slot to the destination and sends it the held requests, in
+//!    order, before anything sent later;
+//! 5. the source deletes its copies, a chunk per alarm.
+//!
+//! A move that fails before the flip ends with the slot where it was (its held requests
+//! go back to the source; the destination drops its copies). A flip whose outcome on
+//! disk is unknown is undone by writing the old map again; if even that fails, the slot
+//! answers `unavailable` until a restart reads the map, rather than risk two owners.
+//! The map on disk always names exactly one owner with the slot's truth, so a crash at
+//! any point restarts into a correct directory, and running add-shards again resumes.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use crate::reshard::{Progress, Resharded};
+use crate::routes::Moving;
+use crate::shard::{Control, Mail, MoveOut};
+use crate::slots::{self, SlotMap, SlotMove};
+use crate::{Engine, Error, OpenError, ShardHandle, manifest};
+
+impl Engine {
+    /// Adds shards while the engine serves, until it has `to` (at most `SHARDS_MAX`),
+    /// and spreads the slots evenly, moving one slot at a time from the shards over
+    /// their share to the new ones, at most `slot_moves_per_second_max` per second.
+    /// `progress` hears the slots moved and the slots to move. Run again after an error
+    /// or a crash, it resumes the moves that are left (`to` may then equal the count).
+    pub fn add_shards(&self, to: u32, progress: Progress<'_>) -> Result<Resharded, OpenError> {
+        let inner = &self.inner;
+        let _one_at_a_time = inner.growing.try_lock().map_err(|_| {
+            OpenError::Config(vec![oncegate_core::Problem::new(
+                "shards_total",
+                "another add-shards is running on this server; wait for it to finish".to_owned(),
+            )])
+        })?;
+        let before = inner.handles().len() as u32;
+        if to < before || to > crate::config::SHARDS_MAX {
+            return Err(OpenError::Config(vec![oncegate_core::Problem::new(
+                "shards_total",
+                format!(
+                    "is {to}; the server has {before} shards, and shards can be added up to {}, never removed",
+                    crate::config::SHARDS_MAX
+                ),
+            )]));
+        }
+        if to > before {
+            self.start_new_shards(to)?;
+        }
+        let moves = inner.table().map.moves_to_spread(to);
+        let total = moves.len() as u32;
+        progress(0, total);
+        let pause = match inner.config.slot_moves_per_second_max {
+            0 => Duration::ZERO,
+            rate => Duration::from_secs(1) / rate,
+        };
+        let mut records = 0;
+        for (done, (slot, from, dest)) in moves.into_iter().enumerate() {
+            if inner.closing.load(Ordering::Acquire) {
+                return Err(OpenError::Shard {
+                    shard: from,
+                    reason: "the engine is shutting down".to_owned(),
+                });
+            }
+            let started = Instant::now();
+            records += self.move_slot(SlotMove { slot, from, to: dest })?;
+            metrics::counter!("oncegate_slot_moves_total").increment(1);
+            metrics::histogram!("oncegate_slot_move_seconds").record(started.elapsed().as_secs_f64());
+            progress(done as u32 + 1, total);
+            // Pacing, not synchronisation: it leaves the disk to the traffic between moves.
+            std::thread::sleep(pause.saturating_sub(started.elapsed()));
+        }
+        Ok(Resharded {
+            shards_before: before,
+            shards_after: to,
+            slots_moved: total,
+            records_moved: records,
+            map_version: inner.table().map.version,
+        })
+    }
+
+    /// Makes shards `current..to` part of the directory (epochs, manifest), starts them
+    /// and adds them to the routing table; they own no slot yet.
+    fn start_new_shards(&self, to: u32) -> Result<(), OpenError> {
+        let inner = &self.inner;
+        let dir = &inner.config.data_dir;
+        let manifest = manifest::read(&*inner.files, dir)?.ok_or_else(|| OpenError::Manifest {
+            path: dir.join(manifest::MANIFEST_FILE),
+            reason: "the manifest disappeared while the engine ran".to_owned(),
+        })?;
+        crate::reshard::prepare_new_shards(&*inner.files, dir, &manifest, to)?;
+        inner.floor.unopened.fetch_add(to - manifest.shards, Ordering::SeqCst);
+        let handles = inner.start_shards(manifest.shards..to)?;
+        inner.table_mut().shards.extend(handles);
+        tracing::info!(from = manifest.shards, to, "new shards started; slots move to them next");
+        Ok(())
+    }
+
+    /// Moves one slot; returns the records it carried.
+    fn move_slot(&self, step: SlotMove) -> Result<u64, OpenError> {
+        let inner = &self.inner;
+        let (source, destination) = {
+            let mut table = inner.table_mut();
+            table.moving = Some(Moving::new(step));
+            (Arc::clone(&table.shards[step.from as usize]), Arc::clone(&table.shards[step.to as usize]))
+        };
+        inner.live.set_moving(Some(step));
+        let records = match self.copy_slot(step, &source, &destination) {
+            Ok(records) => records,
+            Err(error) => {
+                self.end_move(step, None);
+                let _ = destination.control.send(Control::DropSlot(step.slot));
+                return Err(error);
+            }
+        };
+        stop_point(inner)?;
+        let map = match self.flip(step) {
+            Ok(map) => map,
+            Err(error) => return Err(self.undo_flip(step, &destination, error)),
+        };
+        stop_point(inner)?;
+        self.end_move(step, Some(map));
+        let _ = source.control.send(Control::DropSlot(step.slot));
+        Ok(records)
+    }
+
+    /// Steps 1 and 2: the source hands the slot over, the destination writes it durably.
+    fn copy_slot(
+        &self,
+        step: SlotMove,
+        source: &ShardHandle,
+        destination: &ShardHandle,
+    ) -> Result<u64, OpenError> {
+        let failed = |shard: u32| move |error: Error| OpenError::Shard { shard, reason: error.to_string() };
+        let gone = |shard: u32| OpenError::Shard { shard, reason: "the shard stopped".to_owned() };
+        let (reply, handover) = crossbeam_channel::bounded(1);
+        source.data.send(Mail::MoveOut(MoveOut { slot: step.slot, reply })).map_err(|_| gone(step.from))?;
+        let handover = handover.recv().map_err(|_| gone(step.from))?.map_err(failed(step.from))?;
+        stop_point(&self.inner)?;
+        let (reply, written) = crossbeam_channel::bounded(1);
+        destination.control.send(Control::MoveIn(handover, reply)).map_err(|_| gone(step.to))?;
+        written.recv().map_err(|_| gone(step.to))?.map_err(failed(step.to))
+    }
+
+    /// Step 3: the map with the slot at its destination, durable before it is returned.
+    fn flip(&self, step: SlotMove) -> Result<SlotMap, OpenError> {
+        let mut map = self.inner.table().map.clone();
+        map.set_owner(step.slot, step.to);
+        map.version += 1;
+        slots::write(&*self.inner.files, &self.inner.config.data_dir, &map)?;
+        Ok(map)
+    }
+
+    /// A flip failed, so the file may hold either map: write the old one again (with a
+    /// higher version) and end the move where it began; if that fails too, the slot
+    /// answers `unavailable` until a restart.
+    fn undo_flip(&self, step: SlotMove, destination: &ShardHandle, error: OpenError) -> OpenError {
+        let inner = &self.inner;
+        let mut old = inner.table().map.clone();
+        old.version += 2;
+        match slots::write(&*inner.files, &inner.config.data_dir, &old) {
+            Ok(()) => {
+                inner.table_mut().map.version = old.version;
+                self.end_move(step, None);
+                let _ = destination.control.send(Control::DropSlot(step.slot));
+            }
+            Err(again) => {
+                tracing::error!(slot = step.slot, %error, %again, "the slot map could not be written; the slot answers unavailable until a restart");
+                let mut table = inner.table_mut();
+                if let Some(moving) = table.moving.as_mut() {
+                    moving.stuck = true;
+                    moving.refuse_held();
+                }
+            }
+        }
+        error
+    }
+
+    /// Step 4 (or the end of a failed move, `flipped` none): the table routes the slot to
+    /// its owner and sends it the held requests in order, then shards opening from now
+    /// on see the move over.
+    fn end_move(&self, step: SlotMove, flipped: Option<SlotMap>) {
+        let inner = &self.inner;
+        let mut table = inner.table_mut();
+        let owner = if flipped.is_some() { step.to } else { step.from };
+        if let Some(map) = &flipped {
+            table.map = map.clone();
+        }
+        if let Some(moving) = table.moving.take() {
+            moving.release_to(&table.shards[owner as usize], owner);
+        }
+        drop(table);
+        match flipped {
+            Some(map) => inner.live.set_map(map),
+            None => inner.live.set_moving(None),
+        }
+    }
+}
+
+/// Where a test may stop a move dead, as a crash would (`Faults::stop_moves_after`).
+fn stop_point(inner: &crate::Inner) -> Result<(), OpenError> {
+    if inner.faults.move_should_stop() {
+        return Err(OpenError::Shard {
+            shard: u32::MAX,
+            reason: "injected fault: slot move stopped".to_owned(),
+        });
+    }
+    Ok(())
+}

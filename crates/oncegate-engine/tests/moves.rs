@@ -1,0 +1,213 @@
+//! Adding shards to a running engine (`Engine::add_shards`): slots move one at a time
+//! while the engine serves, every key answers as before, a race on a key whose slot is
+//! moving grants once, a parked waiter follows its key, tokens of moved keys keep
+//! increasing, and a move stopped dead at any step restarts into a correct directory.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use oncegate_core::route::slot_of;
+use oncegate_core::{ReserveReply, State};
+use oncegate_engine::slots::SlotMove;
+use oncegate_engine::{Engine, EngineConfig, Faults, ManualClock};
+
+const KEYS: usize = 90;
+
+fn two_shards(dir: &std::path::Path) -> EngineConfig {
+    EngineConfig { shards: 2, slot_moves_per_second_max: 0, ..config(dir) }
+}
+
+fn add_four(engine: &Engine) -> oncegate_engine::reshard::Resharded {
+    engine.add_shards(4, &mut |_, _| {}).expect("shards added")
+}
+
+/// A key whose slot is `slot` (found by trying names).
+fn key_in_slot(engine: &Engine, slot: u32) -> String {
+    (0..)
+        .map(|i| format!("slot{slot}-{i}"))
+        .find(|name| slot_of(&engine.scope(&tenant(), "live", name).unwrap()) == slot)
+        .expect("some name hashes to every slot")
+}
+
+/// Waits until each shard stores exactly the keys the map gives it: the sources have
+/// deleted the copies of the slots that left them.
+fn wait_for_drops(engine: &Engine, written: &Written) {
+    let mut expected = vec![0u64; engine.stats().len()];
+    for name in written.keys() {
+        expected[engine.shard_of(&engine.scope(&tenant(), "live", name).unwrap()) as usize] += 1;
+    }
+    for (shard, keys) in expected.into_iter().enumerate() {
+        let settled = engine.wait_stats(shard as u32, Duration::from_secs(60), |s| {
+            s.records_pending + s.records_completed == keys
+        });
+        assert!(settled, "shard {shard} should store {keys} records: {:?}", engine.stats()[shard]);
+    }
+}
+
+/// Every key answers as written, none is stored twice, and the slots are spread evenly.
+fn check_spread(engine: &Engine, written: &Written) {
+    check_keys(engine, written);
+    wait_for_drops(engine, written);
+    let slots: Vec<u32> = engine.stats().iter().map(|s| s.slots).collect();
+    assert_eq!(slots, vec![4_096; 4]);
+}
+
+#[test]
+fn adding_shards_online_keeps_every_key_and_spreads_the_slots() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let engine = open(two_shards(dir.path()), &clock, &Faults::default());
+    let written = fill_keys(&engine, KEYS);
+    let mut seen = Vec::new();
+    let added = engine.add_shards(4, &mut |moved, total| seen.push((moved, total))).expect("added");
+    assert_eq!((added.shards_before, added.shards_after, added.slots_moved), (2, 4, 8_192));
+    assert_eq!(seen.first(), Some(&(0, 8_192)));
+    assert_eq!(seen.last(), Some(&(8_192, 8_192)));
+    assert!(added.records_moved > 0 && added.records_moved < KEYS as u64, "{added:?}");
+    assert_eq!(engine.slot_moving(), None);
+    check_spread(&engine, &written);
+    assert_eq!(engine.add_shards(4, &mut |_, _| {}).expect("nothing left").slots_moved, 0);
+    engine.shutdown();
+    drop(engine);
+    // The configuration still says 2: the directory opens with the 4 it has now.
+    let engine = open(two_shards(dir.path()), &clock, &Faults::default());
+    assert_eq!(engine.stats().len(), 4);
+    check_spread(&engine, &written);
+}
+
+/// Reserves `name` (slot 0 moves first) and releases it: no row keeps its token.
+fn grant_and_release(engine: &Engine, name: &str) -> u64 {
+    let token = granted(&engine.reserve_blocking(&tenant(), reserve(name)).unwrap().reply);
+    engine.release_blocking(&tenant(), key(name, token)).unwrap();
+    token
+}
+
+/// Waits (without sleeping) until the mover has marked `slot` moving.
+fn wait_until_moving(engine: &Engine, slot: u32) -> SlotMove {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(moving) = engine.slot_moving().filter(|m| m.slot == slot) {
+            return moving;
+        }
+        assert!(std::time::Instant::now() < deadline, "slot {slot} never started moving");
+        std::thread::yield_now();
+    }
+}
+
+/// 64 reserves of one key race while its slot moves: half reach the source before the
+/// hand-over, half are held and released to the destination. Exactly one is granted, and
+/// its holder commits on the new shard.
+#[test]
+fn a_64_way_race_on_a_key_whose_slot_is_moving_grants_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let faults = Faults::default();
+    let engine = open(two_shards(dir.path()), &clock, &faults);
+    let name = key_in_slot(&engine, 0);
+    let other = key_in_slot(&engine, 2);
+    // A read of another key of shard 0 holds its thread at the gate, so the first half of
+    // the race queues in its mailbox ahead of the hand-over.
+    faults.close_gate();
+    let holding = engine.get(&tenant(), key(&other, 0));
+    faults.wait_held(1);
+    let mut racers: Vec<_> = (0..32).map(|_| engine.reserve(&tenant(), reserve(&name))).collect();
+    let mover = {
+        let engine = engine.clone();
+        std::thread::spawn(move || engine.add_shards(4, &mut |_, _| {}))
+    };
+    let moving = wait_until_moving(&engine, 0);
+    assert_eq!((moving.from, moving.to), (0, 2));
+    racers.extend((0..32).map(|_| engine.reserve(&tenant(), reserve(&name))));
+    faults.open_gate();
+    let replies: Vec<ReserveReply> = block_on(async {
+        let _ = holding.await;
+        let mut replies = Vec::new();
+        for racer in racers {
+            replies.push(racer.await.expect("answered").reply);
+        }
+        replies
+    });
+    let grants: Vec<u64> = replies
+        .iter()
+        .filter_map(|r| match r {
+            ReserveReply::Granted { token, .. } => Some(*token),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(grants.len(), 1, "exactly one grant: {replies:?}");
+    assert!(
+        replies.iter().all(|r| matches!(r, ReserveReply::Granted { .. } | ReserveReply::InProgress { .. }))
+    );
+    mover.join().unwrap().expect("shards added");
+    let scope = engine.scope(&tenant(), "live", &name).unwrap();
+    assert_eq!(engine.shard_of(&scope), 2);
+    engine.commit_blocking(&tenant(), commit(&name, grants[0], b"once")).expect("the holder commits");
+    let view = engine.get_blocking(&tenant(), key(&name, 0)).unwrap();
+    assert_eq!((view.state, view.token), (State::Completed, grants[0]));
+}
+
+/// A reserve parked behind a holder when its slot moves follows the key: the holder's
+/// commit on the new shard answers it with the replay.
+#[test]
+fn a_waiter_parked_on_a_moving_slot_gets_its_answer() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let engine = open(two_shards(dir.path()), &clock, &Faults::default());
+    let name = key_in_slot(&engine, 1);
+    let token =
+        granted(&engine.reserve_blocking(&tenant(), reserve_for(&name, 600_000, 0, 0)).unwrap().reply);
+    let waiter = engine.reserve(&tenant(), reserve_for(&name, 600_000, 0, 10_000));
+    assert!(engine.wait_stats(1, Duration::from_secs(10), |s| s.waiters == 1), "the reserve parks");
+    add_four(&engine);
+    let destination = engine.shard_of(&engine.scope(&tenant(), "live", &name).unwrap());
+    assert_ne!(destination, 1, "slot 1 moved");
+    assert_eq!(engine.stats()[destination as usize].waiters, 1, "the waiter moved with its key");
+    assert_eq!(engine.stats()[1].waiters, 0);
+    engine.commit_blocking(&tenant(), commit(&name, token, b"done")).unwrap();
+    match block_on(waiter).expect("answered").reply {
+        ReserveReply::Completed { token: replayed, response, .. } => {
+            assert_eq!((replayed, response.as_slice()), (token, &b"done"[..]));
+        }
+        other => panic!("expected the replay, got {other:?}"),
+    }
+}
+
+/// An add-shards stopped dead after each durable step of its first two moves (the slot
+/// handed over, copied, the map flipped), as a crash there would leave the files: the
+/// directory reopens with every key answered as before, a released key of a moving slot
+/// is granted above its last token, and running add-shards again finishes the spread.
+#[test]
+fn a_move_stopped_dead_at_any_step_reopens_with_every_key_as_before() {
+    for steps in 1..=6 {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = ManualClock::new(T0);
+        let faults = Faults::default();
+        let engine = open(two_shards(dir.path()), &clock, &faults);
+        let written = fill_keys(&engine, KEYS);
+        let released = [key_in_slot(&engine, 0), key_in_slot(&engine, 1)];
+        let last = released.each_ref().map(|name| grant_and_release(&engine, name));
+        faults.stop_moves_after(steps);
+        let stopped = engine.add_shards(4, &mut |_, _| {}).expect_err("stopped");
+        assert!(stopped.to_string().contains("injected"), "{stopped}");
+        engine.shutdown();
+        drop(engine);
+        let engine = open(two_shards(dir.path()), &clock, &Faults::default());
+        check_keys(&engine, &written);
+        for (name, last) in released.iter().zip(last) {
+            let next = granted(&engine.reserve_blocking(&tenant(), reserve(name)).unwrap().reply);
+            assert!(next > last, "step {steps}: {name} granted {next} after {last}");
+        }
+        if steps == 6 {
+            let mut written = written;
+            for name in &released {
+                let view = engine.get_blocking(&tenant(), key(name, 0)).unwrap();
+                engine.commit_blocking(&tenant(), commit(name, view.token, name.as_bytes())).unwrap();
+                written.insert(name.clone(), (view.token, true));
+            }
+            add_four(&engine);
+            check_spread(&engine, &written);
+        }
+    }
+}
