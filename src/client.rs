@@ -203,6 +203,9 @@ pub enum AdminAction {
     Release(AdminKeyArgs),
     /// Deletes a key's record in any state, completion included.
     Purge(AdminKeyArgs),
+    /// Adds shards to the running server and moves slots to them, one at a time, while
+    /// it serves.
+    AddShards(crate::add_shards::AddShardsArgs),
 }
 
 pub enum Call {
@@ -218,7 +221,7 @@ pub enum Call {
 
 /// A verb's answer: the outer error is a local problem (usage, connection); the inner
 /// one is the server's refusal.
-type Answer = anyhow::Result<Result<Value, tonic::Status>>;
+pub(crate) type Answer = anyhow::Result<Result<Value, tonic::Status>>;
 
 fn with_token<T>(token: Option<&String>, message: T) -> anyhow::Result<Request<T>> {
     let mut request = Request::new(message);
@@ -232,7 +235,7 @@ fn request<T>(target: &Target, message: T) -> anyhow::Result<Request<T>> {
     with_token(target.token.as_ref(), message)
 }
 
-fn admin_request<T>(target: &AdminTarget, message: T) -> anyhow::Result<Request<T>> {
+pub(crate) fn admin_request<T>(target: &AdminTarget, message: T) -> anyhow::Result<Request<T>> {
     with_token(target.admin_token.as_ref(), message)
 }
 
@@ -240,7 +243,7 @@ async fn gate(target: &Target) -> anyhow::Result<GateClient<Channel>> {
     Ok(GateClient::new(target.connection.channel(target.token.as_ref()).await?))
 }
 
-async fn admin(target: &AdminTarget) -> anyhow::Result<AdminClient<Channel>> {
+pub(crate) async fn admin(target: &AdminTarget) -> anyhow::Result<AdminClient<Channel>> {
     Ok(AdminClient::new(target.connection.channel(target.admin_token.as_ref()).await?))
 }
 
@@ -338,7 +341,9 @@ async fn call_once(call: Call) -> Answer {
         Call::Get(a) => get(a).await,
         Call::Status(target) => status(target).await,
         Call::Inspect(a) => inspect(a).await,
-        Call::Admin(action) => admin_action(action).await,
+        Call::Admin(AdminAction::Release(a)) => remove(Removal::Release, a).await,
+        Call::Admin(AdminAction::Purge(a)) => remove(Removal::Purge, a).await,
+        Call::Admin(AdminAction::AddShards(a)) => crate::add_shards::run(a).await,
     }
 }
 
@@ -431,6 +436,10 @@ async fn get(a: KeyArgs) -> Answer {
     }))
 }
 
+fn moving_json(m: Option<pb::SlotMove>) -> Value {
+    m.map_or(Value::Null, |m| json!({ "slot": m.slot, "from_shard": m.from_shard, "to_shard": m.to_shard }))
+}
+
 fn shard_json(s: pb::ShardStats) -> Value {
     json!({
         "shard": s.shard, "slots": s.slots, "state": s.state, "mailbox_depth": s.mailbox_depth,
@@ -444,8 +453,11 @@ fn shard_json(s: pb::ShardStats) -> Value {
 
 async fn status(target: AdminTarget) -> Answer {
     let answer = admin(&target).await?.shard_stats(admin_request(&target, pb::ShardStatsRequest {})?).await;
-    Ok(answer
-        .map(|r| json!({ "shards": r.into_inner().shards.into_iter().map(shard_json).collect::<Vec<_>>() })))
+    Ok(answer.map(|r| {
+        let r = r.into_inner();
+        let shards: Vec<Value> = r.shards.into_iter().map(shard_json).collect();
+        json!({ "shards": shards, "moving": moving_json(r.moving) })
+    }))
 }
 
 fn inspect_json(r: pb::InspectResponse) -> Value {
@@ -470,11 +482,14 @@ async fn inspect(a: InspectArgs) -> Answer {
     Ok(answer.map(|r| inspect_json(r.into_inner())))
 }
 
-async fn admin_action(action: AdminAction) -> Answer {
-    let (verb, a) = match &action {
-        AdminAction::Release(a) => ("release", a),
-        AdminAction::Purge(a) => ("purge", a),
-    };
+/// What an operator does to a key's record.
+#[derive(Clone, Copy)]
+enum Removal {
+    Release,
+    Purge,
+}
+
+async fn remove(removal: Removal, a: AdminKeyArgs) -> Answer {
     let mut client = admin(&a.inspect.target).await?;
     let message = pb::AdminKeyRequest {
         tenant: a.inspect.tenant.clone(),
@@ -483,9 +498,9 @@ async fn admin_action(action: AdminAction) -> Answer {
         reason: a.reason.clone(),
     };
     let request = admin_request(&a.inspect.target, message)?;
-    let answer = match action {
-        AdminAction::Release(_) => client.force_release(request).await,
-        AdminAction::Purge(_) => client.purge(request).await,
+    let (verb, answer) = match removal {
+        Removal::Release => ("release", client.force_release(request).await),
+        Removal::Purge => ("purge", client.purge(request).await),
     };
     Ok(answer.map(|r| {
         let r = r.into_inner();

@@ -1,7 +1,8 @@
 //! `oncegate`: the server (`serve`), a token helper (`hash-token`), client verbs
 //! (`reserve`, `commit`, `release`, `heartbeat`, `get`) and operator verbs (`status`,
-//! `inspect`, `admin release|purge`, `reshard`).
+//! `inspect`, `admin release|purge|add-shards`, `reshard`).
 
+mod add_shards;
 mod client;
 mod reshard;
 mod serve;
@@ -48,7 +49,7 @@ enum Verb {
     Inspect(client::InspectArgs),
     /// Operator: adds shards to a stopped data directory, moving slots to the new shards.
     Reshard(reshard::ReshardArgs),
-    /// Operator: force-release a pending key, or purge a record.
+    /// Operator: force-release a pending key, purge a record, or add shards online.
     Admin {
         #[command(subcommand)]
         action: client::AdminAction,

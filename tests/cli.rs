@@ -275,3 +275,58 @@ fn reshard_adds_shards_to_a_stopped_directory_and_keys_stay_answered() {
     }
     assert!(server.terminate());
 }
+
+#[test]
+fn admin_add_shards_spreads_the_slots_of_a_running_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("fast-moves.toml");
+    std::fs::write(&config, "[engine]\nslot_moves_per_second_max = 0\n").unwrap();
+    let data = dir.path().join("data");
+    let server = Server::start(&data, &["--config", config.to_str().unwrap()]);
+    let mut tokens = Vec::new();
+    for i in 0..20 {
+        let key = format!("order-{i}");
+        let (_, granted) = server.call(&["reserve", &key]);
+        let token = granted["token"].as_u64().unwrap();
+        server.call(&["commit", &key, &token.to_string(), "--response", &key]);
+        tokens.push((key, token));
+    }
+    let add = |to: &str| {
+        Command::new(BIN).args(["admin", "add-shards", "--addr", &server.addr, "--to", to]).output().unwrap()
+    };
+    let fewer = add("1");
+    assert_eq!(fewer.status.code(), Some(1), "{fewer:?}");
+    let refusal: Value = serde_json::from_slice(&fewer.stdout).unwrap();
+    assert_eq!(refusal["error"]["field"].as_str(), Some("shards_total"), "{refusal}");
+
+    let out = add("4");
+    assert!(out.status.success(), "{out:?}");
+    let summary: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        (
+            summary["shards_before"].as_u64(),
+            summary["shards_after"].as_u64(),
+            summary["slots_moved"].as_u64()
+        ),
+        (Some(2), Some(4), Some(8_192)),
+        "{summary}"
+    );
+    let status = Command::new(BIN).args(["status", "--addr", &server.addr]).output().unwrap();
+    let status: Value = serde_json::from_slice(&status.stdout).unwrap();
+    let slots: Vec<u64> =
+        status["shards"].as_array().unwrap().iter().map(|s| s["slots"].as_u64().unwrap()).collect();
+    assert_eq!((slots, &status["moving"]), (vec![4_096; 4], &Value::Null), "{status}");
+    assert!(server.terminate());
+
+    // Restarted with its configured default of 2, the directory serves its 4 shards.
+    let server = Server::start(&data, &[]);
+    for (key, token) in &tokens {
+        let (code, replay) = server.call(&["reserve", key]);
+        assert_eq!(
+            (code, replay["outcome"].as_str(), replay["token"].as_u64()),
+            (0, Some("completed"), Some(*token)),
+            "{replay}"
+        );
+    }
+    assert!(server.terminate());
+}

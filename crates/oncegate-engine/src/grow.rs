@@ -73,8 +73,10 @@ impl Engine {
                 });
             }
             let started = Instant::now();
-            records += self.move_slot(SlotMove { slot, from, to: dest })?;
+            let moved = self.move_slot(SlotMove { slot, from, to: dest })?;
+            records += moved;
             metrics::counter!("oncegate_slot_moves_total").increment(1);
+            metrics::counter!("oncegate_slot_moved_records_total").increment(moved);
             metrics::histogram!("oncegate_slot_move_seconds").record(started.elapsed().as_secs_f64());
             progress(done as u32 + 1, total);
             // Pacing, not synchronisation: it leaves the disk to the traffic between moves.

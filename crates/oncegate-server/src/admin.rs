@@ -1,14 +1,19 @@
 //! The `oncegate.v1.Admin` service: inspect a key, list shard statistics, force-release
-//! a pending key, purge a record, reopen a shard. Every change is logged with its reason.
+//! a pending key, purge a record, reopen a shard, add shards online. Every change is
+//! logged with its reason.
 
 use oncegate_core::{Invalid, Tenant, Transition};
 use oncegate_engine::Engine;
 use oncegate_proto::v1 as pb;
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
+
+/// Progress messages an `AddShards` stream queues for a slow reader before it drops some.
+const PROGRESS_QUEUE_LEN: usize = 64;
 
 use crate::auth::AdminAuth;
 use crate::gate::{key_digest, state_to_wire};
-use crate::status::{invalid, status};
+use crate::status::{Refusal, invalid, status};
 
 /// The two ways an operator removes a key's record.
 #[derive(Clone, Copy, Debug)]
@@ -157,7 +162,12 @@ impl pb::admin_server::Admin for AdminService {
                 last_error: s.last_error.unwrap_or_default(),
             })
             .collect();
-        Ok(Response::new(pb::ShardStatsResponse { shards }))
+        let moving = self.engine.slot_moving().map(|m| pb::SlotMove {
+            slot: m.slot,
+            from_shard: m.from,
+            to_shard: m.to,
+        });
+        Ok(Response::new(pb::ShardStatsResponse { shards, moving }))
     }
 
     async fn force_release(
@@ -180,12 +190,13 @@ impl pb::admin_server::Admin for AdminService {
     ) -> Result<Response<pb::ReopenShardResponse>, Status> {
         self.auth.check(request.metadata())?;
         let shard = request.into_inner().shard;
-        if shard >= self.engine.config().shards {
+        let shards = self.engine.stats().len() as u32;
+        if shard >= shards {
             return Err(invalid(Invalid::OutOfRange {
                 field: "shard",
                 value: u64::from(shard),
                 min: 0,
-                max: u64::from(self.engine.config().shards - 1),
+                max: u64::from(shards - 1),
                 unit: oncegate_core::Unit::Count,
             }));
         }
@@ -195,5 +206,60 @@ impl pb::admin_server::Admin for AdminService {
             .map_err(|e| status(oncegate_engine::Error::Unavailable { shard, reason: e.to_string() }))?;
         tracing::warn!(action = "reopen_shard", who = "admin", shard, serving, "operator reopened a shard");
         Ok(Response::new(pb::ReopenShardResponse { serving }))
+    }
+
+    type AddShardsStream =
+        std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::AddShardsProgress, Status>> + Send>>;
+
+    async fn add_shards(
+        &self,
+        request: Request<pb::AddShardsRequest>,
+    ) -> Result<Response<Self::AddShardsStream>, Status> {
+        self.auth.check(request.metadata())?;
+        let to = request.into_inner().shards_total;
+        let (tx, mut rx) = tokio::sync::mpsc::channel(PROGRESS_QUEUE_LEN);
+        let engine = self.engine.clone();
+        tracing::warn!(action = "add_shards", who = "admin", to, "operator started adding shards");
+        // The moves block on shard replies and fsyncs: off the async workers. They go on
+        // if the caller goes away (a half-spread map is correct, only uneven).
+        tokio::task::spawn_blocking(move || {
+            let last = engine
+                .add_shards(to, &mut |moved, total| {
+                    // Progress is advisory: a slow reader loses some, never slows a move.
+                    let _ = tx.try_send(Ok(pb::AddShardsProgress {
+                        slots_moved: moved,
+                        slots_total: total,
+                        ..Default::default()
+                    }));
+                })
+                .map(|done| {
+                    tracing::warn!(
+                        action = "add_shards", who = "admin", to, slots_moved = done.slots_moved,
+                        records_moved = done.records_moved, "shards added"
+                    );
+                    pb::AddShardsProgress {
+                        slots_moved: done.slots_moved,
+                        slots_total: done.slots_moved,
+                        done: true,
+                        records_moved: done.records_moved,
+                        shards_before: done.shards_before,
+                        slot_map_version: done.map_version,
+                    }
+                })
+                .map_err(|error| {
+                    tracing::error!(action = "add_shards", who = "admin", to, %error, "adding shards stopped");
+                    Refusal::AddShards(error).to_status()
+                });
+            let _ = tx.blocking_send(last);
+        });
+        // The first message comes once the request is checked and the new shards run: a
+        // refusal then is the call's status rather than the stream's end.
+        let first = match rx.recv().await {
+            Some(Ok(first)) => first,
+            Some(Err(status)) => return Err(status),
+            None => return Err(Status::internal("add-shards ended without an answer")),
+        };
+        let stream = tokio_stream::StreamExt::chain(tokio_stream::once(Ok(first)), ReceiverStream::new(rx));
+        Ok(Response::new(Box::pin(stream)))
     }
 }

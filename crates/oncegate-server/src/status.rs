@@ -27,6 +27,9 @@ pub enum Refusal {
         /// Its value.
         value: u64,
     },
+    /// An online add-shards could not start or stopped (`Admin.AddShards`).
+    #[error("adding shards: {0}")]
+    AddShards(oncegate_engine::OpenError),
     /// The tenant sent more requests than its rate allows.
     #[error(
         "tenant {tenant} is over its request rate; tenants[].requests_per_s is {per_s} (burst {burst}); retry in {retry_after_ms} ms"
@@ -53,6 +56,8 @@ impl Refusal {
             Refusal::Engine(error) => error.code(),
             Refusal::Unauthenticated(_) => Code::Unauthenticated,
             Refusal::Exhausted { .. } | Refusal::RateLimited { .. } => Code::ResourceExhausted,
+            Refusal::AddShards(oncegate_engine::OpenError::Config(_)) => Code::InvalidArgument,
+            Refusal::AddShards(_) => Code::Unavailable,
         }
     }
 
@@ -66,7 +71,8 @@ impl Refusal {
             Refusal::Engine(E::ResourceExhausted { limit_name, .. }) => (None, Some(limit_name)),
             Refusal::Exhausted { limit, .. } => (None, Some(limit)),
             Refusal::RateLimited { .. } => (None, Some(RATE_LIMIT)),
-            Refusal::Engine(_) | Refusal::Unauthenticated(_) => (None, None),
+            Refusal::AddShards(oncegate_engine::OpenError::Config(_)) => (Some("shards_total"), None),
+            Refusal::Engine(_) | Refusal::Unauthenticated(_) | Refusal::AddShards(_) => (None, None),
         }
     }
 

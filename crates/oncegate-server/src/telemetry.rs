@@ -85,6 +85,7 @@ fn refresh(engine: &Engine) {
         gauge("oncegate_shard_waiters", stats.waiters as f64);
         gauge("oncegate_shard_records_pending", stats.records_pending as f64);
         gauge("oncegate_shard_records_completed", stats.records_completed as f64);
+        gauge("oncegate_shard_slots", f64::from(stats.slots));
         let counter = |name: &'static str, value: u64| {
             metrics::counter!(name, "shard" => shard.clone()).absolute(value)
         };
@@ -93,6 +94,7 @@ fn refresh(engine: &Engine) {
         counter("oncegate_shard_commands_total", stats.commands);
         counter("oncegate_shard_failures_total", stats.failures);
     }
+    metrics::gauge!("oncegate_slot_moving").set(if engine.slot_moving().is_some() { 1.0 } else { 0.0 });
     if let Some(rss) = process_rss_bytes() {
         metrics::gauge!("process_resident_memory_bytes").set(rss as f64);
     }

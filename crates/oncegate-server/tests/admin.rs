@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{T0, start_in};
+use common::{T0, granted, start_in};
 use oncegate_engine::EngineConfig;
 use oncegate_proto::v1 as pb;
 use oncegate_proto::v1::admin_client::AdminClient;
@@ -179,4 +179,69 @@ async fn inspect_force_release_and_purge() {
     assert_eq!(out_of_range.code(), Code::InvalidArgument);
     drop((admin, gate));
     server.stop().await;
+}
+
+/// `AddShards` streams its progress and ends with a summary while Gate calls go on over
+/// the same server; keys written before answer the same after; a total below the current
+/// count is refused naming the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn add_shards_streams_progress_while_calls_go_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config(dir.path(), true);
+    config.engine.slot_moves_per_second_max = 0;
+    let server = start_in(config, Some(dir)).await;
+    let mut admin = AdminClient::new(server.channel().await);
+    let mut gate = server.client().await;
+    let reserve = |name: String| {
+        with_token(
+            "acme-secret",
+            pb::ReserveRequest { namespace: "live".into(), key: name, ..Default::default() },
+        )
+    };
+    let mut tokens = Vec::new();
+    for i in 0..40 {
+        tokens.push(granted(&gate.reserve(reserve(format!("before-{i}"))).await.unwrap().into_inner()));
+    }
+
+    let refused = admin
+        .add_shards(with_token("admin-secret", pb::AddShardsRequest { shards_total: 1 }))
+        .await
+        .expect_err("shards are never removed");
+    assert_eq!(refused.code(), Code::InvalidArgument);
+    assert_eq!(refused.metadata().get(oncegate_proto::FIELD_METADATA).unwrap(), "shards_total");
+
+    let mut stream = admin
+        .add_shards(with_token("admin-secret", pb::AddShardsRequest { shards_total: 4 }))
+        .await
+        .expect("started")
+        .into_inner();
+    // Calls made while the slots move are answered like any other.
+    let mut during = 0;
+    let last = loop {
+        let progress = stream.message().await.expect("no error").expect("a last message");
+        if progress.done {
+            break progress;
+        }
+        assert_eq!(progress.slots_total, 8_192);
+        granted(&gate.reserve(reserve(format!("during-{during}"))).await.unwrap().into_inner());
+        during += 1;
+    };
+    assert_eq!((last.slots_moved, last.shards_before), (8_192, 2), "{last:?}");
+    assert!(during > 0, "progress was streamed");
+    for (i, token) in tokens.iter().enumerate() {
+        let name = format!("before-{i}");
+        let again = gate.reserve(reserve(name.clone())).await.unwrap().into_inner();
+        assert!(
+            matches!(again.outcome, Some(pb::reserve_response::Outcome::InProgress(_))),
+            "{name}: {again:?}"
+        );
+        let inspect = pb::InspectRequest { tenant: "acme".into(), namespace: "live".into(), key: name };
+        let record = admin.inspect(with_token("admin-secret", inspect)).await.unwrap().into_inner();
+        assert_eq!(record.token, *token);
+    }
+    let stats =
+        admin.shard_stats(with_token("admin-secret", pb::ShardStatsRequest {})).await.unwrap().into_inner();
+    let slots: Vec<u32> = stats.shards.iter().map(|s| s.slots).collect();
+    assert_eq!(slots, vec![4_096; 4]);
+    assert_eq!(stats.moving, None);
 }

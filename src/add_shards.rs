@@ -1,0 +1,56 @@
+//! `oncegate admin add-shards --to N`: asks a running server to add shards and spread the
+//! slots over them (`Admin.AddShards`), shows the moves on a progress bar, and prints a
+//! JSON summary (`oncegate_engine`'s `grow.rs` does the work and says why each step is safe).
+
+use indicatif::{ProgressBar, ProgressStyle};
+use oncegate_proto::v1 as pb;
+use serde_json::{Value, json};
+
+use crate::client::{AdminTarget, Answer, admin, admin_request};
+
+/// Flags of `oncegate admin add-shards`.
+#[derive(clap::Args)]
+pub struct AddShardsArgs {
+    #[command(flatten)]
+    target: AdminTarget,
+    /// The shard count to reach; shards are only ever added. The same count again
+    /// resumes an add that was interrupted.
+    #[arg(long)]
+    to: u32,
+}
+
+pub async fn run(args: AddShardsArgs) -> Answer {
+    let request = admin_request(&args.target, pb::AddShardsRequest { shards_total: args.to })?;
+    let mut stream = match admin(&args.target).await?.add_shards(request).await {
+        Ok(response) => response.into_inner(),
+        Err(status) => return Ok(Err(status)),
+    };
+    let bar = ProgressBar::new(0);
+    if let Ok(style) = ProgressStyle::with_template("moving slots [{bar:40}] {pos}/{len} ({per_sec}, {eta})")
+    {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    let summary = loop {
+        match stream.message().await {
+            Ok(Some(progress)) if progress.done => break Ok(summary(&progress, args.to)),
+            Ok(Some(progress)) => {
+                bar.set_length(u64::from(progress.slots_total));
+                bar.set_position(u64::from(progress.slots_moved));
+            }
+            Ok(None) => anyhow::bail!("the server ended the stream before the shards were added"),
+            Err(status) => break Err(status),
+        }
+    };
+    bar.finish_and_clear();
+    Ok(summary)
+}
+
+fn summary(done: &pb::AddShardsProgress, to: u32) -> Value {
+    json!({
+        "shards_before": done.shards_before,
+        "shards_after": to,
+        "slots_moved": done.slots_moved,
+        "records_moved": done.records_moved,
+        "slot_map_version": done.slot_map_version,
+    })
+}
