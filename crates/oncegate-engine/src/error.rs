@@ -116,13 +116,20 @@ pub enum OpenError {
         /// The slot map's expected path.
         path: PathBuf,
     },
-    /// A shard file could not be opened or changed by a tool that works on the stopped
-    /// directory (adding shards).
+    /// A shard could not take part in adding shards: its file could not be opened or
+    /// changed (offline), or it failed or stopped during a move (online).
     #[error("shard {shard}: {reason}")]
     Shard {
         /// The shard.
         shard: u32,
         /// What went wrong.
+        reason: String,
+    },
+    /// Adding shards stopped before it finished: the engine is shutting down, or a test
+    /// stopped it. Every key is where the slot map says; running it again resumes.
+    #[error("adding shards stopped: {reason}")]
+    Interrupted {
+        /// Why.
         reason: String,
     },
     /// The slot map cannot be read or is damaged.

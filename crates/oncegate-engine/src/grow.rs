@@ -67,10 +67,7 @@ impl Engine {
         let mut records = 0;
         for (done, (slot, from, dest)) in moves.into_iter().enumerate() {
             if inner.closing.load(Ordering::Acquire) {
-                return Err(OpenError::Shard {
-                    shard: from,
-                    reason: "the engine is shutting down".to_owned(),
-                });
+                return Err(OpenError::Interrupted { reason: "the engine is shutting down".to_owned() });
             }
             let started = Instant::now();
             let moved = self.move_slot(SlotMove { slot, from, to: dest })?;
@@ -212,10 +209,7 @@ impl Engine {
 /// Where a test may stop a move dead, as a crash would (`Faults::stop_moves_after`).
 fn stop_point(inner: &crate::Inner) -> Result<(), OpenError> {
     if inner.faults.move_should_stop() {
-        return Err(OpenError::Shard {
-            shard: u32::MAX,
-            reason: "injected fault: slot move stopped".to_owned(),
-        });
+        return Err(OpenError::Interrupted { reason: "injected fault: slot move stopped".to_owned() });
     }
     Ok(())
 }

@@ -177,10 +177,7 @@ fn move_group(
 /// A point where a test may stop the reshard, as a crash would.
 fn step(faults: &Faults) -> Result<(), OpenError> {
     if faults.op_should_fail() {
-        return Err(OpenError::Shard {
-            shard: u32::MAX,
-            reason: "injected fault: reshard stopped".to_owned(),
-        });
+        return Err(OpenError::Interrupted { reason: "injected fault: reshard stopped".to_owned() });
     }
     Ok(())
 }

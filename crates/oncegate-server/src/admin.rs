@@ -257,7 +257,12 @@ impl pb::admin_server::Admin for AdminService {
         let first = match rx.recv().await {
             Some(Ok(first)) => first,
             Some(Err(status)) => return Err(status),
-            None => return Err(Status::internal("add-shards ended without an answer")),
+            None => {
+                let reason = "the add ended without an answer; see the server's log".to_owned();
+                return Err(
+                    Refusal::AddShards(oncegate_engine::OpenError::Interrupted { reason }).to_status()
+                );
+            }
         };
         let stream = tokio_stream::StreamExt::chain(tokio_stream::once(Ok(first)), ReceiverStream::new(rx));
         Ok(Response::new(Box::pin(stream)))
