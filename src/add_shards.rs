@@ -52,5 +52,6 @@ fn summary(done: &pb::AddShardsProgress, to: u32) -> Value {
         "slots_moved": done.slots_moved,
         "records_moved": done.records_moved,
         "slot_map_version": done.slot_map_version,
+        "slot_pause_ms": { "p50": done.pause_ms_p50, "p99": done.pause_ms_p99, "max": done.pause_ms_max },
     })
 }

@@ -45,6 +45,7 @@ struct WaitQueue {
 }
 
 /// The parked reserves of a moving slot's keys, on their way to its new shard.
+#[derive(Default)]
 pub(crate) struct Parked(Vec<(Scope, WaitQueue)>);
 
 impl Parked {

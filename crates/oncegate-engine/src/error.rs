@@ -125,6 +125,12 @@ pub enum OpenError {
         /// What went wrong.
         reason: String,
     },
+    /// Another operation holds what this one needs.
+    #[error("{what}; wait for it to finish")]
+    Busy {
+        /// What is running.
+        what: &'static str,
+    },
     /// Adding shards stopped before it finished: the engine is shutting down, or a test
     /// stopped it. Every key is where the slot map says; running it again resumes.
     #[error("adding shards stopped: {reason}")]

@@ -25,8 +25,8 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crate::reshard::{Progress, Resharded};
-use crate::routes::Moving;
-use crate::shard::{Control, Mail, MoveOut};
+use crate::routes::{Moving, send_in_order};
+use crate::shard::{Control, Mail, MoveOut, Parked};
 use crate::slots::{self, SlotMap, SlotMove};
 use crate::{Engine, Error, OpenError, ShardHandle, manifest};
 
@@ -38,12 +38,24 @@ impl Engine {
     /// or a crash, it resumes the moves that are left (`to` may then equal the count).
     pub fn add_shards(&self, to: u32, progress: Progress<'_>) -> Result<Resharded, OpenError> {
         let inner = &self.inner;
-        let _one_at_a_time = inner.growing.try_lock().map_err(|_| {
-            OpenError::Config(vec![oncegate_core::Problem::new(
-                "shards_total",
-                "another add-shards is running on this server; wait for it to finish".to_owned(),
-            )])
-        })?;
+        // A poisoned lock only says an earlier add panicked; the table says where it was.
+        let _one_at_a_time = match inner.growing.try_lock() {
+            Ok(guard) => guard,
+            Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => {
+                return Err(OpenError::Busy { what: "another add-shards is running on this server" });
+            }
+        };
+        if let Some(moving) = &inner.table().moving {
+            // A slot whose map flip could not be written nor undone: only a restart,
+            // reading the map from disk, can say which shard owns it.
+            return Err(OpenError::Interrupted {
+                reason: format!(
+                    "slot {} could not finish moving to shard {}; restart the server, then add shards again",
+                    moving.step.slot, moving.step.to
+                ),
+            });
+        }
         let before = inner.handles().len() as u32;
         if to < before || to > crate::config::SHARDS_MAX {
             return Err(OpenError::Config(vec![oncegate_core::Problem::new(
@@ -55,7 +67,7 @@ impl Engine {
             )]));
         }
         if to > before {
-            self.start_new_shards(to)?;
+            self.start_new_shards(before, to)?;
         }
         let moves = inner.table().map.moves_to_spread(to);
         let total = moves.len() as u32;
@@ -65,6 +77,7 @@ impl Engine {
             rate => Duration::from_secs(1) / rate,
         };
         let mut records = 0;
+        let mut pauses_ms = Vec::with_capacity(total as usize);
         for (done, (slot, from, dest)) in moves.into_iter().enumerate() {
             if inner.closing.load(Ordering::Acquire) {
                 return Err(OpenError::Interrupted { reason: "the engine is shutting down".to_owned() });
@@ -74,7 +87,9 @@ impl Engine {
             records += moved;
             metrics::counter!("oncegate_slot_moves_total").increment(1);
             metrics::counter!("oncegate_slot_moved_records_total").increment(moved);
-            metrics::histogram!("oncegate_slot_move_seconds").record(started.elapsed().as_secs_f64());
+            let took = started.elapsed();
+            metrics::histogram!("oncegate_slot_move_seconds").record(took.as_secs_f64());
+            pauses_ms.push(took.as_secs_f64() * 1_000.0);
             progress(done as u32 + 1, total);
             // Pacing, not synchronisation: it leaves the disk to the traffic between moves.
             std::thread::sleep(pause.saturating_sub(started.elapsed()));
@@ -85,12 +100,14 @@ impl Engine {
             slots_moved: total,
             records_moved: records,
             map_version: inner.table().map.version,
+            pauses: crate::reshard::Pauses::of(pauses_ms),
         })
     }
 
-    /// Makes shards `current..to` part of the directory (epochs, manifest), starts them
-    /// and adds them to the routing table; they own no slot yet.
-    fn start_new_shards(&self, to: u32) -> Result<(), OpenError> {
+    /// Makes shards `before..to` part of the directory (epochs, manifest), starts them
+    /// and adds them to the routing table; they own no slot yet. (The manifest may
+    /// already count some of them: an earlier add that stopped before starting them.)
+    fn start_new_shards(&self, before: u32, to: u32) -> Result<(), OpenError> {
         let inner = &self.inner;
         let dir = &inner.config.data_dir;
         let manifest = manifest::read(&*inner.files, dir)?.ok_or_else(|| OpenError::Manifest {
@@ -98,10 +115,9 @@ impl Engine {
             reason: "the manifest disappeared while the engine ran".to_owned(),
         })?;
         crate::reshard::prepare_new_shards(&*inner.files, dir, &manifest, to)?;
-        inner.floor.unopened.fetch_add(to - manifest.shards, Ordering::SeqCst);
-        let handles = inner.start_shards(manifest.shards..to)?;
+        let handles = inner.start_shards(before..to)?;
         inner.table_mut().shards.extend(handles);
-        tracing::info!(from = manifest.shards, to, "new shards started; slots move to them next");
+        tracing::info!(from = before, to, "new shards started; slots move to them next");
         Ok(())
     }
 
@@ -110,14 +126,22 @@ impl Engine {
         let inner = &self.inner;
         let (source, destination) = {
             let mut table = inner.table_mut();
+            let shard = |id: u32| {
+                table.shards.get(id as usize).cloned().ok_or_else(|| OpenError::Shard {
+                    shard: id,
+                    reason: "the shard is not running".to_owned(),
+                })
+            };
+            let shards = (shard(step.from)?, shard(step.to)?);
             table.moving = Some(Moving::new(step));
-            (Arc::clone(&table.shards[step.from as usize]), Arc::clone(&table.shards[step.to as usize]))
+            shards
         };
         inner.live.set_moving(Some(step));
-        let records = match self.copy_slot(step, &source, &destination) {
+        let mut parked = Parked::default();
+        let records = match self.copy_slot(step, &source, &destination, &mut parked) {
             Ok(records) => records,
             Err(error) => {
-                self.end_move(step, None);
+                self.end_move(step, None, parked);
                 let _ = destination.control.send(Control::DropSlot(step.slot));
                 return Err(error);
             }
@@ -125,26 +149,30 @@ impl Engine {
         stop_point(inner)?;
         let map = match self.flip(step) {
             Ok(map) => map,
-            Err(error) => return Err(self.undo_flip(step, &destination, error)),
+            Err(error) => return Err(self.undo_flip(step, &destination, parked, error)),
         };
         stop_point(inner)?;
-        self.end_move(step, Some(map));
+        self.end_move(step, Some(map), parked);
         let _ = source.control.send(Control::DropSlot(step.slot));
         Ok(records)
     }
 
     /// Steps 1 and 2: the source hands the slot over, the destination writes it durably.
+    /// The slot's parked reserves are kept in `parked` for whichever shard owns the slot
+    /// at the end.
     fn copy_slot(
         &self,
         step: SlotMove,
         source: &ShardHandle,
         destination: &ShardHandle,
+        parked: &mut Parked,
     ) -> Result<u64, OpenError> {
         let failed = |shard: u32| move |error: Error| OpenError::Shard { shard, reason: error.to_string() };
         let gone = |shard: u32| OpenError::Shard { shard, reason: "the shard stopped".to_owned() };
         let (reply, handover) = crossbeam_channel::bounded(1);
         source.data.send(Mail::MoveOut(MoveOut { slot: step.slot, reply })).map_err(|_| gone(step.from))?;
-        let handover = handover.recv().map_err(|_| gone(step.from))?.map_err(failed(step.from))?;
+        let mut handover = handover.recv().map_err(|_| gone(step.from))?.map_err(failed(step.from))?;
+        *parked = handover.take_parked();
         stop_point(&self.inner)?;
         let (reply, written) = crossbeam_channel::bounded(1);
         destination.control.send(Control::MoveIn(handover, reply)).map_err(|_| gone(step.to))?;
@@ -163,18 +191,34 @@ impl Engine {
     /// A flip failed, so the file may hold either map: write the old one again (with a
     /// higher version) and end the move where it began; if that fails too, the slot
     /// answers `unavailable` until a restart.
-    fn undo_flip(&self, step: SlotMove, destination: &ShardHandle, error: OpenError) -> OpenError {
+    fn undo_flip(
+        &self,
+        step: SlotMove,
+        destination: &ShardHandle,
+        parked: Parked,
+        error: OpenError,
+    ) -> OpenError {
         let inner = &self.inner;
         let mut old = inner.table().map.clone();
         old.version += 2;
         match slots::write(&*inner.files, &inner.config.data_dir, &old) {
             Ok(()) => {
                 inner.table_mut().map.version = old.version;
-                self.end_move(step, None);
+                self.end_move(step, None, parked);
                 let _ = destination.control.send(Control::DropSlot(step.slot));
             }
             Err(again) => {
                 tracing::error!(slot = step.slot, %error, %again, "the slot map could not be written; the slot answers unavailable until a restart");
+                let refusal = Error::Unavailable {
+                    shard: step.from,
+                    reason: format!(
+                        "slot {} could not finish moving; it answers again after a restart",
+                        step.slot
+                    ),
+                };
+                for reply in parked.into_replies() {
+                    let _ = reply.send(Err(refusal.clone()));
+                }
                 let mut table = inner.table_mut();
                 if let Some(moving) = table.moving.as_mut() {
                     moving.stuck = true;
@@ -186,26 +230,40 @@ impl Engine {
     }
 
     /// Step 4 (or the end of a failed move, `flipped` none): the table routes the slot to
-    /// its owner and sends it the held requests in order, then shards opening from now
-    /// on see the move over.
-    fn end_move(&self, step: SlotMove, flipped: Option<SlotMap>) {
+    /// its owner, which gets the slot's parked reserves and then its held requests, in
+    /// order, before anything sent later. Nothing here waits for a shard while holding
+    /// the table's lock.
+    fn end_move(&self, step: SlotMove, flipped: Option<SlotMap>, parked: Parked) {
         let inner = &self.inner;
-        let mut table = inner.table_mut();
         let owner = if flipped.is_some() { step.to } else { step.from };
-        if let Some(map) = &flipped {
-            table.map = map.clone();
-        }
-        if let Some(moving) = table.moving.take() {
-            moving.release_to(&table.shards[owner as usize], owner);
-        }
-        drop(table);
+        let handle = {
+            let mut table = inner.table_mut();
+            if let Some(map) = &flipped {
+                table.map = map.clone();
+            }
+            Arc::clone(&table.shards[owner as usize])
+        };
+        // Shards that open from now on keep the slot's rows only where it lives.
         match flipped {
             Some(map) => inner.live.set_map(map),
             None => inner.live.set_moving(None),
         }
+        // A shard that has stopped drops them: their callers hear `unavailable`.
+        let _ = handle.data.send(Mail::Adopt(parked));
+        loop {
+            let held = {
+                let mut table = inner.table_mut();
+                let held = table.moving.as_ref().map(Moving::take_held).unwrap_or_default();
+                if held.is_empty() {
+                    table.moving = None;
+                    return;
+                }
+                held
+            };
+            send_in_order(&handle, owner, held);
+        }
     }
 }
-
 /// Where a test may stop a move dead, as a crash would (`Faults::stop_moves_after`).
 fn stop_point(inner: &crate::Inner) -> Result<(), OpenError> {
     if inner.faults.move_should_stop() {

@@ -359,7 +359,6 @@ impl Engine {
         // derived keys, is anchored to it; nothing re-anchors until the next process.
         let start = Start { wall_ms: clock.now_ms(), monotonic_ms: clock.monotonic_ms() };
         let floor = Arc::new(FrameFloor::default());
-        floor.unopened.store(shards, Ordering::SeqCst);
         // Derived keys use the same frame, never below any shard's persisted mark.
         let mut frame = ClockGuard::new(0);
         frame.anchor(start.wall_ms, start.monotonic_ms);
@@ -692,11 +691,11 @@ impl Engine {
         timeout: std::time::Duration,
         done: impl Fn(&ShardStats) -> bool,
     ) -> bool {
+        // The slot count is read once: the predicate runs under the shard's counters'
+        // lock, where taking the routing table's would order the two locks both ways.
+        let slots = self.inner.table().map.slots_per_shard(shard + 1)[shard as usize];
         match self.inner.handle(shard) {
-            Some(handle) => handle.shared.wait_until(timeout, |_| {
-                let slots = self.inner.table().map.slots_per_shard(shard + 1)[shard as usize];
-                done(&handle.stats(shard, slots))
-            }),
+            Some(handle) => handle.shared.wait_until(timeout, |_| done(&handle.stats(shard, slots))),
             None => false,
         }
     }
@@ -836,7 +835,15 @@ impl Inner {
         let (started_tx, started_rx) = crossbeam_channel::bounded(ids.len());
         let mut handles = Vec::with_capacity(ids.len());
         for id in ids.clone() {
-            handles.push(Arc::new(start_shard(id, self.common(), started_tx.clone())?));
+            // Counted before it starts: its first open takes it off again.
+            self.floor.unopened.fetch_add(1, Ordering::SeqCst);
+            match start_shard(id, self.common(), started_tx.clone()) {
+                Ok(handle) => handles.push(Arc::new(handle)),
+                Err(error) => {
+                    self.floor.unopened.fetch_sub(1, Ordering::SeqCst);
+                    return Err(error);
+                }
+            }
         }
         drop(started_tx);
         for _ in 0..handles.len() {

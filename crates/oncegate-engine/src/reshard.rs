@@ -26,7 +26,7 @@ use crate::store::{Store, Tuning};
 use crate::{EngineConfig, Faults, OpenError, manifest};
 
 /// What a reshard did.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Resharded {
     /// Shards before.
     pub shards_before: u32,
@@ -38,6 +38,30 @@ pub struct Resharded {
     pub records_moved: u64,
     /// The slot map's version at the end.
     pub map_version: u64,
+    /// How long each moved slot's requests were held (online moves only).
+    pub pauses: Option<Pauses>,
+}
+
+/// The pause of a moved slot (from holding its requests to releasing them to the new
+/// shard), over the moves of one add-shards, in milliseconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Pauses {
+    /// The median move.
+    pub p50_ms: f64,
+    /// The 99th percentile.
+    pub p99_ms: f64,
+    /// The longest.
+    pub max_ms: f64,
+}
+
+impl Pauses {
+    /// The figures of `pauses_ms` (any order); `None` when no slot moved.
+    pub fn of(mut pauses_ms: Vec<f64>) -> Option<Pauses> {
+        pauses_ms.sort_by(f64::total_cmp);
+        let at = |q: f64| pauses_ms[((pauses_ms.len() - 1) as f64 * q).round() as usize];
+        let max_ms = *pauses_ms.last()?;
+        Some(Pauses { p50_ms: at(0.5), p99_ms: at(0.99), max_ms })
+    }
 }
 
 /// Progress: slots moved so far and in all.
@@ -97,6 +121,7 @@ pub fn add_shards_on(
         slots_moved: moved,
         records_moved: records,
         map_version: map.version,
+        pauses: None,
     })
 }
 

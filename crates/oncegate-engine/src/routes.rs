@@ -2,7 +2,7 @@
 //! may be moving, whose requests wait here in arrival order until its move ends.
 //!
 //! Callers take the table's read lock to route and send; the mover (`grow.rs`) takes the
-//! write lock only to start and end a move. A request is sent to its shard while the
+//! write lock only to start and end a move, and never waits for a shard while it holds it. A request is sent to its shard while the
 //! read lock is held, so when the mover holds the write lock every request routed by the
 //! old table is already in its shard's mailbox, ahead of anything sent after: that is
 //! what keeps one key's requests in order across a move.
@@ -80,16 +80,23 @@ impl Moving {
         }
     }
 
-    /// Sends the held requests, in order, to `shard`'s mailbox (waiting for room: they
-    /// were accepted already). The caller holds the table's write lock, so nothing of the
-    /// slot can overtake them; shards never take that lock, so the wait always ends.
-    pub fn release_to(&self, shard: &ShardHandle, shard_id: u32) {
-        for request in self.held().drain(..) {
-            if let Err(unsent) = shard.data.send(Mail::Call(request))
-                && let Mail::Call(request) = unsent.into_inner()
-            {
-                let _ = request.reply.send(Err(crate::Pending::lost(shard_id)));
-            }
+    /// Takes the requests held so far, in order. The mover sends them to the slot's
+    /// owner without the table's lock (a full mailbox may make it wait), while later ones
+    /// keep arriving here behind them; it ends the move, under the write lock, only when
+    /// none is left.
+    pub fn take_held(&self) -> VecDeque<Request> {
+        std::mem::take(&mut *self.held())
+    }
+}
+
+/// Sends `requests`, in order, to `shard`'s mailbox, waiting for room (they were
+/// accepted already); a request whose shard has stopped hears `unavailable`.
+pub(crate) fn send_in_order(shard: &ShardHandle, shard_id: u32, requests: VecDeque<Request>) {
+    for request in requests {
+        if let Err(unsent) = shard.data.send(Mail::Call(request))
+            && let Mail::Call(request) = unsent.into_inner()
+        {
+            let _ = request.reply.send(Err(crate::Pending::lost(shard_id)));
         }
     }
 }

@@ -227,6 +227,8 @@ pub(crate) struct Store {
     batch_pages_max: u64,
     /// Whether the statement journal's triggers exist on this connection.
     journaled: bool,
+    /// The configured durability, which [`Store::sync_commits`] puts back.
+    durability: Durability,
 }
 
 impl Tuning {
@@ -403,8 +405,25 @@ impl Store {
             pages_max: pages,
             batch_pages_max: write_pages.saturating_mul(tuning.batch_writes_max),
             journaled: false,
+            durability: tuning.durability,
         };
         Ok((store, meta, version == 0))
+    }
+
+    /// With `on`, every commit syncs the WAL (`synchronous=FULL`) whatever the configured
+    /// durability; without, the configured durability again. A moved slot's copy must be
+    /// on disk before the map names its new shard.
+    pub fn sync_commits(&mut self, on: bool) -> Result<(), StoreError> {
+        if self.durability == Durability::Full {
+            return Ok(());
+        }
+        self.conn.pragma_update(None, "synchronous", if on { "FULL" } else { "NORMAL" })?;
+        Ok(())
+    }
+
+    /// The (hash, row id) of every row of `slot` (one pass over the in-memory index).
+    pub fn slot_rows(&self, slot: u32) -> Vec<(u64, i64)> {
+        self.index.iter().filter(|(hash, _)| route::slot_of_hash(*hash) == slot).collect()
     }
 
     /// Starts the batch's write transaction, with every write keeping a statement
@@ -968,6 +987,25 @@ impl Txn<'_> {
         self.index.borrow().iter().filter(|(hash, _)| route::slot_of_hash(*hash) == slot).collect()
     }
 
+    /// Deletes the rows `rows` names (from [`Store::slot_rows`]; any already gone, by
+    /// reclaim, are skipped); returns what was deleted, counted by state and tenant.
+    pub fn delete_rows(&self, rows: &[(u64, i64)]) -> Result<Tally, StoreError> {
+        self.failpoint()?;
+        let mut stmt = self
+            .tx()
+            .prepare_cached("DELETE FROM records WHERE id = ?1 RETURNING tenant, outcome IS NULL")?;
+        let mut removed = Tally::default();
+        for (hash, id) in rows {
+            let row: Option<(String, bool)> =
+                stmt.query_row(params![id], |row| Ok((row.get(0)?, row.get(1)?))).optional()?;
+            if let Some((tenant, pending)) = row {
+                removed.add_stored(&stored_tenant(tenant)?, pending);
+                self.forget(*hash, *id);
+            }
+        }
+        Ok(removed)
+    }
+
     /// Every stored record of `slot` with its scope, expired ones included (their
     /// destination reclaims them as this shard would have).
     pub fn slot_records(&self, slot: u32) -> Result<Vec<(Scope, Record)>, StoreError> {
@@ -983,22 +1021,10 @@ impl Txn<'_> {
         Ok(records)
     }
 
-    /// Deletes at most `limit` rows of `slot`; returns what was deleted, counted by state
-    /// and tenant, and whether rows of the slot are left.
-    pub fn delete_slot(&self, slot: u32, limit: usize) -> Result<(Tally, bool), StoreError> {
-        self.failpoint()?;
-        let rows = self.slot_rows(slot);
-        let mut stmt = self
-            .tx()
-            .prepare_cached("DELETE FROM records WHERE id = ?1 RETURNING tenant, outcome IS NULL")?;
-        let mut removed = Tally::default();
-        for (hash, id) in rows.iter().take(limit) {
-            let (tenant, pending): (String, bool) =
-                stmt.query_row(params![id], |row| Ok((row.get(0)?, row.get(1)?)))?;
-            removed.add_stored(&stored_tenant(tenant)?, pending);
-            self.forget(*hash, *id);
-        }
-        Ok((removed, rows.len() > limit))
+    /// Deletes every row of `slot` (the stale copies of an earlier attempt to move it
+    /// here); returns what was deleted.
+    pub fn delete_slot(&self, slot: u32) -> Result<Tally, StoreError> {
+        self.delete_rows(&self.slot_rows(slot))
     }
 }
 

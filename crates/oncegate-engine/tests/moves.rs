@@ -191,6 +191,11 @@ fn a_move_stopped_dead_at_any_step_reopens_with_every_key_as_before() {
         faults.stop_moves_after(steps);
         let stopped = engine.add_shards(4, &mut |_, _| {}).expect_err("stopped");
         assert!(stopped.to_string().contains("injected"), "{stopped}");
+        if engine.slot_moving().is_some() {
+            // Left mid-move (as a crash would): no second add may take the slot over.
+            let again = engine.add_shards(4, &mut |_, _| {}).expect_err("refused until a restart");
+            assert!(again.to_string().contains("restart the server"), "{again}");
+        }
         engine.shutdown();
         drop(engine);
         let engine = open(two_shards(dir.path()), &clock, &Faults::default());
@@ -210,4 +215,60 @@ fn a_move_stopped_dead_at_any_step_reopens_with_every_key_as_before() {
             check_spread(&engine, &written);
         }
     }
+}
+
+/// A move stopped dead after the destination's copy, before the map flip: the reserve
+/// that waited on the moving key is never granted by the destination (which the map does
+/// not name), even once the holder's lease has run out there. The next reserve, on the
+/// source, is granted above the holder's token.
+#[test]
+fn a_waiter_of_a_move_stopped_before_its_flip_is_never_granted_by_the_destination() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let faults = Faults::default();
+    let engine = open(two_shards(dir.path()), &clock, &faults);
+    let name = key_in_slot(&engine, 0);
+    let holder = granted(&engine.reserve_blocking(&tenant(), reserve_for(&name, 1_000, 0, 0)).unwrap().reply);
+    let waiter = engine.reserve(&tenant(), reserve_for(&name, 60_000, 0, 10_000));
+    assert!(engine.wait_stats(0, Duration::from_secs(10), |s| s.waiters == 1), "the reserve parks");
+    faults.stop_moves_after(2);
+    engine.add_shards(4, &mut |_, _| {}).expect_err("stopped after the copy");
+    clock.advance(2_000);
+    engine.run_alarms();
+    let answer = block_on(waiter);
+    assert!(
+        !matches!(&answer, Ok(r) if matches!(r.reply, ReserveReply::Granted { .. })),
+        "granted by a shard the map does not name: {answer:?}"
+    );
+    engine.shutdown();
+    drop(engine);
+    let engine = open(two_shards(dir.path()), &clock, &Faults::default());
+    let next = granted(&engine.reserve_blocking(&tenant(), reserve(&name)).unwrap().reply);
+    assert!(next > holder);
+}
+
+/// A move that fails after the hand-over (stopped there) gives the slot back to its
+/// source with its parked reserve, which the holder's commit then answers.
+#[test]
+fn a_waiter_of_a_move_that_fails_goes_back_to_its_source() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let faults = Faults::default();
+    let engine = open(two_shards(dir.path()), &clock, &faults);
+    let name = key_in_slot(&engine, 0);
+    let token =
+        granted(&engine.reserve_blocking(&tenant(), reserve_for(&name, 600_000, 0, 0)).unwrap().reply);
+    let waiter = engine.reserve(&tenant(), reserve_for(&name, 600_000, 0, 10_000));
+    assert!(engine.wait_stats(0, Duration::from_secs(10), |s| s.waiters == 1), "the reserve parks");
+    faults.stop_moves_after(1);
+    engine.add_shards(4, &mut |_, _| {}).expect_err("stopped after the hand-over");
+    assert_eq!(engine.slot_moving(), None, "the move was undone");
+    assert_eq!(engine.shard_of(&engine.scope(&tenant(), "live", &name).unwrap()), 0);
+    assert!(engine.wait_stats(0, Duration::from_secs(10), |s| s.waiters == 1), "back on its source");
+    engine.commit_blocking(&tenant(), commit(&name, token, b"done")).unwrap();
+    match block_on(waiter).expect("answered").reply {
+        ReserveReply::Completed { token: replayed, .. } => assert_eq!(replayed, token),
+        other => panic!("expected the replay, got {other:?}"),
+    }
+    add_four(&engine);
 }

@@ -244,6 +244,9 @@ impl pb::admin_server::Admin for AdminService {
                         records_moved: done.records_moved,
                         shards_before: done.shards_before,
                         slot_map_version: done.map_version,
+                        pause_ms_p50: done.pauses.map_or(0.0, |p| p.p50_ms),
+                        pause_ms_p99: done.pauses.map_or(0.0, |p| p.p99_ms),
+                        pause_ms_max: done.pauses.map_or(0.0, |p| p.max_ms),
                     }
                 })
                 .map_err(|error| {

@@ -62,7 +62,6 @@ impl Shard {
         let mut outbox: Outbox = Vec::new();
         let book = &mut self.book;
         let leaving = &mut self.leaving;
-        let owned = (!leaving.is_empty()).then(|| self.slots.owned(self.id));
         let result = (|| -> Result<usize, StoreError> {
             let txn = store.begin()?;
             for scope in &book.due(now) {
@@ -70,9 +69,7 @@ impl Shard {
             }
             let removed = txn.reclaim(now, limit)?;
             book.records_delta.remove(&removed);
-            if let Some(owned) = &owned {
-                super::moves::drop_leaving(&txn, leaving, owned, limit, book)?;
-            }
+            super::moves::drop_leaving(&txn, leaving, limit, book)?;
             txn.commit(Meta { next_token: book.next_token, high_water_ms: now })?;
             Ok((removed.pending + removed.completed) as usize)
         })();
@@ -91,14 +88,21 @@ impl Shard {
     /// Shutdown: serve what was accepted, answer waiters, close the file.
     pub(super) fn finish(mut self) {
         loop {
-            let (requests, move_out) = self.drain(None);
-            if let Some(move_out) = move_out {
-                let _ = move_out.reply.send(Err(self.unavailable("the shard is stopping")));
-            }
-            if requests.is_empty() {
+            let (requests, after) = self.drain(None);
+            if requests.is_empty() && after.is_none() {
                 break;
             }
-            self.serve_batch(requests);
+            match after {
+                Some(super::Mail::MoveOut(move_out)) => {
+                    let _ = move_out.reply.send(Err(self.unavailable("the shard is stopping")));
+                }
+                // Answered `in progress` with the shard's own waiters below.
+                Some(super::Mail::Adopt(parked)) => self.book.adopt(parked),
+                Some(super::Mail::Call(_)) | None => {}
+            }
+            if !requests.is_empty() {
+                self.serve_batch(requests);
+            }
         }
         if let Some(store) = self.store.as_mut() {
             let now = self.guard.read(self.clock.monotonic_ms());

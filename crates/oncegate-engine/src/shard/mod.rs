@@ -45,6 +45,7 @@ mod moves;
 mod open;
 mod state;
 
+pub(crate) use crate::book::Parked;
 pub(crate) use moves::{Handover, MoveOut};
 pub use state::ShardState;
 pub(crate) use state::{FrameFloor, Shared, Start};
@@ -66,6 +67,9 @@ pub(crate) enum Mail {
     /// Hand a moving slot over: it comes behind every request of the slot sent before
     /// the move began, so those are decided here first (`moves.rs`).
     MoveOut(MoveOut),
+    /// Park the reserves that waited on a moved slot's keys: sent to the slot's owner once
+    /// the move is over (or undone), ahead of the slot's held requests.
+    Adopt(Parked),
 }
 
 /// Requests that must not wait behind data.
@@ -130,8 +134,8 @@ pub(crate) struct Shard {
     book: Book,
     files: Arc<dyn Files>,
     slots: Arc<crate::slots::LiveMap>,
-    /// Slots that moved away whose rows are still here; alarms delete them in chunks.
-    leaving: Vec<u32>,
+    /// Rows of slots that moved away; alarms delete them in chunks.
+    leaving: Vec<moves::Leaving>,
     backoff_ms: u64,
     reopen_at: Option<Instant>,
 }
@@ -217,7 +221,14 @@ impl Shard {
                 self.alarm();
                 continue;
             }
-            let timer = alarm.map_or_else(never, at);
+            // Deleting a moved slot's rows is background work: it takes turns with the
+            // mailbox (select picks at random among ready operations) instead of going
+            // first, so a large slot never stalls the shard's traffic.
+            let timer = if self.store.is_some() && !self.leaving.is_empty() {
+                at(Instant::now())
+            } else {
+                alarm.map_or_else(never, at)
+            };
             select! {
                 recv(self.control) -> control => match control {
                     Ok(control) => if self.handle_control(control) { return self.finish() },
@@ -260,7 +271,7 @@ impl Shard {
                 false
             }
             Control::DropSlot(slot) => {
-                self.leaving.push(slot);
+                self.leave(slot);
                 false
             }
         }
@@ -281,9 +292,6 @@ impl Shard {
         if self.store.is_none() {
             return self.reopen_at;
         }
-        if !self.leaving.is_empty() {
-            return Some(Instant::now());
-        }
         let deadline_ms = match (self.book.next_reclaim_ms, self.book.waiters_alarm_ms()) {
             (Some(a), Some(b)) => a.min(b),
             (a, b) => a.or(b)?,
@@ -294,24 +302,27 @@ impl Shard {
     }
 
     fn batch(&mut self, first: Mail) {
-        let (requests, move_out) = self.drain(Some(first));
+        let (requests, after) = self.drain(Some(first));
         if !requests.is_empty() {
             self.serve_batch(requests);
         }
-        if let Some(move_out) = move_out {
-            self.move_out(move_out);
+        match after {
+            Some(Mail::MoveOut(move_out)) => self.move_out(move_out),
+            Some(Mail::Adopt(parked)) => self.adopt(parked),
+            Some(Mail::Call(_)) | None => {}
         }
     }
 
     /// Takes what the mailbox holds now, after `first`, up to `batch_len_max` requests in
-    /// all, stopping at a slot's hand-over (served after the requests before it).
-    fn drain(&self, first: Option<Mail>) -> (Vec<Request>, Option<MoveOut>) {
+    /// all, stopping at a slot's hand-over or adoption (handled after the requests before
+    /// it, and before those after it).
+    fn drain(&self, first: Option<Mail>) -> (Vec<Request>, Option<Mail>) {
         let mut requests = Vec::with_capacity(self.config.batch_len_max.min(64));
         let mut next = first;
         loop {
             match next {
                 Some(Mail::Call(request)) => requests.push(request),
-                Some(Mail::MoveOut(move_out)) => return (requests, Some(move_out)),
+                Some(mail) => return (requests, Some(mail)),
                 None => return (requests, None),
             }
             if requests.len() >= self.config.batch_len_max {

@@ -6,14 +6,17 @@
 //!    request for the slot sent before the move began, so those are decided first. It
 //!    reads the slot's records, takes out the slot's parked reserves and hands both over
 //!    with its token counter and its time. From then on no request of the slot reaches it.
-//! 2. **In.** The destination writes the records in one durable transaction (replacing
-//!    any copies an earlier attempt left), with its token counter raised to the source's
-//!    (its token epoch too, durably first) and its clock raised to the source's, so a
-//!    moved key's next token is above every token the source issued and its times never
-//!    go back. Only then does it park the handed-over reserves, in their order.
-//! 3. **Flip and release** are the mover's (the map file, then the held requests).
+//! 2. **In.** The destination writes the records in one transaction synced to disk
+//!    whatever the configured durability (replacing any copies an earlier attempt left),
+//!    with its token counter raised to the source's (its token epoch too, durably first)
+//!    and its clock raised to the source's, so a moved key's next token is above every
+//!    token the source issued and its times never go back.
+//! 3. **Flip and release** are the mover's: the map file, then the parked reserves
+//!    ([`Shard::adopt`]) and the held requests go to whichever shard owns the slot
+//!    after (the source again when the move failed). No shard decides a parked reserve
+//!    of the slot before the map says it owns the slot.
 //! 4. **Drop.** The source deletes the slot's rows in chunks of `reclaim_batch_max`, one
-//!    chunk per alarm, like reclaim.
+//!    chunk per alarm, taking turns with its mailbox.
 //!
 //! A crash between any two steps leaves the map naming one shard, whose rows are the
 //! slot's truth; the other shard's copies are deleted when it next opens.
@@ -26,7 +29,6 @@ use oncegate_core::{Record, Scope};
 use super::Shard;
 use crate::book::{Book, Parked};
 use crate::error::Error;
-use crate::slots::Owned;
 use crate::store::{Meta, StoreError, Txn};
 use crate::token;
 
@@ -46,16 +48,18 @@ pub(crate) struct Handover {
 }
 
 impl Handover {
-    /// Answers every handed-over waiter with `error` (the move did not complete).
-    fn refuse_waiters(self, error: &Error) {
-        refuse(self.parked, error);
+    /// Takes the slot's parked reserves out, for the mover to hand to the slot's owner
+    /// when the move is over.
+    pub fn take_parked(&mut self) -> Parked {
+        std::mem::take(&mut self.parked)
     }
 }
 
-fn refuse(parked: Parked, error: &Error) {
-    for reply in parked.into_replies() {
-        let _ = reply.send(Err(error.clone()));
-    }
+/// Rows of a slot that moved away, still to delete (listed once, when the move ended:
+/// nothing of the slot reaches this shard any more, so only reclaim can remove any).
+pub(crate) struct Leaving {
+    slot: u32,
+    rows: Vec<(u64, i64)>,
 }
 
 impl Shard {
@@ -88,13 +92,11 @@ impl Shard {
         let _ = reply.send(Ok(Handover { slot, records, meta, parked }));
     }
 
-    /// Step 2, at the destination: writes the records durably with the counters raised to
-    /// the source's, then parks the handed-over reserves. Returns the records written.
+    /// Step 2, at the destination: writes the records, synced, with the counters raised
+    /// to the source's. Returns the records written.
     pub(super) fn move_in(&mut self, handover: Handover) -> Result<u64, Error> {
         if self.store.is_none() {
-            let error = self.unavailable("the shard failed and is reopening");
-            handover.refuse_waiters(&error);
-            return Err(error);
+            return Err(self.unavailable("the shard failed and is reopening"));
         }
         let token_before = self.book.next_token;
         // Time and tokens continue from the source's: the copied records' times are in
@@ -103,17 +105,17 @@ impl Shard {
         self.book.next_token = self.book.next_token.max(handover.meta.next_token);
         if let Err(error) = self.raise_epoch(token::epoch_of(self.book.next_token)) {
             self.record_failure(&error);
-            let refusal = self.unavailable(&format!("storage failure: {error}"));
-            handover.refuse_waiters(&refusal);
-            return Err(refusal);
+            return Err(self.unavailable(&format!("storage failure: {error}")));
         }
         let now = self.guard.read(self.clock.monotonic_ms());
-        let Handover { slot, records, parked, .. } = handover;
+        let Handover { slot, records, .. } = handover;
         let store = self.store.as_mut().expect("checked above");
         let book = &mut self.book;
         let result = (|| -> Result<u64, StoreError> {
+            // Synced whatever the durability: the map will name this copy as the truth.
+            store.sync_commits(true)?;
             let txn = store.begin()?;
-            let (stale, _) = txn.delete_slot(slot, usize::MAX)?;
+            let stale = txn.delete_slot(slot)?;
             book.records_delta.remove(&stale);
             for (scope, record) in &records {
                 let at = txn.put(scope, record)?;
@@ -123,23 +125,48 @@ impl Shard {
             let meta = Meta { next_token: book.next_token, high_water_ms: now };
             txn.set_meta(meta)?;
             txn.commit(meta)?;
+            store.sync_commits(false)?;
             Ok(records.len() as u64)
         })();
         let written = self.conclude(result, Vec::new(), token_before, |_, shared| {
             shared.commits.fetch_add(1, Ordering::Relaxed);
         });
         let Some(written) = written else {
-            let error = self.unavailable("storage failure while taking in a moved slot");
-            refuse(parked, &error);
-            return Err(error);
+            return Err(self.unavailable("storage failure while taking in a moved slot"));
         };
         // The slot's rows are live here now: a drop queued by an earlier attempt that
         // failed must not delete them.
-        self.leaving.retain(|leaving| *leaving != slot);
+        self.leaving.retain(|leaving| leaving.slot != slot);
+        Ok(written)
+    }
+
+    /// Parks the reserves that waited on a moved slot's keys, now that this shard owns
+    /// the slot; they are decided as the shard's own from here on.
+    pub(super) fn adopt(&mut self, parked: Parked) {
+        if self.store.is_none() {
+            let error = self.unavailable("the shard failed and is reopening");
+            for reply in parked.into_replies() {
+                let _ = reply.send(Err(error.clone()));
+            }
+            return;
+        }
         self.book.adopt(parked);
         self.shared.waiters.store(self.book.waiters_len as u64, Ordering::Relaxed);
         self.shared.publish();
-        Ok(written)
+    }
+
+    /// The mover says `slot` moved away: list its rows for the alarms to delete, unless
+    /// the shard owns the slot (it moved back) or its file is closed (the next open
+    /// deletes every row of a slot the shard does not own).
+    pub(super) fn leave(&mut self, slot: u32) {
+        let Some(store) = self.store.as_ref() else { return };
+        if self.slots.owned(self.id).owns(slot) {
+            return;
+        }
+        let rows = store.slot_rows(slot);
+        if !rows.is_empty() {
+            self.leaving.push(Leaving { slot, rows });
+        }
     }
 
     /// Makes `epoch` the shard's token epoch, durably, when it is above the current one
@@ -154,30 +181,22 @@ impl Shard {
 }
 
 /// Step 4, in an alarm's transaction: deletes at most `limit` rows of the slots that
-/// moved away (never of a slot the shard owns again). A slot leaves the list once its
-/// rows are gone.
+/// moved away. A slot leaves the list once its rows are gone.
 pub(super) fn drop_leaving(
     txn: &Txn<'_>,
-    leaving: &mut Vec<u32>,
-    owned: &Owned,
+    leaving: &mut Vec<Leaving>,
     limit: usize,
     book: &mut Book,
 ) -> Result<(), StoreError> {
     let mut budget = limit;
-    while let Some(&slot) = leaving.last() {
-        if owned.owns(slot) {
-            leaving.pop();
-            continue;
-        }
-        let (removed, more) = txn.delete_slot(slot, budget)?;
-        budget = budget.saturating_sub((removed.pending + removed.completed) as usize);
+    while budget > 0 {
+        let Some(last) = leaving.last_mut() else { break };
+        let chunk = last.rows.split_off(last.rows.len().saturating_sub(budget));
+        budget -= chunk.len();
+        let removed = txn.delete_rows(&chunk)?;
         book.records_delta.remove(&removed);
-        if more {
-            break;
-        }
-        leaving.pop();
-        if budget == 0 {
-            break;
+        if last.rows.is_empty() {
+            leaving.pop();
         }
     }
     Ok(())
