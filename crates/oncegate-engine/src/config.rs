@@ -61,7 +61,9 @@ pub struct EngineConfig {
     /// The largest a shard file may grow, in bytes; a write that would pass it is refused
     /// alone with `resource_exhausted`.
     pub shard_file_bytes_max: u64,
-    /// SQLite's page cache per shard, in bytes.
+    /// SQLite's page cache per shard, in bytes. Small on purpose: after a B-tree split
+    /// that reuses free pages, SQLite scans the whole cache at the commit (see
+    /// docs/storage.md), and the shard's index keeps lookups off the cache anyway.
     pub page_cache_bytes_max: u64,
     /// WAL pages that trigger a checkpoint into the shard file (2 KiB each in files made
     /// since schema 5, 4 KiB in older ones). Larger means
@@ -89,7 +91,7 @@ impl Default for EngineConfig {
             reopen_backoff_ms_min: 50,
             reopen_backoff_ms_max: 2_000,
             shard_file_bytes_max: 64 << 30,
-            page_cache_bytes_max: 32 << 20,
+            page_cache_bytes_max: 4 << 20,
             wal_checkpoint_pages: 16_384,
             slot_moves_per_second_max: 200,
         }
