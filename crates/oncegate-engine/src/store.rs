@@ -979,12 +979,22 @@ impl Txn<'_> {
 
 /// A slot's rows in a live shard, for moving the slot to another one (`shard/moves.rs`).
 /// There is no on-disk index on the slot (it would put a random page back into every
-/// write); one pass over the in-memory index finds a slot's rows, a few milliseconds per
-/// million keys.
+/// write); one pass over the in-memory index ([`Store::slot_rows`]) finds a slot's rows,
+/// a few milliseconds per million keys, once per move.
 impl Txn<'_> {
-    /// The (hash, row id) of every row of `slot`.
-    fn slot_rows(&self, slot: u32) -> Vec<(u64, i64)> {
-        self.index.borrow().iter().filter(|(hash, _)| route::slot_of_hash(*hash) == slot).collect()
+    /// The stored records of `rows` (from [`Store::slot_rows`]) with their scopes, expired
+    /// ones included (their destination reclaims them as this shard would have).
+    pub fn records_of(&self, rows: &[(u64, i64)]) -> Result<Vec<(Scope, Record)>, StoreError> {
+        self.failpoint()?;
+        let mut stmt = self.tx().prepare_cached(SELECT_RECORD)?;
+        let mut records = Vec::with_capacity(rows.len());
+        for (_, id) in rows {
+            let (tenant, namespace, key, record) = stmt.query_row(params![id], |row| {
+                Ok((row.get(0)?, row.get(1)?, row.get(2)?, read_record(row, 3)?))
+            })?;
+            records.push((stored_scope(tenant, namespace, key)?, record));
+        }
+        Ok(records)
     }
 
     /// Deletes the rows `rows` names (from [`Store::slot_rows`]; any already gone, by
@@ -1004,27 +1014,6 @@ impl Txn<'_> {
             }
         }
         Ok(removed)
-    }
-
-    /// Every stored record of `slot` with its scope, expired ones included (their
-    /// destination reclaims them as this shard would have).
-    pub fn slot_records(&self, slot: u32) -> Result<Vec<(Scope, Record)>, StoreError> {
-        self.failpoint()?;
-        let mut stmt = self.tx().prepare_cached(SELECT_RECORD)?;
-        let mut records = Vec::new();
-        for (_, id) in self.slot_rows(slot) {
-            let (tenant, namespace, key, record) = stmt.query_row(params![id], |row| {
-                Ok((row.get(0)?, row.get(1)?, row.get(2)?, read_record(row, 3)?))
-            })?;
-            records.push((stored_scope(tenant, namespace, key)?, record));
-        }
-        Ok(records)
-    }
-
-    /// Deletes every row of `slot` (the stale copies of an earlier attempt to move it
-    /// here); returns what was deleted.
-    pub fn delete_slot(&self, slot: u32) -> Result<Tally, StoreError> {
-        self.delete_rows(&self.slot_rows(slot))
     }
 }
 

@@ -272,3 +272,122 @@ fn a_waiter_of_a_move_that_fails_goes_back_to_its_source() {
     }
     add_four(&engine);
 }
+
+/// The operating system's files, except that the next `failing` renames onto the slot
+/// map file fail (before renaming): a map flip, and then its undo, that cannot be written.
+#[derive(Debug, Default)]
+struct MapWritesFail {
+    failing: std::sync::atomic::AtomicU32,
+}
+
+impl MapWritesFail {
+    fn fail(&self, n: u32) {
+        self.failing.store(n, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl oncegate_engine::files::Files for MapWritesFail {
+    fn create_dir_all(&self, dir: &std::path::Path) -> std::io::Result<()> {
+        oncegate_engine::files::OsFiles.create_dir_all(dir)
+    }
+    fn read(&self, path: &std::path::Path) -> std::io::Result<Vec<u8>> {
+        oncegate_engine::files::OsFiles.read(path)
+    }
+    fn write_new(&self, path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
+        oncegate_engine::files::OsFiles.write_new(path, bytes)
+    }
+    fn create(&self, path: &std::path::Path) -> std::io::Result<bool> {
+        oncegate_engine::files::OsFiles.create(path)
+    }
+    fn sync_file(&self, path: &std::path::Path) -> std::io::Result<()> {
+        oncegate_engine::files::OsFiles.sync_file(path)
+    }
+    fn rename(&self, from: &std::path::Path, to: &std::path::Path) -> std::io::Result<()> {
+        let is_map = to.file_name().is_some_and(|name| name == oncegate_engine::slots::SLOTS_FILE);
+        let failing = &self.failing;
+        let fail = is_map
+            && failing
+                .fetch_update(std::sync::atomic::Ordering::SeqCst, std::sync::atomic::Ordering::SeqCst, |n| {
+                    n.checked_sub(1)
+                })
+                .is_ok();
+        if fail {
+            return Err(std::io::Error::other("injected: the slot map cannot be renamed"));
+        }
+        oncegate_engine::files::OsFiles.rename(from, to)
+    }
+    fn remove(&self, path: &std::path::Path) -> std::io::Result<()> {
+        oncegate_engine::files::OsFiles.remove(path)
+    }
+    fn sync_dir(&self, dir: &std::path::Path) -> std::io::Result<()> {
+        oncegate_engine::files::OsFiles.sync_dir(dir)
+    }
+    fn list(&self, dir: &std::path::Path) -> std::io::Result<Vec<String>> {
+        oncegate_engine::files::OsFiles.list(dir)
+    }
+    fn lock(&self, dir: &std::path::Path) -> std::io::Result<Option<oncegate_engine::files::LockGuard>> {
+        oncegate_engine::files::OsFiles.lock(dir)
+    }
+    fn restrict(&self, path: &std::path::Path) -> std::io::Result<()> {
+        oncegate_engine::files::OsFiles.restrict(path)
+    }
+}
+
+fn open_on(dir: &std::path::Path, clock: &ManualClock, files: &std::sync::Arc<MapWritesFail>) -> Engine {
+    let files: std::sync::Arc<dyn oncegate_engine::files::Files> = files.clone();
+    Engine::open_on(two_shards(dir), std::sync::Arc::new(clock.clone()), Faults::default(), files)
+        .expect("engine opens")
+}
+
+/// A flip that fails after the destination's copy is undone: the slot stays on its
+/// source with its parked reserve, the destination drops its copies, and the next add
+/// moves the slot again over those copies without storing any key twice.
+#[test]
+fn a_failed_flip_is_undone_and_the_next_add_moves_the_slot_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let files = std::sync::Arc::new(MapWritesFail::default());
+    let engine = open_on(dir.path(), &clock, &files);
+    let mut written = fill_keys(&engine, KEYS);
+    let name = key_in_slot(&engine, 0);
+    let token =
+        granted(&engine.reserve_blocking(&tenant(), reserve_for(&name, 600_000, 0, 0)).unwrap().reply);
+    let waiter = engine.reserve(&tenant(), reserve_for(&name, 600_000, 0, 10_000));
+    assert!(engine.wait_stats(0, Duration::from_secs(10), |s| s.waiters == 1), "the reserve parks");
+    files.fail(1);
+    let failed = engine.add_shards(4, &mut |_, _| {}).expect_err("the flip fails");
+    assert!(failed.to_string().contains("cannot be renamed"), "{failed}");
+    assert_eq!(engine.slot_moving(), None, "undone");
+    assert_eq!(engine.shard_of(&engine.scope(&tenant(), "live", &name).unwrap()), 0);
+    assert!(engine.wait_stats(0, Duration::from_secs(10), |s| s.waiters == 1), "back on its source");
+    add_four(&engine);
+    engine.commit_blocking(&tenant(), commit(&name, token, name.as_bytes())).unwrap();
+    assert!(matches!(block_on(waiter).expect("answered").reply, ReserveReply::Completed { .. }));
+    written.insert(name, (token, true));
+    check_spread(&engine, &written);
+}
+
+/// A flip that fails and whose undo fails too leaves the slot answering `unavailable`
+/// (neither shard may decide it) and refuses further adds until a restart, which reads
+/// the map from disk and answers every key as before.
+#[test]
+fn a_flip_that_cannot_be_undone_stops_the_slot_until_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let files = std::sync::Arc::new(MapWritesFail::default());
+    let engine = open_on(dir.path(), &clock, &files);
+    let written = fill_keys(&engine, KEYS);
+    let name = key_in_slot(&engine, 0);
+    files.fail(2);
+    engine.add_shards(4, &mut |_, _| {}).expect_err("the flip fails");
+    let refused = engine.get_blocking(&tenant(), key(&name, 0)).expect_err("the slot is stopped");
+    assert!(matches!(refused, oncegate_engine::Error::Unavailable { .. }), "{refused:?}");
+    let again = engine.add_shards(4, &mut |_, _| {}).expect_err("refused until a restart");
+    assert!(again.to_string().contains("restart the server"), "{again}");
+    engine.shutdown();
+    drop(engine);
+    let engine = open(two_shards(dir.path()), &clock, &Faults::default());
+    check_keys(&engine, &written);
+    add_four(&engine);
+    check_spread(&engine, &written);
+}

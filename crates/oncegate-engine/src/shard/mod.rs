@@ -136,6 +136,10 @@ pub(crate) struct Shard {
     slots: Arc<crate::slots::LiveMap>,
     /// Rows of slots that moved away; alarms delete them in chunks.
     leaving: Vec<moves::Leaving>,
+    /// The rows of the slot this shard last handed over, until the move ends.
+    handed: Option<moves::Leaving>,
+    /// Slots moved in during this process (their earlier copies may be here).
+    received: std::collections::HashSet<u32>,
     backoff_ms: u64,
     reopen_at: Option<Instant>,
 }
@@ -179,6 +183,8 @@ impl Shard {
             files,
             slots,
             leaving: Vec::new(),
+            handed: None,
+            received: std::collections::HashSet::new(),
             reopen_at: None,
         }
     }

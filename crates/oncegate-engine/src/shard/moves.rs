@@ -71,8 +71,9 @@ impl Shard {
             let _ = reply.send(Err(self.unavailable("the shard failed and is reopening")));
             return;
         };
+        let rows = store.slot_rows(slot);
         let read = store.begin_read().and_then(|txn| {
-            let records = txn.slot_records(slot);
+            let records = txn.records_of(&rows);
             txn.finish_read();
             records
         });
@@ -84,6 +85,9 @@ impl Shard {
                 return;
             }
         };
+        // Nothing of the slot reaches this shard from now on, so these are the rows to
+        // drop when the move ends (reclaim may take some first).
+        self.handed = Some(Leaving { slot, rows });
         let parked = self.book.take_parked(slot);
         self.shared.waiters.store(self.book.waiters_len as u64, Ordering::Relaxed);
         let high_water_ms = self.guard.read(self.clock.monotonic_ms());
@@ -109,13 +113,22 @@ impl Shard {
         }
         let now = self.guard.read(self.clock.monotonic_ms());
         let Handover { slot, records, .. } = handover;
+        // Rows of the slot here can only be the copies of an earlier move of it to this
+        // shard in this process (a new process's open deleted every row of a slot the
+        // shard did not own): only then is the index searched for them.
+        let listed = self.leaving.iter().position(|leaving| leaving.slot == slot);
+        let listed = listed.map(|at| self.leaving.remove(at));
+        let stale = match (listed, self.received.insert(slot)) {
+            (None, true) => Vec::new(),
+            _ => self.store.as_ref().map(|store| store.slot_rows(slot)).unwrap_or_default(),
+        };
         let store = self.store.as_mut().expect("checked above");
         let book = &mut self.book;
         let result = (|| -> Result<u64, StoreError> {
             // Synced whatever the durability: the map will name this copy as the truth.
             store.sync_commits(true)?;
             let txn = store.begin()?;
-            let stale = txn.delete_slot(slot)?;
+            let stale = txn.delete_rows(&stale)?;
             book.records_delta.remove(&stale);
             for (scope, record) in &records {
                 let at = txn.put(scope, record)?;
@@ -134,9 +147,6 @@ impl Shard {
         let Some(written) = written else {
             return Err(self.unavailable("storage failure while taking in a moved slot"));
         };
-        // The slot's rows are live here now: a drop queued by an earlier attempt that
-        // failed must not delete them.
-        self.leaving.retain(|leaving| leaving.slot != slot);
         Ok(written)
     }
 
@@ -155,15 +165,20 @@ impl Shard {
         self.shared.publish();
     }
 
-    /// The mover says `slot` moved away: list its rows for the alarms to delete, unless
-    /// the shard owns the slot (it moved back) or its file is closed (the next open
-    /// deletes every row of a slot the shard does not own).
+    /// The mover says `slot` left this shard (moved away, or its copy here was undone):
+    /// list its rows for the alarms to delete, unless the file is closed (its next open
+    /// deletes every row of a slot the shard does not own). Ownership is not looked up:
+    /// by the time this runs a later move may already be under way; a later move of the
+    /// slot back here comes after this on the same channel and takes the list back.
     pub(super) fn leave(&mut self, slot: u32) {
+        let handed = self.handed.take();
         let Some(store) = self.store.as_ref() else { return };
-        if self.slots.owned(self.id).owns(slot) {
-            return;
-        }
-        let rows = store.slot_rows(slot);
+        // The source listed the rows when it handed the slot over; a destination whose
+        // copy is being undone lists them now.
+        let rows = match handed {
+            Some(handed) if handed.slot == slot => handed.rows,
+            _ => store.slot_rows(slot),
+        };
         if !rows.is_empty() {
             self.leaving.push(Leaving { slot, rows });
         }

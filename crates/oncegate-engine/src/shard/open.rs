@@ -67,6 +67,7 @@ impl Shard {
         self.book.next_token = next_token;
         // The open deleted the rows of every slot the shard does not own.
         self.leaving.clear();
+        self.handed = None;
         self.book.next_reclaim_ms = store.next_reclaim_ms();
         self.book.reset_records(store.take_count());
         self.book.settle(&self.shared);
