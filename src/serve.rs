@@ -92,7 +92,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         tls = config.server.tls_enabled(),
         %metrics,
         data_dir = %config.engine.data_dir.display(),
-        shards = config.engine.shards,
+        shards = engine.stats().len(),
         durability = ?config.engine.durability,
         "listening"
     );

@@ -223,11 +223,34 @@ impl Record {
         }
         false
     }
+
+    /// Carries the record into a clock frame `ahead_ms` ahead of the one it was decided
+    /// in (a slot moved to a shard whose clock is ahead of its source's): the lease and
+    /// the expiry keep the time they had left, so a move never ends either early, and
+    /// what had run out stays run out.
+    pub fn carry_forward(&mut self, ahead_ms: u64) {
+        self.lease_until_ms = self.lease_until_ms.saturating_add(ahead_ms);
+        self.expires_at_ms = self.expires_at_ms.saturating_add(ahead_ms);
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_record_carried_into_a_later_frame_keeps_what_it_had_left() {
+        // Decided at 1_000 in the source's frame; the destination's clock reads 61_000.
+        let (source_now, ahead_ms) = (1_000, 60_000);
+        for (lease_until_ms, expires_at_ms) in [(1_500, 9_000), (900, 9_000), (900, 950)] {
+            let mut record = pending(lease_until_ms, expires_at_ms);
+            let live = (record.lease_until_ms > source_now, record.expires_at_ms > source_now);
+            record.carry_forward(ahead_ms);
+            let now = source_now + ahead_ms;
+            assert_eq!((record.lease_until_ms > now, record.expires_at_ms > now), live);
+            assert_eq!(record.lease_until_ms - ahead_ms, lease_until_ms, "the same time left");
+        }
+    }
 
     fn pending(lease_until_ms: u64, expires_at_ms: u64) -> Record {
         Record {

@@ -103,9 +103,14 @@ impl Shard {
             return Err(self.unavailable("the shard failed and is reopening"));
         }
         let token_before = self.book.next_token;
-        // Time and tokens continue from the source's: the copied records' times are in
-        // the same frame, and every token the source issued is below `meta.next_token`.
-        self.guard.raise(handover.meta.high_water_ms);
+        // Time never goes back here, and the moved records keep the time they had left:
+        // a source whose clock is ahead lifts this shard's (as a persisted mark would),
+        // and records from one that is behind are carried forward. (Shards share one
+        // frame unless a persisted mark was ahead of the wall clock at start.)
+        let source_now = handover.meta.high_water_ms;
+        let ahead_ms = self.guard.read(self.clock.monotonic_ms()).saturating_sub(source_now);
+        self.guard.raise(source_now);
+        // Every token the source issued is below its counter.
         self.book.next_token = self.book.next_token.max(handover.meta.next_token);
         if let Err(error) = self.raise_epoch(token::epoch_of(self.book.next_token)) {
             self.record_failure(&error);
@@ -124,22 +129,25 @@ impl Shard {
         };
         let store = self.store.as_mut().expect("checked above");
         let book = &mut self.book;
-        let result = (|| -> Result<u64, StoreError> {
+        let mut written = 0;
+        let result = (move || -> Result<u64, StoreError> {
             // Synced whatever the durability: the map will name this copy as the truth.
             store.sync_commits(true)?;
             let txn = store.begin()?;
             let stale = txn.delete_rows(&stale)?;
             book.records_delta.remove(&stale);
-            for (scope, record) in &records {
-                let at = txn.put(scope, record)?;
+            for (scope, mut record) in records {
+                record.carry_forward(ahead_ms);
+                let at = txn.put(&scope, &record)?;
                 book.next_reclaim_ms = Some(book.next_reclaim_ms.map_or(at, |n| n.min(at)));
-                book.records_delta.count(&scope.tenant, Some(record), 1);
+                book.records_delta.count(&scope.tenant, Some(&record), 1);
+                written += 1;
             }
             let meta = Meta { next_token: book.next_token, high_water_ms: now };
             txn.set_meta(meta)?;
             txn.commit(meta)?;
             store.sync_commits(false)?;
-            Ok(records.len() as u64)
+            Ok(written)
         })();
         let written = self.conclude(result, Vec::new(), token_before, |_, shared| {
             shared.commits.fetch_add(1, Ordering::Relaxed);
