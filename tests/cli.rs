@@ -235,18 +235,36 @@ fn client_verbs_speak_tls_and_mutual_tls() {
     assert!(server.terminate());
 }
 
+/// Twenty keys reserved and committed with their name as the response: (key, token).
+fn commit_orders(server: &Server) -> Vec<(String, u64)> {
+    (0..20)
+        .map(|i| {
+            let key = format!("order-{i}");
+            let (_, granted) = server.call(&["reserve", &key]);
+            let token = granted["token"].as_u64().unwrap();
+            server.call(&["commit", &key, &token.to_string(), "--response", &key]);
+            (key, token)
+        })
+        .collect()
+}
+
+/// Each key is replayed as completed with its token.
+fn assert_replayed(server: &Server, tokens: &[(String, u64)]) {
+    for (key, token) in tokens {
+        let (code, replay) = server.call(&["reserve", key]);
+        assert_eq!(
+            (code, replay["outcome"].as_str(), replay["token"].as_u64()),
+            (0, Some("completed"), Some(*token)),
+            "{replay}"
+        );
+    }
+}
+
 #[test]
 fn reshard_adds_shards_to_a_stopped_directory_and_keys_stay_answered() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start(dir.path(), &[]);
-    let mut tokens = Vec::new();
-    for i in 0..20 {
-        let key = format!("order-{i}");
-        let (_, granted) = server.call(&["reserve", &key]);
-        let token = granted["token"].as_u64().unwrap();
-        server.call(&["commit", &key, &token.to_string(), "--response", &key]);
-        tokens.push((key, token));
-    }
+    let tokens = commit_orders(&server);
     // The running server holds the directory's lock.
     let locked =
         Command::new(BIN).args(["reshard", "--to", "4", "--data-dir"]).arg(dir.path()).output().unwrap();
@@ -265,14 +283,7 @@ fn reshard_adds_shards_to_a_stopped_directory_and_keys_stay_answered() {
     );
 
     let server = Server::start(dir.path(), &["--shards", "4"]);
-    for (key, token) in &tokens {
-        let (code, replay) = server.call(&["reserve", key]);
-        assert_eq!(
-            (code, replay["outcome"].as_str(), replay["token"].as_u64()),
-            (0, Some("completed"), Some(*token)),
-            "{replay}"
-        );
-    }
+    assert_replayed(&server, &tokens);
     assert!(server.terminate());
 }
 
@@ -283,14 +294,7 @@ fn admin_add_shards_spreads_the_slots_of_a_running_server() {
     std::fs::write(&config, "[engine]\nslot_moves_per_second_max = 0\n").unwrap();
     let data = dir.path().join("data");
     let server = Server::start(&data, &["--config", config.to_str().unwrap()]);
-    let mut tokens = Vec::new();
-    for i in 0..20 {
-        let key = format!("order-{i}");
-        let (_, granted) = server.call(&["reserve", &key]);
-        let token = granted["token"].as_u64().unwrap();
-        server.call(&["commit", &key, &token.to_string(), "--response", &key]);
-        tokens.push((key, token));
-    }
+    let tokens = commit_orders(&server);
     let add = |to: &str| {
         Command::new(BIN).args(["admin", "add-shards", "--addr", &server.addr, "--to", to]).output().unwrap()
     };
@@ -320,13 +324,6 @@ fn admin_add_shards_spreads_the_slots_of_a_running_server() {
 
     // Restarted with its configured default of 2, the directory serves its 4 shards.
     let server = Server::start(&data, &[]);
-    for (key, token) in &tokens {
-        let (code, replay) = server.call(&["reserve", key]);
-        assert_eq!(
-            (code, replay["outcome"].as_str(), replay["token"].as_u64()),
-            (0, Some("completed"), Some(*token)),
-            "{replay}"
-        );
-    }
+    assert_replayed(&server, &tokens);
     assert!(server.terminate());
 }

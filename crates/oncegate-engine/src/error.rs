@@ -131,6 +131,20 @@ pub enum OpenError {
         /// What is running.
         what: &'static str,
     },
+    /// A slot's move could neither finish nor be undone (its map could not be written):
+    /// the slot answers `unavailable` and no shard is added until the server restarts and
+    /// reads the map from disk.
+    #[error(
+        "slot {slot} could not finish moving to shard {to} ({reason}); restart the server, then add shards again"
+    )]
+    SlotStuck {
+        /// The slot.
+        slot: u32,
+        /// The shard it was moving to.
+        to: u32,
+        /// Why.
+        reason: String,
+    },
     /// Adding shards stopped before it finished: the engine is shutting down, or a test
     /// stopped it. Every key is where the slot map says; running it again resumes.
     #[error("adding shards stopped: {reason}")]

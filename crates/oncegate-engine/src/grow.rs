@@ -49,12 +49,8 @@ impl Engine {
         if let Some(moving) = &inner.table().moving {
             // A slot whose map flip could not be written nor undone: only a restart,
             // reading the map from disk, can say which shard owns it.
-            return Err(OpenError::Interrupted {
-                reason: format!(
-                    "slot {} could not finish moving to shard {}; restart the server, then add shards again",
-                    moving.step.slot, moving.step.to
-                ),
-            });
+            let (slot, to) = (moving.step.slot, moving.step.to);
+            return Err(OpenError::SlotStuck { slot, to, reason: "its map could not be written".to_owned() });
         }
         let before = inner.handles().len() as u32;
         if to < before || to > crate::config::SHARDS_MAX {
@@ -209,6 +205,11 @@ impl Engine {
             }
             Err(again) => {
                 tracing::error!(slot = step.slot, %error, %again, "the slot map could not be written; the slot answers unavailable until a restart");
+                let stuck = OpenError::SlotStuck {
+                    slot: step.slot,
+                    to: step.to,
+                    reason: format!("{error}; undoing it failed too: {again}"),
+                };
                 let refusal = Error::Unavailable {
                     shard: step.from,
                     reason: format!(
@@ -224,6 +225,7 @@ impl Engine {
                     moving.stuck = true;
                     moving.refuse_held();
                 }
+                return stuck;
             }
         }
         error
@@ -250,20 +252,31 @@ impl Engine {
         }
         // A shard that has stopped drops them: their callers hear `unavailable`.
         let _ = handle.data.send(Mail::Adopt(parked));
-        loop {
-            let held = {
-                let mut table = inner.table_mut();
-                let held = table.moving.as_ref().map(Moving::take_held).unwrap_or_default();
-                if held.is_empty() {
-                    table.moving = None;
-                    return;
-                }
-                held
-            };
+        for round in 1.. {
+            let mut table = inner.table_mut();
+            let held = table.moving.as_ref().map(Moving::take_held).unwrap_or_default();
+            if held.is_empty() {
+                table.moving = None;
+                return;
+            }
+            if round < RELEASE_ROUNDS_UNLOCKED_MAX {
+                drop(table);
+                send_in_order(&handle, owner, held);
+                continue;
+            }
+            // A slot busy enough to refill the queue every round: the last round is sent
+            // under the lock, so it ends. No shard waits for this lock, so the owner
+            // drains its mailbox meanwhile.
             send_in_order(&handle, owner, held);
+            table.moving = None;
+            return;
         }
     }
 }
+/// Rounds of held requests sent without the table's lock before the last one is sent
+/// under it.
+const RELEASE_ROUNDS_UNLOCKED_MAX: u32 = 4;
+
 /// Where a test may stop a move dead, as a crash would (`Faults::stop_moves_after`).
 fn stop_point(inner: &crate::Inner) -> Result<(), OpenError> {
     if inner.faults.move_should_stop() {

@@ -691,13 +691,14 @@ impl Engine {
         timeout: std::time::Duration,
         done: impl Fn(&ShardStats) -> bool,
     ) -> bool {
+        let Some(handle) = self.inner.handle(shard) else { return false };
         // The slot count is read once: the predicate runs under the shard's counters'
         // lock, where taking the routing table's would order the two locks both ways.
-        let slots = self.inner.table().map.slots_per_shard(shard + 1)[shard as usize];
-        match self.inner.handle(shard) {
-            Some(handle) => handle.shared.wait_until(timeout, |_| done(&handle.stats(shard, slots))),
-            None => false,
-        }
+        let slots = {
+            let table = self.inner.table();
+            table.map.slots_per_shard(table.shards.len() as u32)[shard as usize]
+        };
+        handle.shared.wait_until(timeout, |_| done(&handle.stats(shard, slots)))
     }
 
     /// Makes every shard run its alarm now and waits until all have: reclaim, lease

@@ -997,17 +997,20 @@ impl Txn<'_> {
         Ok(records)
     }
 
-    /// Deletes the rows `rows` names (from [`Store::slot_rows`]; any already gone, by
-    /// reclaim, are skipped); returns what was deleted, counted by state and tenant.
+    /// Deletes the rows `rows` names (from [`Store::slot_rows`]); returns what was
+    /// deleted, counted by state and tenant. A row gone since it was listed (reclaimed)
+    /// is skipped, and so is another row that took its id since (SQLite reuses the id of
+    /// a deleted last row): the hash must match too.
     pub fn delete_rows(&self, rows: &[(u64, i64)]) -> Result<Tally, StoreError> {
         self.failpoint()?;
-        let mut stmt = self
-            .tx()
-            .prepare_cached("DELETE FROM records WHERE id = ?1 RETURNING tenant, outcome IS NULL")?;
+        let mut stmt = self.tx().prepare_cached(
+            "DELETE FROM records WHERE id = ?1 AND hash = ?2 RETURNING tenant, outcome IS NULL",
+        )?;
         let mut removed = Tally::default();
         for (hash, id) in rows {
-            let row: Option<(String, bool)> =
-                stmt.query_row(params![id], |row| Ok((row.get(0)?, row.get(1)?))).optional()?;
+            let row: Option<(String, bool)> = stmt
+                .query_row(params![id, hash_to_sql(*hash)], |row| Ok((row.get(0)?, row.get(1)?)))
+                .optional()?;
             if let Some((tenant, pending)) = row {
                 removed.add_stored(&stored_tenant(tenant)?, pending);
                 self.forget(*hash, *id);
@@ -1142,5 +1145,33 @@ mod tests {
 
         let (_, opened, _) = Store::open(&path, &tuning(), &faults, false).unwrap();
         assert_eq!(meta(opened), (12, 800), "the delete wrote meta, or token 9 and time 700 would be lost");
+    }
+
+    /// A slot's rows are listed when the slot leaves and deleted later; SQLite gives the
+    /// id of a deleted last row to the next insert, so a listed id may name another key
+    /// by then. Deleting by the list deletes only the rows it named.
+    #[test]
+    fn a_listed_row_whose_id_went_to_another_key_is_not_deleted() {
+        let dir = tempfile::tempdir().unwrap();
+        let faults = Faults::default();
+        let (mut store, _, _) =
+            Store::open(&dir.path().join("shard.sqlite"), &tuning(), &faults, true).unwrap();
+        let txn = store.begin().unwrap();
+        txn.put(&scope("leaving"), &granted(7, 500)).unwrap();
+        txn.commit(Meta { next_token: 8, high_water_ms: 500 }).unwrap();
+        let slot = route::slot_of(&scope("leaving"));
+        let listed = store.slot_rows(slot);
+        assert_eq!(listed.len(), 1);
+        // Reclaimed (here deleted) before the drop, and its id reused by another key.
+        let txn = store.begin().unwrap();
+        txn.delete(&scope("leaving")).unwrap();
+        txn.put(&scope("staying"), &granted(8, 600)).unwrap();
+        txn.commit(Meta { next_token: 9, high_water_ms: 600 }).unwrap();
+        assert_eq!(store.slot_rows(route::slot_of(&scope("staying")))[0].1, listed[0].1, "the id was reused");
+        let txn = store.begin().unwrap();
+        let removed = txn.delete_rows(&listed).unwrap();
+        assert_eq!(removed.pending + removed.completed, 0);
+        assert!(txn.get(&scope("staying")).unwrap().is_some(), "the other key's row is kept");
+        txn.commit(Meta { next_token: 9, high_water_ms: 600 }).unwrap();
     }
 }

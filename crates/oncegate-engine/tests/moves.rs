@@ -77,6 +77,15 @@ fn adding_shards_online_keeps_every_key_and_spreads_the_slots() {
     check_spread(&engine, &written);
 }
 
+/// A new 2-shard engine on a manual clock, with its directory and fault seam.
+fn two_shard_engine() -> (tempfile::TempDir, ManualClock, Faults, Engine) {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let faults = Faults::default();
+    let engine = open(two_shards(dir.path()), &clock, &faults);
+    (dir, clock, faults, engine)
+}
+
 /// Reserves `name` (slot 0 moves first) and releases it: no row keeps its token.
 fn grant_and_release(engine: &Engine, name: &str) -> u64 {
     let token = granted(&engine.reserve_blocking(&tenant(), reserve(name)).unwrap().reply);
@@ -101,10 +110,7 @@ fn wait_until_moving(engine: &Engine, slot: u32) -> SlotMove {
 /// its holder commits on the new shard.
 #[test]
 fn a_64_way_race_on_a_key_whose_slot_is_moving_grants_once() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = ManualClock::new(T0);
-    let faults = Faults::default();
-    let engine = open(two_shards(dir.path()), &clock, &faults);
+    let (_dir, _clock, faults, engine) = two_shard_engine();
     let name = key_in_slot(&engine, 0);
     let other = key_in_slot(&engine, 2);
     // A read of another key of shard 0 holds its thread at the gate, so the first half of
@@ -223,10 +229,7 @@ fn a_move_stopped_dead_at_any_step_reopens_with_every_key_as_before() {
 /// source, is granted above the holder's token.
 #[test]
 fn a_waiter_of_a_move_stopped_before_its_flip_is_never_granted_by_the_destination() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = ManualClock::new(T0);
-    let faults = Faults::default();
-    let engine = open(two_shards(dir.path()), &clock, &faults);
+    let (dir, clock, faults, engine) = two_shard_engine();
     let name = key_in_slot(&engine, 0);
     let holder = granted(&engine.reserve_blocking(&tenant(), reserve_for(&name, 1_000, 0, 0)).unwrap().reply);
     let waiter = engine.reserve(&tenant(), reserve_for(&name, 60_000, 0, 10_000));
@@ -251,10 +254,7 @@ fn a_waiter_of_a_move_stopped_before_its_flip_is_never_granted_by_the_destinatio
 /// source with its parked reserve, which the holder's commit then answers.
 #[test]
 fn a_waiter_of_a_move_that_fails_goes_back_to_its_source() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = ManualClock::new(T0);
-    let faults = Faults::default();
-    let engine = open(two_shards(dir.path()), &clock, &faults);
+    let (_dir, _clock, faults, engine) = two_shard_engine();
     let name = key_in_slot(&engine, 0);
     let token =
         granted(&engine.reserve_blocking(&tenant(), reserve_for(&name, 600_000, 0, 0)).unwrap().reply);
@@ -390,4 +390,46 @@ fn a_flip_that_cannot_be_undone_stops_the_slot_until_a_restart() {
     check_keys(&engine, &written);
     add_four(&engine);
     check_spread(&engine, &written);
+}
+
+/// A copy left on the destination by a move stopped before its flip, in a process whose
+/// destination first opens while the move runs again (its earlier open failed): the
+/// copy is stale (the key was purged at its source meanwhile) and the move replaces it,
+/// so the purged key does not come back.
+#[test]
+fn a_stale_copy_kept_by_an_open_during_the_move_is_replaced() {
+    let (dir, clock, faults, engine) = two_shard_engine();
+    let name = key_in_slot(&engine, 0);
+    let token = granted(&engine.reserve_blocking(&tenant(), reserve(&name)).unwrap().reply);
+    engine.commit_blocking(&tenant(), commit(&name, token, b"old")).unwrap();
+    faults.stop_moves_after(2);
+    engine.add_shards(4, &mut |_, _| {}).expect_err("stopped after the copy");
+    engine.shutdown();
+    drop(engine);
+    // Every shard fails its first open in the next process (before it looks at its rows);
+    // all but shard 2, slot 0's destination, are reopened at once.
+    faults.fail_integrity_checks(4);
+    let engine = open(two_shards(dir.path()), &clock, &faults);
+    for shard in [0, 1, 3] {
+        assert!(engine.reopen_shard(shard), "shard {shard} opens");
+    }
+    assert_ne!(engine.shard_states()[2], oncegate_engine::ShardState::Serving);
+    let scope = engine.scope(&tenant(), "live", &name).unwrap();
+    block_on(engine.purge(scope)).expect("purged at its source");
+    // Shard 0 is held at the gate while the move of slot 0 waits for its hand-over; shard
+    // 2 opens now, as the move's destination.
+    faults.close_gate();
+    let holding = engine.get(&tenant(), key(&key_in_slot(&engine, 2), 0));
+    faults.wait_held(1);
+    let mover = {
+        let engine = engine.clone();
+        std::thread::spawn(move || engine.add_shards(4, &mut |_, _| {}))
+    };
+    wait_until_moving(&engine, 0);
+    assert!(engine.reopen_shard(2), "shard 2 opens");
+    faults.open_gate();
+    let _ = block_on(holding);
+    mover.join().unwrap().expect("shards added");
+    let view = engine.get_blocking(&tenant(), key(&name, 0)).unwrap();
+    assert_eq!(view.state, oncegate_core::State::Free, "the purged key stays purged: {view:?}");
 }

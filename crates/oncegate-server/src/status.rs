@@ -57,7 +57,9 @@ impl Refusal {
             Refusal::Unauthenticated(_) => Code::Unauthenticated,
             Refusal::Exhausted { .. } | Refusal::RateLimited { .. } => Code::ResourceExhausted,
             Refusal::AddShards(oncegate_engine::OpenError::Config(_)) => Code::InvalidArgument,
-            Refusal::AddShards(oncegate_engine::OpenError::Busy { .. }) => Code::Conflict,
+            Refusal::AddShards(
+                oncegate_engine::OpenError::Busy { .. } | oncegate_engine::OpenError::SlotStuck { .. },
+            ) => Code::Conflict,
             Refusal::AddShards(_) => Code::Unavailable,
         }
     }

@@ -187,6 +187,8 @@ impl Shard {
             Some(handed) if handed.slot == slot => handed.rows,
             _ => store.slot_rows(slot),
         };
+        // One list per slot: a slot that left twice (two undone moves) is listed once.
+        self.leaving.retain(|leaving| leaving.slot != slot);
         if !rows.is_empty() {
             self.leaving.push(Leaving { slot, rows });
         }

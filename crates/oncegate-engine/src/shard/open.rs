@@ -38,6 +38,11 @@ impl Shard {
 
     pub(super) fn try_open(&mut self) -> Result<Store, StoreError> {
         let owned = self.slots.owned(self.id);
+        // Opened as a moving slot's destination, the file keeps that slot's rows: they
+        // are copies of an earlier attempt, which the move's copy must replace.
+        if let Some(moving) = owned.moving.filter(|m| m.to == self.id) {
+            self.received.insert(moving.slot);
+        }
         let tuning = Tuning::of(&self.config, Arc::clone(&self.files), Some(owned));
         // Only the first open of the process checks the file and re-anchors the clock;
         // an in-process reopen keeps the frame, so a wall-clock step cannot age records.
