@@ -206,3 +206,15 @@ fn step(faults: &Faults) -> Result<(), OpenError> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Pauses;
+
+    #[test]
+    fn pauses_are_read_from_the_sorted_moves() {
+        assert_eq!(Pauses::of(Vec::new()), None, "no move, no figure");
+        let pauses = Pauses::of((1..=100).rev().map(f64::from).collect()).unwrap();
+        assert_eq!((pauses.p50_ms, pauses.p99_ms, pauses.max_ms), (51.0, 99.0, 100.0));
+    }
+}

@@ -433,3 +433,26 @@ fn a_stale_copy_kept_by_an_open_during_the_move_is_replaced() {
     let view = engine.get_blocking(&tenant(), key(&name, 0)).unwrap();
     assert_eq!(view.state, oncegate_core::State::Free, "the purged key stays purged: {view:?}");
 }
+
+/// A slot whose records do not fit in the destination's file fails its move alone: the
+/// destination keeps serving, the slot stays on its source, and every key answers.
+#[test]
+fn a_slot_that_does_not_fit_its_destination_stays_on_its_source() {
+    let (_dir, _clock, faults, engine) = two_shard_engine();
+    let name = key_in_slot(&engine, 0);
+    let token = granted(&engine.reserve_blocking(&tenant(), reserve(&name)).unwrap().reply);
+    // Far more than the new shards' files may hold (the limit applies to files opened
+    // from now on: the new shards').
+    engine.commit_blocking(&tenant(), commit(&name, token, &vec![7u8; 60_000])).unwrap();
+    faults.limit_pages(16);
+    let failed = engine.add_shards(4, &mut |_, _| {}).expect_err("slot 0 does not fit");
+    assert!(failed.to_string().contains("shard_file_bytes_max"), "{failed}");
+    assert_eq!(engine.shard_states()[2], oncegate_engine::ShardState::Serving, "the destination serves on");
+    assert_eq!(engine.slot_moving(), None);
+    assert_eq!(engine.shard_of(&engine.scope(&tenant(), "live", &name).unwrap()), 0);
+    let view = engine.get_blocking(&tenant(), key(&name, 0)).unwrap();
+    assert_eq!(
+        (view.state, view.token, view.response.len()),
+        (oncegate_core::State::Completed, token, 60_000)
+    );
+}

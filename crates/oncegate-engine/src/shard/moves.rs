@@ -149,6 +149,20 @@ impl Shard {
             store.sync_commits(false)?;
             Ok(written)
         })();
+        if let Err(error) = &result
+            && error.is_full()
+        {
+            // The copy does not fit in this shard's file: the move fails (its transaction
+            // rolled back), and the shard goes on serving the slots it has.
+            self.book.next_token = token_before;
+            self.book.discard_delta();
+            if let Some(store) = self.store.as_mut()
+                && let Err(error) = store.sync_commits(false)
+            {
+                self.record_failure(&error);
+            }
+            return Err(crate::book::file_full(self.id, &self.config));
+        }
         let written = self.conclude(result, Vec::new(), token_before, |_, shared| {
             shared.commits.fetch_add(1, Ordering::Relaxed);
         });
