@@ -210,20 +210,14 @@ impl Engine {
                     to: step.to,
                     reason: format!("{error}; undoing it failed too: {again}"),
                 };
-                let refusal = Error::Unavailable {
-                    shard: step.from,
-                    reason: format!(
-                        "slot {} could not finish moving; it answers again after a restart",
-                        step.slot
-                    ),
-                };
-                for reply in parked.into_replies() {
-                    let _ = reply.send(Err(refusal.clone()));
-                }
                 let mut table = inner.table_mut();
                 if let Some(moving) = table.moving.as_mut() {
                     moving.stuck = true;
                     moving.refuse_held();
+                    let refusal = moving.stuck_error();
+                    for reply in parked.into_replies() {
+                        let _ = reply.send(Err(refusal.clone()));
+                    }
                 }
                 return stuck;
             }

@@ -43,16 +43,21 @@ impl Moving {
         self.held.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// What every request of a stuck slot hears.
+    pub fn stuck_error(&self) -> Error {
+        Error::Unavailable {
+            shard: self.step.from,
+            reason: format!(
+                "slot {} could not finish moving to shard {}; it answers again after a restart",
+                self.step.slot, self.step.to
+            ),
+        }
+    }
+
     /// Holds a request of the moving slot, within the mailbox's bound.
     pub fn hold(&self, request: Request, mailbox_depth_max: usize) -> Result<(), Error> {
         if self.stuck {
-            return Err(Error::Unavailable {
-                shard: self.step.from,
-                reason: format!(
-                    "slot {} could not finish moving to shard {}; it answers again after a restart",
-                    self.step.slot, self.step.to
-                ),
-            });
+            return Err(self.stuck_error());
         }
         let mut held = self.held();
         if held.len() >= mailbox_depth_max {
@@ -68,13 +73,7 @@ impl Moving {
 
     /// Answers every held request `unavailable` (the slot is stuck).
     pub fn refuse_held(&self) {
-        let error = Error::Unavailable {
-            shard: self.step.from,
-            reason: format!(
-                "slot {} could not finish moving; it answers again after a restart",
-                self.step.slot
-            ),
-        };
+        let error = self.stuck_error();
         for request in self.held().drain(..) {
             let _ = request.reply.send(Err(error.clone()));
         }

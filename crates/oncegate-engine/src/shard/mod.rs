@@ -80,8 +80,8 @@ pub(crate) enum Control {
     RunAlarms(crossbeam_channel::Sender<()>),
     /// Close and reopen the file now (after an operator fixed a fault).
     Reopen(crossbeam_channel::Sender<bool>),
-    /// Take in a moving slot's records, counters and waiters, durably; answer how many
-    /// records came.
+    /// Take in a moving slot's records and counters, durably; answer how many records
+    /// came. (Its parked reserves follow as `Mail::Adopt` once the move is over.)
     MoveIn(Handover, crossbeam_channel::Sender<Result<u64, Error>>),
     /// Delete the rows of a slot this shard no longer owns (a bounded chunk per alarm).
     DropSlot(u32),

@@ -118,15 +118,7 @@ impl Shard {
         }
         let now = self.guard.read(self.clock.monotonic_ms());
         let Handover { slot, records, .. } = handover;
-        // Rows of the slot here can only be the copies of an earlier move of it to this
-        // shard in this process (a new process's open deleted every row of a slot the
-        // shard did not own): only then is the index searched for them.
-        let listed = self.leaving.iter().position(|leaving| leaving.slot == slot);
-        let listed = listed.map(|at| self.leaving.remove(at));
-        let stale = match (listed, self.received.insert(slot)) {
-            (None, true) => Vec::new(),
-            _ => self.store.as_ref().map(|store| store.slot_rows(slot)).unwrap_or_default(),
-        };
+        let stale = self.stale_copies(slot);
         let store = self.store.as_mut().expect("checked above");
         let book = &mut self.book;
         let mut written = 0;
@@ -170,6 +162,19 @@ impl Shard {
             return Err(self.unavailable("storage failure while taking in a moved slot"));
         };
         Ok(written)
+    }
+
+    /// The rows of `slot` already here, which a copy of it replaces. They can only be the
+    /// copies of an earlier move of it to this shard in this process (a new process's
+    /// open deleted every row of a slot the shard did not own, but for the slot moving
+    /// to it then, which counts as received): only then is the index searched for them.
+    fn stale_copies(&mut self, slot: u32) -> Vec<(u64, i64)> {
+        let listed = self.leaving.iter().position(|leaving| leaving.slot == slot);
+        let listed = listed.map(|at| self.leaving.remove(at));
+        match (listed, self.received.insert(slot)) {
+            (None, true) => Vec::new(),
+            _ => self.store.as_ref().map(|store| store.slot_rows(slot)).unwrap_or_default(),
+        }
     }
 
     /// Parks the reserves that waited on a moved slot's keys, now that this shard owns
