@@ -212,6 +212,7 @@ impl Book {
                 continue;
             }
             let command = Command::Reserve(waiter.reserve.clone());
+            self.next_token = txn.next_token(self.next_token)?;
             let decision = decide(record.as_ref(), &command, now_ms, self.next_token);
             // A waiter granted a key whose record was released stores a new record.
             if let Some(refusal) = self.quota_refusal(scope, record.as_ref(), &decision) {

@@ -18,6 +18,76 @@ pub enum Durability {
     Normal,
 }
 
+/// Which store keeps the records.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StoreKind {
+    /// One SQLite file per shard in the data directory (the default).
+    #[default]
+    Sqlite,
+    /// One table in a PostgreSQL database, shared by every node pointed at it.
+    Postgres,
+}
+
+/// Whose clock the PostgreSQL store decides by.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PgClock {
+    /// The database server's clock, read in each transaction: every node agrees (the
+    /// default, and the only sound choice for several nodes).
+    #[default]
+    Database,
+    /// The engine's injected clock (tests drive time with a manual clock this way).
+    Engine,
+}
+
+/// Where the records live (`[store]` in the server's file).
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StoreConfig {
+    /// `sqlite` (the default) or `postgres`.
+    pub kind: StoreKind,
+    /// The PostgreSQL connection string (URL or `key=value` form); `sslmode=require`
+    /// asks for TLS. Never logged with its password.
+    pub postgres_url: String,
+    /// Connections to PostgreSQL at most; each shard holds one.
+    pub postgres_pool_size: usize,
+    /// The longest a PostgreSQL statement (or a connect) may take before the shard
+    /// fails, answers `unavailable` and reconnects.
+    pub postgres_statement_timeout_ms: u64,
+    /// How often a parked reserve's key is read again while another node may hold it.
+    pub postgres_waiters_poll_ms: u64,
+    /// Whose clock decides: the database's (default) or the engine's.
+    pub postgres_clock: PgClock,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            kind: StoreKind::Sqlite,
+            postgres_url: String::new(),
+            postgres_pool_size: 16,
+            postgres_statement_timeout_ms: 10_000,
+            postgres_waiters_poll_ms: 50,
+            postgres_clock: PgClock::Database,
+        }
+    }
+}
+
+/// The password stays out of every `{:?}` (configurations are logged at start).
+impl std::fmt::Debug for StoreConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreConfig")
+            .field("kind", &self.kind)
+            .field("postgres_url", &crate::store::postgres::redact(&self.postgres_url))
+            .field("postgres_pool_size", &self.postgres_pool_size)
+            .field("postgres_statement_timeout_ms", &self.postgres_statement_timeout_ms)
+            .field("postgres_waiters_poll_ms", &self.postgres_waiters_poll_ms)
+            .field("postgres_clock", &self.postgres_clock)
+            .finish()
+    }
+}
+
 /// The shard count used when a new data directory is created and none is configured.
 pub const SHARDS_DEFAULT: u32 = 2;
 /// The most shards one data directory may have.
@@ -27,8 +97,11 @@ pub const SHARDS_MAX: u32 = 1024;
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct EngineConfig {
-    /// Where the manifest and the shard files live.
+    /// Where the manifest and the shard files live (with PostgreSQL: the node's name and
+    /// its lock).
     pub data_dir: PathBuf,
+    /// Where the records live.
+    pub store: StoreConfig,
     /// How many shards (threads and SQLite files) a new directory gets. An existing
     /// directory keeps its own count (its manifest), which only grows: online with
     /// `oncegate admin add-shards`, offline with `oncegate reshard`; asking for more than
@@ -78,6 +151,7 @@ impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
             data_dir: PathBuf::from("data"),
+            store: StoreConfig::default(),
             shards: SHARDS_DEFAULT,
             durability: Durability::Full,
             limits: Limits::default(),
@@ -186,6 +260,37 @@ impl EngineConfig {
             100_000,
             Unit::Count,
         );
+        self.check_store(&mut problems);
         problems.into_result()
+    }
+
+    fn check_store(&self, problems: &mut Problems) {
+        if self.store.kind != StoreKind::Postgres {
+            return;
+        }
+        if self.store.postgres_url.is_empty() {
+            problems.push(Problem::new(
+                "store.postgres_url",
+                "is empty; kind = \"postgres\" needs a connection string".to_owned(),
+            ));
+        } else if self.store.postgres_url.parse::<tokio_postgres::Config>().is_err() {
+            problems.push(Problem::new("store.postgres_url", "does not parse as a PostgreSQL connection string".to_owned()));
+        }
+        problems.within_because(
+            "store.postgres_pool_size",
+            self.store.postgres_pool_size as u64,
+            u64::from(self.shards),
+            10_000,
+            Unit::Count,
+            " (the shard count: each shard holds one connection)",
+        );
+        problems.within(
+            "store.postgres_statement_timeout_ms",
+            self.store.postgres_statement_timeout_ms,
+            100,
+            600_000,
+            Unit::Ms,
+        );
+        problems.within("store.postgres_waiters_poll_ms", self.store.postgres_waiters_poll_ms, 1, 60_000, Unit::Ms);
     }
 }

@@ -152,6 +152,18 @@ pub enum OpenError {
         /// Why.
         reason: String,
     },
+    /// The PostgreSQL store could not be set up (its connection string, its runtime).
+    #[error("postgres store: {reason}")]
+    Postgres {
+        /// What went wrong (never the password).
+        reason: String,
+    },
+    /// The store cannot do what was asked.
+    #[error("{what}")]
+    Unsupported {
+        /// What, and what to do instead.
+        what: &'static str,
+    },
     /// The slot map cannot be read or is damaged.
     #[error(transparent)]
     SlotMap(#[from] crate::slots::SlotMapError),

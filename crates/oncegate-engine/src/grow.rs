@@ -38,6 +38,12 @@ impl Engine {
     /// or a crash, it resumes the moves that are left (`to` may then equal the count).
     pub fn add_shards(&self, to: u32, progress: Progress<'_>) -> Result<Resharded, OpenError> {
         let inner = &self.inner;
+        if inner.postgres.is_some() {
+            return Err(OpenError::Unsupported {
+                what: "shards on PostgreSQL share one table, so there is nothing to move: restart the node with \
+                       more --shards (or add nodes)",
+            });
+        }
         // A poisoned lock only says an earlier add panicked; the table says where it was.
         let _one_at_a_time = match inner.growing.try_lock() {
             Ok(guard) => guard,

@@ -39,7 +39,7 @@ use oncegate_core::{
 use tokio::sync::oneshot;
 
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use config::{Durability, EngineConfig, SHARDS_DEFAULT, SHARDS_MAX};
+pub use config::{Durability, EngineConfig, PgClock, SHARDS_DEFAULT, SHARDS_MAX, StoreConfig, StoreKind};
 pub use error::{Error, OpenError};
 pub use faults::Faults;
 pub use shard::ShardState;
@@ -184,6 +184,8 @@ struct Inner {
     start: Start,
     faults: Faults,
     files: Arc<dyn files::Files>,
+    /// The shared PostgreSQL store, when the records live there.
+    postgres: Option<Arc<store::postgres::Postgres>>,
     /// Held while shards are added: one add-shards at a time.
     growing: Mutex<()>,
     /// Held for the engine's life: one process owns a data directory.
@@ -200,6 +202,7 @@ struct Common {
     quotas: quota::Quotas,
     files: Arc<dyn files::Files>,
     slots: Arc<slots::LiveMap>,
+    postgres: Option<Arc<store::postgres::Postgres>>,
 }
 
 /// Makes one shard's channels and starts its thread.
@@ -225,6 +228,7 @@ fn start_shard(id: u32, common: Common, started: shard::Started) -> Result<Shard
         quotas: common.quotas,
         files: common.files,
         slots: common.slots,
+        postgres: common.postgres,
     };
     let thread = spawn_shard(Shard::new(parts), id, Arc::clone(&shared), started)
         .map_err(|source| OpenError::Io { path: data_dir, source })?;
@@ -346,7 +350,21 @@ impl Engine {
     ) -> Result<Engine, OpenError> {
         config.check().map_err(OpenError::Config)?;
         let lock = manifest::lock(&*files, &config.data_dir)?;
-        let (map, shards) = manifest::open_or_create(&*files, &config.data_dir, config.shards)?;
+        let (map, shards, postgres) = match config.store.kind {
+            StoreKind::Sqlite => {
+                let (map, shards) = manifest::open_or_create(&*files, &config.data_dir, config.shards)?;
+                (map, shards, None)
+            }
+            StoreKind::Postgres => {
+                // The records are in the database; shards only spread this node's work, so
+                // any count serves every key and the map is computed, never stored.
+                let node = manifest::node_name(&*files, &config.data_dir)?;
+                let pg = store::postgres::Postgres::new(&config.store, node.clone())
+                    .map_err(|e| OpenError::Postgres { reason: e.to_string() })?;
+                tracing::info!(database = %pg.display, node = %node, shards = config.shards, "records in PostgreSQL");
+                (slots::SlotMap::even(config.shards), config.shards, Some(Arc::new(pg)))
+            }
+        };
         if shards > config.shards {
             tracing::warn!(
                 configured = config.shards,
@@ -374,6 +392,7 @@ impl Engine {
             start,
             faults,
             files,
+            postgres,
             growing: Mutex::new(()),
             _lock: lock,
         };
@@ -826,6 +845,7 @@ impl Inner {
             quotas: self.quotas.clone(),
             files: Arc::clone(&self.files),
             slots: Arc::clone(&self.live),
+            postgres: self.postgres.clone(),
         }
     }
 

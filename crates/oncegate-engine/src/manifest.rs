@@ -26,6 +26,8 @@ use crate::slots::{self, SlotMap};
 pub const MANIFEST_FILE: &str = "oncegate.manifest.toml";
 /// The lock file's name inside the data directory.
 pub const LOCK_FILE: &str = "oncegate.lock";
+/// The node's name in a shared PostgreSQL store.
+pub const NODE_FILE: &str = "oncegate.node";
 /// The only manifest format this version reads and writes.
 pub const FORMAT_VERSION: u32 = 1;
 /// The routing algorithm, named so a later version can refuse a directory routed another
@@ -74,6 +76,29 @@ pub fn read_epoch(files: &dyn Files, path: &Path) -> std::io::Result<Option<u64>
 /// Persists a shard's token epoch; returns only once it is durable.
 pub fn write_epoch(files: &dyn Files, path: &Path, epoch: u64) -> std::io::Result<()> {
     write_atomically(files, path, format!("{epoch}\n").as_bytes())
+}
+
+/// The node's name in a shared PostgreSQL store (its rows of the clock table are named
+/// after it): made once per data directory, so that a restarted node takes up its own
+/// rows again and two nodes never share one.
+pub fn node_name(files: &dyn Files, data_dir: &Path) -> Result<String, OpenError> {
+    let path = data_dir.join(NODE_FILE);
+    match files.read(&path) {
+        Ok(bytes) => {
+            let name = String::from_utf8_lossy(&bytes).trim().to_owned();
+            if !name.is_empty() {
+                return Ok(name);
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io(&path)(e)),
+    }
+    // Unique enough for a handful of nodes: the directory, the process and the instant.
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
+    let seed = format!("{}:{}:{nanos}", data_dir.display(), std::process::id());
+    let name = format!("node-{:016x}", xxhash_rust::xxh3::xxh3_64(seed.as_bytes()));
+    write_atomically(files, &path, format!("{name}\n").as_bytes()).map_err(io(&path))?;
+    Ok(name)
 }
 
 /// How many shard files (`shard-*.sqlite`) a data directory holds.

@@ -22,7 +22,8 @@ use std::sync::Arc;
 
 use crate::files::{Files, OsFiles};
 use crate::slots::{self, SlotMap};
-use crate::store::{Store, Tuning};
+use crate::store::Tuning;
+use crate::store::sqlite::Store;
 use crate::{EngineConfig, Faults, OpenError, manifest};
 
 /// What a reshard did.

@@ -31,12 +31,18 @@ impl Shard {
             batch_span.follows_from(&request.span);
         }
         let _entered = batch_span.enter();
-        let now = self.guard.read(self.clock.monotonic_ms());
+        let local_now = self.guard.read(self.clock.monotonic_ms());
         let token_before = self.book.next_token;
         let mut outbox: Outbox = Vec::with_capacity(requests.len());
-        let mut batch =
-            Batch { book: &mut self.book, config: &self.config, shard: self.id, now, outbox: &mut outbox };
+        let mut batch = Batch {
+            book: &mut self.book,
+            config: &self.config,
+            shard: self.id,
+            now: local_now,
+            outbox: &mut outbox,
+        };
         let result = batch.write(store, requests);
+        self.store_ahead_ms = batch.now as i64 - local_now as i64;
         metrics::histogram!("oncegate_shard_batch_len", "shard" => self.id.to_string()).record(len as f64);
         self.shared.batches.fetch_add(1, Ordering::Relaxed);
         self.shared.commands.fetch_add(len, Ordering::Relaxed);
@@ -55,24 +61,36 @@ impl Shard {
             }
             return;
         };
-        let now = self.guard.read(self.clock.monotonic_ms());
+        let local_now = self.guard.read(self.clock.monotonic_ms());
         let limit = self.config.reclaim_batch_max;
         let full = file_full(self.id, &self.config);
         let token_before = self.book.next_token;
         let mut outbox: Outbox = Vec::new();
         let book = &mut self.book;
         let leaving = &mut self.leaving;
+        // A shared store's waiters are all read again (another node may have changed
+        // their keys); a file's only when due.
+        let polled = store.waiters_poll_ms().is_some();
+        let estimate = local_now.saturating_add_signed(self.store_ahead_ms);
+        let keys = if polled { book.waited_keys() } else { book.due(estimate) };
+        let mut store_now = local_now;
         let result = (|| -> Result<usize, StoreError> {
-            let txn = store.begin()?;
-            for scope in &book.due(now) {
+            let txn = store.begin(&keys.iter().collect::<Vec<_>>(), local_now)?;
+            let now = txn.now();
+            store_now = now;
+            let due = if polled { keys } else { book.due(now) };
+            for scope in &due {
                 book.serve_waiters(&txn, scope, now, false, &full, &mut outbox)?;
             }
             let removed = txn.reclaim(now, limit)?;
             book.records_delta.remove(&removed);
-            super::moves::drop_leaving(&txn, leaving, limit, book)?;
+            if let Ok(file) = txn.sqlite() {
+                super::moves::drop_leaving(file, leaving, limit, book)?;
+            }
             txn.commit(Meta { next_token: book.next_token, high_water_ms: now })?;
             Ok((removed.pending + removed.completed) as usize)
         })();
+        self.store_ahead_ms = store_now as i64 - local_now as i64;
         let reclaimed = self.conclude(result, outbox, token_before, |reclaimed, shared| {
             shared.reclaimed.fetch_add(*reclaimed as u64, Ordering::Relaxed);
             shared.alarms.fetch_add(1, Ordering::Relaxed);
@@ -105,14 +123,16 @@ impl Shard {
             }
         }
         if let Some(store) = self.store.as_mut() {
-            let now = self.guard.read(self.clock.monotonic_ms());
+            let local_now = self.guard.read(self.clock.monotonic_ms());
             let full = file_full(self.id, &self.config);
             let token_before = self.book.next_token;
             let mut outbox: Outbox = Vec::new();
             let book = &mut self.book;
             let result = (|| -> Result<(), StoreError> {
-                let txn = store.begin()?;
-                for scope in &book.waited_keys() {
+                let keys = book.waited_keys();
+                let txn = store.begin(&keys.iter().collect::<Vec<_>>(), local_now)?;
+                let now = txn.now();
+                for scope in &keys {
                     book.serve_waiters(&txn, scope, now, true, &full, &mut outbox)?;
                 }
                 // A clean stop records its time: the restart grace measures from it.
@@ -190,7 +210,10 @@ impl Batch<'_> {
     /// and syncs nothing. Returns whether it wrote.
     fn write(&mut self, store: &mut Store, requests: Vec<Request>) -> Result<bool, StoreError> {
         let writes = requests.iter().any(|r| !r.command.is_read_only());
-        let txn = if writes { store.begin()? } else { store.begin_read()? };
+        let keys: Vec<&Scope> = requests.iter().map(|r| &r.scope).collect();
+        let txn = if writes { store.begin(&keys, self.now)? } else { store.begin_read(&keys, self.now)? };
+        drop(keys);
+        self.now = txn.now();
         let mut touched: Vec<Scope> = Vec::new();
         let mut requests = requests.into_iter();
         for request in requests.by_ref() {
@@ -235,6 +258,9 @@ impl Batch<'_> {
         }
         let book = &mut *self.book;
         let step = txn.get(&scope).and_then(|record| {
+            if matches!(command, Command::Reserve(_)) {
+                book.next_token = txn.next_token(book.next_token)?;
+            }
             let decision = decide(record.as_ref(), &command, self.now, book.next_token);
             if let Some(refusal) = book.quota_refusal(&scope, record.as_ref(), &decision) {
                 return Ok(Err(refusal));

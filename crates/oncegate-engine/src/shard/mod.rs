@@ -106,6 +106,8 @@ pub(crate) struct Parts {
     pub files: Arc<dyn Files>,
     /// Which shard owns each slot, as slots move.
     pub slots: Arc<crate::slots::LiveMap>,
+    /// The shared PostgreSQL store, when the records live there instead of in files.
+    pub postgres: Option<Arc<crate::store::postgres::Postgres>>,
 }
 
 /// Sent once per shard when its first open attempt is over.
@@ -134,6 +136,7 @@ pub(crate) struct Shard {
     book: Book,
     files: Arc<dyn Files>,
     slots: Arc<crate::slots::LiveMap>,
+    postgres: Option<Arc<crate::store::postgres::Postgres>>,
     /// Rows of slots that moved away; alarms delete them in chunks.
     leaving: Vec<moves::Leaving>,
     /// The rows of the slot this shard last handed over, until the move ends.
@@ -142,6 +145,9 @@ pub(crate) struct Shard {
     received: std::collections::HashSet<u32>,
     backoff_ms: u64,
     reopen_at: Option<Instant>,
+    /// How far the store's time was ahead of the shard's frame at its last transaction
+    /// (a PostgreSQL database's clock; 0 for a file), for scheduling alarms in its time.
+    store_ahead_ms: i64,
 }
 
 impl Shard {
@@ -160,6 +166,7 @@ impl Shard {
             quotas,
             files,
             slots,
+            postgres,
         } = parts;
         Shard {
             id,
@@ -182,10 +189,12 @@ impl Shard {
             book: Book::new(id, quotas),
             files,
             slots,
+            postgres,
             leaving: Vec::new(),
             handed: None,
             received: std::collections::HashSet::new(),
             reopen_at: None,
+            store_ahead_ms: 0,
         }
     }
 
@@ -295,15 +304,18 @@ impl Shard {
 
     /// When the loop must wake up even if no request arrives.
     fn next_alarm(&self) -> Option<Instant> {
-        if self.store.is_none() {
+        let Some(store) = self.store.as_ref() else {
             return self.reopen_at;
-        }
-        let deadline_ms = match (self.book.next_reclaim_ms, self.book.waiters_alarm_ms()) {
-            (Some(a), Some(b)) => a.min(b),
-            (a, b) => a.or(b)?,
         };
         let mut guard = self.guard;
-        let now_ms = guard.read(self.clock.monotonic_ms());
+        let now_ms = guard.read(self.clock.monotonic_ms()).saturating_add_signed(self.store_ahead_ms);
+        // A shared store's waiters are read again at its poll interval: another node may
+        // have committed or released their key.
+        let poll_ms = store.waiters_poll_ms().filter(|_| self.book.waiters_len > 0).map(|p| now_ms + p);
+        let deadline_ms = [self.book.next_reclaim_ms, self.book.waiters_alarm_ms(), poll_ms]
+            .into_iter()
+            .flatten()
+            .min()?;
         Some(Instant::now() + Duration::from_millis(deadline_ms.saturating_sub(now_ms)))
     }
 

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use oncegate_core::ClockGuard;
 
 use super::{Shard, ShardState};
-use crate::store::{Meta, Store, StoreError, Tuning, Txn};
+use crate::store::{Meta, Store, StoreError, Tuning, postgres, sqlite};
 use crate::{manifest, token};
 
 impl Shard {
@@ -37,6 +37,40 @@ impl Shard {
     }
 
     pub(super) fn try_open(&mut self) -> Result<Store, StoreError> {
+        match self.postgres.clone() {
+            Some(pg) => self.open_postgres(&pg),
+            None => self.open_sqlite(),
+        }
+    }
+
+    /// Connects to the shared table. Time and tokens come from the database in each
+    /// transaction; the shard's own frame (anchored like a file's, at the greatest mark
+    /// any node persisted) only schedules its alarms, and decides when the engine's clock
+    /// is configured to. No restart grace: other nodes go on serving the keys while this
+    /// one is down, so its downtime is not a pause of anyone's lease.
+    fn open_postgres(&mut self, pg: &std::sync::Arc<postgres::Postgres>) -> Result<Store, StoreError> {
+        let owned = self.slots.owned(self.id);
+        let process_start = !self.opened;
+        let (mut store, meta) = postgres::Store::open(
+            pg,
+            self.id,
+            &owned,
+            &self.faults,
+            process_start,
+            self.config.reclaim_granularity_ms,
+        )?;
+        if process_start {
+            self.anchor(meta.high_water_ms);
+        } else {
+            self.keep_frame(meta);
+        }
+        self.book.next_reclaim_ms = store.next_reclaim_ms();
+        self.book.reset_records(store.take_count());
+        self.book.settle(&self.shared);
+        Ok(Store::Postgres(store))
+    }
+
+    fn open_sqlite(&mut self) -> Result<Store, StoreError> {
         let owned = self.slots.owned(self.id);
         // Opened as a moving slot's destination, the file keeps that slot's rows: they
         // are copies of an earlier attempt, which the move's copy must replace.
@@ -47,7 +81,7 @@ impl Shard {
         // Only the first open of the process checks the file and re-anchors the clock;
         // an in-process reopen keeps the frame, so a wall-clock step cannot age records.
         let process_start = !self.opened;
-        let (mut store, meta, created) = Store::open(&self.path, &tuning, &self.faults, process_start)?;
+        let (mut store, meta, created) = sqlite::Store::open(&self.path, &tuning, &self.faults, process_start)?;
         let stored_epoch =
             manifest::read_epoch(&*self.files, &self.epoch_path).map_err(|e| self.epoch_error(e))?;
         let epoch = token::epoch_at_open(stored_epoch, meta.next_token, created);
@@ -60,7 +94,7 @@ impl Shard {
         // Durable before the first grant of this open, so no later open can reuse it.
         self.write_epoch(epoch)?;
         let now = if process_start { self.anchor(meta.high_water_ms) } else { self.keep_frame(meta) };
-        let txn = store.begin()?;
+        let txn = store.begin(now)?;
         if process_start {
             self.restart_grace(&txn, meta.high_water_ms, now)?;
         }
@@ -76,7 +110,7 @@ impl Shard {
         self.book.next_reclaim_ms = store.next_reclaim_ms();
         self.book.reset_records(store.take_count());
         self.book.settle(&self.shared);
-        Ok(store)
+        Ok(Store::Sqlite(store))
     }
 
     /// The process's first open: anchors the frame at the engine's start, lifted to the
@@ -111,7 +145,7 @@ impl Shard {
     /// the downtime.
     pub(super) fn restart_grace(
         &self,
-        txn: &Txn<'_>,
+        txn: &sqlite::Txn<'_>,
         high_water_ms: u64,
         now: u64,
     ) -> Result<(), StoreError> {
@@ -141,7 +175,8 @@ impl Shard {
     /// A failure to write it fails the shard like any I/O error.
     pub(super) fn ensure_token_room(&mut self) {
         let room = (self.config.batch_len_max + self.config.waiters_per_shard_max + 1) as u64;
-        if self.store.is_none() || !token::needs_new_epoch(self.book.next_token, room) {
+        let on_file = self.store.as_ref().is_some_and(Store::is_sqlite);
+        if !on_file || !token::needs_new_epoch(self.book.next_token, room) {
             return;
         }
         let epoch = self.epoch + 1;

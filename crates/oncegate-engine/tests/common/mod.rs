@@ -1,13 +1,19 @@
 //! Helpers shared by the engine's integration tests.
 #![allow(dead_code)]
 
+pub mod pg;
+
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::future::Future;
 use std::path::Path;
 use std::sync::Arc;
 
 use oncegate_core::{Outcome, ReserveReply, State, Tenant};
-use oncegate_engine::{CommitRequest, Engine, EngineConfig, Faults, KeyRequest, ManualClock, ReserveRequest};
+use oncegate_engine::{
+    CommitRequest, Engine, EngineConfig, Faults, KeyRequest, ManualClock, PgClock, ReserveRequest, StoreConfig,
+    StoreKind,
+};
 
 /// A fixed start time, so that test failures print readable numbers.
 pub const T0: u64 = 1_700_000_000_000;
@@ -16,9 +22,67 @@ pub fn tenant() -> Tenant {
     Tenant::default_tenant()
 }
 
+/// The store the running test uses (see [`on_both!`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+thread_local! {
+    static BACKEND: Cell<Backend> = const { Cell::new(Backend::Sqlite) };
+}
+
+/// Runs `test` with [`config`] giving engines on `backend`; a PostgreSQL run where
+/// PostgreSQL is not installed is skipped (or fails, under `ONCEGATE_REQUIRE_POSTGRES=1`).
+pub fn with_backend(backend: Backend, test: impl FnOnce()) {
+    if backend == Backend::Postgres && pg::shared().is_none() {
+        return;
+    }
+    BACKEND.with(|b| b.set(backend));
+    test();
+}
+
+/// The store config of the running test's backend for a data directory: a database of
+/// its own on the shared cluster, deciding by the engine's (manual) clock.
+pub fn store_for(dir: &Path) -> StoreConfig {
+    match BACKEND.with(Cell::get) {
+        Backend::Sqlite => StoreConfig::default(),
+        Backend::Postgres => StoreConfig {
+            kind: StoreKind::Postgres,
+            postgres_url: pg::database_for(dir).expect("the cluster was started by with_backend"),
+            postgres_clock: PgClock::Engine,
+            ..StoreConfig::default()
+        },
+    }
+}
+
+/// Generates, for each test function, a module with two tests: `sqlite` and `postgres`,
+/// each running the same body against that store.
+#[macro_export]
+macro_rules! on_both {
+    ($($(#[doc = $doc:expr])* fn $name:ident() $body:block)*) => {$(
+        $(#[doc = $doc])*
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+            fn body() $body
+            #[test]
+            fn sqlite() {
+                $crate::common::with_backend($crate::common::Backend::Sqlite, body)
+            }
+            #[test]
+            fn postgres() {
+                $crate::common::with_backend($crate::common::Backend::Postgres, body)
+            }
+        }
+    )*};
+}
+
 pub fn config(dir: &Path) -> EngineConfig {
     EngineConfig {
         data_dir: dir.to_owned(),
+        store: store_for(dir),
         // Long backoff: tests reopen shards explicitly unless they test the backoff.
         reopen_backoff_ms_min: 60_000,
         reopen_backoff_ms_max: 60_000,

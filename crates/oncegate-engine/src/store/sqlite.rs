@@ -10,10 +10,11 @@ use std::path::Path;
 use std::sync::Arc;
 
 use oncegate_core::{
-    Completion, Event, Fingerprint, Key, Namespace, Outcome, Record, Scope, Tenant, Transition, route,
+    Completion, Fingerprint, Outcome, Record, Scope, route,
 };
 use rusqlite::{Connection, OpenFlags, OptionalExtension, Transaction, TransactionBehavior, params};
 
+use super::{Meta, StoreError, decode_history, encode_history, stored_scope, stored_tenant};
 use crate::files::Files;
 use crate::index::{Index, Undo};
 use crate::quota::Tally;
@@ -116,61 +117,7 @@ const SELECT_LEASED: &str = concat!(
     " FROM records WHERE outcome IS NULL AND lease_until_ms > ?1"
 );
 
-/// What can go wrong in the store.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum StoreError {
-    /// SQLite refused or failed.
-    #[error("sqlite: {0}")]
-    Sqlite(#[from] rusqlite::Error),
-    /// The file is not what a shard file must be.
-    #[error("integrity check failed: {0}")]
-    Corrupt(String),
-    /// The file was written by a newer version.
-    #[error("schema version {found} is unknown; this version reads {SCHEMA_VERSION}")]
-    Schema {
-        /// The version found.
-        found: i64,
-    },
-    /// A fault the tests injected.
-    #[error("injected fault: {0}")]
-    Injected(&'static str),
-    /// A file operation failed.
-    #[error("{path}: {source}")]
-    Io {
-        /// The file.
-        path: std::path::PathBuf,
-        /// What the operating system said.
-        source: std::io::Error,
-    },
-}
-
-impl StoreError {
-    /// Whether the error is SQLite's `SQLITE_FULL`: the file reached
-    /// `shard_file_bytes_max` (SQLite's `max_page_count`) or the disk is full.
-    pub fn is_full(&self) -> bool {
-        matches!(self, StoreError::Sqlite(e) if e.sqlite_error_code() == Some(rusqlite::ErrorCode::DiskFull))
-    }
-}
-
-/// The persisted counters of a shard.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Meta {
-    /// The token the next grant gets.
-    pub next_token: u64,
-    /// The greatest `now` the shard ever used.
-    pub high_water_ms: u64,
-}
-
 impl Meta {
-    /// Counters covering both.
-    pub fn max(self, other: Meta) -> Meta {
-        Meta {
-            next_token: self.next_token.max(other.next_token),
-            high_water_ms: self.high_water_ms.max(other.high_water_ms),
-        }
-    }
-
     /// Raises the counters over a stored row: its token, and the time of its last
     /// history entry (read with `last_event_at!()`: 8 bytes, or nothing).
     fn cover(&mut self, token: i64, last_event_at: Option<Vec<u8>>) {
@@ -266,11 +213,6 @@ fn to_sql(value: u64) -> i64 {
     value.min(i64::MAX as u64) as i64
 }
 
-/// A tenant name read back from the store; one that does not parse is corruption.
-fn stored_tenant(name: String) -> Result<Tenant, StoreError> {
-    Tenant::new(&name).map_err(|e| StoreError::Corrupt(e.to_string()))
-}
-
 fn from_sql(value: i64) -> u64 {
     value.max(0) as u64
 }
@@ -313,7 +255,7 @@ fn upgrade(conn: &mut Connection, version: i64) -> Result<(), StoreError> {
         return Ok(());
     }
     if !(0..SCHEMA_VERSION).contains(&version) {
-        return Err(StoreError::Schema { found: version });
+        return Err(StoreError::Schema { found: version, supported: SCHEMA_VERSION });
     }
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
     match version {
@@ -428,13 +370,13 @@ impl Store {
 
     /// Starts the batch's write transaction, with every write keeping a statement
     /// journal when the batch could reach the file's size limit.
-    pub fn begin(&mut self) -> Result<Txn<'_>, StoreError> {
+    pub fn begin(&mut self, now_ms: u64) -> Result<Txn<'_>, StoreError> {
         let near_full = self.pages_left()? < self.batch_pages_max;
         if near_full != self.journaled {
             self.conn.execute_batch(if near_full { STATEMENT_JOURNAL_ON } else { STATEMENT_JOURNAL_OFF })?;
             self.journaled = near_full;
         }
-        self.start(TransactionBehavior::Immediate)
+        self.start(TransactionBehavior::Immediate, now_ms)
     }
 
     /// Pages the file may still take: those below its limit and those on its free list.
@@ -446,14 +388,15 @@ impl Store {
 
     /// Starts a read transaction for a batch of reads: one consistent snapshot, no write
     /// lock, nothing to sync. End it with [`Txn::finish_read`].
-    pub fn begin_read(&mut self) -> Result<Txn<'_>, StoreError> {
-        self.start(TransactionBehavior::Deferred)
+    pub fn begin_read(&mut self, now_ms: u64) -> Result<Txn<'_>, StoreError> {
+        self.start(TransactionBehavior::Deferred, now_ms)
     }
 
-    fn start(&mut self, behavior: TransactionBehavior) -> Result<Txn<'_>, StoreError> {
+    fn start(&mut self, behavior: TransactionBehavior, now_ms: u64) -> Result<Txn<'_>, StoreError> {
         let tx = self.conn.transaction_with_behavior(behavior)?;
         Ok(Txn {
             tx: Some(tx),
+            now_ms,
             faults: &self.faults,
             index: RefCell::new(&mut self.index),
             schedule: RefCell::new(&mut self.schedule),
@@ -483,6 +426,8 @@ impl Store {
 pub(crate) struct Txn<'s> {
     /// `None` once committed.
     tx: Option<Transaction<'s>>,
+    /// The shard's time for this transaction (its clock guard's reading).
+    now_ms: u64,
     faults: &'s Faults,
     index: RefCell<&'s mut Index>,
     schedule: RefCell<&'s mut Schedule>,
@@ -683,15 +628,6 @@ fn hash_from_sql(value: i64) -> u64 {
     value as u64
 }
 
-/// A scope read back from the store; one that does not parse is corruption.
-fn stored_scope(tenant: String, namespace: String, key: String) -> Result<Scope, StoreError> {
-    Ok(Scope {
-        tenant: stored_tenant(tenant)?,
-        namespace: Namespace::new(&namespace).map_err(|e| StoreError::Corrupt(e.to_string()))?,
-        key: Key::from_stored(key),
-    })
-}
-
 fn read_record(row: &rusqlite::Row<'_>, offset: usize) -> rusqlite::Result<Record> {
     let outcome: Option<i64> = row.get(offset + 6)?;
     let completion = match outcome {
@@ -717,34 +653,12 @@ fn read_record(row: &rusqlite::Row<'_>, offset: usize) -> rusqlite::Result<Recor
     })
 }
 
-/// Bytes per history entry: the transition (1), `at_ms` (8, little-endian), the token (8).
-const EVENT_BYTES: usize = 17;
-
-fn encode_history(history: &[Event]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(history.len() * EVENT_BYTES);
-    for event in history {
-        out.push(event.transition.as_u8());
-        out.extend_from_slice(&event.at_ms.to_le_bytes());
-        out.extend_from_slice(&event.token.to_le_bytes());
-    }
-    out
-}
-
-/// Unknown transitions (from a newer version) are skipped rather than failing the read:
-/// the history is for operators, the record itself is what decisions use.
-fn decode_history(bytes: &[u8]) -> Vec<Event> {
-    bytes
-        .chunks_exact(EVENT_BYTES)
-        .filter_map(|chunk| {
-            let transition = Transition::from_u8(chunk[0])?;
-            let at_ms = u64::from_le_bytes(chunk[1..9].try_into().ok()?);
-            let token = u64::from_le_bytes(chunk[9..17].try_into().ok()?);
-            Some(Event { transition, at_ms, token })
-        })
-        .collect()
-}
-
 impl Txn<'_> {
+    /// The time the transaction's decisions use: the shard's own, from its clock guard.
+    pub fn now(&self) -> u64 {
+        self.now_ms
+    }
+
     fn failpoint(&self) -> Result<(), StoreError> {
         if self.faults.op_should_fail() {
             return Err(StoreError::Injected("store operation"));
@@ -1082,6 +996,7 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use oncegate_core::{Key, Namespace, Tenant, Transition};
 
     fn tuning() -> Tuning {
         Tuning {
@@ -1130,7 +1045,7 @@ mod tests {
         let meta = |store_meta: Meta| (store_meta.next_token, store_meta.high_water_ms);
         let (mut store, opened, _) = Store::open(&path, &tuning(), &faults, true).unwrap();
         assert_eq!(meta(opened), (1, 0));
-        let txn = store.begin().unwrap();
+        let txn = store.begin(0).unwrap();
         txn.put(&scope("a"), &granted(7, 500)).unwrap();
         txn.put(&scope("b"), &granted(9, 700)).unwrap();
         txn.commit(Meta { next_token: 10, high_water_ms: 700 }).unwrap();
@@ -1138,7 +1053,7 @@ mod tests {
 
         let (mut store, opened, _) = Store::open(&path, &tuning(), &faults, false).unwrap();
         assert_eq!(meta(opened), (10, 700), "from the rows: meta was never written");
-        let txn = store.begin().unwrap();
+        let txn = store.begin(0).unwrap();
         txn.delete(&scope("b")).unwrap();
         txn.commit(Meta { next_token: 12, high_water_ms: 800 }).unwrap();
         drop(store);
@@ -1156,19 +1071,19 @@ mod tests {
         let faults = Faults::default();
         let (mut store, _, _) =
             Store::open(&dir.path().join("shard.sqlite"), &tuning(), &faults, true).unwrap();
-        let txn = store.begin().unwrap();
+        let txn = store.begin(0).unwrap();
         txn.put(&scope("leaving"), &granted(7, 500)).unwrap();
         txn.commit(Meta { next_token: 8, high_water_ms: 500 }).unwrap();
         let slot = route::slot_of(&scope("leaving"));
         let listed = store.slot_rows(slot);
         assert_eq!(listed.len(), 1);
         // Reclaimed (here deleted) before the drop, and its id reused by another key.
-        let txn = store.begin().unwrap();
+        let txn = store.begin(0).unwrap();
         txn.delete(&scope("leaving")).unwrap();
         txn.put(&scope("staying"), &granted(8, 600)).unwrap();
         txn.commit(Meta { next_token: 9, high_water_ms: 600 }).unwrap();
         assert_eq!(store.slot_rows(route::slot_of(&scope("staying")))[0].1, listed[0].1, "the id was reused");
-        let txn = store.begin().unwrap();
+        let txn = store.begin(0).unwrap();
         let removed = txn.delete_rows(&listed).unwrap();
         assert_eq!(removed.pending + removed.completed, 0);
         assert!(txn.get(&scope("staying")).unwrap().is_some(), "the other key's row is kept");

@@ -1,0 +1,300 @@
+//! The boundary between the shard actor and what keeps its records durable.
+//!
+//! The actor (`shard/`) decides every request with the core's `decide`, keeps its waiters
+//! and alarms, and answers only after a commit; what it talks to is a [`Store`] and, per
+//! batch, a [`Txn`]. Two stores stand behind them:
+//!
+//! - [`sqlite`]: the shard's own file, which the actor alone opens (the default). The
+//!   actor's thread is the only writer, so its in-memory index and counters are the truth.
+//! - [`postgres`]: one table shared by every shard of every oncegate node pointed at the
+//!   database. Nothing in memory is the truth there: a transaction locks the keys it
+//!   decides, reads their rows, takes its time from the database's clock and its tokens
+//!   from a database sequence (`postgres.rs` says why each is safe across nodes).
+//!
+//! The two differ in what the transaction needs up front (PostgreSQL locks the batch's
+//! keys when it begins and reads the time after the locks), which is why [`Store::begin`]
+//! takes the keys and the shard's own reading of time, and [`Txn::now`] answers the time
+//! the decisions use. Everything else is the same calls on either side.
+
+pub(crate) mod postgres;
+pub(crate) mod sqlite;
+
+use oncegate_core::{Event, Key, Namespace, Record, Scope, Tenant, Transition};
+
+pub(crate) use sqlite::{Tuning, configure};
+
+use crate::quota::Tally;
+
+
+/// What can go wrong in the store.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// SQLite refused or failed.
+    #[error("sqlite: {0}")]
+    Sqlite(#[from] rusqlite::Error),
+    /// PostgreSQL refused or failed, or could not be reached.
+    #[error("postgres: {0}")]
+    Postgres(String),
+    /// The file or table is not what a shard's store must be.
+    #[error("integrity check failed: {0}")]
+    Corrupt(String),
+    /// The store was written by a newer version.
+    #[error("schema version {found} is unknown; this version reads {supported}")]
+    Schema {
+        /// The version found.
+        found: i64,
+        /// The version this binary reads and writes.
+        supported: i64,
+    },
+    /// A fault the tests injected.
+    #[error("injected fault: {0}")]
+    Injected(&'static str),
+    /// A file operation failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What the operating system said.
+        source: std::io::Error,
+    },
+    /// The store cannot do this (slot moves between PostgreSQL shards: they share one
+    /// table, so there is nothing to move).
+    #[error("the {store} store does not support {what}")]
+    Unsupported {
+        /// `postgres` or `sqlite`.
+        store: &'static str,
+        /// What was asked.
+        what: &'static str,
+    },
+}
+
+impl StoreError {
+    /// Whether the error is SQLite's `SQLITE_FULL`: the file reached
+    /// `shard_file_bytes_max` (SQLite's `max_page_count`) or the disk is full.
+    pub fn is_full(&self) -> bool {
+        matches!(self, StoreError::Sqlite(e) if e.sqlite_error_code() == Some(rusqlite::ErrorCode::DiskFull))
+    }
+}
+
+/// The persisted counters of a shard.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Meta {
+    /// The token the next grant gets.
+    pub next_token: u64,
+    /// The greatest `now` the shard ever used.
+    pub high_water_ms: u64,
+}
+
+impl Meta {
+    /// Counters covering both.
+    pub fn max(self, other: Meta) -> Meta {
+        Meta {
+            next_token: self.next_token.max(other.next_token),
+            high_water_ms: self.high_water_ms.max(other.high_water_ms),
+        }
+    }
+}
+
+/// An open store: the shard's SQLite file or its connection to PostgreSQL.
+pub(crate) enum Store {
+    Sqlite(sqlite::Store),
+    Postgres(postgres::Store),
+}
+
+/// One transaction of a batch, an alarm or a move. Dropping it without [`Txn::commit`]
+/// rolls it back.
+pub(crate) enum Txn<'s> {
+    Sqlite(sqlite::Txn<'s>),
+    Postgres(postgres::Txn<'s>),
+}
+
+/// Calls the same method on whichever store is behind `$self`.
+macro_rules! dispatch {
+    ($self:expr, $kind:ident, $s:ident => $body:expr) => {
+        match $self {
+            $kind::Sqlite($s) => $body,
+            $kind::Postgres($s) => $body,
+        }
+    };
+}
+
+impl Store {
+    /// Starts a write transaction for a batch deciding `keys`, at the shard's own reading
+    /// of time `local_now_ms` (the time itself is [`Txn::now`]).
+    pub fn begin(&mut self, keys: &[&Scope], local_now_ms: u64) -> Result<Txn<'_>, StoreError> {
+        match self {
+            Store::Sqlite(store) => store.begin(local_now_ms).map(Txn::Sqlite),
+            Store::Postgres(store) => store.begin(keys, local_now_ms, true).map(Txn::Postgres),
+        }
+    }
+
+    /// Starts a read-only transaction (no lock, no write, nothing to sync).
+    pub fn begin_read(&mut self, keys: &[&Scope], local_now_ms: u64) -> Result<Txn<'_>, StoreError> {
+        match self {
+            Store::Sqlite(store) => store.begin_read(local_now_ms).map(Txn::Sqlite),
+            Store::Postgres(store) => store.begin(keys, local_now_ms, false).map(Txn::Postgres),
+        }
+    }
+
+    /// When the store next has records to reclaim, as far as it knows.
+    pub fn next_reclaim_ms(&self) -> Option<u64> {
+        dispatch!(self, Store, s => s.next_reclaim_ms())
+    }
+
+    /// How often parked reserves must be decided again without a local change to their
+    /// key: never for a store only this shard writes; for a shared one, at this interval
+    /// (another node may commit or release the key).
+    pub fn waiters_poll_ms(&self) -> Option<u64> {
+        match self {
+            Store::Sqlite(_) => None,
+            Store::Postgres(store) => Some(store.waiters_poll_ms()),
+        }
+    }
+
+    /// Whether this is the shard's own SQLite file (token epochs, restart grace and slot
+    /// moves belong to it).
+    pub fn is_sqlite(&self) -> bool {
+        matches!(self, Store::Sqlite(_))
+    }
+
+    /// The (hash, row id) of every row of `slot` in the shard's file (none in a shared
+    /// table, whose rows no slot move touches).
+    pub fn slot_rows(&self, slot: u32) -> Vec<(u64, i64)> {
+        match self {
+            Store::Sqlite(store) => store.slot_rows(slot),
+            Store::Postgres(_) => Vec::new(),
+        }
+    }
+
+    /// The SQLite file, for what only it does (slot moves).
+    pub fn sqlite(&mut self) -> Result<&mut sqlite::Store, StoreError> {
+        match self {
+            Store::Sqlite(store) => Ok(store),
+            Store::Postgres(_) => Err(StoreError::Unsupported { store: "postgres", what: "slot moves" }),
+        }
+    }
+}
+
+impl<'s> Txn<'s> {
+    /// The time every decision of this transaction uses.
+    pub fn now(&self) -> u64 {
+        dispatch!(self, Txn, t => t.now())
+    }
+
+    /// The token the next grant gets, given the shard's counter (which the shard raises
+    /// past each token a decision took). The SQLite file's counter is the shard's own;
+    /// PostgreSQL hands out tokens drawn from its sequence after the keys were locked.
+    pub fn next_token(&self, counter: u64) -> Result<u64, StoreError> {
+        match self {
+            Txn::Sqlite(_) => Ok(counter),
+            Txn::Postgres(txn) => txn.next_token(counter),
+        }
+    }
+
+    /// The stored record of a key, expired or not.
+    pub fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError> {
+        dispatch!(self, Txn, t => t.get(scope))
+    }
+
+    /// Inserts or replaces a key's record; returns the instant from which reclaim may
+    /// take it.
+    pub fn put(&self, scope: &Scope, record: &Record) -> Result<u64, StoreError> {
+        dispatch!(self, Txn, t => t.put(scope, record))
+    }
+
+    /// Deletes a key's record.
+    pub fn delete(&self, scope: &Scope) -> Result<(), StoreError> {
+        dispatch!(self, Txn, t => t.delete(scope))
+    }
+
+    /// Deletes at most `limit` records reclaimable at `now_ms`; returns what was deleted.
+    pub fn reclaim(&self, now_ms: u64, limit: usize) -> Result<Tally, StoreError> {
+        dispatch!(self, Txn, t => t.reclaim(now_ms, limit))
+    }
+
+    /// Writes the counters (SQLite's `meta`; PostgreSQL keeps none of its own).
+    pub fn set_meta(&self, meta: Meta) -> Result<(), StoreError> {
+        match self {
+            Txn::Sqlite(txn) => txn.set_meta(meta),
+            Txn::Postgres(_) => Ok(()),
+        }
+    }
+
+    /// Whether `error` undid only the statement that raised it (a full SQLite file), so
+    /// that its request alone is refused and the batch goes on.
+    pub fn failed_alone(&self, error: &StoreError) -> bool {
+        match self {
+            Txn::Sqlite(txn) => txn.failed_alone(error),
+            Txn::Postgres(_) => false,
+        }
+    }
+
+    /// Whether the ack-before-commit bug is switched on (the power-loss harness's proof).
+    pub fn acks_early(&self) -> bool {
+        match self {
+            Txn::Sqlite(txn) => txn.acks_early(),
+            Txn::Postgres(_) => false,
+        }
+    }
+
+    /// Ends a read transaction.
+    pub fn finish_read(self) {
+        dispatch!(self, Txn, t => t.finish_read())
+    }
+
+    /// Makes the transaction durable; returns only once the store says it is.
+    pub fn commit(self, meta: Meta) -> Result<(), StoreError> {
+        dispatch!(self, Txn, t => t.commit(meta))
+    }
+
+    /// The SQLite transaction, for what only it does (restart grace, slot moves).
+    pub fn sqlite(&self) -> Result<&sqlite::Txn<'s>, StoreError> {
+        match self {
+            Txn::Sqlite(txn) => Ok(txn),
+            Txn::Postgres(_) => Err(StoreError::Unsupported { store: "postgres", what: "slot moves" }),
+        }
+    }
+}
+
+/// A tenant name read back from the store; one that does not parse is corruption.
+pub(crate) fn stored_tenant(name: String) -> Result<Tenant, StoreError> {
+    Tenant::new(&name).map_err(|e| StoreError::Corrupt(e.to_string()))
+}
+
+/// A scope read back from the store; one that does not parse is corruption.
+pub(crate) fn stored_scope(tenant: String, namespace: String, key: String) -> Result<Scope, StoreError> {
+    Ok(Scope {
+        tenant: stored_tenant(tenant)?,
+        namespace: Namespace::new(&namespace).map_err(|e| StoreError::Corrupt(e.to_string()))?,
+        key: Key::from_stored(key),
+    })
+}
+
+/// Bytes per history entry: the transition (1), `at_ms` (8, little-endian), the token (8).
+const EVENT_BYTES: usize = 17;
+
+/// A record's history as both stores keep it.
+pub(crate) fn encode_history(history: &[Event]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(history.len() * EVENT_BYTES);
+    for event in history {
+        out.push(event.transition.as_u8());
+        out.extend_from_slice(&event.at_ms.to_le_bytes());
+        out.extend_from_slice(&event.token.to_le_bytes());
+    }
+    out
+}
+
+/// Unknown transitions (from a newer version) are skipped rather than failing the read:
+/// the history is for operators, the record itself is what decisions use.
+pub(crate) fn decode_history(bytes: &[u8]) -> Vec<Event> {
+    bytes
+        .chunks_exact(EVENT_BYTES)
+        .filter_map(|chunk| {
+            let transition = Transition::from_u8(chunk[0])?;
+            let at_ms = u64::from_le_bytes(chunk[1..9].try_into().ok()?);
+            let token = u64::from_le_bytes(chunk[9..17].try_into().ok()?);
+            Some(Event { transition, at_ms, token })
+        })
+        .collect()
+}

@@ -1,0 +1,796 @@
+//! The PostgreSQL store: one table shared by every shard of every oncegate node pointed at
+//! the database, so that nodes scale out on a database the operator already replicates.
+//!
+//! Nothing a node keeps in memory is the truth here; each transaction makes its own:
+//!
+//! - **Locks.** A write transaction first takes a transaction-scoped advisory lock on the
+//!   routing hash of every key it decides, in ascending order in one statement, then reads
+//!   those keys' rows `FOR UPDATE`. Two batches that share a key run one after the other,
+//!   and since every batch takes all its locks in one sorted statement before anything
+//!   else, no two batches wait on each other in a cycle. A key without a row is locked
+//!   too (the advisory lock does not need the row), so two nodes inserting the same key
+//!   cannot both decide it is free. Reclaim takes rows `FOR UPDATE SKIP LOCKED`: it never
+//!   waits and never deletes a row a batch is deciding.
+//! - **Time.** Read after the locks, in the transaction: the database server's clock
+//!   (`clock_timestamp()`), never below the greatest high-water mark any shard of any node
+//!   has persisted (table `oncegate_clock`, one row per node and shard, written by every
+//!   write transaction). A key's decisions therefore see a time that never goes back, and
+//!   nodes with skewed clocks agree on every lease and ttl.
+//! - **Tokens.** Drawn from the sequence `oncegate_tokens`, which steps by
+//!   [`TOKEN_BLOCK`]: a transaction draws a block after its locks are held and hands out
+//!   tokens from it in order. Any later draw, by any node, returns a block above the
+//!   whole of this one, and a key's next transaction draws only after this one
+//!   committed, so each key's tokens strictly increase across nodes and across the
+//!   expiry of its record.
+//! - **Writes** are buffered and sent at commit in one statement per kind (an upsert of
+//!   every changed record, a delete of every deleted one), so a batch costs a handful of
+//!   round trips and one WAL flush, whatever its size.
+//!
+//! Lock waits happen only in the lock statement, so deadlocks and serialization failures
+//! (which `READ COMMITTED` with this order should never raise) are retried there, inside
+//! the node, and never reach a caller.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod};
+use oncegate_core::{Completion, Fingerprint, Outcome, Record, Scope, route};
+use tokio_postgres::Row;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::types::ToSql;
+
+use super::{Meta, StoreError, decode_history, encode_history, stored_scope, stored_tenant};
+use crate::config::{PgClock, StoreConfig};
+use crate::quota::Tally;
+use crate::{Faults, slots};
+
+/// The schema version this code reads and writes (table `oncegate_schema`).
+pub const SCHEMA_VERSION: i64 = 1;
+
+/// How far apart consecutive draws of the token sequence are: the tokens one transaction
+/// may hand out before it draws again.
+pub const TOKEN_BLOCK: u64 = 1024;
+
+/// Taken (transaction-scoped) while the schema is created or upgraded, so that nodes
+/// starting together do it once. An arbitrary constant: `oncegate` in ASCII.
+const SCHEMA_LOCK: i64 = 0x6f6e_6365_6761_7465;
+
+/// Lock attempts of one transaction before a deadlock or serialization failure is given
+/// up as a storage failure.
+const LOCK_ATTEMPTS_MAX: u32 = 16;
+
+/// Version 1: the records, the per-lane clock marks, the token sequence.
+const SCHEMA_1: &str = "
+CREATE TABLE oncegate_records (
+    tenant          text     NOT NULL,
+    namespace       text     NOT NULL,
+    key             text     NOT NULL,
+    hash            bigint   NOT NULL,
+    slot            integer  NOT NULL,
+    token           bigint   NOT NULL,
+    attempt         integer  NOT NULL,
+    lease_until_ms  bigint   NOT NULL,
+    expires_at_ms   bigint   NOT NULL,
+    ttl_ms          bigint   NOT NULL,
+    reclaim_at_ms   bigint   NOT NULL,
+    fingerprint     bytea    NOT NULL,
+    outcome         smallint,
+    response        bytea,
+    completed_at_ms bigint,
+    history         bytea    NOT NULL,
+    PRIMARY KEY (tenant, namespace, key)
+);
+CREATE INDEX oncegate_records_by_hash ON oncegate_records (hash);
+CREATE INDEX oncegate_records_by_reclaim ON oncegate_records (reclaim_at_ms);
+CREATE TABLE oncegate_clock (
+    lane          text   PRIMARY KEY,
+    high_water_ms bigint NOT NULL
+);
+CREATE SEQUENCE oncegate_tokens INCREMENT BY 1024 MINVALUE 1 START WITH 1 CACHE 1;
+";
+
+const COLUMNS: &str = "tenant, namespace, key, token, attempt, lease_until_ms, expires_at_ms, ttl_ms, \
+                       fingerprint, outcome, response, completed_at_ms, history";
+
+/// The database's time, never below any lane's mark; a write transaction also raises its
+/// lane's mark to it and draws the first token block.
+const CLOCK_WRITE: &str = "
+WITH t AS (
+    SELECT greatest(
+        CASE WHEN $2 THEN (extract(epoch FROM clock_timestamp()) * 1000)::bigint ELSE $3 END,
+        (SELECT coalesce(max(high_water_ms), 0) FROM oncegate_clock)) AS ms)
+INSERT INTO oncegate_clock (lane, high_water_ms) SELECT $1, ms FROM t
+ON CONFLICT (lane) DO UPDATE SET high_water_ms = greatest(oncegate_clock.high_water_ms, excluded.high_water_ms)
+RETURNING high_water_ms, nextval('oncegate_tokens')";
+const CLOCK_READ: &str = "
+SELECT greatest(
+    CASE WHEN $1 THEN (extract(epoch FROM clock_timestamp()) * 1000)::bigint ELSE $2 END,
+    (SELECT coalesce(max(high_water_ms), 0) FROM oncegate_clock))";
+
+const UPSERT: &str = "
+INSERT INTO oncegate_records (tenant, namespace, key, hash, slot, token, attempt, lease_until_ms,
+    expires_at_ms, ttl_ms, reclaim_at_ms, fingerprint, outcome, response, completed_at_ms, history)
+SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::integer[], $6::bigint[],
+    $7::integer[], $8::bigint[], $9::bigint[], $10::bigint[], $11::bigint[], $12::bytea[],
+    $13::smallint[], $14::bytea[], $15::bigint[], $16::bytea[])
+ON CONFLICT (tenant, namespace, key) DO UPDATE SET
+    token = excluded.token, attempt = excluded.attempt, lease_until_ms = excluded.lease_until_ms,
+    expires_at_ms = excluded.expires_at_ms, ttl_ms = excluded.ttl_ms, reclaim_at_ms = excluded.reclaim_at_ms,
+    fingerprint = excluded.fingerprint, outcome = excluded.outcome, response = excluded.response,
+    completed_at_ms = excluded.completed_at_ms, history = excluded.history";
+const DELETE: &str = "
+DELETE FROM oncegate_records WHERE (tenant, namespace, key) IN
+    (SELECT * FROM unnest($1::text[], $2::text[], $3::text[]))";
+/// Rows another transaction holds are skipped, and so are the keys this one locked (it may
+/// have decided them already).
+const RECLAIM: &str = "
+DELETE FROM oncegate_records WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM oncegate_records
+    WHERE reclaim_at_ms <= $1 AND slot = ANY($2) AND NOT (hash = ANY($3))
+    ORDER BY reclaim_at_ms LIMIT $4 FOR UPDATE SKIP LOCKED))
+RETURNING tenant, outcome IS NULL";
+
+/// What every shard of an engine on PostgreSQL shares: the runtime its connections run
+/// on, the pool, and the node's name in the clock table.
+pub(crate) struct Postgres {
+    /// `Some` until dropped: shut down in the background, so that an engine dropped
+    /// inside an async runtime does not block it.
+    runtime: Option<tokio::runtime::Runtime>,
+    pool: Pool,
+    /// The node's name; each shard's clock mark is the row `{node}/{shard}`.
+    node: String,
+    config: StoreConfig,
+    /// Where the database is, without the password, for logs.
+    pub display: String,
+}
+
+impl Drop for Postgres {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+impl std::fmt::Debug for Postgres {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Postgres").field("database", &self.display).field("node", &self.node).finish()
+    }
+}
+
+/// `Some` for an error worth trying again: the lock statement lost a deadlock or a
+/// serialization check.
+fn retryable(error: &tokio_postgres::Error) -> bool {
+    matches!(error.code(), Some(c) if *c == SqlState::T_R_DEADLOCK_DETECTED || *c == SqlState::T_R_SERIALIZATION_FAILURE)
+}
+
+fn pg_error(error: tokio_postgres::Error) -> StoreError {
+    // The server's message and code when there is one; the connection string never
+    // appears in either.
+    match error.as_db_error() {
+        Some(db) => StoreError::Postgres(format!("{} ({})", db.message(), db.code().code())),
+        None => StoreError::Postgres(error.to_string()),
+    }
+}
+
+/// PostgreSQL integers are signed; times and counters stay far below `i64::MAX`, and
+/// clamping keeps the ordering if one ever did not.
+fn to_sql(value: u64) -> i64 {
+    value.min(i64::MAX as u64) as i64
+}
+
+fn from_sql(value: i64) -> u64 {
+    value.max(0) as u64
+}
+
+/// Where the database is (hosts, ports, database, user), never the password, for logs
+/// and errors.
+pub fn redact(url: &str) -> String {
+    let Ok(config) = url.parse::<tokio_postgres::Config>() else {
+        return "(a postgres_url that does not parse)".to_owned();
+    };
+    let hosts: Vec<String> = config
+        .get_hosts()
+        .iter()
+        .map(|host| match host {
+            tokio_postgres::config::Host::Tcp(name) => name.clone(),
+            tokio_postgres::config::Host::Unix(path) => path.display().to_string(),
+        })
+        .collect();
+    let ports: Vec<String> = config.get_ports().iter().map(u16::to_string).collect();
+    format!(
+        "host={} port={} dbname={} user={}",
+        hosts.join(","),
+        ports.join(","),
+        config.get_dbname().unwrap_or("(default)"),
+        config.get_user().unwrap_or("(default)")
+    )
+}
+
+/// TLS to the database when the URL asks for it (`sslmode=prefer` or `require`), with the
+/// system's root certificates.
+fn tls() -> Result<tokio_postgres_rustls::MakeRustlsConnect, StoreError> {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls_native_certs::load_native_certs().certs {
+        let _ = roots.add(cert);
+    }
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| StoreError::Postgres(format!("tls: {e}")))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(tokio_postgres_rustls::MakeRustlsConnect::new(config))
+}
+
+impl Postgres {
+    /// Builds the pool (connections are made when shards open, so an unreachable
+    /// database fails the shards, which retry, rather than the engine's start).
+    pub fn new(config: &StoreConfig, node: String) -> Result<Postgres, StoreError> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("oncegate-postgres")
+            .enable_all()
+            .build()
+            .map_err(|e| StoreError::Postgres(format!("runtime: {e}")))?;
+        let mut pg: tokio_postgres::Config = config
+            .postgres_url
+            .parse()
+            .map_err(|e| StoreError::Postgres(format!("postgres_url does not parse: {e}")))?;
+        pg.connect_timeout(Duration::from_millis(config.postgres_statement_timeout_ms));
+        pg.application_name("oncegate");
+        let manager =
+            Manager::from_config(pg, tls()?, ManagerConfig { recycling_method: RecyclingMethod::Fast });
+        let pool = Pool::builder(manager)
+            .max_size(config.postgres_pool_size)
+            .runtime(deadpool_postgres::Runtime::Tokio1)
+            .create_timeout(Some(Duration::from_millis(config.postgres_statement_timeout_ms)))
+            .wait_timeout(Some(Duration::from_millis(config.postgres_statement_timeout_ms)))
+            .build()
+            .map_err(|e| StoreError::Postgres(format!("pool: {e}")))?;
+        Ok(Postgres {
+            runtime: Some(runtime),
+            pool,
+            node,
+            display: redact(&config.postgres_url),
+            config: config.clone(),
+        })
+    }
+
+    /// Runs `future` on the store's runtime from a shard's thread, bounded by
+    /// `postgres_statement_timeout_ms`: a database that stops answering fails the shard
+    /// instead of hanging it.
+    fn run<T>(&self, future: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
+        self.run_bounded(future)?
+    }
+
+    /// [`Postgres::run`] for a future with an error of its own.
+    fn run_bounded<T>(&self, future: impl Future<Output = T>) -> Result<T, StoreError> {
+        let limit = Duration::from_millis(self.config.postgres_statement_timeout_ms);
+        let runtime = self.runtime.as_ref().expect("the runtime lives as long as the store");
+        runtime.block_on(async { tokio::time::timeout(limit, future).await }).map_err(|_| {
+            StoreError::Postgres(format!(
+                "no answer within postgres_statement_timeout_ms ({} ms)",
+                limit.as_millis()
+            ))
+        })
+    }
+}
+
+/// One shard's connection to the shared table.
+pub(crate) struct Store {
+    pg: Arc<Postgres>,
+    /// `None` after a failure: the connection is then dropped, not returned to the pool.
+    client: Option<Object>,
+    /// This shard's row in `oncegate_clock`.
+    lane: String,
+    /// The slots this shard reclaims (every node's shards together own every slot).
+    owned: Vec<i32>,
+    tally: Option<Tally>,
+    next_reclaim_ms: Cell<Option<u64>>,
+    /// How long after a reclaim the next one looks (`reclaim_granularity_ms`).
+    reclaim_every_ms: u64,
+    faults: Faults,
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        // A connection whose transaction may still be open (a failure mid-batch) is
+        // closed rather than handed to the next shard that asks the pool.
+        if let Some(client) = self.client.take() {
+            drop(Object::take(client));
+        }
+    }
+}
+
+impl Store {
+    /// Connects, creates or checks the schema, refuses a read-only database, and counts
+    /// the records of the shard's slots. Returns the greatest persisted clock mark.
+    pub fn open(
+        pg: &Arc<Postgres>,
+        shard: u32,
+        owned: &slots::Owned,
+        faults: &Faults,
+        first: bool,
+        reclaim_every_ms: u64,
+    ) -> Result<(Store, Meta), StoreError> {
+        if faults.open_should_fail() {
+            return Err(StoreError::Injected("open"));
+        }
+        let owned: Vec<i32> = (0..route::SLOT_COUNT).filter(|s| owned.owns(*s)).map(|s| s as i32).collect();
+        let (client, tally, mark) = pg.run(async {
+            let client = pg.pool.get().await.map_err(|e| StoreError::Postgres(format!("connect: {e}")))?;
+            let read_only: String =
+                client.query_one("SHOW transaction_read_only", &[]).await.map_err(pg_error)?.get(0);
+            if read_only == "on" {
+                return Err(StoreError::Postgres(
+                    "the database is read-only (a standby?); oncegate needs the primary".to_owned(),
+                ));
+            }
+            migrate(&client).await?;
+            if first && shard == 0 {
+                let sync: String = client.query_one("SHOW synchronous_commit", &[]).await.map_err(pg_error)?.get(0);
+                if sync == "off" || sync == "local" {
+                    tracing::warn!(synchronous_commit = %sync, "acknowledged decisions may be lost if the database crashes or fails over: set synchronous_commit = on (or remote_apply with standbys)");
+                } else {
+                    tracing::info!(synchronous_commit = %sync, "the database's durability");
+                }
+            }
+            let tally = count(&client, &owned).await?;
+            let mark: i64 = client
+                .query_one("SELECT coalesce(max(high_water_ms), 0) FROM oncegate_clock", &[])
+                .await
+                .map_err(pg_error)?
+                .get(0);
+            Ok((client, tally, mark))
+        })?;
+        let store = Store {
+            pg: Arc::clone(pg),
+            client: Some(client),
+            lane: format!("{}/{shard}", pg.node),
+            owned,
+            tally: Some(tally),
+            // The first alarm reclaims what came due while the shard was closed.
+            next_reclaim_ms: Cell::new(Some(from_sql(mark))),
+            reclaim_every_ms,
+            faults: faults.clone(),
+        };
+        Ok((store, Meta { next_token: 1, high_water_ms: from_sql(mark) }))
+    }
+
+    fn client(&self) -> &Object {
+        self.client.as_ref().expect("a store keeps its connection until dropped")
+    }
+
+    pub fn take_count(&mut self) -> Tally {
+        self.tally.take().unwrap_or_default()
+    }
+
+    pub fn next_reclaim_ms(&self) -> Option<u64> {
+        self.next_reclaim_ms.get()
+    }
+
+    pub fn waiters_poll_ms(&self) -> u64 {
+        self.pg.config.postgres_waiters_poll_ms
+    }
+
+    /// Begins a transaction deciding `keys`: with `write`, locks them (retrying a lost
+    /// deadlock), reads the time and raises this lane's mark, and draws the first token
+    /// block; reads their rows (locked when writing).
+    pub fn begin(&mut self, keys: &[&Scope], local_now_ms: u64, write: bool) -> Result<Txn<'_>, StoreError> {
+        let mut hashes: Vec<i64> = keys.iter().map(|s| route::scope_hash(s) as i64).collect();
+        hashes.sort_unstable();
+        hashes.dedup();
+        let database_clock = self.pg.config.postgres_clock == PgClock::Database;
+        let mut attempt = 0;
+        let (now_ms, tokens, rows) = loop {
+            attempt += 1;
+            let result = self.pg.run_bounded(self.start(&hashes, database_clock, local_now_ms, write))?;
+            match result {
+                Ok(started) => break started,
+                Err(Retry::Again(error)) if attempt < LOCK_ATTEMPTS_MAX => {
+                    tracing::debug!(%error, attempt, "lock lost a deadlock or serialization check; trying again");
+                }
+                Err(Retry::Again(error)) => return Err(pg_error(error)),
+                Err(Retry::Fail(error)) => return Err(error),
+            }
+        };
+        Ok(Txn {
+            store: self,
+            now_ms,
+            write,
+            locked: hashes,
+            rows: RefCell::new(rows),
+            changes: RefCell::new(HashMap::new()),
+            tokens: Cell::new(tokens),
+            open: Cell::new(true),
+        })
+    }
+
+    /// One attempt at [`Store::begin`]'s statements.
+    async fn start(
+        &self,
+        hashes: &[i64],
+        database_clock: bool,
+        local_now_ms: u64,
+        write: bool,
+    ) -> Result<(u64, (u64, u64), HashMap<Scope, Option<Record>>), Retry> {
+        let client = self.client();
+        let fail = |e: tokio_postgres::Error| if retryable(&e) { Retry::Again(e) } else { Retry::Fail(pg_error(e)) };
+        client.batch_execute("BEGIN").await.map_err(fail)?;
+        let started = async {
+            if write {
+                let lock = client
+                    .prepare_cached("SELECT pg_advisory_xact_lock(h) FROM unnest($1::bigint[]) AS h")
+                    .await
+                    .map_err(fail)?;
+                client.execute(&lock, &[&hashes]).await.map_err(fail)?;
+            }
+            let local = to_sql(local_now_ms);
+            let (now_ms, tokens) = if write {
+                let clock = client.prepare_cached(CLOCK_WRITE).await.map_err(fail)?;
+                let row = client.query_one(&clock, &[&self.lane, &database_clock, &local]).await.map_err(fail)?;
+                let first = from_sql(row.get(1));
+                (from_sql(row.get(0)), (first, first + TOKEN_BLOCK))
+            } else {
+                let clock = client.prepare_cached(CLOCK_READ).await.map_err(fail)?;
+                let row = client.query_one(&clock, &[&database_clock, &local]).await.map_err(fail)?;
+                (from_sql(row.get(0)), (0, 0))
+            };
+            let select = if write {
+                format!("SELECT {COLUMNS} FROM oncegate_records WHERE hash = ANY($1) FOR UPDATE")
+            } else {
+                format!("SELECT {COLUMNS} FROM oncegate_records WHERE hash = ANY($1)")
+            };
+            let select = client.prepare_cached(&select).await.map_err(fail)?;
+            let mut rows = HashMap::with_capacity(hashes.len());
+            for row in client.query(&select, &[&hashes]).await.map_err(fail)? {
+                let (scope, record) = read_row(&row).map_err(Retry::Fail)?;
+                rows.insert(scope, Some(record));
+            }
+            Ok((now_ms, tokens, rows))
+        }
+        .await;
+        if started.is_err() {
+            let _ = client.batch_execute("ROLLBACK").await;
+        }
+        started
+    }
+}
+
+/// An attempt that lost a lock to a deadlock may run again; anything else fails.
+enum Retry {
+    Again(tokio_postgres::Error),
+    Fail(StoreError),
+}
+
+/// Creates the schema, or checks that it is one this binary reads, under a lock so that
+/// nodes starting together do it once.
+async fn migrate(client: &Object) -> Result<(), StoreError> {
+    let version: Option<i64> = current_version(client).await?;
+    if version == Some(SCHEMA_VERSION) {
+        return Ok(());
+    }
+    client.batch_execute("BEGIN").await.map_err(pg_error)?;
+    let done = async {
+        client.execute("SELECT pg_advisory_xact_lock($1)", &[&SCHEMA_LOCK]).await.map_err(pg_error)?;
+        match current_version(client).await? {
+            None => {
+                client.batch_execute(SCHEMA_1).await.map_err(pg_error)?;
+                client
+                    .batch_execute(
+                        "CREATE TABLE oncegate_schema (id integer PRIMARY KEY CHECK (id = 0), version bigint NOT NULL);",
+                    )
+                    .await
+                    .map_err(pg_error)?;
+                client
+                    .execute("INSERT INTO oncegate_schema (id, version) VALUES (0, $1)", &[&SCHEMA_VERSION])
+                    .await
+                    .map_err(pg_error)?;
+                tracing::info!(version = SCHEMA_VERSION, "created the oncegate schema");
+                Ok(())
+            }
+            Some(SCHEMA_VERSION) => Ok(()),
+            Some(found) => Err(StoreError::Schema { found, supported: SCHEMA_VERSION }),
+        }
+    }
+    .await;
+    let end = if done.is_ok() { "COMMIT" } else { "ROLLBACK" };
+    client.batch_execute(end).await.map_err(pg_error)?;
+    done
+}
+
+async fn current_version(client: &Object) -> Result<Option<i64>, StoreError> {
+    // A catalog read through SQL takes the statement's snapshot; `to_regclass` would read
+    // a cache that may not yet show a table another node created while we waited.
+    let exists: bool = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_tables WHERE schemaname = current_schema() AND tablename = 'oncegate_schema')",
+            &[],
+        )
+        .await
+        .map_err(pg_error)?
+        .get(0);
+    if !exists {
+        return Ok(None);
+    }
+    let row = client.query_opt("SELECT version FROM oncegate_schema WHERE id = 0", &[]).await.map_err(pg_error)?;
+    let version = row.map(|r| r.get::<_, i64>(0));
+    match version {
+        Some(v) if v > SCHEMA_VERSION => Err(StoreError::Schema { found: v, supported: SCHEMA_VERSION }),
+        other => Ok(other),
+    }
+}
+
+/// The records of `owned` slots by state and tenant.
+async fn count(client: &Object, owned: &[i32]) -> Result<Tally, StoreError> {
+    let rows = client
+        .query(
+            "SELECT tenant, outcome IS NULL, count(*) FROM oncegate_records WHERE slot = ANY($1) GROUP BY 1, 2",
+            &[&owned],
+        )
+        .await
+        .map_err(pg_error)?;
+    let mut tally = Tally::default();
+    for row in rows {
+        let tenant = stored_tenant(row.get(0))?;
+        let (pending, rows): (bool, i64) = (row.get(1), row.get(2));
+        if pending {
+            tally.pending += rows;
+        } else {
+            tally.completed += rows;
+        }
+        tally.add_tenant(&tenant, rows);
+    }
+    Ok(tally)
+}
+
+fn read_row(row: &Row) -> Result<(Scope, Record), StoreError> {
+    let scope = stored_scope(row.get(0), row.get(1), row.get(2))?;
+    let outcome: Option<i16> = row.get(9);
+    let completion = match outcome {
+        None => None,
+        Some(n) => Some(Completion {
+            outcome: u8::try_from(n)
+                .ok()
+                .and_then(Outcome::from_u8)
+                .ok_or_else(|| StoreError::Corrupt(format!("outcome {n} is unknown")))?,
+            response: row.get::<_, Option<Vec<u8>>>(10).unwrap_or_default(),
+            completed_at_ms: from_sql(row.get::<_, Option<i64>>(11).unwrap_or(0)),
+        }),
+    };
+    let record = Record {
+        token: from_sql(row.get(3)),
+        attempt: u32::try_from(row.get::<_, i32>(4)).unwrap_or(0),
+        lease_until_ms: from_sql(row.get(5)),
+        expires_at_ms: from_sql(row.get(6)),
+        ttl_ms: from_sql(row.get(7)),
+        fingerprint: Fingerprint::from_stored(row.get(8)),
+        completion,
+        history: decode_history(row.get::<_, &[u8]>(12)),
+    };
+    Ok((scope, record))
+}
+
+/// A batch's transaction on the shared table. Reads come from the rows fetched (and
+/// locked) at begin; writes are kept and sent at commit. Dropped without a commit, it
+/// rolls back.
+pub(crate) struct Txn<'s> {
+    store: &'s Store,
+    now_ms: u64,
+    write: bool,
+    /// The hashes locked at begin.
+    locked: Vec<i64>,
+    /// Each locked key's record as this transaction sees it (`None`: no record).
+    rows: RefCell<HashMap<Scope, Option<Record>>>,
+    /// Each key this transaction changed, and its record after (`None`: deleted).
+    changes: RefCell<HashMap<Scope, Option<Record>>>,
+    /// The current token block: the next token to hand out and the end of the block.
+    tokens: Cell<(u64, u64)>,
+    /// Whether the transaction is still open (a rollback is due on drop).
+    open: Cell<bool>,
+}
+
+impl Drop for Txn<'_> {
+    fn drop(&mut self) {
+        if self.open.get() {
+            let client = self.store.client();
+            let _ = self.store.pg.run(async { client.batch_execute("ROLLBACK").await.map_err(pg_error) });
+        }
+    }
+}
+
+impl Txn<'_> {
+    pub fn now(&self) -> u64 {
+        self.now_ms
+    }
+
+    fn failpoint(&self) -> Result<(), StoreError> {
+        if self.store.faults.op_should_fail() {
+            return Err(StoreError::Injected("store operation"));
+        }
+        Ok(())
+    }
+
+    /// The next token: from the current block, or from a new block drawn now (the keys
+    /// are locked, so it is above every token their earlier holders got).
+    pub fn next_token(&self, counter: u64) -> Result<u64, StoreError> {
+        let (next, end) = self.tokens.get();
+        let candidate = counter.max(next);
+        if candidate < end {
+            self.tokens.set((candidate, end));
+            return Ok(candidate);
+        }
+        let client = self.store.client();
+        let first: i64 = self.store.pg.run(async {
+            Ok(client.query_one("SELECT nextval('oncegate_tokens')", &[]).await.map_err(pg_error)?.get(0))
+        })?;
+        let first = from_sql(first);
+        self.tokens.set((first, first + TOKEN_BLOCK));
+        Ok(first)
+    }
+
+    pub fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError> {
+        self.failpoint()?;
+        if let Some(changed) = self.changes.borrow().get(scope) {
+            return Ok(changed.clone());
+        }
+        if let Some(row) = self.rows.borrow().get(scope) {
+            return Ok(row.clone());
+        }
+        if self.locked.binary_search(&(route::scope_hash(scope) as i64)).is_ok() || !self.write {
+            // Locked (or read) at begin and not found: the key has no record.
+            return Ok(None);
+        }
+        Err(StoreError::Postgres("a key was decided without being locked first (a bug)".to_owned()))
+    }
+
+    pub fn put(&self, scope: &Scope, record: &Record) -> Result<u64, StoreError> {
+        self.failpoint()?;
+        self.changes.borrow_mut().insert(scope.clone(), Some(record.clone()));
+        Ok(record.reclaim_at_ms())
+    }
+
+    pub fn delete(&self, scope: &Scope) -> Result<(), StoreError> {
+        self.failpoint()?;
+        self.changes.borrow_mut().insert(scope.clone(), None);
+        Ok(())
+    }
+
+    /// Deletes up to `limit` reclaimable records of this shard's slots that no other
+    /// transaction holds and this one did not lock.
+    pub fn reclaim(&self, now_ms: u64, limit: usize) -> Result<Tally, StoreError> {
+        self.failpoint()?;
+        let client = self.store.client();
+        let limit_rows = limit as i64;
+        let rows = self.store.pg.run(async {
+            let stmt = client.prepare_cached(RECLAIM).await.map_err(pg_error)?;
+            client
+                .query(&stmt, &[&to_sql(now_ms), &self.store.owned, &self.locked, &limit_rows])
+                .await
+                .map_err(pg_error)
+        })?;
+        let mut removed = Tally::default();
+        for row in &rows {
+            removed.add_stored(&stored_tenant(row.get(0))?, row.get(1));
+        }
+        // Other nodes' records come due without this shard hearing of them: it looks
+        // again after a reclaim window, or at once while a backlog remains.
+        let next = if rows.len() >= limit { now_ms } else { now_ms + self.store.reclaim_every_ms };
+        self.store.next_reclaim_ms.set(Some(next));
+        Ok(removed)
+    }
+
+    pub fn finish_read(self) {
+        drop(self);
+    }
+
+    /// Sends the buffered writes and commits; returns once PostgreSQL reports the commit
+    /// (durable as its `synchronous_commit` says).
+    pub fn commit(self, _meta: Meta) -> Result<(), StoreError> {
+        self.failpoint()?;
+        if self.store.faults.commit_should_fail() {
+            return Err(StoreError::Injected("commit"));
+        }
+        let changes = std::mem::take(&mut *self.changes.borrow_mut());
+        let client = self.store.client();
+        let result = self.store.pg.run(async {
+            write_changes(client, changes).await?;
+            client.batch_execute("COMMIT").await.map_err(pg_error)
+        });
+        self.open.set(result.is_err());
+        result
+    }
+}
+
+/// The columns of the upsert, one array per column.
+#[derive(Default)]
+struct Upserts {
+    tenant: Vec<String>,
+    namespace: Vec<String>,
+    key: Vec<String>,
+    hash: Vec<i64>,
+    slot: Vec<i32>,
+    token: Vec<i64>,
+    attempt: Vec<i32>,
+    lease_until_ms: Vec<i64>,
+    expires_at_ms: Vec<i64>,
+    ttl_ms: Vec<i64>,
+    reclaim_at_ms: Vec<i64>,
+    fingerprint: Vec<Vec<u8>>,
+    outcome: Vec<Option<i16>>,
+    response: Vec<Option<Vec<u8>>>,
+    completed_at_ms: Vec<Option<i64>>,
+    history: Vec<Vec<u8>>,
+}
+
+impl Upserts {
+    fn push(&mut self, scope: Scope, record: Record) {
+        let hash = route::scope_hash(&scope);
+        self.hash.push(hash as i64);
+        self.slot.push(route::slot_of_hash(hash) as i32);
+        self.reclaim_at_ms.push(to_sql(record.reclaim_at_ms()));
+        self.tenant.push(scope.tenant.as_str().to_owned());
+        self.namespace.push(scope.namespace.as_str().to_owned());
+        self.key.push(scope.key.as_str().to_owned());
+        self.token.push(to_sql(record.token));
+        self.attempt.push(i32::try_from(record.attempt).unwrap_or(i32::MAX));
+        self.lease_until_ms.push(to_sql(record.lease_until_ms));
+        self.expires_at_ms.push(to_sql(record.expires_at_ms));
+        self.ttl_ms.push(to_sql(record.ttl_ms));
+        self.history.push(encode_history(&record.history));
+        self.fingerprint.push(record.fingerprint.as_bytes().to_vec());
+        let completion = record.completion;
+        self.outcome.push(completion.as_ref().map(|c| i16::from(c.outcome.as_u8())));
+        self.completed_at_ms.push(completion.as_ref().map(|c| to_sql(c.completed_at_ms)));
+        self.response.push(completion.map(|c| c.response));
+    }
+
+    fn params(&self) -> [&(dyn ToSql + Sync); 16] {
+        [
+            &self.tenant,
+            &self.namespace,
+            &self.key,
+            &self.hash,
+            &self.slot,
+            &self.token,
+            &self.attempt,
+            &self.lease_until_ms,
+            &self.expires_at_ms,
+            &self.ttl_ms,
+            &self.reclaim_at_ms,
+            &self.fingerprint,
+            &self.outcome,
+            &self.response,
+            &self.completed_at_ms,
+            &self.history,
+        ]
+    }
+}
+
+/// One upsert for every changed record and one delete for every deleted one.
+async fn write_changes(client: &Object, changes: HashMap<Scope, Option<Record>>) -> Result<(), StoreError> {
+    let mut upserts = Upserts::default();
+    let mut deletes: [Vec<String>; 3] = Default::default();
+    for (scope, record) in changes {
+        match record {
+            Some(record) => upserts.push(scope, record),
+            None => {
+                deletes[0].push(scope.tenant.as_str().to_owned());
+                deletes[1].push(scope.namespace.as_str().to_owned());
+                deletes[2].push(scope.key.as_str().to_owned());
+            }
+        }
+    }
+    if !deletes[0].is_empty() {
+        let stmt = client.prepare_cached(DELETE).await.map_err(pg_error)?;
+        client.execute(&stmt, &[&deletes[0], &deletes[1], &deletes[2]]).await.map_err(pg_error)?;
+    }
+    if !upserts.tenant.is_empty() {
+        let stmt = client.prepare_cached(UPSERT).await.map_err(pg_error)?;
+        client.execute(&stmt, &upserts.params()).await.map_err(pg_error)?;
+    }
+    Ok(())
+}
