@@ -25,119 +25,124 @@ fn key_on(engine: &Engine, shard: u32, prefix: &str) -> String {
         .unwrap()
 }
 
-#[test]
-fn an_injected_commit_failure_fails_the_batch_and_the_shard_only() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = ManualClock::new(T0);
-    let faults = Faults::default();
-    let engine = open(config(dir.path()), &clock, &faults);
-    let t = tenant();
-    let (on0, on1) = (key_on(&engine, 0, "a"), key_on(&engine, 1, "b"));
+on_both! {
+    fn an_injected_commit_failure_fails_the_batch_and_the_shard_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = ManualClock::new(T0);
+        let faults = Faults::default();
+        let engine = open(config(dir.path()), &clock, &faults);
+        let t = tenant();
+        let (on0, on1) = (key_on(&engine, 0, "a"), key_on(&engine, 1, "b"));
 
-    faults.fail_commits(1);
-    let err = engine.reserve_blocking(&t, reserve(&on0)).unwrap_err();
-    assert_eq!(err.code(), Code::Unavailable, "{err}");
-    assert_eq!(engine.shard_states(), [ShardState::Failed, ShardState::Serving]);
-    assert!(engine.stats()[0].last_error.as_deref().unwrap().contains("injected fault: commit"));
+        faults.fail_commits(1);
+        let err = engine.reserve_blocking(&t, reserve(&on0)).unwrap_err();
+        assert_eq!(err.code(), Code::Unavailable, "{err}");
+        assert_eq!(engine.shard_states(), [ShardState::Failed, ShardState::Serving]);
+        assert!(engine.stats()[0].last_error.as_deref().unwrap().contains("injected fault: commit"));
 
-    // The failed shard refuses at once; the other keeps serving.
-    assert_eq!(engine.get_blocking(&t, key(&on0, 0)).unwrap_err().code(), Code::Unavailable);
-    assert!(matches!(
-        engine.reserve_blocking(&t, reserve(&on1)).unwrap().reply,
-        ReserveReply::Granted { .. }
-    ));
+        // The failed shard refuses at once; the other keeps serving.
+        assert_eq!(engine.get_blocking(&t, key(&on0, 0)).unwrap_err().code(), Code::Unavailable);
+        assert!(matches!(
+            engine.reserve_blocking(&t, reserve(&on1)).unwrap().reply,
+            ReserveReply::Granted { .. }
+        ));
 
-    assert!(engine.reopen_shard(0));
-    // The refused grant was never durable: the key is free, and can be granted now.
-    assert_eq!(engine.get_blocking(&t, key(&on0, 0)).unwrap().state, State::Free);
-    assert!(matches!(
-        engine.reserve_blocking(&t, reserve(&on0)).unwrap().reply,
-        ReserveReply::Granted { .. }
-    ));
+        assert!(engine.reopen_shard(0));
+        // The refused grant was never durable: the key is free, and can be granted now.
+        assert_eq!(engine.get_blocking(&t, key(&on0, 0)).unwrap().state, State::Free);
+        assert!(matches!(
+            engine.reserve_blocking(&t, reserve(&on0)).unwrap().reply,
+            ReserveReply::Granted { .. }
+        ));
+    }
 }
 
-#[test]
-fn every_request_of_a_failed_batch_is_refused() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = ManualClock::new(T0);
-    let faults = Faults::default();
-    let engine = open(EngineConfig { shards: 1, ..config(dir.path()) }, &clock, &faults);
-    let t = tenant();
-    faults.close_gate();
-    let first = engine.reserve(&t, reserve("held"));
-    faults.wait_held(1);
-    let batch: Vec<_> = (0..20).map(|i| engine.reserve(&t, reserve(&format!("k{i}")))).collect();
-    faults.fail_commits(1);
-    faults.open_gate();
-    let mut refused = 0;
-    for call in std::iter::once(first).chain(batch) {
-        match block_on(call) {
-            Err(e) => {
-                assert_eq!(e.code(), Code::Unavailable);
-                refused += 1;
+on_both! {
+    fn every_request_of_a_failed_batch_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = ManualClock::new(T0);
+        let faults = Faults::default();
+        let engine = open(EngineConfig { shards: 1, ..config(dir.path()) }, &clock, &faults);
+        let t = tenant();
+        faults.close_gate();
+        let first = engine.reserve(&t, reserve("held"));
+        faults.wait_held(1);
+        let batch: Vec<_> = (0..20).map(|i| engine.reserve(&t, reserve(&format!("k{i}")))).collect();
+        faults.fail_commits(1);
+        faults.open_gate();
+        let mut refused = 0;
+        for call in std::iter::once(first).chain(batch) {
+            match block_on(call) {
+                Err(e) => {
+                    assert_eq!(e.code(), Code::Unavailable);
+                    refused += 1;
+                }
+                Ok(r) => panic!("nothing may be acknowledged from a failed batch: {r:?}"),
             }
-            Ok(r) => panic!("nothing may be acknowledged from a failed batch: {r:?}"),
+        }
+        assert_eq!(refused, 21);
+        assert!(engine.reopen_shard(0));
+        for i in 0..20 {
+            assert_eq!(engine.get_blocking(&t, key(&format!("k{i}"), 0)).unwrap().state, State::Free);
         }
     }
-    assert_eq!(refused, 21);
-    assert!(engine.reopen_shard(0));
-    for i in 0..20 {
-        assert_eq!(engine.get_blocking(&t, key(&format!("k{i}"), 0)).unwrap().state, State::Free);
+}
+
+on_both! {
+    fn parked_waiters_hear_unavailable_when_the_shard_fails() {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = ManualClock::new(T0);
+        let faults = Faults::default();
+        let engine = open(EngineConfig { shards: 1, ..config(dir.path()) }, &clock, &faults);
+        let t = tenant();
+        assert!(matches!(engine.reserve_blocking(&t, reserve("w")).unwrap().reply, ReserveReply::Granted { .. }));
+        let waiter = engine.reserve(&t, reserve_for("w", 0, 0, 10_000));
+        assert!(engine.wait_stats(0, Duration::from_secs(10), |s| s.waiters == 1), "parked");
+        faults.fail_commits(1);
+        assert_eq!(engine.reserve_blocking(&t, reserve("other")).unwrap_err().code(), Code::Unavailable);
+        assert_eq!(block_on(waiter).unwrap_err().code(), Code::Unavailable);
     }
 }
 
-#[test]
-fn parked_waiters_hear_unavailable_when_the_shard_fails() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = ManualClock::new(T0);
-    let faults = Faults::default();
-    let engine = open(EngineConfig { shards: 1, ..config(dir.path()) }, &clock, &faults);
-    let t = tenant();
-    assert!(matches!(engine.reserve_blocking(&t, reserve("w")).unwrap().reply, ReserveReply::Granted { .. }));
-    let waiter = engine.reserve(&t, reserve_for("w", 0, 0, 10_000));
-    assert!(engine.wait_stats(0, Duration::from_secs(10), |s| s.waiters == 1), "parked");
-    faults.fail_commits(1);
-    assert_eq!(engine.reserve_blocking(&t, reserve("other")).unwrap_err().code(), Code::Unavailable);
-    assert_eq!(block_on(waiter).unwrap_err().code(), Code::Unavailable);
+on_both! {
+    fn reopen_retries_until_the_file_opens_cleanly() {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = ManualClock::new(T0);
+        let faults = Faults::default();
+        let engine = open(EngineConfig { shards: 1, ..config(dir.path()) }, &clock, &faults);
+        faults.fail_commits(1);
+        faults.fail_opens(2);
+        assert_eq!(engine.reserve_blocking(&tenant(), reserve("k")).unwrap_err().code(), Code::Unavailable);
+        assert!(!engine.reopen_shard(0));
+        assert!(!engine.reopen_shard(0));
+        assert_eq!(engine.stats()[0].state, ShardState::Failed);
+        assert!(engine.reopen_shard(0));
+        assert_eq!(engine.stats()[0].failures, 3);
+    }
 }
 
-#[test]
-fn reopen_retries_until_the_file_opens_cleanly() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = ManualClock::new(T0);
-    let faults = Faults::default();
-    let engine = open(EngineConfig { shards: 1, ..config(dir.path()) }, &clock, &faults);
-    faults.fail_commits(1);
-    faults.fail_opens(2);
-    assert_eq!(engine.reserve_blocking(&tenant(), reserve("k")).unwrap_err().code(), Code::Unavailable);
-    assert!(!engine.reopen_shard(0));
-    assert!(!engine.reopen_shard(0));
-    assert_eq!(engine.stats()[0].state, ShardState::Failed);
-    assert!(engine.reopen_shard(0));
-    assert_eq!(engine.stats()[0].failures, 3);
-}
-
-#[test]
-fn a_failed_shard_reopens_by_itself_with_backoff() {
-    let dir = tempfile::tempdir().unwrap();
-    let faults = Faults::default();
-    let config = EngineConfig {
-        shards: 1,
-        reopen_backoff_ms_min: 10,
-        reopen_backoff_ms_max: 100,
-        ..config(dir.path())
-    };
-    let engine =
-        Engine::open_with(config, std::sync::Arc::new(oncegate_engine::SystemClock), faults.clone()).unwrap();
-    faults.fail_opens(3);
-    faults.fail_commits(1);
-    assert_eq!(engine.reserve_blocking(&tenant(), reserve("k")).unwrap_err().code(), Code::Unavailable);
-    assert!(engine.wait_shard_state(0, ShardState::Serving, Duration::from_secs(10)), "recovered");
-    assert_eq!(engine.stats()[0].failures, 4, "one batch failure and three failed reopens");
-    assert!(matches!(
-        engine.reserve_blocking(&tenant(), reserve("k")).unwrap().reply,
-        ReserveReply::Granted { .. }
-    ));
+on_both! {
+    fn a_failed_shard_reopens_by_itself_with_backoff() {
+        let dir = tempfile::tempdir().unwrap();
+        let faults = Faults::default();
+        let config = EngineConfig {
+            shards: 1,
+            reopen_backoff_ms_min: 10,
+            reopen_backoff_ms_max: 100,
+            ..config(dir.path())
+        };
+        let engine =
+            Engine::open_with(config, std::sync::Arc::new(oncegate_engine::SystemClock), faults.clone()).unwrap();
+        faults.fail_opens(3);
+        faults.fail_commits(1);
+        assert_eq!(engine.reserve_blocking(&tenant(), reserve("k")).unwrap_err().code(), Code::Unavailable);
+        assert!(engine.wait_shard_state(0, ShardState::Serving, Duration::from_secs(10)), "recovered");
+        assert_eq!(engine.stats()[0].failures, 4, "one batch failure and three failed reopens");
+        assert!(matches!(
+            engine.reserve_blocking(&tenant(), reserve("k")).unwrap().reply,
+            ReserveReply::Granted { .. }
+        ));
+    }
 }
 
 /// Fills a one-shard engine limited to `pages` SQLite pages with completed keys until a

@@ -17,84 +17,88 @@ fn fingerprinted(key: &str, fingerprint: &[u8], wait_ms: u64) -> ReserveRequest 
     ReserveRequest { fingerprint: fingerprint.to_vec(), ..reserve_for(key, 0, 0, wait_ms) }
 }
 
-#[test]
-fn a_waiter_whose_caller_has_gone_is_dropped_at_once_and_never_granted() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = ManualClock::new(T0);
-    let engine = open(EngineConfig { shards: 1, ..config(dir.path()) }, &clock, &Faults::default());
-    let t = tenant();
-    let a = granted(&engine.reserve_blocking(&t, reserve("k")).unwrap().reply);
-    // B waits 20 s for a 10 min lease, but its caller gives up long before.
-    let b = engine.reserve(&t, reserve_for("k", 600_000, 0, 20_000));
-    assert!(engine.wait_stats(0, WAIT, |s| s.waiters == 1), "B is parked");
-    drop(b);
-    assert!(engine.wait_stats(0, WAIT, |s| s.waiters == 0), "B is dropped before its own deadline");
-    engine.release_blocking(&t, key("k", a)).unwrap();
-    let c = engine.reserve_blocking(&t, reserve("k")).unwrap().reply;
-    assert!(
-        matches!(c, ReserveReply::Granted { previous: Previous::None, .. }),
-        "the dead B was not granted: {c:?}"
-    );
+on_both! {
+    fn a_waiter_whose_caller_has_gone_is_dropped_at_once_and_never_granted() {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = ManualClock::new(T0);
+        let engine = open(EngineConfig { shards: 1, ..config(dir.path()) }, &clock, &Faults::default());
+        let t = tenant();
+        let a = granted(&engine.reserve_blocking(&t, reserve("k")).unwrap().reply);
+        // B waits 20 s for a 10 min lease, but its caller gives up long before.
+        let b = engine.reserve(&t, reserve_for("k", 600_000, 0, 20_000));
+        assert!(engine.wait_stats(0, WAIT, |s| s.waiters == 1), "B is parked");
+        drop(b);
+        assert!(engine.wait_stats(0, WAIT, |s| s.waiters == 0), "B is dropped before its own deadline");
+        engine.release_blocking(&t, key("k", a)).unwrap();
+        let c = engine.reserve_blocking(&t, reserve("k")).unwrap().reply;
+        assert!(
+            matches!(c, ReserveReply::Granted { previous: Previous::None, .. }),
+            "the dead B was not granted: {c:?}"
+        );
+    }
 }
 
-#[test]
-fn gone_waiters_stop_counting_against_the_waiter_limits() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = ManualClock::new(T0);
-    let config = EngineConfig { shards: 1, waiters_per_key_max: 1, ..config(dir.path()) };
-    let engine = open(config, &clock, &Faults::default());
-    let t = tenant();
-    let a = granted(&engine.reserve_blocking(&t, reserve("k")).unwrap().reply);
-    let b = engine.reserve(&t, reserve_for("k", 0, 0, 20_000));
-    assert!(engine.wait_stats(0, WAIT, |s| s.waiters == 1));
-    drop(b);
-    // C may park at once, whether or not the shard has swept B yet.
-    let c = engine.reserve(&t, reserve_for("k", 0, 0, 20_000));
-    engine.release_blocking(&t, key("k", a)).unwrap();
-    assert!(matches!(block_on(c).unwrap().reply, ReserveReply::Granted { .. }));
+on_both! {
+    fn gone_waiters_stop_counting_against_the_waiter_limits() {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = ManualClock::new(T0);
+        let config = EngineConfig { shards: 1, waiters_per_key_max: 1, ..config(dir.path()) };
+        let engine = open(config, &clock, &Faults::default());
+        let t = tenant();
+        let a = granted(&engine.reserve_blocking(&t, reserve("k")).unwrap().reply);
+        let b = engine.reserve(&t, reserve_for("k", 0, 0, 20_000));
+        assert!(engine.wait_stats(0, WAIT, |s| s.waiters == 1));
+        drop(b);
+        // C may park at once, whether or not the shard has swept B yet.
+        let c = engine.reserve(&t, reserve_for("k", 0, 0, 20_000));
+        engine.release_blocking(&t, key("k", a)).unwrap();
+        assert!(matches!(block_on(c).unwrap().reply, ReserveReply::Granted { .. }));
+    }
 }
 
-#[test]
-fn timed_out_waiters_are_each_decided_on_their_own() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = ManualClock::new(T0);
-    let engine = open(EngineConfig { shards: 1, ..config(dir.path()) }, &clock, &Faults::default());
-    let t = tenant();
-    let a = granted(&engine.reserve_blocking(&t, fingerprinted("k", b"X", 0)).unwrap().reply);
-    let b = engine.reserve(&t, fingerprinted("k", b"", 20_000));
-    let d = engine.reserve(&t, fingerprinted("k", b"", 20_000));
-    let c = engine.reserve(&t, fingerprinted("k", b"X", 1_000));
-    assert!(engine.wait_stats(0, WAIT, |s| s.waiters == 3));
-    // B takes the key without a fingerprint; D waits behind it; C's payload no longer
-    // matches the key, so C is due `mismatch`, never `in progress`.
-    engine.release_blocking(&t, key("k", a)).unwrap();
-    clock.advance(1_001);
-    engine.run_alarms();
-    assert!(matches!(block_on(b).unwrap().reply, ReserveReply::Granted { .. }));
-    let c = block_on(c).unwrap().reply;
-    assert!(matches!(c, ReserveReply::Mismatch { .. }), "{c:?}");
-    clock.advance(20_000);
-    engine.run_alarms();
-    assert!(matches!(block_on(d).unwrap().reply, ReserveReply::InProgress { .. }));
+on_both! {
+    fn timed_out_waiters_are_each_decided_on_their_own() {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = ManualClock::new(T0);
+        let engine = open(EngineConfig { shards: 1, ..config(dir.path()) }, &clock, &Faults::default());
+        let t = tenant();
+        let a = granted(&engine.reserve_blocking(&t, fingerprinted("k", b"X", 0)).unwrap().reply);
+        let b = engine.reserve(&t, fingerprinted("k", b"", 20_000));
+        let d = engine.reserve(&t, fingerprinted("k", b"", 20_000));
+        let c = engine.reserve(&t, fingerprinted("k", b"X", 1_000));
+        assert!(engine.wait_stats(0, WAIT, |s| s.waiters == 3));
+        // B takes the key without a fingerprint; D waits behind it; C's payload no longer
+        // matches the key, so C is due `mismatch`, never `in progress`.
+        engine.release_blocking(&t, key("k", a)).unwrap();
+        clock.advance(1_001);
+        engine.run_alarms();
+        assert!(matches!(block_on(b).unwrap().reply, ReserveReply::Granted { .. }));
+        let c = block_on(c).unwrap().reply;
+        assert!(matches!(c, ReserveReply::Mismatch { .. }), "{c:?}");
+        clock.advance(20_000);
+        engine.run_alarms();
+        assert!(matches!(block_on(d).unwrap().reply, ReserveReply::InProgress { .. }));
+    }
 }
 
-#[test]
-fn a_wall_clock_step_then_an_in_process_reopen_expires_nothing_early() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = ManualClock::new(T0);
-    let engine = open(config(dir.path()), &clock, &Faults::default());
-    let t = tenant();
-    let token = granted(&engine.reserve_blocking(&t, reserve_for("k", 0, 60_000, 0)).unwrap().reply);
-    engine.commit_blocking(&t, commit("k", token, b"first")).unwrap();
-    clock.step(3_600_000);
-    let shard = engine.shard_of(&engine.scope(&t, "live", "k").unwrap());
-    assert!(engine.reopen_shard(shard));
-    clock.advance(2_000);
-    let retry = engine.reserve_blocking(&t, reserve_for("k", 0, 60_000, 0)).unwrap().reply;
-    assert!(matches!(retry, ReserveReply::Completed { .. }), "a retry 2 s after the commit: {retry:?}");
-    clock.advance(58_000);
-    engine.run_alarms();
-    assert_eq!(engine.get_blocking(&t, key("k", 0)).unwrap().state, State::Free, "the ttl runs in real time");
+on_both! {
+    fn a_wall_clock_step_then_an_in_process_reopen_expires_nothing_early() {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = ManualClock::new(T0);
+        let engine = open(config(dir.path()), &clock, &Faults::default());
+        let t = tenant();
+        let token = granted(&engine.reserve_blocking(&t, reserve_for("k", 0, 60_000, 0)).unwrap().reply);
+        engine.commit_blocking(&t, commit("k", token, b"first")).unwrap();
+        clock.step(3_600_000);
+        let shard = engine.shard_of(&engine.scope(&t, "live", "k").unwrap());
+        assert!(engine.reopen_shard(shard));
+        clock.advance(2_000);
+        let retry = engine.reserve_blocking(&t, reserve_for("k", 0, 60_000, 0)).unwrap().reply;
+        assert!(matches!(retry, ReserveReply::Completed { .. }), "a retry 2 s after the commit: {retry:?}");
+        clock.advance(58_000);
+        engine.run_alarms();
+        assert_eq!(engine.get_blocking(&t, key("k", 0)).unwrap().state, State::Free, "the ttl runs in real time");
+    }
 }
 
 #[test]
@@ -175,24 +179,25 @@ fn tokens_stay_above_every_token_issued_before_a_file_restore() {
     assert_eq!(oncegate_engine::token::epoch_of(after_reopen), 3, "new, restart, reopen");
 }
 
-#[test]
-fn reads_take_no_write_transaction_and_no_fsync() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = ManualClock::new(T0);
-    let faults = Faults::default();
-    let engine = open(EngineConfig { shards: 1, ..config(dir.path()) }, &clock, &faults);
-    let t = tenant();
-    let token = granted(&engine.reserve_blocking(&t, reserve("k")).unwrap().reply);
-    let commits = engine.stats()[0].commits;
-    faults.fail_commits(1);
-    for _ in 0..3 {
-        assert_eq!(engine.get_blocking(&t, key("k", 0)).unwrap().token, token);
-        let scope = engine.scope(&t, "live", "k").unwrap();
-        assert_eq!(block_on(engine.inspect(scope)).unwrap().1, State::Pending);
+on_both! {
+    fn reads_take_no_write_transaction_and_no_fsync() {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = ManualClock::new(T0);
+        let faults = Faults::default();
+        let engine = open(EngineConfig { shards: 1, ..config(dir.path()) }, &clock, &faults);
+        let t = tenant();
+        let token = granted(&engine.reserve_blocking(&t, reserve("k")).unwrap().reply);
+        let commits = engine.stats()[0].commits;
+        faults.fail_commits(1);
+        for _ in 0..3 {
+            assert_eq!(engine.get_blocking(&t, key("k", 0)).unwrap().token, token);
+            let scope = engine.scope(&t, "live", "k").unwrap();
+            assert_eq!(block_on(engine.inspect(scope)).unwrap().1, State::Pending);
+        }
+        assert_eq!(engine.stats()[0].commits, commits, "no read committed anything");
+        // The armed commit failure is still there for the next write.
+        assert_eq!(engine.heartbeat_blocking(&t, key("k", token)).unwrap_err().code(), Code::Unavailable);
     }
-    assert_eq!(engine.stats()[0].commits, commits, "no read committed anything");
-    // The armed commit failure is still there for the next write.
-    assert_eq!(engine.heartbeat_blocking(&t, key("k", token)).unwrap_err().code(), Code::Unavailable);
 }
 
 #[test]
@@ -208,28 +213,29 @@ fn the_integrity_check_runs_at_process_start_only() {
     assert!(engine.reopen_shard(0), "an in-process reopen does not re-read the whole file");
 }
 
-#[test]
-fn a_panicking_shard_is_reported_never_silently_dead() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = ManualClock::new(T0);
-    let faults = Faults::default();
-    let engine = open(config(dir.path()), &clock, &faults);
-    let t = tenant();
-    faults.panic_next_batch();
-    assert_eq!(engine.reserve_blocking(&t, reserve("k")).unwrap_err().code(), Code::Unavailable);
-    let shard = engine.shard_of(&engine.scope(&t, "live", "k").unwrap());
-    assert!(engine.wait_shard_state(shard, ShardState::Panicked, WAIT));
-    let last_error = engine.stats()[shard as usize].last_error.clone().unwrap_or_default();
-    assert!(last_error.contains("panicked"), "{last_error}");
-    assert_eq!(engine.reserve_blocking(&t, reserve("k")).unwrap_err().code(), Code::Unavailable);
-    let other = (0..)
-        .map(|i| format!("o{i}"))
-        .find(|k| engine.shard_of(&engine.scope(&t, "live", k).unwrap()) != shard);
-    let other = other.unwrap();
-    assert!(matches!(
-        engine.reserve_blocking(&t, reserve(&other)).unwrap().reply,
-        ReserveReply::Granted { .. }
-    ));
+on_both! {
+    fn a_panicking_shard_is_reported_never_silently_dead() {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = ManualClock::new(T0);
+        let faults = Faults::default();
+        let engine = open(config(dir.path()), &clock, &faults);
+        let t = tenant();
+        faults.panic_next_batch();
+        assert_eq!(engine.reserve_blocking(&t, reserve("k")).unwrap_err().code(), Code::Unavailable);
+        let shard = engine.shard_of(&engine.scope(&t, "live", "k").unwrap());
+        assert!(engine.wait_shard_state(shard, ShardState::Panicked, WAIT));
+        let last_error = engine.stats()[shard as usize].last_error.clone().unwrap_or_default();
+        assert!(last_error.contains("panicked"), "{last_error}");
+        assert_eq!(engine.reserve_blocking(&t, reserve("k")).unwrap_err().code(), Code::Unavailable);
+        let other = (0..)
+            .map(|i| format!("o{i}"))
+            .find(|k| engine.shard_of(&engine.scope(&t, "live", k).unwrap()) != shard);
+        let other = other.unwrap();
+        assert!(matches!(
+            engine.reserve_blocking(&t, reserve(&other)).unwrap().reply,
+            ReserveReply::Granted { .. }
+        ));
+    }
 }
 
 #[test]

@@ -185,11 +185,12 @@ fn key_req(key: &str, token: u64, lease_ms: u64) -> KeyRequest {
     KeyRequest { lease_ms, ..common::key(key, token) }
 }
 
-#[test]
-fn concurrent_single_key_histories_are_linearizable() {
-    for round in 0..ROUNDS {
-        for (key, calls) in run_round(round) {
-            assert!(linearizable(&calls), "round {round}, {key}: no linearization explains {calls:#?}");
+on_both! {
+    fn concurrent_single_key_histories_are_linearizable() {
+        for round in 0..ROUNDS {
+            for (key, calls) in run_round(round) {
+                assert!(linearizable(&calls), "round {round}, {key}: no linearization explains {calls:#?}");
+            }
         }
     }
 }

@@ -211,8 +211,17 @@ impl Batch<'_> {
     fn write(&mut self, store: &mut Store, requests: Vec<Request>) -> Result<bool, StoreError> {
         let writes = requests.iter().any(|r| !r.command.is_read_only());
         let keys: Vec<&Scope> = requests.iter().map(|r| &r.scope).collect();
-        let txn = if writes { store.begin(&keys, self.now)? } else { store.begin_read(&keys, self.now)? };
+        let began = if writes { store.begin(&keys, self.now) } else { store.begin_read(&keys, self.now) };
         drop(keys);
+        let txn = match began {
+            Ok(txn) => txn,
+            Err(error) => {
+                // Every caller goes into the outbox, which the failure path answers.
+                let placeholder = Error::Unavailable { shard: self.shard, reason: String::new() };
+                self.outbox.extend(requests.into_iter().map(|r| (r.reply, Err(placeholder.clone()))));
+                return Err(error);
+            }
+        };
         self.now = txn.now();
         let mut touched: Vec<Scope> = Vec::new();
         let mut requests = requests.into_iter();

@@ -360,6 +360,18 @@ impl Store {
         Ok((store, Meta { next_token: 1, high_water_ms: from_sql(mark) }))
     }
 
+    /// Replaces a connection the server closed (a restart, a fail-over) before it is
+    /// used, so the first batch after the database is back does not fail on it.
+    fn reconnect(&mut self) -> Result<(), StoreError> {
+        if let Some(closed) = self.client.take() {
+            drop(Object::take(closed));
+        }
+        let pool = &self.pg.pool;
+        let client = self.pg.run(async { pool.get().await.map_err(|e| StoreError::Postgres(format!("connect: {e}"))) })?;
+        self.client = Some(client);
+        Ok(())
+    }
+
     fn client(&self) -> &Object {
         self.client.as_ref().expect("a store keeps its connection until dropped")
     }
@@ -383,6 +395,9 @@ impl Store {
         let mut hashes: Vec<i64> = keys.iter().map(|s| route::scope_hash(s) as i64).collect();
         hashes.sort_unstable();
         hashes.dedup();
+        if self.client().is_closed() {
+            self.reconnect()?;
+        }
         let database_clock = self.pg.config.postgres_clock == PgClock::Database;
         let mut attempt = 0;
         let (now_ms, tokens, rows) = loop {

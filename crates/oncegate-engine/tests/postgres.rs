@@ -1,0 +1,229 @@
+//! Several oncegate nodes on one PostgreSQL database: races split across nodes, one clock
+//! for nodes whose own clocks disagree, tokens across nodes and expiry, waiting and
+//! reclaim across nodes, and failing closed when the database goes away, turns
+//! read-only or holds a newer schema. (The contract itself runs on both stores in the
+//! other test files.)
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::pg::{Cluster, shared};
+use common::*;
+use oncegate_core::{Code, ReserveReply, State};
+use oncegate_engine::{
+    Clock, Engine, EngineConfig, Faults, ManualClock, PgClock, ShardState, StoreConfig, StoreKind, SystemClock,
+};
+
+const WAIT: Duration = Duration::from_secs(20);
+
+/// A node on database `url` with its own data directory (its name and lock).
+fn node(dir: &std::path::Path, url: &str, clock: PgClock, time: Arc<dyn Clock>) -> Engine {
+    let config = EngineConfig {
+        data_dir: dir.to_owned(),
+        store: StoreConfig {
+            kind: StoreKind::Postgres,
+            postgres_url: url.to_owned(),
+            postgres_clock: clock,
+            ..StoreConfig::default()
+        },
+        reopen_backoff_ms_min: 10,
+        reopen_backoff_ms_max: 200,
+        ..EngineConfig::default()
+    };
+    Engine::open_with(config, time, Faults::default()).expect("node opens")
+}
+
+/// Runs SQL on the database (the operator's side of a test).
+fn sql(url: &str, statement: &str) {
+    block_on(async {
+        let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.unwrap();
+        let driver = tokio::spawn(connection);
+        client.batch_execute(statement).await.unwrap();
+        drop(client);
+        let _ = driver.await;
+    });
+}
+
+fn block_on<F: std::future::Future>(future: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(future)
+}
+
+/// Two nodes of one database, each with its own directory.
+struct Pair {
+    a: Engine,
+    b: Engine,
+    _dirs: (tempfile::TempDir, tempfile::TempDir),
+}
+
+fn pair(name: &str, clock: PgClock, time_a: Arc<dyn Clock>, time_b: Arc<dyn Clock>) -> Option<Pair> {
+    let url = shared()?.database(name);
+    let dirs = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let a = node(dirs.0.path(), &url, clock, time_a);
+    let b = node(dirs.1.path(), &url, clock, time_b);
+    Some(Pair { a, b, _dirs: dirs })
+}
+
+#[test]
+fn a_race_split_across_two_nodes_grants_exactly_once() {
+    let Some(pair) = pair("race", PgClock::Database, Arc::new(SystemClock), Arc::new(SystemClock)) else {
+        return;
+    };
+    let t = tenant();
+    for round in 0..20 {
+        let name = format!("race-{round}");
+        let barrier = std::sync::Barrier::new(64);
+        let grants: usize = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..64)
+                .map(|i| {
+                    let (engine, barrier, name, t) = (if i % 2 == 0 { &pair.a } else { &pair.b }, &barrier, &name, &t);
+                    s.spawn(move || {
+                        barrier.wait();
+                        let reply = engine.reserve_blocking(t, reserve(name)).unwrap().reply;
+                        usize::from(matches!(reply, ReserveReply::Granted { .. }))
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).sum()
+        });
+        assert_eq!(grants, 1, "round {round}: exactly one of 64 racers on two nodes is granted");
+    }
+}
+
+#[test]
+fn nodes_whose_clocks_disagree_decide_by_the_database_clock() {
+    // Node B's own clock is an hour ahead of node A's; both decide by the database's.
+    let (a_time, b_time) = (ManualClock::new(T0), ManualClock::new(T0 + 3_600_000));
+    let Some(pair) = pair("skew", PgClock::Database, Arc::new(a_time), Arc::new(b_time)) else { return };
+    let t = tenant();
+    let granted_on_a = pair.a.reserve_blocking(&t, reserve_for("k", 10_000, 60_000, 0)).unwrap().reply;
+    let ReserveReply::Granted { lease_until_ms, .. } = granted_on_a else { panic!("{granted_on_a:?}") };
+    let seen_on_b = pair.b.reserve_blocking(&t, reserve_for("k", 10_000, 60_000, 0)).unwrap().reply;
+    match seen_on_b {
+        ReserveReply::InProgress { lease_until_ms: seen, .. } => {
+            assert_eq!(seen, lease_until_ms, "B sees the lease A was given, an hour of skew or not")
+        }
+        other => panic!("B's hour-ahead clock must not expire A's lease: {other:?}"),
+    }
+    let wall = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    assert!(lease_until_ms.abs_diff(wall + 10_000) < 60_000, "the lease runs on the database's clock");
+}
+
+#[test]
+fn tokens_increase_across_nodes_and_across_expiry() {
+    let time = ManualClock::new(T0);
+    let Some(pair) = pair("tokens", PgClock::Engine, Arc::new(time.clone()), Arc::new(time.clone())) else {
+        return;
+    };
+    let t = tenant();
+    let t1 = granted(&pair.a.reserve_blocking(&t, reserve_for("k", 1_000, 1_000, 0)).unwrap().reply);
+    pair.a.release_blocking(&t, key("k", t1)).unwrap();
+    let t2 = granted(&pair.b.reserve_blocking(&t, reserve_for("k", 1_000, 1_000, 0)).unwrap().reply);
+    assert!(t2 > t1, "B's grant after A's: {t2} > {t1}");
+    pair.b.commit_blocking(&t, commit("k", t2, b"done")).unwrap();
+    // The record expires and is reclaimed (by whichever node gets there), then A grants
+    // the key again: its token is still above every earlier one.
+    time.advance(5_000);
+    pair.a.run_alarms();
+    pair.b.run_alarms();
+    let reclaimed: u64 = pair.a.stats().iter().chain(pair.b.stats().iter()).map(|s| s.reclaimed).sum();
+    assert_eq!(reclaimed, 1, "the expired record was deleted once");
+    let t3 = granted(&pair.a.reserve_blocking(&t, reserve_for("k", 1_000, 1_000, 0)).unwrap().reply);
+    assert!(t3 > t2, "after expiry: {t3} > {t2}");
+    // A stale holder's token is fenced on either node.
+    assert_eq!(pair.b.commit_blocking(&t, commit("k", t2, b"late")).unwrap_err().code(), Code::LeaseLost);
+}
+
+#[test]
+fn a_waiter_on_one_node_is_answered_when_another_node_commits() {
+    let Some(pair) = pair("wait", PgClock::Database, Arc::new(SystemClock), Arc::new(SystemClock)) else {
+        return;
+    };
+    let t = tenant();
+    let token = granted(&pair.a.reserve_blocking(&t, reserve_for("k", 60_000, 60_000, 0)).unwrap().reply);
+    let waiter = pair.b.reserve(&t, reserve_for("k", 60_000, 60_000, 15_000));
+    let shard = pair.b.shard_of(&pair.b.scope(&t, "live", "k").unwrap());
+    assert!(pair.b.wait_stats(shard, WAIT, |s| s.waiters == 1), "parked on B");
+    pair.a.commit_blocking(&t, commit("k", token, b"from A")).unwrap();
+    match block_on(waiter).unwrap().reply {
+        ReserveReply::Completed { response, .. } => assert_eq!(response, b"from A"),
+        other => panic!("B's waiter hears A's commit (by its poll), not {other:?}"),
+    }
+}
+
+#[test]
+fn expired_records_are_reclaimed_by_whichever_node_gets_there() {
+    let time = ManualClock::new(T0);
+    let Some(pair) = pair("reclaim", PgClock::Engine, Arc::new(time.clone()), Arc::new(time.clone())) else {
+        return;
+    };
+    let t = tenant();
+    for i in 0..30 {
+        let name = format!("k{i}");
+        let token = granted(&pair.a.reserve_blocking(&t, reserve_for(&name, 1_000, 1_000, 0)).unwrap().reply);
+        pair.a.commit_blocking(&t, commit(&name, token, b"x")).unwrap();
+    }
+    time.advance(5_000);
+    // B's alarms run now; A's may run on their own timers meanwhile. Each record is
+    // deleted by exactly one of them.
+    for _ in 0..10 {
+        pair.b.run_alarms();
+    }
+    pair.a.run_alarms();
+    let reclaimed = |engine: &Engine| engine.stats().iter().map(|s| s.reclaimed).sum::<u64>();
+    let (on_a, on_b) = (reclaimed(&pair.a), reclaimed(&pair.b));
+    assert_eq!(on_a + on_b, 30, "every expired record deleted once: {on_a} by A, {on_b} by B");
+    assert!(on_b > 0, "B reclaims records A wrote");
+    assert_eq!(pair.a.get_blocking(&t, key("k0", 0)).unwrap().state, State::Free);
+}
+
+#[test]
+fn a_database_that_goes_away_answers_unavailable_and_the_node_recovers() {
+    let Some(cluster) = Cluster::start() else { return };
+    let url = cluster.database("outage");
+    let dir = tempfile::tempdir().unwrap();
+    let engine = node(dir.path(), &url, PgClock::Database, Arc::new(SystemClock));
+    let t = tenant();
+    let token = granted(&engine.reserve_blocking(&t, reserve("before")).unwrap().reply);
+    engine.commit_blocking(&t, commit("before", token, b"kept")).unwrap();
+
+    cluster.stop();
+    let err = engine.reserve_blocking(&t, reserve("during")).unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+    let shard = engine.shard_of(&engine.scope(&t, "live", "during").unwrap());
+    assert_ne!(engine.shard_states()[shard as usize], ShardState::Serving, "health reports it: {:?}", engine.stats());
+
+    cluster.restart();
+    for shard in 0..engine.shard_states().len() as u32 {
+        assert!(engine.wait_shard_state(shard, ShardState::Serving, WAIT), "shard {shard} reconnected by itself");
+    }
+    assert!(matches!(engine.reserve_blocking(&t, reserve("during")).unwrap().reply, ReserveReply::Granted { .. }));
+    match engine.reserve_blocking(&t, reserve("before")).unwrap().reply {
+        ReserveReply::Completed { response, .. } => assert_eq!(response, b"kept"),
+        other => panic!("what was acknowledged before the outage is there after it: {other:?}"),
+    }
+}
+
+#[test]
+fn a_read_only_database_is_refused_and_a_newer_schema_too() {
+    let Some(cluster) = shared() else { return };
+    let url = cluster.database("readonly");
+    let dir = tempfile::tempdir().unwrap();
+    let time: Arc<dyn Clock> = Arc::new(ManualClock::new(T0));
+    drop(node(dir.path(), &url, PgClock::Engine, Arc::clone(&time)));
+    sql(&cluster.url("postgres"), "ALTER DATABASE readonly SET default_transaction_read_only = on");
+    let engine = node(dir.path(), &url, PgClock::Engine, Arc::clone(&time));
+    let stats = engine.stats();
+    assert!(stats.iter().all(|s| s.state == ShardState::Failed));
+    let error = stats[0].last_error.clone().unwrap_or_default();
+    assert!(error.contains("read-only"), "{error}");
+    assert_eq!(engine.reserve_blocking(&tenant(), reserve("k")).unwrap_err().code(), Code::Unavailable);
+    drop(engine);
+
+    sql(&cluster.url("postgres"), "ALTER DATABASE readonly SET default_transaction_read_only = off");
+    sql(&url, "UPDATE oncegate_schema SET version = 99");
+    let engine = node(dir.path(), &url, PgClock::Engine, time);
+    let error = engine.stats()[0].last_error.clone().unwrap_or_default();
+    assert!(error.contains("schema version 99 is unknown"), "{error}");
+}
