@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use anyhow::Context;
-use oncegate_engine::Engine;
+use oncegate_engine::{Engine, StoreKind};
 use oncegate_server::{Config, Listeners, LogFormat};
 use tracing_subscriber::EnvFilter;
 
@@ -27,6 +27,13 @@ pub struct ServeArgs {
     /// Shards for a new data directory (`engine.shards`).
     #[arg(long, env = "ONCEGATE_SHARDS")]
     shards: Option<u32>,
+    /// Where the records live: `sqlite` or `postgres` (`store.kind`).
+    #[arg(long, env = "ONCEGATE_STORE", value_parser = ["sqlite", "postgres"])]
+    store: Option<String>,
+    /// The PostgreSQL connection string (`store.postgres_url`); `sslmode=require` asks
+    /// for TLS.
+    #[arg(long, env = "ONCEGATE_POSTGRES_URL", hide_env_values = true)]
+    postgres_url: Option<String>,
     /// `text` or `json` log lines (`log.format`).
     #[arg(long, env = "ONCEGATE_LOG_FORMAT", value_parser = ["text", "json"])]
     log_format: Option<String>,
@@ -48,6 +55,12 @@ fn load(args: &ServeArgs) -> anyhow::Result<Config> {
     }
     if let Some(shards) = args.shards {
         config.engine.shards = shards;
+    }
+    if let Some(kind) = &args.store {
+        config.store.kind = if kind == "postgres" { StoreKind::Postgres } else { StoreKind::Sqlite };
+    }
+    if let Some(url) = &args.postgres_url {
+        config.store.postgres_url = url.clone();
     }
     if let Some(format) = &args.log_format {
         config.log.format = if format == "json" { LogFormat::Json } else { LogFormat::Text };
@@ -82,7 +95,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
 async fn serve(config: Config) -> anyhow::Result<()> {
     // Bind first: a port in use is found before the data directory is opened and checked.
     let listeners = Listeners::bind(&config.server).await?;
-    let engine = Engine::open(config.engine.clone())
+    let engine = Engine::open(config.engine_config())
         .with_context(|| format!("opening data directory {}", config.engine.data_dir.display()))?;
     let addr = listeners.gate.local_addr()?;
     let metrics = listeners.metrics.as_ref().map(|l| l.local_addr()).transpose()?;
@@ -93,6 +106,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         %metrics,
         data_dir = %config.engine.data_dir.display(),
         shards = engine.stats().len(),
+        store = ?config.store.kind,
         durability = ?config.engine.durability,
         "listening"
     );

@@ -28,7 +28,7 @@ pub fn serve_child(data_dir: std::path::PathBuf, shards: u32) -> anyhow::Result<
     config.server.listen = "127.0.0.1:0".parse()?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async {
-        let engine = oncegate_engine::Engine::open(config.engine.clone())?;
+        let engine = oncegate_engine::Engine::open(config.engine_config())?;
         let listener = tokio::net::TcpListener::bind(config.server.listen).await?;
         println!("addr={}", listener.local_addr()?);
         let listeners = oncegate_server::Listeners { gate: listener, metrics: None };

@@ -100,7 +100,9 @@ pub struct EngineConfig {
     /// Where the manifest and the shard files live (with PostgreSQL: the node's name and
     /// its lock).
     pub data_dir: PathBuf,
-    /// Where the records live.
+    /// Where the records live. Not read from the `[engine]` section: the server's file has
+    /// a `[store]` section of its own.
+    #[serde(skip)]
     pub store: StoreConfig,
     /// How many shards (threads and SQLite files) a new directory gets. An existing
     /// directory keeps its own count (its manifest), which only grows: online with
@@ -260,37 +262,45 @@ impl EngineConfig {
             100_000,
             Unit::Count,
         );
-        self.check_store(&mut problems);
+        if let Err(store) = self.store.check(self.shards) {
+            problems.extend_under("store", store);
+        }
         problems.into_result()
     }
+}
 
-    fn check_store(&self, problems: &mut Problems) {
-        if self.store.kind != StoreKind::Postgres {
-            return;
+impl StoreConfig {
+    /// Checks the store's settings for an engine of `shards` shards; problems name the
+    /// fields relative to the section (`postgres_url`).
+    pub fn check(&self, shards: u32) -> Result<(), Vec<Problem>> {
+        let mut problems = Problems::default();
+        if self.kind != StoreKind::Postgres {
+            return problems.into_result();
         }
-        if self.store.postgres_url.is_empty() {
+        if self.postgres_url.is_empty() {
             problems.push(Problem::new(
-                "store.postgres_url",
-                "is empty; kind = \"postgres\" needs a connection string".to_owned(),
+                "postgres_url",
+                "is empty; kind = \"postgres\" needs a connection string",
             ));
-        } else if self.store.postgres_url.parse::<tokio_postgres::Config>().is_err() {
-            problems.push(Problem::new("store.postgres_url", "does not parse as a PostgreSQL connection string".to_owned()));
+        } else if self.postgres_url.parse::<tokio_postgres::Config>().is_err() {
+            problems.push(Problem::new("postgres_url", "does not parse as a PostgreSQL connection string"));
         }
         problems.within_because(
-            "store.postgres_pool_size",
-            self.store.postgres_pool_size as u64,
-            u64::from(self.shards),
+            "postgres_pool_size",
+            self.postgres_pool_size as u64,
+            u64::from(shards),
             10_000,
             Unit::Count,
             " (the shard count: each shard holds one connection)",
         );
         problems.within(
-            "store.postgres_statement_timeout_ms",
-            self.store.postgres_statement_timeout_ms,
+            "postgres_statement_timeout_ms",
+            self.postgres_statement_timeout_ms,
             100,
             600_000,
             Unit::Ms,
         );
-        problems.within("store.postgres_waiters_poll_ms", self.store.postgres_waiters_poll_ms, 1, 60_000, Unit::Ms);
+        problems.within("postgres_waiters_poll_ms", self.postgres_waiters_poll_ms, 1, 60_000, Unit::Ms);
+        problems.into_result()
     }
 }

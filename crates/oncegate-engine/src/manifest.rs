@@ -94,7 +94,8 @@ pub fn node_name(files: &dyn Files, data_dir: &Path) -> Result<String, OpenError
         Err(e) => return Err(io(&path)(e)),
     }
     // Unique enough for a handful of nodes: the directory, the process and the instant.
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
+    let nanos =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
     let seed = format!("{}:{}:{nanos}", data_dir.display(), std::process::id());
     let name = format!("node-{:016x}", xxhash_rust::xxh3::xxh3_64(seed.as_bytes()));
     write_atomically(files, &path, format!("{name}\n").as_bytes()).map_err(io(&path))?;

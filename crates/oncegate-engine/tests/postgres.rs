@@ -13,7 +13,8 @@ use common::pg::{Cluster, shared};
 use common::*;
 use oncegate_core::{Code, ReserveReply, State};
 use oncegate_engine::{
-    Clock, Engine, EngineConfig, Faults, ManualClock, PgClock, ShardState, StoreConfig, StoreKind, SystemClock,
+    Clock, Engine, EngineConfig, Faults, ManualClock, PgClock, ShardState, StoreConfig, StoreKind,
+    SystemClock,
 };
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -77,7 +78,8 @@ fn a_race_split_across_two_nodes_grants_exactly_once() {
         let grants: usize = std::thread::scope(|s| {
             let handles: Vec<_> = (0..64)
                 .map(|i| {
-                    let (engine, barrier, name, t) = (if i % 2 == 0 { &pair.a } else { &pair.b }, &barrier, &name, &t);
+                    let (engine, barrier, name, t) =
+                        (if i % 2 == 0 { &pair.a } else { &pair.b }, &barrier, &name, &t);
                     s.spawn(move || {
                         barrier.wait();
                         let reply = engine.reserve_blocking(t, reserve(name)).unwrap().reply;
@@ -192,13 +194,24 @@ fn a_database_that_goes_away_answers_unavailable_and_the_node_recovers() {
     let err = engine.reserve_blocking(&t, reserve("during")).unwrap_err();
     assert_eq!(err.code(), Code::Unavailable, "{err}");
     let shard = engine.shard_of(&engine.scope(&t, "live", "during").unwrap());
-    assert_ne!(engine.shard_states()[shard as usize], ShardState::Serving, "health reports it: {:?}", engine.stats());
+    assert_ne!(
+        engine.shard_states()[shard as usize],
+        ShardState::Serving,
+        "health reports it: {:?}",
+        engine.stats()
+    );
 
     cluster.restart();
     for shard in 0..engine.shard_states().len() as u32 {
-        assert!(engine.wait_shard_state(shard, ShardState::Serving, WAIT), "shard {shard} reconnected by itself");
+        assert!(
+            engine.wait_shard_state(shard, ShardState::Serving, WAIT),
+            "shard {shard} reconnected by itself"
+        );
     }
-    assert!(matches!(engine.reserve_blocking(&t, reserve("during")).unwrap().reply, ReserveReply::Granted { .. }));
+    assert!(matches!(
+        engine.reserve_blocking(&t, reserve("during")).unwrap().reply,
+        ReserveReply::Granted { .. }
+    ));
     match engine.reserve_blocking(&t, reserve("before")).unwrap().reply {
         ReserveReply::Completed { response, .. } => assert_eq!(response, b"kept"),
         other => panic!("what was acknowledged before the outage is there after it: {other:?}"),

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use oncegate_core::{Problem, Problems, Tenant, Unit};
-use oncegate_engine::EngineConfig;
+use oncegate_engine::{EngineConfig, StoreConfig};
 use serde::{Deserialize, Serialize};
 
 /// The whole configuration file (`config/oncegate.toml` documents every key).
@@ -16,6 +16,8 @@ pub struct Config {
     pub server: ServerConfig,
     /// The shard engine and its request limits.
     pub engine: EngineConfig,
+    /// Where the records live: the data directory's SQLite files, or PostgreSQL.
+    pub store: StoreConfig,
     /// Logging.
     pub log: LogConfig,
     /// The operator's service.
@@ -344,6 +346,12 @@ impl Config {
         Config::from_toml(&text, &name)
     }
 
+    /// The engine's configuration with the `[store]` section in it: what `Engine::open`
+    /// takes.
+    pub fn engine_config(&self) -> EngineConfig {
+        EngineConfig { store: self.store.clone(), ..self.engine.clone() }
+    }
+
     /// Checks every setting and every relation between settings; returns all problems.
     pub fn check(&self) -> Result<(), Vec<Problem>> {
         self.check_serving_on(self.server.listen)
@@ -354,8 +362,13 @@ impl Config {
     /// the exposure rules look at the address that really serves.
     pub fn check_serving_on(&self, listen: SocketAddr) -> Result<(), Vec<Problem>> {
         let mut problems = Problems::default();
-        if let Err(engine) = self.engine.check() {
+        // The store is its own section: checked once, under its own name.
+        let engine = EngineConfig { store: StoreConfig::default(), ..self.engine.clone() };
+        if let Err(engine) = engine.check() {
             problems.extend_under("engine", engine);
+        }
+        if let Err(store) = self.store.check(self.engine.shards) {
+            problems.extend_under("store", store);
         }
         self.check_server(&mut problems);
         self.check_exposure(listen, &mut problems);

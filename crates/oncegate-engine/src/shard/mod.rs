@@ -312,10 +312,8 @@ impl Shard {
         // A shared store's waiters are read again at its poll interval: another node may
         // have committed or released their key.
         let poll_ms = store.waiters_poll_ms().filter(|_| self.book.waiters_len > 0).map(|p| now_ms + p);
-        let deadline_ms = [self.book.next_reclaim_ms, self.book.waiters_alarm_ms(), poll_ms]
-            .into_iter()
-            .flatten()
-            .min()?;
+        let deadline_ms =
+            [self.book.next_reclaim_ms, self.book.waiters_alarm_ms(), poll_ms].into_iter().flatten().min()?;
         Some(Instant::now() + Duration::from_millis(deadline_ms.saturating_sub(now_ms)))
     }
 

@@ -81,7 +81,8 @@ impl Shard {
         // Only the first open of the process checks the file and re-anchors the clock;
         // an in-process reopen keeps the frame, so a wall-clock step cannot age records.
         let process_start = !self.opened;
-        let (mut store, meta, created) = sqlite::Store::open(&self.path, &tuning, &self.faults, process_start)?;
+        let (mut store, meta, created) =
+            sqlite::Store::open(&self.path, &tuning, &self.faults, process_start)?;
         let stored_epoch =
             manifest::read_epoch(&*self.files, &self.epoch_path).map_err(|e| self.epoch_error(e))?;
         let epoch = token::epoch_at_open(stored_epoch, meta.next_token, created);

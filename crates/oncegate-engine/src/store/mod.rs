@@ -25,7 +25,6 @@ pub(crate) use sqlite::{Tuning, configure};
 
 use crate::quota::Tally;
 
-
 /// What can go wrong in the store.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

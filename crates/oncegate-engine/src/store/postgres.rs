@@ -217,11 +217,12 @@ fn tls() -> Result<tokio_postgres_rustls::MakeRustlsConnect, StoreError> {
     for cert in rustls_native_certs::load_native_certs().certs {
         let _ = roots.add(cert);
     }
-    let config = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-        .with_safe_default_protocol_versions()
-        .map_err(|e| StoreError::Postgres(format!("tls: {e}")))?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
+    let config =
+        rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .map_err(|e| StoreError::Postgres(format!("tls: {e}")))?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
     Ok(tokio_postgres_rustls::MakeRustlsConnect::new(config))
 }
 
@@ -367,7 +368,9 @@ impl Store {
             drop(Object::take(closed));
         }
         let pool = &self.pg.pool;
-        let client = self.pg.run(async { pool.get().await.map_err(|e| StoreError::Postgres(format!("connect: {e}"))) })?;
+        let client = self
+            .pg
+            .run(async { pool.get().await.map_err(|e| StoreError::Postgres(format!("connect: {e}"))) })?;
         self.client = Some(client);
         Ok(())
     }
@@ -433,7 +436,8 @@ impl Store {
         write: bool,
     ) -> Result<(u64, (u64, u64), HashMap<Scope, Option<Record>>), Retry> {
         let client = self.client();
-        let fail = |e: tokio_postgres::Error| if retryable(&e) { Retry::Again(e) } else { Retry::Fail(pg_error(e)) };
+        let fail =
+            |e: tokio_postgres::Error| if retryable(&e) { Retry::Again(e) } else { Retry::Fail(pg_error(e)) };
         client.batch_execute("BEGIN").await.map_err(fail)?;
         let started = async {
             if write {
@@ -446,7 +450,8 @@ impl Store {
             let local = to_sql(local_now_ms);
             let (now_ms, tokens) = if write {
                 let clock = client.prepare_cached(CLOCK_WRITE).await.map_err(fail)?;
-                let row = client.query_one(&clock, &[&self.lane, &database_clock, &local]).await.map_err(fail)?;
+                let row =
+                    client.query_one(&clock, &[&self.lane, &database_clock, &local]).await.map_err(fail)?;
                 let first = from_sql(row.get(1));
                 (from_sql(row.get(0)), (first, first + TOKEN_BLOCK))
             } else {
@@ -531,7 +536,8 @@ async fn current_version(client: &Object) -> Result<Option<i64>, StoreError> {
     if !exists {
         return Ok(None);
     }
-    let row = client.query_opt("SELECT version FROM oncegate_schema WHERE id = 0", &[]).await.map_err(pg_error)?;
+    let row =
+        client.query_opt("SELECT version FROM oncegate_schema WHERE id = 0", &[]).await.map_err(pg_error)?;
     let version = row.map(|r| r.get::<_, i64>(0));
     match version {
         Some(v) if v > SCHEMA_VERSION => Err(StoreError::Schema { found: v, supported: SCHEMA_VERSION }),

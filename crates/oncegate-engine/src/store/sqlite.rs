@@ -9,9 +9,7 @@ use std::cell::{Cell, RefCell};
 use std::path::Path;
 use std::sync::Arc;
 
-use oncegate_core::{
-    Completion, Fingerprint, Outcome, Record, Scope, route,
-};
+use oncegate_core::{Completion, Fingerprint, Outcome, Record, Scope, route};
 use rusqlite::{Connection, OpenFlags, OptionalExtension, Transaction, TransactionBehavior, params};
 
 use super::{Meta, StoreError, decode_history, encode_history, stored_scope, stored_tenant};

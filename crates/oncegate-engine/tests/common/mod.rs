@@ -11,8 +11,8 @@ use std::sync::Arc;
 
 use oncegate_core::{Outcome, ReserveReply, State, Tenant};
 use oncegate_engine::{
-    CommitRequest, Engine, EngineConfig, Faults, KeyRequest, ManualClock, PgClock, ReserveRequest, StoreConfig,
-    StoreKind,
+    CommitRequest, Engine, EngineConfig, Faults, KeyRequest, ManualClock, PgClock, ReserveRequest,
+    StoreConfig, StoreKind,
 };
 
 /// A fixed start time, so that test failures print readable numbers.

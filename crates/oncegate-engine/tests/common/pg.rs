@@ -75,9 +75,13 @@ impl Cluster {
     pub fn start() -> Option<Cluster> {
         let Some(bin) = bin_dir() else {
             if std::env::var("ONCEGATE_REQUIRE_POSTGRES").is_ok_and(|v| v == "1") {
-                panic!("ONCEGATE_REQUIRE_POSTGRES=1 but no initdb/pg_ctl found (apt-get install -y postgresql)");
+                panic!(
+                    "ONCEGATE_REQUIRE_POSTGRES=1 but no initdb/pg_ctl found (apt-get install -y postgresql)"
+                );
             }
-            eprintln!("skipped: PostgreSQL is not installed (apt-get install -y postgresql runs these tests)");
+            eprintln!(
+                "skipped: PostgreSQL is not installed (apt-get install -y postgresql runs these tests)"
+            );
             return None;
         };
         let dir = tempfile::Builder::new().prefix("oncegate-pg-").tempdir().unwrap();
@@ -117,17 +121,20 @@ impl Cluster {
         self.start_server().expect("postgres starts again");
     }
 
-    /// Stops the server and removes its directory when this process ends, however it ends.
+    /// The postmaster's process id (the first line of `postmaster.pid`).
+    fn postmaster_pid(&self) -> Option<u32> {
+        let text = std::fs::read_to_string(self.data.join("postmaster.pid")).ok()?;
+        text.lines().next()?.trim().parse().ok()
+    }
+
+    /// Stops the server and removes its directory when this process ends, however it
+    /// ends: a shell waits for this process to go, then sends the postmaster SIGQUIT (an
+    /// immediate shutdown) and removes the directory.
     fn watch(&self) {
+        let Some(postmaster) = self.postmaster_pid() else { return };
         let script = format!(
-            "while kill -0 {pid} 2>/dev/null; do sleep 0.5; done; {stop} -D {data} -m immediate stop >/dev/null 2>&1; rm -rf {dir}",
+            "while kill -0 {pid} 2>/dev/null; do sleep 0.5; done; kill -QUIT {postmaster} 2>/dev/null; sleep 1; rm -rf {dir}",
             pid = std::process::id(),
-            stop = if is_root() {
-                format!("runuser -u postgres -- {}", self.bin.join("pg_ctl").display())
-            } else {
-                self.bin.join("pg_ctl").display().to_string()
-            },
-            data = self.data.display(),
             dir = self.socket_dir.display(),
         );
         Command::new("sh")
@@ -151,6 +158,16 @@ impl Cluster {
 
     pub fn url(&self, name: &str) -> String {
         format!("host=127.0.0.1 port={} user=postgres dbname={name}", self.port)
+    }
+}
+
+impl Drop for Cluster {
+    /// A cluster a test made for itself stops with the test (its directory goes with it).
+    fn drop(&mut self) {
+        let _ = run(
+            &self.bin.join("pg_ctl"),
+            &["-D", self.data.to_str().unwrap(), "-m", "immediate", "-w", "stop"],
+        );
     }
 }
 
