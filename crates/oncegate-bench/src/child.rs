@@ -15,16 +15,27 @@ pub enum ChildMode {
         /// Shards, for a new directory.
         #[arg(long)]
         shards: u32,
+        /// Keep the records in this PostgreSQL database instead of the directory.
+        #[arg(long)]
+        postgres_url: Option<String>,
     },
 }
 
 /// Runs an oncegate server for a load tool's child process: opens `data_dir` with
 /// `shards`, listens on a free loopback port, prints `addr=...` on standard output, and
 /// serves until killed.
-pub fn serve_child(data_dir: std::path::PathBuf, shards: u32) -> anyhow::Result<()> {
+pub fn serve_child(
+    data_dir: std::path::PathBuf,
+    shards: u32,
+    postgres_url: Option<String>,
+) -> anyhow::Result<()> {
     let mut config = oncegate_server::Config::default();
     config.engine.data_dir = data_dir;
     config.engine.shards = shards;
+    if let Some(url) = postgres_url {
+        config.store.kind = oncegate_engine::StoreKind::Postgres;
+        config.store.postgres_url = url;
+    }
     config.server.listen = "127.0.0.1:0".parse()?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async {
@@ -37,16 +48,21 @@ pub fn serve_child(data_dir: std::path::PathBuf, shards: u32) -> anyhow::Result<
     })
 }
 
-/// Starts this executable's `serve` mode as a child process; returns it and its address.
-pub fn start_child(data_dir: &std::path::Path, shards: u32) -> anyhow::Result<(std::process::Child, String)> {
+/// Starts this executable's `serve` mode as a child process (on `postgres_url` when given);
+/// returns it and its address.
+pub fn start_child(
+    data_dir: &std::path::Path,
+    shards: u32,
+    postgres_url: Option<&str>,
+) -> anyhow::Result<(std::process::Child, String)> {
     use std::io::BufRead;
-    let mut child = std::process::Command::new(std::env::current_exe()?)
-        .args(["serve", "--data-dir"])
-        .arg(data_dir)
-        .args(["--shards", &shards.to_string()])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()?;
+    let mut command = std::process::Command::new(std::env::current_exe()?);
+    command.args(["serve", "--data-dir"]).arg(data_dir).args(["--shards", &shards.to_string()]);
+    if let Some(url) = postgres_url {
+        command.args(["--postgres-url", url]);
+    }
+    let mut child =
+        command.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::null()).spawn()?;
     let mut line = String::new();
     std::io::BufReader::new(child.stdout.take().context("stdout")?).read_line(&mut line)?;
     let addr = line.trim().strip_prefix("addr=").context("the server prints its address")?.to_owned();

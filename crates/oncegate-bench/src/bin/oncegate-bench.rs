@@ -53,6 +53,14 @@ struct Cli {
     /// gRPC connections.
     #[arg(long, default_value_t = 4)]
     connections: usize,
+    /// Where the oncegate the tool starts (and the embedded target) keeps its records:
+    /// `sqlite`, or `postgres` (the database of `--postgres`).
+    #[arg(long, default_value = "sqlite", value_parser = ["sqlite", "postgres"])]
+    store: String,
+    /// oncegate servers the tool starts (on `--store postgres`, several nodes of one
+    /// database); the gRPC targets spread their connections over them.
+    #[arg(long, default_value_t = 1)]
+    nodes: usize,
     /// Shards of the oncegate the tool starts (and of the embedded target).
     #[arg(long, default_value_t = 2)]
     shards: u32,
@@ -92,14 +100,14 @@ struct Bench {
     cli: Cli,
     runtime: tokio::runtime::Runtime,
     scratch: tempfile::TempDir,
-    server: Option<(Child, String)>,
+    servers: Vec<(Child, String)>,
     work: Work,
 }
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    if let Some(ChildMode::Serve { data_dir, shards }) = cli.mode {
-        return oncegate_bench::serve_child(data_dir, shards);
+    if let Some(ChildMode::Serve { data_dir, shards, postgres_url }) = cli.mode {
+        return oncegate_bench::serve_child(data_dir, shards, postgres_url);
     }
     let scratch = tempfile::tempdir_in(cli.dir.clone().unwrap_or_else(std::env::temp_dir))?;
     if cli.preload > 0 {
@@ -111,7 +119,7 @@ fn main() -> anyhow::Result<()> {
     let work =
         Work { response_bytes: cli.response_bytes, duplicate_share: cli.duplicates, ..Work::default() };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    let mut bench = Bench { cli, runtime, scratch, server: None, work };
+    let mut bench = Bench { cli, runtime, scratch, servers: Vec::new(), work };
     let mut reports = Vec::new();
     for in_flight in bench.cli.in_flight.clone() {
         for kind in bench.cli.targets.clone() {
@@ -126,7 +134,7 @@ fn main() -> anyhow::Result<()> {
         }
     }
     bench.raw_ceiling(&reports)?;
-    if let Some((mut child, _)) = bench.server.take() {
+    for (mut child, _) in bench.servers.drain(..) {
         let _ = child.kill();
         let _ = child.wait();
     }
@@ -138,8 +146,8 @@ impl Bench {
     fn measure(&mut self, kind: Kind, in_flight: usize) -> anyhow::Result<Report> {
         match kind {
             Kind::Grpc => {
-                let (addr, pid) = self.server_addr()?;
-                let target = self.runtime.block_on(Grpc::connect(&addr, self.cli.connections))?;
+                let (addrs, pid) = self.server_addrs()?;
+                let target = self.runtime.block_on(Grpc::connect(&addrs, self.cli.connections))?;
                 let probe = pid.map(|pid| Probe { pid, with_children: false });
                 let report = self.run(target, in_flight, probe);
                 if let Some(pid) = pid {
@@ -151,15 +159,19 @@ impl Bench {
                 Ok(report)
             }
             Kind::GrpcSession => {
-                let (addr, pid) = self.server_addr()?;
-                let target = self.runtime.block_on(Session::connect(&addr, self.cli.connections))?;
+                let (addrs, pid) = self.server_addrs()?;
+                let target = self.runtime.block_on(Session::connect(&addrs, self.cli.connections))?;
                 let probe = pid.map(|pid| Probe { pid, with_children: false });
                 Ok(self.run(target, in_flight, probe))
             }
             Kind::Embedded => {
                 let data_dir = self.scratch.path().join(format!("embedded-{in_flight}"));
-                let config =
-                    oncegate_engine::EngineConfig { data_dir, shards: self.cli.shards, ..Default::default() };
+                let config = oncegate_engine::EngineConfig {
+                    data_dir,
+                    shards: self.cli.shards,
+                    store: self.store(),
+                    ..Default::default()
+                };
                 let target = Embedded { engine: oncegate_engine::Engine::open(config)? };
                 let report = self.run(target.clone(), in_flight, Some(Probe::this_process()));
                 target.engine.shutdown();
@@ -179,23 +191,44 @@ impl Bench {
         }
     }
 
-    /// The address of the gRPC server (the given one, or a child started once), and its
-    /// process when the tool started it.
-    fn server_addr(&mut self) -> anyhow::Result<(String, Option<u32>)> {
-        if let Some(addr) = &self.cli.addr {
-            return Ok((addr.clone(), None));
+    /// The store of the oncegate the tool runs.
+    fn store(&self) -> oncegate_engine::StoreConfig {
+        match self.cli.store.as_str() {
+            "postgres" => oncegate_engine::StoreConfig {
+                kind: oncegate_engine::StoreKind::Postgres,
+                postgres_url: self.cli.postgres.clone(),
+                ..Default::default()
+            },
+            _ => oncegate_engine::StoreConfig::default(),
         }
-        if self.server.is_none() {
+    }
+
+    /// The addresses of the gRPC servers (the given one, or `--nodes` children started
+    /// once), and the server's process when the tool started exactly one (with several,
+    /// one process's CPU is not the cost of a pair).
+    fn server_addrs(&mut self) -> anyhow::Result<(Vec<String>, Option<u32>)> {
+        if let Some(addr) = &self.cli.addr {
+            return Ok((vec![addr.clone()], None));
+        }
+        if self.servers.is_empty() {
             // Until the child prints its address it is opening the store: with a preload,
             // that is the recovery time (integrity check, and the scan that rebuilds the
             // index and the reclaim schedule).
             let started = std::time::Instant::now();
-            self.server =
-                Some(oncegate_bench::start_child(&self.scratch.path().join("server"), self.cli.shards)?);
+            let postgres = (self.cli.store == "postgres").then_some(self.cli.postgres.as_str());
+            for node in 0..self.cli.nodes.max(1) {
+                let dir = self.scratch.path().join(if node == 0 {
+                    "server".to_owned()
+                } else {
+                    format!("server-{node}")
+                });
+                self.servers.push(oncegate_bench::start_child(&dir, self.cli.shards, postgres)?);
+            }
             eprintln!("the server opened its store in {:.1} s", started.elapsed().as_secs_f64());
         }
-        let (child, addr) = self.server.as_ref().expect("started");
-        Ok((addr.clone(), Some(child.id())))
+        let addrs = self.servers.iter().map(|(_, addr)| addr.clone()).collect();
+        let pid = (self.servers.len() == 1).then(|| self.servers[0].0.id());
+        Ok((addrs, pid))
     }
 
     fn run<T: Target + Clone>(&self, target: T, in_flight: usize, probe: Option<Probe>) -> Report {

@@ -55,7 +55,7 @@ struct Server {
 }
 
 fn start(data_dir: &Path, shards: u32) -> anyhow::Result<Server> {
-    let (child, addr) = oncegate_bench::start_child(data_dir, shards)?;
+    let (child, addr) = oncegate_bench::start_child(data_dir, shards, None)?;
     Ok(Server { child, addr })
 }
 
@@ -146,8 +146,8 @@ async fn client(id: u64, ttl_ms: u64, shared: Arc<Shared>) {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    if let Some(ChildMode::Serve { data_dir, shards }) = cli.mode {
-        return oncegate_bench::serve_child(data_dir, shards);
+    if let Some(ChildMode::Serve { data_dir, shards, postgres_url }) = cli.mode {
+        return oncegate_bench::serve_child(data_dir, shards, postgres_url);
     }
     let base = cli.dir.clone().unwrap_or_else(std::env::temp_dir);
     let data_dir = base.join(format!("oncegate-soak-{}", std::process::id()));

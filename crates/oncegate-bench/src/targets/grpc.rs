@@ -15,10 +15,11 @@ pub struct Grpc {
 
 impl Grpc {
     /// Connects to `addr` with `connections` HTTP/2 connections.
-    pub async fn connect(addr: &str, connections: usize) -> anyhow::Result<Grpc> {
+    pub async fn connect(addrs: &[String], connections: usize) -> anyhow::Result<Grpc> {
         let mut clients = Vec::new();
-        for _ in 0..connections.max(1) {
-            let channel = Channel::from_shared(addr.to_owned())?.connect().await?;
+        for n in 0..connections.max(addrs.len()) {
+            // Connections go round the servers (several nodes on one database).
+            let channel = Channel::from_shared(addrs[n % addrs.len()].clone())?.connect().await?;
             clients.push(GateClient::new(channel));
         }
         Ok(Grpc { clients })

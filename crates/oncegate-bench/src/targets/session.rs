@@ -29,10 +29,11 @@ pub struct Session {
 
 impl Session {
     /// Opens one `Session` stream on each of `connections` HTTP/2 connections to `addr`.
-    pub async fn connect(addr: &str, connections: usize) -> anyhow::Result<Session> {
+    pub async fn connect(addrs: &[String], connections: usize) -> anyhow::Result<Session> {
         let mut streams = Vec::new();
-        for _ in 0..connections.max(1) {
-            let channel = Channel::from_shared(addr.to_owned())?.connect().await?;
+        for n in 0..connections.max(addrs.len()) {
+            // Connections go round the servers (several nodes on one database).
+            let channel = Channel::from_shared(addrs[n % addrs.len()].clone())?.connect().await?;
             streams.push(open(GateClient::new(channel)).await?);
         }
         Ok(Session { streams, ids: Arc::new(AtomicU64::new(1)) })

@@ -38,9 +38,9 @@ use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod};
 use oncegate_core::{Completion, Fingerprint, Outcome, Record, Scope, route};
-use tokio_postgres::Row;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
+use tokio_postgres::{Row, Statement};
 
 use super::{Meta, StoreError, decode_history, encode_history, stored_scope, stored_tenant};
 use crate::config::{PgClock, StoreConfig};
@@ -285,6 +285,8 @@ pub(crate) struct Store {
     pg: Arc<Postgres>,
     /// `None` after a failure: the connection is then dropped, not returned to the pool.
     client: Option<Object>,
+    /// The connection's prepared statements.
+    statements: Option<Statements>,
     /// This shard's row in `oncegate_clock`.
     lane: String,
     /// The slots this shard reclaims (every node's shards together own every slot).
@@ -321,7 +323,7 @@ impl Store {
             return Err(StoreError::Injected("open"));
         }
         let owned: Vec<i32> = (0..route::SLOT_COUNT).filter(|s| owned.owns(*s)).map(|s| s as i32).collect();
-        let (client, tally, mark) = pg.run(async {
+        let (client, statements, tally, mark) = pg.run(async {
             let client = pg.pool.get().await.map_err(|e| StoreError::Postgres(format!("connect: {e}")))?;
             let read_only: String =
                 client.query_one("SHOW transaction_read_only", &[]).await.map_err(pg_error)?.get(0);
@@ -339,17 +341,19 @@ impl Store {
                     tracing::info!(synchronous_commit = %sync, "the database's durability");
                 }
             }
+            let statements = Statements::prepare(&client).await?;
             let tally = count(&client, &owned).await?;
             let mark: i64 = client
                 .query_one("SELECT coalesce(max(high_water_ms), 0) FROM oncegate_clock", &[])
                 .await
                 .map_err(pg_error)?
                 .get(0);
-            Ok((client, tally, mark))
+            Ok((client, statements, tally, mark))
         })?;
         let store = Store {
             pg: Arc::clone(pg),
             client: Some(client),
+            statements: Some(statements),
             lane: format!("{}/{shard}", pg.node),
             owned,
             tally: Some(tally),
@@ -368,11 +372,18 @@ impl Store {
             drop(Object::take(closed));
         }
         let pool = &self.pg.pool;
-        let client = self
-            .pg
-            .run(async { pool.get().await.map_err(|e| StoreError::Postgres(format!("connect: {e}"))) })?;
+        let (client, statements) = self.pg.run(async {
+            let client = pool.get().await.map_err(|e| StoreError::Postgres(format!("connect: {e}")))?;
+            let statements = Statements::prepare(&client).await?;
+            Ok((client, statements))
+        })?;
         self.client = Some(client);
+        self.statements = Some(statements);
         Ok(())
+    }
+
+    fn statements(&self) -> &Statements {
+        self.statements.as_ref().expect("prepared with the connection")
     }
 
     fn client(&self) -> &Object {
@@ -423,11 +434,13 @@ impl Store {
             rows: RefCell::new(rows),
             changes: RefCell::new(HashMap::new()),
             tokens: Cell::new(tokens),
-            open: Cell::new(true),
+            open: Cell::new(write),
         })
     }
 
-    /// One attempt at [`Store::begin`]'s statements.
+    /// One attempt at [`Store::begin`]'s statements, sent together (pipelined): the
+    /// server runs them in order, so the clock and the rows are read after the locks are
+    /// held, and the batch pays one round trip for all of them.
     async fn start(
         &self,
         hashes: &[i64],
@@ -435,48 +448,91 @@ impl Store {
         local_now_ms: u64,
         write: bool,
     ) -> Result<(u64, (u64, u64), HashMap<Scope, Option<Record>>), Retry> {
-        let client = self.client();
+        let (client, s) = (self.client(), self.statements());
         let fail =
             |e: tokio_postgres::Error| if retryable(&e) { Retry::Again(e) } else { Retry::Fail(pg_error(e)) };
-        client.batch_execute("BEGIN").await.map_err(fail)?;
-        let started = async {
-            if write {
-                let lock = client
-                    .prepare_cached("SELECT pg_advisory_xact_lock(h) FROM unnest($1::bigint[]) AS h")
-                    .await
-                    .map_err(fail)?;
-                client.execute(&lock, &[&hashes]).await.map_err(fail)?;
+        let local = to_sql(local_now_ms);
+        let keys: [&(dyn ToSql + Sync); 1] = [&hashes];
+        let clock_write: [&(dyn ToSql + Sync); 3] = [&self.lane, &database_clock, &local];
+        let clock_read: [&(dyn ToSql + Sync); 2] = [&database_clock, &local];
+        let started = if write {
+            tokio::try_join!(
+                client.execute(&s.begin, &[]),
+                client.execute(&s.lock, &keys),
+                client.query_one(&s.clock_write, &clock_write),
+                client.query(&s.select_write, &keys),
+            )
+            .map(|(_, _, clock, rows)| (clock, rows))
+        } else {
+            // Reads need no transaction: no lock, nothing to roll back.
+            tokio::try_join!(
+                client.query_one(&s.clock_read, &clock_read),
+                client.query(&s.select_read, &keys)
+            )
+        };
+        let (clock, found) = match started {
+            Ok(started) => started,
+            Err(error) => {
+                if write {
+                    let _ = client.execute(&s.rollback, &[]).await;
+                }
+                return Err(fail(error));
             }
-            let local = to_sql(local_now_ms);
-            let (now_ms, tokens) = if write {
-                let clock = client.prepare_cached(CLOCK_WRITE).await.map_err(fail)?;
-                let row =
-                    client.query_one(&clock, &[&self.lane, &database_clock, &local]).await.map_err(fail)?;
-                let first = from_sql(row.get(1));
-                (from_sql(row.get(0)), (first, first + TOKEN_BLOCK))
-            } else {
-                let clock = client.prepare_cached(CLOCK_READ).await.map_err(fail)?;
-                let row = client.query_one(&clock, &[&database_clock, &local]).await.map_err(fail)?;
-                (from_sql(row.get(0)), (0, 0))
-            };
-            let select = if write {
-                format!("SELECT {COLUMNS} FROM oncegate_records WHERE hash = ANY($1) FOR UPDATE")
-            } else {
-                format!("SELECT {COLUMNS} FROM oncegate_records WHERE hash = ANY($1)")
-            };
-            let select = client.prepare_cached(&select).await.map_err(fail)?;
-            let mut rows = HashMap::with_capacity(hashes.len());
-            for row in client.query(&select, &[&hashes]).await.map_err(fail)? {
-                let (scope, record) = read_row(&row).map_err(Retry::Fail)?;
-                rows.insert(scope, Some(record));
-            }
-            Ok((now_ms, tokens, rows))
+        };
+        let now_ms = from_sql(clock.get(0));
+        let tokens = if write {
+            let first = from_sql(clock.get(1));
+            (first, first + TOKEN_BLOCK)
+        } else {
+            (0, 0)
+        };
+        let mut rows = HashMap::with_capacity(hashes.len());
+        for row in &found {
+            let (scope, record) = read_row(row).map_err(Retry::Fail)?;
+            rows.insert(scope, Some(record));
         }
-        .await;
-        if started.is_err() {
-            let _ = client.batch_execute("ROLLBACK").await;
-        }
-        started
+        Ok((now_ms, tokens, rows))
+    }
+}
+
+/// Every statement a shard runs, prepared once per connection.
+struct Statements {
+    begin: Statement,
+    commit: Statement,
+    rollback: Statement,
+    lock: Statement,
+    clock_write: Statement,
+    clock_read: Statement,
+    select_write: Statement,
+    select_read: Statement,
+    upsert: Statement,
+    delete: Statement,
+    reclaim: Statement,
+    nextval: Statement,
+}
+
+impl Statements {
+    async fn prepare(client: &Object) -> Result<Statements, StoreError> {
+        let prepare = |sql: String| async move { client.prepare(&sql).await.map_err(pg_error) };
+        Ok(Statements {
+            begin: prepare("BEGIN".to_owned()).await?,
+            commit: prepare("COMMIT".to_owned()).await?,
+            rollback: prepare("ROLLBACK".to_owned()).await?,
+            lock: prepare("SELECT pg_advisory_xact_lock(h) FROM unnest($1::bigint[]) AS h".to_owned())
+                .await?,
+            clock_write: prepare(CLOCK_WRITE.to_owned()).await?,
+            clock_read: prepare(CLOCK_READ.to_owned()).await?,
+            select_write: prepare(format!(
+                "SELECT {COLUMNS} FROM oncegate_records WHERE hash = ANY($1) FOR UPDATE"
+            ))
+            .await?,
+            select_read: prepare(format!("SELECT {COLUMNS} FROM oncegate_records WHERE hash = ANY($1)"))
+                .await?,
+            upsert: prepare(UPSERT.to_owned()).await?,
+            delete: prepare(DELETE.to_owned()).await?,
+            reclaim: prepare(RECLAIM.to_owned()).await?,
+            nextval: prepare("SELECT nextval('oncegate_tokens')".to_owned()).await?,
+        })
     }
 }
 
@@ -617,8 +673,8 @@ pub(crate) struct Txn<'s> {
 impl Drop for Txn<'_> {
     fn drop(&mut self) {
         if self.open.get() {
-            let client = self.store.client();
-            let _ = self.store.pg.run(async { client.batch_execute("ROLLBACK").await.map_err(pg_error) });
+            let (client, rollback) = (self.store.client(), &self.store.statements().rollback);
+            let _ = self.store.pg.run(async { client.execute(rollback, &[]).await.map_err(pg_error) });
         }
     }
 }
@@ -644,10 +700,11 @@ impl Txn<'_> {
             self.tokens.set((candidate, end));
             return Ok(candidate);
         }
-        let client = self.store.client();
-        let first: i64 = self.store.pg.run(async {
-            Ok(client.query_one("SELECT nextval('oncegate_tokens')", &[]).await.map_err(pg_error)?.get(0))
-        })?;
+        let (client, nextval) = (self.store.client(), &self.store.statements().nextval);
+        let first: i64 = self
+            .store
+            .pg
+            .run(async { Ok(client.query_one(nextval, &[]).await.map_err(pg_error)?.get(0)) })?;
         let first = from_sql(first);
         self.tokens.set((first, first + TOKEN_BLOCK));
         Ok(first)
@@ -687,9 +744,11 @@ impl Txn<'_> {
         let client = self.store.client();
         let limit_rows = limit as i64;
         let rows = self.store.pg.run(async {
-            let stmt = client.prepare_cached(RECLAIM).await.map_err(pg_error)?;
             client
-                .query(&stmt, &[&to_sql(now_ms), &self.store.owned, &self.locked, &limit_rows])
+                .query(
+                    &self.store.statements().reclaim,
+                    &[&to_sql(now_ms), &self.store.owned, &self.locked, &limit_rows],
+                )
                 .await
                 .map_err(pg_error)
         })?;
@@ -716,11 +775,7 @@ impl Txn<'_> {
             return Err(StoreError::Injected("commit"));
         }
         let changes = std::mem::take(&mut *self.changes.borrow_mut());
-        let client = self.store.client();
-        let result = self.store.pg.run(async {
-            write_changes(client, changes).await?;
-            client.batch_execute("COMMIT").await.map_err(pg_error)
-        });
+        let result = self.store.pg.run(write_changes(self.store.client(), self.store.statements(), changes));
         self.open.set(result.is_err());
         result
     }
@@ -791,8 +846,14 @@ impl Upserts {
     }
 }
 
-/// One upsert for every changed record and one delete for every deleted one.
-async fn write_changes(client: &Object, changes: HashMap<Scope, Option<Record>>) -> Result<(), StoreError> {
+/// One delete for every deleted record, one upsert for every changed one, and the
+/// commit, sent together (pipelined). A statement that fails aborts the transaction,
+/// whose `COMMIT` then only rolls it back; its error is what this returns.
+async fn write_changes(
+    client: &Object,
+    statements: &Statements,
+    changes: HashMap<Scope, Option<Record>>,
+) -> Result<(), StoreError> {
     let mut upserts = Upserts::default();
     let mut deletes: [Vec<String>; 3] = Default::default();
     for (scope, record) in changes {
@@ -805,13 +866,18 @@ async fn write_changes(client: &Object, changes: HashMap<Scope, Option<Record>>)
             }
         }
     }
-    if !deletes[0].is_empty() {
-        let stmt = client.prepare_cached(DELETE).await.map_err(pg_error)?;
-        client.execute(&stmt, &[&deletes[0], &deletes[1], &deletes[2]]).await.map_err(pg_error)?;
-    }
-    if !upserts.tenant.is_empty() {
-        let stmt = client.prepare_cached(UPSERT).await.map_err(pg_error)?;
-        client.execute(&stmt, &upserts.params()).await.map_err(pg_error)?;
-    }
+    let delete = async {
+        if deletes[0].is_empty() {
+            return Ok(0);
+        }
+        client.execute(&statements.delete, &[&deletes[0], &deletes[1], &deletes[2]]).await
+    };
+    let upsert = async {
+        if upserts.tenant.is_empty() {
+            return Ok(0);
+        }
+        client.execute(&statements.upsert, &upserts.params()).await
+    };
+    tokio::try_join!(delete, upsert, client.execute(&statements.commit, &[])).map_err(pg_error)?;
     Ok(())
 }
