@@ -341,7 +341,7 @@ impl Store {
                     tracing::info!(synchronous_commit = %sync, "the database's durability");
                 }
             }
-            let statements = Statements::prepare(&client).await?;
+            let statements = Statements::prepare(&client, pg.config.postgres_statement_timeout_ms).await?;
             let tally = count(&client, &owned).await?;
             let mark: i64 = client
                 .query_one("SELECT coalesce(max(high_water_ms), 0) FROM oncegate_clock", &[])
@@ -371,10 +371,10 @@ impl Store {
         if let Some(closed) = self.client.take() {
             drop(Object::take(closed));
         }
-        let pool = &self.pg.pool;
+        let (pool, timeout_ms) = (&self.pg.pool, self.pg.config.postgres_statement_timeout_ms);
         let (client, statements) = self.pg.run(async {
             let client = pool.get().await.map_err(|e| StoreError::Postgres(format!("connect: {e}")))?;
-            let statements = Statements::prepare(&client).await?;
+            let statements = Statements::prepare(&client, timeout_ms).await?;
             Ok((client, statements))
         })?;
         self.client = Some(client);
@@ -439,8 +439,8 @@ impl Store {
     }
 
     /// One attempt at [`Store::begin`]'s statements, sent together (pipelined): the
-    /// server runs them in order, so the clock and the rows are read after the locks are
-    /// held, and the batch pays one round trip for all of them.
+    /// server runs them in order, so the rows and then the clock are read after the
+    /// locks are held, and the batch pays one round trip for all of them.
     async fn start(
         &self,
         hashes: &[i64],
@@ -456,13 +456,15 @@ impl Store {
         let clock_write: [&(dyn ToSql + Sync); 3] = [&self.lane, &database_clock, &local];
         let clock_read: [&(dyn ToSql + Sync); 2] = [&database_clock, &local];
         let started = if write {
+            // The clock (and the first token block) after the rows: a reclaim elsewhere
+            // that held one of them has committed by then, and its time is in the marks.
             tokio::try_join!(
                 client.execute(&s.begin, &[]),
                 client.execute(&s.lock, &keys),
-                client.query_one(&s.clock_write, &clock_write),
                 client.query(&s.select_write, &keys),
+                client.query_one(&s.clock_write, &clock_write),
             )
-            .map(|(_, _, clock, rows)| (clock, rows))
+            .map(|(_, _, rows, clock)| (clock, rows))
         } else {
             // Reads need no transaction: no lock, nothing to roll back.
             tokio::try_join!(
@@ -512,7 +514,15 @@ struct Statements {
 }
 
 impl Statements {
-    async fn prepare(client: &Object) -> Result<Statements, StoreError> {
+    /// Sets the session's own limits, then prepares. The server gives up a statement (a
+    /// lock wait included) and an idle open transaction after the same time the node
+    /// waits for an answer, so a node that gave up leaves no lock behind.
+    async fn prepare(client: &Object, timeout_ms: u64) -> Result<Statements, StoreError> {
+        let limit = format!("{timeout_ms}ms");
+        client
+            .query("SELECT set_config('statement_timeout', $1, false), set_config('idle_in_transaction_session_timeout', $1, false)", &[&limit])
+            .await
+            .map_err(pg_error)?;
         let prepare = |sql: String| async move { client.prepare(&sql).await.map_err(pg_error) };
         Ok(Statements {
             begin: prepare("BEGIN".to_owned()).await?,
