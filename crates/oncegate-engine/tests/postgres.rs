@@ -240,3 +240,55 @@ fn a_read_only_database_is_refused_and_a_newer_schema_too() {
     let error = engine.stats()[0].last_error.clone().unwrap_or_default();
     assert!(error.contains("schema version 99 is unknown"), "{error}");
 }
+
+/// The database's clock is read in every transaction, but it may not run ahead of the
+/// node's own clock: a forward step of the database server's clock (here, its time
+/// passing while the node's manual clock stands still) is held back, so no lease ages
+/// at once. Before the cap, every grant below got a later lease than the first.
+#[test]
+fn a_database_clock_running_ahead_of_the_node_is_held_to_the_node_pace() {
+    let Some(cluster) = shared() else { return };
+    let url = cluster.database("ahead");
+    let dir = tempfile::tempdir().unwrap();
+    let time = ManualClock::new(T0);
+    let config = EngineConfig {
+        data_dir: dir.path().to_owned(),
+        shards: 1,
+        store: StoreConfig { kind: StoreKind::Postgres, postgres_url: url.clone(), ..StoreConfig::default() },
+        ..EngineConfig::default()
+    };
+    let engine = Engine::open_with(config, Arc::new(time.clone()), Faults::default()).unwrap();
+    let t = tenant();
+    let lease_of =
+        |key: &str| match engine.reserve_blocking(&t, reserve_for(key, 10_000, 60_000, 0)).unwrap().reply {
+            ReserveReply::Granted { lease_until_ms, .. } => lease_until_ms,
+            other => panic!("{other:?}"),
+        };
+    let first = lease_of("k0");
+    // Grant keys until the database's clock has moved 100 ms past the first grant.
+    let database_ms = || {
+        block_on(async {
+            let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
+            let driver = tokio::spawn(connection);
+            let row =
+                client.query_one("SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint", &[]).await;
+            drop(client);
+            let _ = driver.await;
+            row.unwrap().get::<_, i64>(0) as u64
+        })
+    };
+    let mut n = 0;
+    while database_ms() < first - 10_000 + 100 {
+        n += 1;
+        assert_eq!(lease_of(&format!("k{n}")), first, "grant {n}: time stood still with the node's clock");
+    }
+    // Once the node's clock moves on, time follows the database's again (up to the node's
+    // pace plus 1%): it catches up with the 100 ms it was held back, never past it.
+    time.advance(10_000);
+    let later = lease_of("after");
+    let database_now = database_ms();
+    assert!(
+        later > first + 100 && later <= database_now + 10_000,
+        "time caught up with the database's clock: {later} vs {first}, database now {database_now}"
+    );
+}

@@ -91,6 +91,7 @@ impl Shard {
             Ok((removed.pending + removed.completed) as usize)
         })();
         self.store_ahead_ms = store_now as i64 - local_now as i64;
+        self.polled_at_ms = store_now;
         let reclaimed = self.conclude(result, outbox, token_before, |reclaimed, shared| {
             shared.reclaimed.fetch_add(*reclaimed as u64, Ordering::Relaxed);
             shared.alarms.fetch_add(1, Ordering::Relaxed);

@@ -148,6 +148,9 @@ pub(crate) struct Shard {
     /// How far the store's time was ahead of the shard's frame at its last transaction
     /// (a PostgreSQL database's clock; 0 for a file), for scheduling alarms in its time.
     store_ahead_ms: i64,
+    /// When (in the store's time) the last alarm read every parked reserve's key again:
+    /// the next poll is due a poll interval later, however busy the mailbox is.
+    polled_at_ms: u64,
 }
 
 impl Shard {
@@ -195,6 +198,7 @@ impl Shard {
             received: std::collections::HashSet::new(),
             reopen_at: None,
             store_ahead_ms: 0,
+            polled_at_ms: 0,
         }
     }
 
@@ -311,7 +315,8 @@ impl Shard {
         let now_ms = guard.read(self.clock.monotonic_ms()).saturating_add_signed(self.store_ahead_ms);
         // A shared store's waiters are read again at its poll interval: another node may
         // have committed or released their key.
-        let poll_ms = store.waiters_poll_ms().filter(|_| self.book.waiters_len > 0).map(|p| now_ms + p);
+        let poll_ms =
+            store.waiters_poll_ms().filter(|_| self.book.waiters_len > 0).map(|p| self.polled_at_ms + p);
         let deadline_ms =
             [self.book.next_reclaim_ms, self.book.waiters_alarm_ms(), poll_ms].into_iter().flatten().min()?;
         Some(Instant::now() + Duration::from_millis(deadline_ms.saturating_sub(now_ms)))

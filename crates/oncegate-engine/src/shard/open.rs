@@ -59,12 +59,10 @@ impl Shard {
             process_start,
             self.config.reclaim_granularity_ms,
         )?;
-        if process_start {
-            self.anchor(meta.high_water_ms);
-        } else {
-            self.keep_frame(meta);
-        }
-        self.book.next_reclaim_ms = store.next_reclaim_ms();
+        let now = if process_start { self.anchor(meta.high_water_ms) } else { self.keep_frame(meta) };
+        // Other nodes' records come due without this shard hearing of them: it looks for
+        // them once a reclaim window after it opens, and after each reclaim from then on.
+        self.book.next_reclaim_ms = Some(now + self.config.reclaim_granularity_ms);
         self.book.reset_records(store.take_count());
         self.book.settle(&self.shared);
         Ok(Store::Postgres(store))

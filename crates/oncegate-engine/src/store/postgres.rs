@@ -58,6 +58,14 @@ pub const TOKEN_BLOCK: u64 = 1024;
 /// starting together do it once. An arbitrary constant: `oncegate` in ASCII.
 const SCHEMA_LOCK: i64 = 0x6f6e_6365_6761_7465;
 
+/// How much faster than the node's own monotonic clock the database's clock may advance
+/// between two of the node's transactions, in thousandths: a forward step of the
+/// database server's clock (an NTP step, a fail-over to a host whose clock runs ahead)
+/// is absorbed at this rate instead of ageing every lease at once, the way a shard file's
+/// frame never lets a wall-clock step reach a decision. 1% covers any clock discipline's
+/// slewing; the first transaction after an open takes the database's time as it is.
+const CLOCK_SLEW_PER_MILLE: u64 = 10;
+
 /// Lock attempts of one transaction before a deadlock or serialization failure is given
 /// up as a storage failure.
 const LOCK_ATTEMPTS_MAX: u32 = 16;
@@ -95,19 +103,20 @@ CREATE SEQUENCE oncegate_tokens INCREMENT BY 1024 MINVALUE 1 START WITH 1 CACHE 
 const COLUMNS: &str = "tenant, namespace, key, token, attempt, lease_until_ms, expires_at_ms, ttl_ms, \
                        fingerprint, outcome, response, completed_at_ms, history";
 
-/// The database's time, never below any lane's mark; a write transaction also raises its
-/// lane's mark to it and draws the first token block.
+/// The database's time (held to `$4`, see [`CLOCK_SLEW_PER_MILLE`]), never below any
+/// lane's mark; a write transaction also raises its lane's mark to it and draws the first
+/// token block.
 const CLOCK_WRITE: &str = "
 WITH t AS (
     SELECT greatest(
-        CASE WHEN $2 THEN (extract(epoch FROM clock_timestamp()) * 1000)::bigint ELSE $3 END,
+        CASE WHEN $2 THEN least((extract(epoch FROM clock_timestamp()) * 1000)::bigint, $4) ELSE $3 END,
         (SELECT coalesce(max(high_water_ms), 0) FROM oncegate_clock)) AS ms)
 INSERT INTO oncegate_clock (lane, high_water_ms) SELECT $1, ms FROM t
 ON CONFLICT (lane) DO UPDATE SET high_water_ms = greatest(oncegate_clock.high_water_ms, excluded.high_water_ms)
 RETURNING high_water_ms, nextval('oncegate_tokens')";
 const CLOCK_READ: &str = "
 SELECT greatest(
-    CASE WHEN $1 THEN (extract(epoch FROM clock_timestamp()) * 1000)::bigint ELSE $2 END,
+    CASE WHEN $1 THEN least((extract(epoch FROM clock_timestamp()) * 1000)::bigint, $3) ELSE $2 END,
     (SELECT coalesce(max(high_water_ms), 0) FROM oncegate_clock))";
 
 const UPSERT: &str = "
@@ -227,6 +236,54 @@ fn tls() -> Result<tokio_postgres_rustls::MakeRustlsConnect, StoreError> {
 }
 
 impl Postgres {
+    /// A connection ready for a shard: the session's timeouts set (the server gives up a
+    /// statement, a lock wait included, and an idle open transaction after the time the
+    /// node waits for an answer, so a node that gave up leaves no lock behind), refused
+    /// when read-only (a standby), the schema created or checked, the statements
+    /// prepared. A connection that fails any step is closed, never handed back to the
+    /// pool.
+    fn connect(&self, report: bool) -> Result<(Object, Statements), StoreError> {
+        let client = self.run(async {
+            self.pool.get().await.map_err(|e| StoreError::Postgres(format!("connect: {e}")))
+        })?;
+        let timeout_ms = self.config.postgres_statement_timeout_ms;
+        let ready = self.run(async {
+            let limit = format!("{timeout_ms}ms");
+            client
+                .query(
+                    "SELECT set_config('statement_timeout', $1, false), \
+                     set_config('idle_in_transaction_session_timeout', $1, false)",
+                    &[&limit],
+                )
+                .await
+                .map_err(pg_error)?;
+            let read_only: String =
+                client.query_one("SHOW transaction_read_only", &[]).await.map_err(pg_error)?.get(0);
+            if read_only == "on" {
+                return Err(StoreError::Postgres(
+                    "the database is read-only (a standby?); oncegate needs the primary".to_owned(),
+                ));
+            }
+            migrate(&client).await?;
+            if report {
+                let sync: String = client.query_one("SHOW synchronous_commit", &[]).await.map_err(pg_error)?.get(0);
+                if sync == "off" || sync == "local" {
+                    tracing::warn!(synchronous_commit = %sync, "acknowledged decisions may be lost if the database crashes or fails over: set synchronous_commit = on (or remote_apply with standbys)");
+                } else {
+                    tracing::info!(synchronous_commit = %sync, "the database's durability");
+                }
+            }
+            Statements::prepare(&client).await
+        });
+        match ready {
+            Ok(statements) => Ok((client, statements)),
+            Err(error) => {
+                drop(Object::take(client));
+                Err(error)
+            }
+        }
+    }
+
     /// Builds the pool (connections are made when shards open, so an unreachable
     /// database fails the shards, which retry, rather than the engine's start).
     pub fn new(config: &StoreConfig, node: String) -> Result<Postgres, StoreError> {
@@ -296,6 +353,9 @@ pub(crate) struct Store {
     /// How long after a reclaim the next one looks (`reclaim_granularity_ms`).
     reclaim_every_ms: u64,
     faults: Faults,
+    /// The time of this shard's last transaction and the shard's own reading then: the
+    /// next one's time may run ahead of its own clock only by [`CLOCK_SLEW_PER_MILLE`].
+    last_now: Option<(u64, u64)>,
 }
 
 impl Drop for Store {
@@ -323,33 +383,23 @@ impl Store {
             return Err(StoreError::Injected("open"));
         }
         let owned: Vec<i32> = (0..route::SLOT_COUNT).filter(|s| owned.owns(*s)).map(|s| s as i32).collect();
-        let (client, statements, tally, mark) = pg.run(async {
-            let client = pg.pool.get().await.map_err(|e| StoreError::Postgres(format!("connect: {e}")))?;
-            let read_only: String =
-                client.query_one("SHOW transaction_read_only", &[]).await.map_err(pg_error)?.get(0);
-            if read_only == "on" {
-                return Err(StoreError::Postgres(
-                    "the database is read-only (a standby?); oncegate needs the primary".to_owned(),
-                ));
-            }
-            migrate(&client).await?;
-            if first && shard == 0 {
-                let sync: String = client.query_one("SHOW synchronous_commit", &[]).await.map_err(pg_error)?.get(0);
-                if sync == "off" || sync == "local" {
-                    tracing::warn!(synchronous_commit = %sync, "acknowledged decisions may be lost if the database crashes or fails over: set synchronous_commit = on (or remote_apply with standbys)");
-                } else {
-                    tracing::info!(synchronous_commit = %sync, "the database's durability");
-                }
-            }
-            let statements = Statements::prepare(&client, pg.config.postgres_statement_timeout_ms).await?;
+        let (client, statements) = pg.connect(first && shard == 0)?;
+        let counted = pg.run(async {
             let tally = count(&client, &owned).await?;
             let mark: i64 = client
                 .query_one("SELECT coalesce(max(high_water_ms), 0) FROM oncegate_clock", &[])
                 .await
                 .map_err(pg_error)?
                 .get(0);
-            Ok((client, statements, tally, mark))
-        })?;
+            Ok((tally, mark))
+        });
+        let (tally, mark) = match counted {
+            Ok(counted) => counted,
+            Err(error) => {
+                drop(Object::take(client));
+                return Err(error);
+            }
+        };
         let store = Store {
             pg: Arc::clone(pg),
             client: Some(client),
@@ -357,10 +407,10 @@ impl Store {
             lane: format!("{}/{shard}", pg.node),
             owned,
             tally: Some(tally),
-            // The first alarm reclaims what came due while the shard was closed.
-            next_reclaim_ms: Cell::new(Some(from_sql(mark))),
+            next_reclaim_ms: Cell::new(None),
             reclaim_every_ms,
             faults: faults.clone(),
+            last_now: None,
         };
         Ok((store, Meta { next_token: 1, high_water_ms: from_sql(mark) }))
     }
@@ -371,12 +421,7 @@ impl Store {
         if let Some(closed) = self.client.take() {
             drop(Object::take(closed));
         }
-        let (pool, timeout_ms) = (&self.pg.pool, self.pg.config.postgres_statement_timeout_ms);
-        let (client, statements) = self.pg.run(async {
-            let client = pool.get().await.map_err(|e| StoreError::Postgres(format!("connect: {e}")))?;
-            let statements = Statements::prepare(&client, timeout_ms).await?;
-            Ok((client, statements))
-        })?;
+        let (client, statements) = self.pg.connect(false)?;
         self.client = Some(client);
         self.statements = Some(statements);
         Ok(())
@@ -413,10 +458,15 @@ impl Store {
             self.reconnect()?;
         }
         let database_clock = self.pg.config.postgres_clock == PgClock::Database;
+        let cap_ms = self.last_now.map_or(u64::MAX, |(store_ms, local_ms)| {
+            let elapsed = local_now_ms.saturating_sub(local_ms);
+            store_ms.saturating_add(elapsed + elapsed * CLOCK_SLEW_PER_MILLE / 1000)
+        });
+        let clock = Clock { database: database_clock, local_ms: local_now_ms, cap_ms };
         let mut attempt = 0;
         let (now_ms, tokens, rows) = loop {
             attempt += 1;
-            let result = self.pg.run_bounded(self.start(&hashes, database_clock, local_now_ms, write))?;
+            let result = self.pg.run_bounded(self.start(&hashes, clock, write))?;
             match result {
                 Ok(started) => break started,
                 Err(Retry::Again(error)) if attempt < LOCK_ATTEMPTS_MAX => {
@@ -426,6 +476,7 @@ impl Store {
                 Err(Retry::Fail(error)) => return Err(error),
             }
         };
+        self.last_now = Some((now_ms, local_now_ms));
         Ok(Txn {
             store: self,
             now_ms,
@@ -444,17 +495,16 @@ impl Store {
     async fn start(
         &self,
         hashes: &[i64],
-        database_clock: bool,
-        local_now_ms: u64,
+        clock: Clock,
         write: bool,
     ) -> Result<(u64, (u64, u64), HashMap<Scope, Option<Record>>), Retry> {
         let (client, s) = (self.client(), self.statements());
         let fail =
             |e: tokio_postgres::Error| if retryable(&e) { Retry::Again(e) } else { Retry::Fail(pg_error(e)) };
-        let local = to_sql(local_now_ms);
+        let (local, cap) = (to_sql(clock.local_ms), to_sql(clock.cap_ms));
         let keys: [&(dyn ToSql + Sync); 1] = [&hashes];
-        let clock_write: [&(dyn ToSql + Sync); 3] = [&self.lane, &database_clock, &local];
-        let clock_read: [&(dyn ToSql + Sync); 2] = [&database_clock, &local];
+        let clock_write: [&(dyn ToSql + Sync); 4] = [&self.lane, &clock.database, &local, &cap];
+        let clock_read: [&(dyn ToSql + Sync); 3] = [&clock.database, &local, &cap];
         let started = if write {
             // The clock (and the first token block) after the rows: a reclaim elsewhere
             // that held one of them has committed by then, and its time is in the marks.
@@ -466,11 +516,13 @@ impl Store {
             )
             .map(|(_, _, rows, clock)| (clock, rows))
         } else {
-            // Reads need no transaction: no lock, nothing to roll back.
+            // Reads need no transaction: no lock, nothing to roll back. The time after the
+            // rows, so that it is not below the time of any decision they show.
             tokio::try_join!(
-                client.query_one(&s.clock_read, &clock_read),
-                client.query(&s.select_read, &keys)
+                client.query(&s.select_read, &keys),
+                client.query_one(&s.clock_read, &clock_read)
             )
+            .map(|(rows, clock)| (clock, rows))
         };
         let (clock, found) = match started {
             Ok(started) => started,
@@ -490,8 +542,15 @@ impl Store {
         };
         let mut rows = HashMap::with_capacity(hashes.len());
         for row in &found {
-            let (scope, record) = read_row(row).map_err(Retry::Fail)?;
-            rows.insert(scope, Some(record));
+            match read_row(row) {
+                Ok((scope, record)) => rows.insert(scope, Some(record)),
+                Err(error) => {
+                    if write {
+                        let _ = client.execute(&s.rollback, &[]).await;
+                    }
+                    return Err(Retry::Fail(error));
+                }
+            };
         }
         Ok((now_ms, tokens, rows))
     }
@@ -514,15 +573,7 @@ struct Statements {
 }
 
 impl Statements {
-    /// Sets the session's own limits, then prepares. The server gives up a statement (a
-    /// lock wait included) and an idle open transaction after the same time the node
-    /// waits for an answer, so a node that gave up leaves no lock behind.
-    async fn prepare(client: &Object, timeout_ms: u64) -> Result<Statements, StoreError> {
-        let limit = format!("{timeout_ms}ms");
-        client
-            .query("SELECT set_config('statement_timeout', $1, false), set_config('idle_in_transaction_session_timeout', $1, false)", &[&limit])
-            .await
-            .map_err(pg_error)?;
+    async fn prepare(client: &Object) -> Result<Statements, StoreError> {
         let prepare = |sql: String| async move { client.prepare(&sql).await.map_err(pg_error) };
         Ok(Statements {
             begin: prepare("BEGIN".to_owned()).await?,
@@ -544,6 +595,15 @@ impl Statements {
             nextval: prepare("SELECT nextval('oncegate_tokens')".to_owned()).await?,
         })
     }
+}
+
+/// What a transaction's clock statement is given: whose clock, the shard's own reading,
+/// and the most the database's may say.
+#[derive(Clone, Copy)]
+struct Clock {
+    database: bool,
+    local_ms: u64,
+    cap_ms: u64,
 }
 
 /// An attempt that lost a lock to a deadlock may run again; anything else fails.
