@@ -91,7 +91,6 @@ CREATE TABLE oncegate_records (
     history         bytea    NOT NULL,
     PRIMARY KEY (tenant, namespace, key)
 );
-CREATE INDEX oncegate_records_by_hash ON oncegate_records (hash);
 CREATE INDEX oncegate_records_by_reclaim ON oncegate_records (reclaim_at_ms);
 CREATE TABLE oncegate_clock (
     lane          text   PRIMARY KEY,
@@ -99,9 +98,6 @@ CREATE TABLE oncegate_clock (
 );
 CREATE SEQUENCE oncegate_tokens INCREMENT BY 1024 MINVALUE 1 START WITH 1 CACHE 1;
 ";
-
-const COLUMNS: &str = "tenant, namespace, key, token, attempt, lease_until_ms, expires_at_ms, ttl_ms, \
-                       fingerprint, outcome, response, completed_at_ms, history";
 
 /// The database's time (held to `$4`, see [`CLOCK_SLEW_PER_MILLE`]), never below any
 /// lane's mark; a write transaction also raises its lane's mark to it and draws the first
@@ -118,6 +114,14 @@ const CLOCK_READ: &str = "
 SELECT greatest(
     CASE WHEN $1 THEN least((extract(epoch FROM clock_timestamp()) * 1000)::bigint, $3) ELSE $2 END,
     (SELECT coalesce(max(high_water_ms), 0) FROM oncegate_clock))";
+
+/// The rows of the batch's keys, by the primary key (the only index a write must keep
+/// besides the reclaim deadline's).
+const SELECT_ROWS: &str = "
+SELECT tenant, namespace, key, token, attempt, lease_until_ms, expires_at_ms, ttl_ms,
+    fingerprint, outcome, response, completed_at_ms, history
+FROM oncegate_records WHERE (tenant, namespace, key) IN
+    (SELECT * FROM unnest($1::text[], $2::text[], $3::text[]))";
 
 const UPSERT: &str = "
 INSERT INTO oncegate_records (tenant, namespace, key, hash, slot, token, attempt, lease_until_ms,
@@ -454,6 +458,7 @@ impl Store {
         let mut hashes: Vec<i64> = keys.iter().map(|s| route::scope_hash(s) as i64).collect();
         hashes.sort_unstable();
         hashes.dedup();
+        let scopes = ScopeColumns::of(keys);
         if self.client().is_closed() {
             self.reconnect()?;
         }
@@ -466,7 +471,7 @@ impl Store {
         let mut attempt = 0;
         let (now_ms, tokens, rows) = loop {
             attempt += 1;
-            let result = self.pg.run_bounded(self.start(&hashes, clock, write))?;
+            let result = self.pg.run_bounded(self.start(&hashes, &scopes, clock, write))?;
             match result {
                 Ok(started) => break started,
                 Err(Retry::Again(error)) if attempt < LOCK_ATTEMPTS_MAX => {
@@ -495,6 +500,7 @@ impl Store {
     async fn start(
         &self,
         hashes: &[i64],
+        scopes: &ScopeColumns,
         clock: Clock,
         write: bool,
     ) -> Result<(u64, (u64, u64), HashMap<Scope, Option<Record>>), Retry> {
@@ -503,6 +509,7 @@ impl Store {
             |e: tokio_postgres::Error| if retryable(&e) { Retry::Again(e) } else { Retry::Fail(pg_error(e)) };
         let (local, cap) = (to_sql(clock.local_ms), to_sql(clock.cap_ms));
         let keys: [&(dyn ToSql + Sync); 1] = [&hashes];
+        let rows: [&(dyn ToSql + Sync); 3] = [&scopes.tenant, &scopes.namespace, &scopes.key];
         let clock_write: [&(dyn ToSql + Sync); 4] = [&self.lane, &clock.database, &local, &cap];
         let clock_read: [&(dyn ToSql + Sync); 3] = [&clock.database, &local, &cap];
         let started = if write {
@@ -511,7 +518,7 @@ impl Store {
             tokio::try_join!(
                 client.execute(&s.begin, &[]),
                 client.execute(&s.lock, &keys),
-                client.query(&s.select_write, &keys),
+                client.query(&s.select_write, &rows),
                 client.query_one(&s.clock_write, &clock_write),
             )
             .map(|(_, _, rows, clock)| (clock, rows))
@@ -519,7 +526,7 @@ impl Store {
             // Reads need no transaction: no lock, nothing to roll back. The time after the
             // rows, so that it is not below the time of any decision they show.
             tokio::try_join!(
-                client.query(&s.select_read, &keys),
+                client.query(&s.select_read, &rows),
                 client.query_one(&s.clock_read, &clock_read)
             )
             .map(|(rows, clock)| (clock, rows))
@@ -583,17 +590,36 @@ impl Statements {
                 .await?,
             clock_write: prepare(CLOCK_WRITE.to_owned()).await?,
             clock_read: prepare(CLOCK_READ.to_owned()).await?,
-            select_write: prepare(format!(
-                "SELECT {COLUMNS} FROM oncegate_records WHERE hash = ANY($1) FOR UPDATE"
-            ))
-            .await?,
-            select_read: prepare(format!("SELECT {COLUMNS} FROM oncegate_records WHERE hash = ANY($1)"))
-                .await?,
+            select_write: prepare(format!("{SELECT_ROWS} FOR UPDATE OF oncegate_records")).await?,
+            select_read: prepare(SELECT_ROWS.to_owned()).await?,
             upsert: prepare(UPSERT.to_owned()).await?,
             delete: prepare(DELETE.to_owned()).await?,
             reclaim: prepare(RECLAIM.to_owned()).await?,
             nextval: prepare("SELECT nextval('oncegate_tokens')".to_owned()).await?,
         })
+    }
+}
+
+/// The batch's scopes as three columns, each scope once, for the row lookup.
+#[derive(Default)]
+struct ScopeColumns {
+    tenant: Vec<String>,
+    namespace: Vec<String>,
+    key: Vec<String>,
+}
+
+impl ScopeColumns {
+    fn of(scopes: &[&Scope]) -> ScopeColumns {
+        let mut unique: Vec<&Scope> = scopes.to_vec();
+        unique.sort_unstable();
+        unique.dedup();
+        let mut columns = ScopeColumns::default();
+        for scope in unique {
+            columns.tenant.push(scope.tenant.as_str().to_owned());
+            columns.namespace.push(scope.namespace.as_str().to_owned());
+            columns.key.push(scope.key.as_str().to_owned());
+        }
+        columns
     }
 }
 
