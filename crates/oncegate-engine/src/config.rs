@@ -52,6 +52,9 @@ pub struct StoreConfig {
     pub postgres_url: String,
     /// Connections to PostgreSQL at most; each shard holds one.
     pub postgres_pool_size: usize,
+    /// More roots (PEM) to check the database's certificate against, beside the
+    /// system's: a private CA, or a cloud provider's bundle.
+    pub postgres_tls_ca_path: Option<std::path::PathBuf>,
     /// The longest a PostgreSQL statement (or a connect) may take before the shard
     /// fails, answers `unavailable` and reconnects.
     pub postgres_statement_timeout_ms: u64,
@@ -67,6 +70,7 @@ impl Default for StoreConfig {
             kind: StoreKind::Sqlite,
             postgres_url: String::new(),
             postgres_pool_size: 16,
+            postgres_tls_ca_path: None,
             postgres_statement_timeout_ms: 10_000,
             postgres_waiters_poll_ms: 50,
             postgres_clock: PgClock::Database,
@@ -81,6 +85,7 @@ impl std::fmt::Debug for StoreConfig {
             .field("kind", &self.kind)
             .field("postgres_url", &crate::store::postgres::redact(&self.postgres_url))
             .field("postgres_pool_size", &self.postgres_pool_size)
+            .field("postgres_tls_ca_path", &self.postgres_tls_ca_path)
             .field("postgres_statement_timeout_ms", &self.postgres_statement_timeout_ms)
             .field("postgres_waiters_poll_ms", &self.postgres_waiters_poll_ms)
             .field("postgres_clock", &self.postgres_clock)

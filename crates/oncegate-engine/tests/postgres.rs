@@ -292,3 +292,42 @@ fn a_database_clock_running_ahead_of_the_node_is_held_to_the_node_pace() {
         "time caught up with the database's clock: {later} vs {first}, database now {database_now}"
     );
 }
+
+#[path = "../../oncegate-server/tests/common/certs.rs"]
+mod certs;
+
+/// `sslmode=require` gets TLS, with the database's certificate checked against the
+/// configured CA: a node without that CA is refused (it answers `unavailable`), a node
+/// with it serves. The cluster takes TLS connections only.
+#[test]
+fn the_database_is_reached_over_tls_when_the_url_asks() {
+    let files = tempfile::tempdir().unwrap();
+    let pki = certs::Pki::new(files.path(), "pg");
+    let Some(cluster) = Cluster::start_tls(&pki.server.cert, &pki.server.key) else { return };
+    let url = format!("{} sslmode=require", cluster.database("tls"));
+    let open = |ca: Option<&std::path::Path>| {
+        let dir = tempfile::tempdir().unwrap();
+        let config = EngineConfig {
+            data_dir: dir.path().to_owned(),
+            shards: 1,
+            store: StoreConfig {
+                kind: StoreKind::Postgres,
+                postgres_url: url.clone(),
+                postgres_tls_ca_path: ca.map(std::path::Path::to_path_buf),
+                ..StoreConfig::default()
+            },
+            ..EngineConfig::default()
+        };
+        (Engine::open_with(config, Arc::new(SystemClock), Faults::default()).unwrap(), dir)
+    };
+    let (untrusting, _dir) = open(None);
+    let error = untrusting.stats()[0].last_error.clone().unwrap_or_default();
+    assert_eq!(untrusting.shard_states(), [ShardState::Failed], "{error}");
+    assert_eq!(untrusting.reserve_blocking(&tenant(), reserve("k")).unwrap_err().code(), Code::Unavailable);
+    let (trusting, _dir) = open(Some(&pki.ca));
+    assert_eq!(trusting.shard_states(), [ShardState::Serving], "{:?}", trusting.stats()[0].last_error);
+    assert!(matches!(
+        trusting.reserve_blocking(&tenant(), reserve("k")).unwrap().reply,
+        ReserveReply::Granted { .. }
+    ));
+}

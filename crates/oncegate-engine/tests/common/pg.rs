@@ -73,6 +73,15 @@ fn free_port() -> u16 {
 impl Cluster {
     /// Makes and starts a new cluster; `None` when PostgreSQL is not installed.
     pub fn start() -> Option<Cluster> {
+        Cluster::start_with(None)
+    }
+
+    /// A cluster that takes TLS connections only, serving `cert` and `key` (PEM).
+    pub fn start_tls(cert: &Path, key: &Path) -> Option<Cluster> {
+        Cluster::start_with(Some((cert, key)))
+    }
+
+    fn start_with(tls: Option<(&Path, &Path)>) -> Option<Cluster> {
         let Some(bin) = bin_dir() else {
             if std::env::var("ONCEGATE_REQUIRE_POSTGRES").is_ok_and(|v| v == "1") {
                 panic!(
@@ -91,6 +100,24 @@ impl Cluster {
         }
         run(&bin.join("initdb"), &["-D", data.to_str().unwrap(), "-A", "trust", "-U", "postgres", "-N"])
             .expect("initdb");
+        if let Some((cert, key)) = tls {
+            std::fs::copy(cert, data.join("server.crt")).unwrap();
+            std::fs::copy(key, data.join("server.key")).unwrap();
+            std::fs::write(
+                data.join("pg_hba.conf"),
+                "local all all trust\nhostssl all all 127.0.0.1/32 trust\n",
+            )
+            .unwrap();
+            std::fs::write(
+                data.join("postgresql.auto.conf"),
+                "ssl = on\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'\n",
+            )
+            .unwrap();
+            if is_root() {
+                Command::new("chown").args(["-R", "postgres:postgres"]).arg(&data).status().unwrap();
+            }
+            Command::new("chmod").arg("600").arg(data.join("server.key")).status().unwrap();
+        }
         let cluster = Cluster { bin, socket_dir: dir.path().to_owned(), data, port: free_port(), _dir: dir };
         cluster.start_server().expect("postgres starts");
         cluster.watch();
@@ -148,9 +175,12 @@ impl Cluster {
 
     /// A new database on this cluster; returns its connection string.
     pub fn database(&self, name: &str) -> String {
+        // Over the cluster's socket: a cluster that takes TLS connections only still
+        // takes these.
+        let socket = self.socket_dir.to_str().unwrap();
         run(
             &self.bin.join("createdb"),
-            &["-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", "postgres", name],
+            &["-h", socket, "-p", &self.port.to_string(), "-U", "postgres", name],
         )
         .expect("createdb");
         self.url(name)
