@@ -294,6 +294,7 @@ fn a_database_clock_running_ahead_of_the_node_is_held_to_the_node_pace() {
 }
 
 #[path = "../../oncegate-server/tests/common/certs.rs"]
+#[allow(dead_code)]
 mod certs;
 
 /// `sslmode=require` gets TLS, with the database's certificate checked against the

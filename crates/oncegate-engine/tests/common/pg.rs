@@ -157,6 +157,7 @@ impl Cluster {
     /// Stops the server and removes its directory when this process ends, however it
     /// ends: a shell waits for this process to go, then sends the postmaster SIGQUIT (an
     /// immediate shutdown) and removes the directory.
+    #[allow(clippy::zombie_processes, reason = "the watchdog outlives this process by design; init reaps it")]
     fn watch(&self) {
         let Some(postmaster) = self.postmaster_pid() else { return };
         let script = format!(
