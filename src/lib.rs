@@ -18,10 +18,11 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+pub use oncegate_client as client;
 pub use oncegate_core as core;
 pub use oncegate_engine::{
     Clock, CommitRequest, Durability, Engine, EngineConfig, Error, Faults, KeyRequest, ManualClock,
-    OpenError, Renewed, ReserveRequest, Reserved, ShardState, ShardStats, SystemClock,
+    OpenError, Renewed, ReserveRequest, Reserved, ShardState, ShardStats, SystemClock, TenantGate,
 };
 
 /// The README's examples compile as doc tests, so they cannot drift from the API.

@@ -8,6 +8,8 @@
 mod clock;
 mod decide;
 mod error;
+pub mod fingerprint;
+pub mod gate;
 mod limits;
 mod problem;
 mod record;

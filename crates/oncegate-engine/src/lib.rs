@@ -15,6 +15,7 @@ mod config;
 mod error;
 mod faults;
 pub mod files;
+mod gate;
 mod grow;
 mod index;
 pub mod manifest;
@@ -33,8 +34,8 @@ use std::thread::JoinHandle;
 
 use crossbeam_channel::{Sender, TrySendError};
 use oncegate_core::{
-    ClockGuard, Command, Commit, Key, Limits, Namespace, Outcome, Record, Reply, Reserve, ReserveReply,
-    Scope, State, Tenant, View, route,
+    ClockGuard, Command, Commit, Key, Limits, Namespace, Record, Reply, Reserve, ReserveReply, Scope, State,
+    Tenant, View, route,
 };
 use tokio::sync::oneshot;
 
@@ -42,6 +43,7 @@ pub use clock::{Clock, ManualClock, SystemClock};
 pub use config::{Durability, EngineConfig, PgClock, SHARDS_DEFAULT, SHARDS_MAX, StoreConfig, StoreKind};
 pub use error::{Error, OpenError};
 pub use faults::Faults;
+pub use gate::TenantGate;
 pub use shard::ShardState;
 pub use store::StoreError;
 
@@ -54,72 +56,7 @@ pub fn configure_sqlite(conn: &rusqlite::Connection, config: &EngineConfig) -> R
 
 use shard::{Control, FrameFloor, Mail, Parts, Request, Shard, Shared, Start};
 
-/// A reserve as a caller sends it, before validation.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct ReserveRequest {
-    /// The namespace, such as `live` or `test`.
-    pub namespace: String,
-    /// The idempotency key; leave empty to derive one from `key_parts`.
-    pub key: String,
-    /// Parts of a derived key (with `bucket_ms`), used when `key` is empty.
-    pub key_parts: Vec<String>,
-    /// The bucket width of a derived key.
-    pub bucket_ms: u64,
-    /// How long the record is remembered; 0 selects the default.
-    pub ttl_ms: u64,
-    /// How long the holder may work before it must heartbeat; 0 selects the default.
-    pub lease_ms: u64,
-    /// A hash of the request payload, or empty.
-    pub fingerprint: Vec<u8>,
-    /// How long to wait when the key is in progress; 0 answers at once.
-    pub wait_ms: u64,
-}
-
-/// The answer to a reserve, with the key that was used (derived when parts were sent).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Reserved {
-    /// The key the record lives under.
-    pub key: Key,
-    /// Granted, in progress, completed or mismatch.
-    pub reply: ReserveReply,
-}
-
-/// A commit as a caller sends it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CommitRequest {
-    /// The namespace.
-    pub namespace: String,
-    /// The key (as returned by the reserve, for derived keys).
-    pub key: String,
-    /// The fencing token of the grant.
-    pub token: u64,
-    /// How the attempt ended.
-    pub outcome: Outcome,
-    /// Bytes to replay to later reserves.
-    pub response: Vec<u8>,
-}
-
-/// Release, heartbeat and get name a key and, except for get, a token.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct KeyRequest {
-    /// The namespace.
-    pub namespace: String,
-    /// The key.
-    pub key: String,
-    /// The fencing token of the grant (ignored by get).
-    pub token: u64,
-    /// The new lease for a heartbeat; 0 selects the default (ignored otherwise).
-    pub lease_ms: u64,
-}
-
-/// A heartbeat's answer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Renewed {
-    /// The new lease deadline.
-    pub lease_until_ms: u64,
-    /// The record's expiry.
-    pub expires_at_ms: u64,
-}
+pub use oncegate_core::gate::{CommitRequest, Gate, KeyRequest, Renewed, ReserveRequest, Reserved};
 
 /// One shard's counters, as `Engine::stats` reports them.
 #[derive(Clone, Debug, PartialEq)]

@@ -46,3 +46,23 @@ pub fn invalid_field(field: Option<&str>, message: String) -> tonic::Status {
     }
     status
 }
+
+/// The stable code of a status, read back by clients: the `oncegate-code` trailer when
+/// the server sent one, otherwise what the gRPC code means (a status made by the
+/// client's own transport, a proxy's, or an older server's).
+pub fn code_of(status: &tonic::Status) -> Code {
+    let trailer = status.metadata().get(CODE_METADATA).and_then(|v| v.to_str().ok());
+    if let Some(code) = trailer.and_then(|name| Code::ALL.into_iter().find(|c| c.as_str() == name)) {
+        return code;
+    }
+    match status.code() {
+        tonic::Code::InvalidArgument | tonic::Code::OutOfRange => Code::InvalidArgument,
+        tonic::Code::NotFound => Code::NotFound,
+        tonic::Code::FailedPrecondition | tonic::Code::AlreadyExists | tonic::Code::Aborted => Code::Conflict,
+        tonic::Code::ResourceExhausted => Code::ResourceExhausted,
+        tonic::Code::Unauthenticated | tonic::Code::PermissionDenied => Code::Unauthenticated,
+        // Unavailable, a deadline, a cancelled or reset stream, an unknown or internal
+        // error: the call may not have reached the server, or its answer did not come back.
+        _ => Code::Unavailable,
+    }
+}

@@ -1,0 +1,175 @@
+//! `once` through a real server (in process, on port 0, on the system clock): a race of
+//! 64 callers runs the work once, a long work keeps its lease by heartbeats, and a work
+//! that panics or whose future is dropped gives the key back.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use oncegate_client::{Client, Gate, GateExt, KeyRequest, OnceError, OnceOptions, Ran, WorkError};
+use oncegate_core::State;
+use oncegate_engine::{Engine, EngineConfig};
+use oncegate_server::{Config, Listeners};
+
+struct Server {
+    url: String,
+    _stop: tokio::sync::oneshot::Sender<()>,
+    _dir: tempfile::TempDir,
+}
+
+async fn server() -> Server {
+    let dir = tempfile::tempdir().unwrap();
+    let config = Config {
+        engine: EngineConfig { data_dir: dir.path().to_owned(), ..EngineConfig::default() },
+        ..Config::default()
+    };
+    let engine = Engine::open(config.engine_config()).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let listeners = Listeners { gate: listener, metrics: None };
+        let _ = oncegate_server::serve(engine, &config, listeners, async {
+            let _ = stopped.await;
+        })
+        .await;
+    });
+    Server { url, _stop: stop, _dir: dir }
+}
+
+fn waiting() -> OnceOptions {
+    OnceOptions { wait_ms: 20_000, ..OnceOptions::default() }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_callers_of_one_key_run_the_work_once_and_the_rest_replay_it() {
+    let server = server().await;
+    let client = Client::connect(server.url.clone()).await.unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let barrier = Arc::new(tokio::sync::Barrier::new(64));
+    let callers: Vec<_> = (0..64)
+        .map(|_| {
+            let (client, runs, barrier) = (client.clone(), Arc::clone(&runs), Arc::clone(&barrier));
+            tokio::spawn(async move {
+                barrier.wait().await;
+                client
+                    .once("live", "order-1", waiting(), |_| async move {
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        Ok::<_, WorkError<()>>(b"filled".to_vec())
+                    })
+                    .await
+                    .unwrap()
+            })
+        })
+        .collect();
+    let mut now = 0;
+    for caller in callers {
+        match caller.await.unwrap() {
+            Ran::Now(response) => {
+                assert_eq!(response, b"filled");
+                now += 1;
+            }
+            Ran::Replayed { response, .. } => assert_eq!(response, b"filled"),
+            Ran::InProgress { .. } => panic!("every caller waited for the first one's end"),
+        }
+    }
+    assert_eq!((runs.load(Ordering::SeqCst), now), (1, 1), "the work ran exactly once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_work_longer_than_its_lease_keeps_it_by_heartbeats() {
+    let server = server().await;
+    let client = Client::connect(server.url.clone()).await.unwrap();
+    let other = client.clone();
+    let options = OnceOptions { lease_ms: 300, ..OnceOptions::default() };
+    let ran = client
+        .once("live", "slow", options, |lease| async move {
+            // Four leases long; meanwhile nobody else may take the key.
+            for _ in 0..4 {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                let view = other.get(KeyRequest {
+                    namespace: "live".into(),
+                    key: "slow".into(),
+                    ..Default::default()
+                });
+                let view = view.await.unwrap();
+                assert_eq!(
+                    (view.state, view.token),
+                    (State::Pending, lease.token),
+                    "still held by this attempt"
+                );
+            }
+            Ok::<_, WorkError<()>>(b"done".to_vec())
+        })
+        .await
+        .unwrap();
+    assert_eq!(ran, Ran::Now(b"done".to_vec()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_work_that_panics_gives_the_key_back() {
+    let server = server().await;
+    let client = Client::connect(server.url.clone()).await.unwrap();
+    let panicking = client.clone();
+    let attempt = tokio::spawn(async move {
+        panicking
+            .once("live", "k", OnceOptions::default(), |_| async {
+                panic!("the work broke");
+                #[allow(unreachable_code)]
+                Ok::<_, WorkError<()>>(Vec::new())
+            })
+            .await
+    });
+    assert!(attempt.await.unwrap_err().is_panic());
+    // The next attempt waits for the key and is granted once the release lands.
+    let ran =
+        client.once("live", "k", waiting(), |_| async { Ok::<_, WorkError<()>>(b"second".to_vec()) }).await;
+    assert_eq!(ran.unwrap(), Ran::Now(b"second".to_vec()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_future_gives_the_key_back() {
+    let server = server().await;
+    let client = Client::connect(server.url.clone()).await.unwrap();
+    let (started, running) = tokio::sync::oneshot::channel();
+    let dropped = client.clone();
+    let attempt = tokio::spawn(async move {
+        dropped
+            .once("live", "k", OnceOptions::default(), |_| async move {
+                let _ = started.send(());
+                std::future::pending::<Result<Vec<u8>, WorkError<()>>>().await
+            })
+            .await
+    });
+    running.await.unwrap();
+    attempt.abort();
+    assert!(attempt.await.unwrap_err().is_cancelled());
+    let ran =
+        client.once("live", "k", waiting(), |_| async { Ok::<_, WorkError<()>>(b"second".to_vec()) }).await;
+    assert_eq!(ran.unwrap(), Ran::Now(b"second".to_vec()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retryable_failure_releases_and_a_final_one_is_replayed() {
+    let server = server().await;
+    let client = Client::connect(server.url.clone()).await.unwrap();
+    let failed =
+        client.once("live", "k", OnceOptions::default(), |_| async { Err(WorkError::Retryable("timeout")) });
+    assert!(matches!(failed.await, Err(OnceError::Retryable("timeout"))));
+    let refused = client.once("live", "k", OnceOptions::default(), |_| async {
+        Err(WorkError::Final { error: "rejected", response: b"insufficient funds".to_vec() })
+    });
+    assert!(matches!(refused.await, Err(OnceError::Failed("rejected"))));
+    let retry =
+        client.once("live", "k", OnceOptions::default(), |_| async { Ok::<_, WorkError<()>>(Vec::new()) });
+    match retry.await.unwrap() {
+        Ran::Replayed { outcome, response } => {
+            assert_eq!(
+                (outcome, response.as_slice()),
+                (oncegate_core::Outcome::Failed, &b"insufficient funds"[..])
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+}
