@@ -8,10 +8,15 @@ use std::time::Duration;
 use oncegate_core::gate::{CommitRequest, Gate, GateError, KeyRequest, Renewed, ReserveRequest, Reserved};
 use oncegate_core::{Code, View};
 use oncegate_proto::v1::gate_client::GateClient;
-use tonic::metadata::{Ascii, MetadataValue};
+use oncegate_proto::v1::session_request::Call;
+use oncegate_proto::v1::session_response::Result as Out;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use tonic::metadata::{Ascii, MetadataMap, MetadataValue};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 
 use crate::retry::RetryPolicy;
+use crate::session::{self, Sessions};
 use crate::wire;
 
 /// What a remote call fails with.
@@ -68,6 +73,7 @@ pub struct ClientBuilder {
     timeout: Duration,
     connect_timeout: Duration,
     retry: RetryPolicy,
+    transport: Transport,
 }
 
 impl ClientBuilder {
@@ -101,6 +107,12 @@ impl ClientBuilder {
         self
     }
 
+    /// How calls travel (default: over a `Session` stream where the server has it).
+    pub fn transport(mut self, transport: Transport) -> ClientBuilder {
+        self.transport = transport;
+        self
+    }
+
     /// Connects (TLS when the address is `https://`).
     pub async fn connect(self) -> Result<Client, ClientError> {
         let token = match &self.token {
@@ -114,7 +126,14 @@ impl ClientBuilder {
             code: Code::Unavailable,
             message: format!("cannot connect to {}: {e}", self.url),
         })?;
-        Ok(Client { gate: GateClient::new(channel), token, timeout: self.timeout, retry: self.retry })
+        Ok(Client {
+            gate: GateClient::new(channel),
+            token,
+            timeout: self.timeout,
+            retry: self.retry,
+            transport: self.transport,
+            shared: Arc::default(),
+        })
     }
 
     fn endpoint(&self) -> Result<Endpoint, ClientError> {
@@ -134,13 +153,35 @@ impl ClientBuilder {
     }
 }
 
-/// A connection to an oncegate server; cheap to clone (clones share the connection).
+/// How a client's calls travel.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Transport {
+    /// Multiplexed over one `Session` stream (the default); a server without `Session`
+    /// gets unary calls instead.
+    #[default]
+    Session,
+    /// One unary RPC per call.
+    Unary,
+}
+
+/// A connection to an oncegate server; cheap to clone (clones share the connection and
+/// the session stream).
 #[derive(Clone, Debug)]
 pub struct Client {
     gate: GateClient<Channel>,
     token: Option<MetadataValue<Ascii>>,
     timeout: Duration,
     retry: RetryPolicy,
+    transport: Transport,
+    shared: Arc<Shared>,
+}
+
+/// What clones of a client share.
+#[derive(Debug, Default)]
+struct Shared {
+    sessions: Sessions,
+    /// Set once the server answered that it has no `Session` call.
+    unary_only: AtomicBool,
 }
 
 impl Client {
@@ -153,6 +194,7 @@ impl Client {
             timeout: Duration::from_secs(10),
             connect_timeout: Duration::from_secs(5),
             retry: RetryPolicy::default(),
+            transport: Transport::default(),
         }
     }
 
@@ -161,15 +203,64 @@ impl Client {
         Client::builder(url).connect().await
     }
 
-    /// A request with the token and the deadline.
-    fn request<T>(&self, message: T, extra: Duration) -> tonic::Request<T> {
-        let mut request = tonic::Request::new(message);
-        request.set_timeout(self.timeout + extra);
+    fn metadata(&self) -> MetadataMap {
+        let mut metadata = MetadataMap::new();
         if let Some(token) = &self.token {
-            request.metadata_mut().insert("authorization", token.clone());
+            metadata.insert("authorization", token.clone());
         }
+        metadata
+    }
+
+    /// One call, on the session stream or as a unary RPC, within the client's deadline
+    /// plus `extra` (a reserve's wait). A refusal comes back as the error.
+    async fn call(&self, call: Call, extra: Duration) -> Result<Out, ClientError> {
+        let deadline = self.timeout + extra;
+        let late = || ClientError::Refused {
+            code: Code::Unavailable,
+            message: format!("no answer within {} ms", deadline.as_millis()),
+        };
+        let mut call = call;
+        if self.transport == Transport::Session && !self.shared.unary_only.load(Ordering::Relaxed) {
+            let metadata = self.metadata();
+            let sent = self.shared.sessions.call(&self.gate, &metadata, call);
+            match tokio::time::timeout(deadline, sent).await.map_err(|_| late())?? {
+                Ok(Out::Refusal(refusal)) => return Err(session::refused(refusal)),
+                Ok(out) => return Ok(out),
+                Err(unsent) => {
+                    tracing::info!("the server has no Session call; this client sends unary calls");
+                    self.shared.unary_only.store(true, Ordering::Relaxed);
+                    call = unsent;
+                }
+            }
+        }
+        self.unary(call, deadline).await
+    }
+
+    async fn unary(&self, call: Call, deadline: Duration) -> Result<Out, ClientError> {
+        let mut gate = self.gate.clone();
+        Ok(match call {
+            Call::Reserve(r) => Out::Reserve(gate.reserve(self.request(r, deadline)).await?.into_inner()),
+            Call::Commit(r) => Out::Commit(gate.commit(self.request(r, deadline)).await?.into_inner()),
+            Call::Release(r) => Out::Release(gate.release(self.request(r, deadline)).await?.into_inner()),
+            Call::Heartbeat(r) => {
+                Out::Heartbeat(gate.heartbeat(self.request(r, deadline)).await?.into_inner())
+            }
+            Call::Get(r) => Out::Get(gate.get(self.request(r, deadline)).await?.into_inner()),
+        })
+    }
+
+    /// A unary request with the token and the deadline.
+    fn request<T>(&self, message: T, deadline: Duration) -> tonic::Request<T> {
+        let mut request = tonic::Request::new(message);
+        request.set_timeout(deadline);
+        *request.metadata_mut() = self.metadata();
         request
     }
+}
+
+/// A reply of another call than the one sent (a server bug, or a newer protocol).
+fn mismatched(expected: &str) -> ClientError {
+    ClientError::Protocol(format!("a {expected} was answered with another call's reply"))
 }
 
 impl Gate for Client {
@@ -178,41 +269,51 @@ impl Gate for Client {
     fn reserve(&self, request: ReserveRequest) -> impl Future<Output = Result<Reserved, ClientError>> + Send {
         let wait = Duration::from_millis(request.wait_ms);
         self.retry.run(move || {
-            let (mut gate, request) =
-                (self.gate.clone(), self.request(wire::reserve_request(request.clone()), wait));
-            async move { wire::reserved(gate.reserve(request).await?.into_inner()) }
+            let call = self.call(Call::Reserve(wire::reserve_request(request.clone())), wait);
+            async move {
+                let Out::Reserve(reply) = call.await? else { return Err(mismatched("reserve")) };
+                wire::reserved(reply)
+            }
         })
     }
 
     fn commit(&self, request: CommitRequest) -> impl Future<Output = Result<u64, ClientError>> + Send {
         self.retry.run(move || {
-            let (mut gate, request) =
-                (self.gate.clone(), self.request(wire::commit_request(request.clone()), Duration::ZERO));
-            async move { Ok(gate.commit(request).await?.into_inner().expires_at_ms) }
+            let call = self.call(Call::Commit(wire::commit_request(request.clone())), Duration::ZERO);
+            async move {
+                let Out::Commit(reply) = call.await? else { return Err(mismatched("commit")) };
+                Ok(reply.expires_at_ms)
+            }
         })
     }
 
     fn release(&self, request: KeyRequest) -> impl Future<Output = Result<(), ClientError>> + Send {
         self.retry.run(move || {
-            let (mut gate, request) =
-                (self.gate.clone(), self.request(wire::release_request(request.clone()), Duration::ZERO));
-            async move { gate.release(request).await.map(|_| ()).map_err(ClientError::from) }
+            let call = self.call(Call::Release(wire::release_request(request.clone())), Duration::ZERO);
+            async move {
+                let Out::Release(_) = call.await? else { return Err(mismatched("release")) };
+                Ok(())
+            }
         })
     }
 
     fn heartbeat(&self, request: KeyRequest) -> impl Future<Output = Result<Renewed, ClientError>> + Send {
         self.retry.run(move || {
-            let (mut gate, request) =
-                (self.gate.clone(), self.request(wire::heartbeat_request(request.clone()), Duration::ZERO));
-            async move { Ok(wire::renewed(gate.heartbeat(request).await?.into_inner())) }
+            let call = self.call(Call::Heartbeat(wire::heartbeat_request(request.clone())), Duration::ZERO);
+            async move {
+                let Out::Heartbeat(reply) = call.await? else { return Err(mismatched("heartbeat")) };
+                Ok(wire::renewed(reply))
+            }
         })
     }
 
     fn get(&self, request: KeyRequest) -> impl Future<Output = Result<View, ClientError>> + Send {
         self.retry.run(move || {
-            let (mut gate, request) =
-                (self.gate.clone(), self.request(wire::get_request(request.clone()), Duration::ZERO));
-            async move { wire::view(gate.get(request).await?.into_inner()) }
+            let call = self.call(Call::Get(wire::get_request(request.clone())), Duration::ZERO);
+            async move {
+                let Out::Get(reply) = call.await? else { return Err(mismatched("get")) };
+                wire::view(reply)
+            }
         })
     }
 }

@@ -40,9 +40,10 @@ mod client;
 pub mod keys;
 mod once;
 mod retry;
+mod session;
 mod wire;
 
-pub use client::{Client, ClientBuilder, ClientError};
+pub use client::{Client, ClientBuilder, ClientError, Transport};
 pub use once::{GateExt, Lease, OnceError, OnceOptions, Ran, WorkError, once};
 pub use oncegate_core::gate::{
     CommitRequest, Gate, GateError, KeyRequest, Renewed, ReserveRequest, Reserved,

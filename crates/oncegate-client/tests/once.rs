@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use oncegate_client::{Client, Gate, GateExt, KeyRequest, OnceError, OnceOptions, Ran, WorkError};
+use oncegate_client::{Client, Gate, GateExt, KeyRequest, OnceError, OnceOptions, Ran, Transport, WorkError};
 use oncegate_core::State;
 use oncegate_engine::{Engine, EngineConfig};
 use oncegate_server::{Config, Listeners};
@@ -41,10 +41,11 @@ fn waiting() -> OnceOptions {
     OnceOptions { wait_ms: 20_000, ..OnceOptions::default() }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sixty_four_callers_of_one_key_run_the_work_once_and_the_rest_replay_it() {
+/// 64 callers race for one key, sharing one client (so one session stream, or one
+/// connection of unary calls); the work runs once.
+async fn race(transport: Transport) {
     let server = server().await;
-    let client = Client::connect(server.url.clone()).await.unwrap();
+    let client = Client::builder(server.url.clone()).transport(transport).connect().await.unwrap();
     let runs = Arc::new(AtomicUsize::new(0));
     let barrier = Arc::new(tokio::sync::Barrier::new(64));
     let callers: Vec<_> = (0..64)
@@ -74,7 +75,17 @@ async fn sixty_four_callers_of_one_key_run_the_work_once_and_the_rest_replay_it(
             Ran::InProgress { .. } => panic!("every caller waited for the first one's end"),
         }
     }
-    assert_eq!((runs.load(Ordering::SeqCst), now), (1, 1), "the work ran exactly once");
+    assert_eq!((runs.load(Ordering::SeqCst), now), (1, 1), "the work ran exactly once ({transport:?})");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_callers_of_one_key_on_a_session_run_the_work_once() {
+    race(Transport::Session).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_callers_of_one_key_on_unary_calls_run_the_work_once() {
+    race(Transport::Unary).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
