@@ -156,8 +156,9 @@ impl ClientBuilder {
 /// How a client's calls travel.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Transport {
-    /// Multiplexed over one `Session` stream (the default); a server without `Session`
-    /// gets unary calls instead.
+    /// Multiplexed over one `Session` stream (the default); a reserve that may wait
+    /// (`wait_ms > 0`) goes as a unary call, and a server without `Session` gets unary
+    /// calls only.
     #[default]
     Session,
     /// One unary RPC per call.
@@ -220,7 +221,12 @@ impl Client {
             message: format!("no answer within {} ms", deadline.as_millis()),
         };
         let mut call = call;
-        if self.transport == Transport::Session && !self.shared.unary_only.load(Ordering::Relaxed) {
+        // A reserve that may wait goes as a unary call: parked on the server it must not
+        // hold up the stream's other calls (a holder's heartbeat or commit behind a
+        // crowd of waiters would lose its lease), and a caller that gives up must be able
+        // to cancel it, which only a unary call's end does.
+        let parks = !extra.is_zero();
+        if self.transport == Transport::Session && !parks && !self.shared.unary_only.load(Ordering::Relaxed) {
             let metadata = self.metadata();
             let sent = self.shared.sessions.call(&self.gate, &metadata, call);
             match tokio::time::timeout(deadline, sent).await.map_err(|_| late())?? {

@@ -44,7 +44,7 @@ mod session;
 mod wire;
 
 pub use client::{Client, ClientBuilder, ClientError, Transport};
-pub use once::{GateExt, Lease, OnceError, OnceOptions, Ran, WorkError, once};
+pub use once::{GateExt, Lease, OnCancel, OnceError, OnceOptions, Ran, WorkError, once};
 pub use oncegate_core::gate::{
     CommitRequest, Gate, GateError, KeyRequest, Renewed, ReserveRequest, Reserved,
 };

@@ -1,33 +1,55 @@
 //! `once`: the protocol every user of a gate needs, written once.
 //!
 //! Reserve the key. On a grant, run the work while a heartbeat keeps the lease (every
-//! third of it); commit the work's response as succeeded, or a failure the work marks as
-//! final as failed; release the key when the work fails in a way worth retrying, panics
-//! or is cancelled, so that the next attempt may run. A completed key replays what the
+//! third of it, concurrently with the work); commit the work's response as succeeded, or a
+//! failure the work marks as final as failed; release the key when the work fails in a
+//! way worth retrying, so that the next attempt may run. A completed key replays what the
 //! first attempt stored. A lease that cannot be kept (lost to another attempt, or not
-//! renewed before it ran out) cancels the work with `lease_lost`: the attempt is fenced
-//! off, and its side effects must be checked by the caller.
+//! renewed before it ran out by the client's own, conservative, clock) cancels the work
+//! with `lease_lost`: the attempt is fenced off, and its side effects must be checked.
+//!
+//! A work that panics, or whose future is dropped (a timeout, a disconnected caller),
+//! gives the key back as [`OnceOptions::on_cancel`] says: released at once (the default,
+//! so the next attempt may proceed), or kept until its lease ends, so that the next
+//! attempt is told the previous one was abandoned ([`Lease::previous`]) and can check for
+//! a side effect the cancelled one may have made. Choose the second when the work cannot
+//! be cancelled between its side effect and its end without harm, or make the side
+//! effect itself idempotent downstream with the fencing token.
 
 use std::future::Future;
+use std::pin::Pin;
 use std::time::Duration;
 
-use oncegate_core::gate::{CommitRequest, Gate, GateError, KeyRequest, ReserveRequest};
+use oncegate_core::gate::{CommitRequest, Gate, GateError, KeyRequest, Renewed, ReserveRequest};
 use oncegate_core::{Code, Outcome, Previous, ReserveReply};
 use tokio::time::Instant;
+
+/// What a cancelled or panicking work does with its key.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OnCancel {
+    /// Release it at once: the next attempt may proceed now (and is not told).
+    #[default]
+    Release,
+    /// Keep it until its lease ends: the next attempt is granted as `abandoned`.
+    KeepUntilLeaseEnds,
+}
 
 /// How `once` reserves.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct OnceOptions {
     /// How long the record is remembered; 0 selects the server's default.
     pub ttl_ms: u64,
-    /// The lease the work runs under, renewed by heartbeats; 0 selects the default
-    /// (30 s).
+    /// The lease the work runs under, renewed by heartbeats; 0 means 30 s (the contract's
+    /// default, sent explicitly: the client's heartbeats must know the lease).
     pub lease_ms: u64,
     /// How long to wait when another attempt holds the key; 0 answers at once with
     /// [`Ran::InProgress`].
     pub wait_ms: u64,
-    /// The request's fingerprint (`Fingerprint::of_json`), or empty.
+    /// The request's fingerprint (`Fingerprint::of_json`), or empty: without one, a
+    /// different payload under the same key is not noticed.
     pub fingerprint: Vec<u8>,
+    /// What a cancelled or panicking work does with its key.
+    pub on_cancel: OnCancel,
 }
 
 /// The lease a work runs under.
@@ -57,7 +79,10 @@ pub enum Ran {
         /// Its response.
         response: Vec<u8>,
     },
-    /// Another attempt holds the key (after waiting `wait_ms`, if asked to).
+    /// Another attempt holds the key (after waiting `wait_ms`, if asked to). This can be
+    /// this caller's own earlier reserve whose grant was lost on the way back (a network
+    /// failure, retried): the key then frees when that grant's lease ends, and the next
+    /// grant says the previous attempt was abandoned.
     InProgress {
         /// When to look again.
         retry_after_ms: u64,
@@ -81,15 +106,29 @@ pub enum WorkError<E> {
 /// Why `once` did not run the work to a committed end.
 #[derive(Debug, thiserror::Error)]
 pub enum OnceError<G: std::error::Error, E: std::fmt::Debug> {
-    /// A call to the gate failed (after its retries).
+    /// A call to the gate failed (after its retries) before the work ran: nothing ran.
     #[error("gate: {0}")]
     Gate(#[source] G),
-    /// The work failed in a way worth retrying; the key was released.
+    /// The work failed in a way worth retrying; the key was released (or, if the release
+    /// could not be confirmed, frees when its lease ends).
     #[error("the work failed and the key was released: {0:?}")]
     Retryable(E),
     /// The work failed for good; the failure was committed.
     #[error("the work failed for good (committed as failed): {0:?}")]
     Failed(E),
+    /// The work ran, but its commit could not be confirmed (the gate failed after its
+    /// retries). The key stays held until its lease ends; the next attempt is granted as
+    /// `abandoned` and must check whether this one's side effect happened.
+    #[error("the work ran (token {token}) but its commit could not be confirmed: {error}")]
+    Unconfirmed {
+        /// The attempt's token.
+        token: u64,
+        /// What the work returned, which was not stored.
+        response: Vec<u8>,
+        /// Why.
+        #[source]
+        error: G,
+    },
     /// The lease was lost while the work ran (another attempt took the key, or the lease
     /// ran out unrenewed): the work was cancelled, or its commit was fenced off.
     #[error("lease_lost: the attempt holding token {token} was fenced off")]
@@ -105,8 +144,8 @@ pub enum OnceError<G: std::error::Error, E: std::fmt::Debug> {
     },
 }
 
-/// The default lease, when the options leave it to the server (its default is 30 s).
-const LEASE_DEFAULT: Duration = Duration::from_secs(30);
+/// The lease sent when the options leave it at 0: the contract's default.
+const LEASE_DEFAULT_MS: u64 = 30_000;
 
 /// `once` on every gate that can be cloned into a background release.
 pub trait GateExt: Gate + Clone + 'static {
@@ -123,19 +162,16 @@ pub trait GateExt: Gate + Clone + 'static {
         Fut: Future<Output = Result<Vec<u8>, WorkError<E>>> + Send,
         E: std::fmt::Debug + Send,
     {
-        once(
-            self.clone(),
-            ReserveRequest {
-                namespace: namespace.to_owned(),
-                key: key.to_owned(),
-                ttl_ms: options.ttl_ms,
-                lease_ms: options.lease_ms,
-                wait_ms: options.wait_ms,
-                fingerprint: options.fingerprint,
-                ..ReserveRequest::default()
-            },
-            work,
-        )
+        let request = ReserveRequest {
+            namespace: namespace.to_owned(),
+            key: key.to_owned(),
+            ttl_ms: options.ttl_ms,
+            lease_ms: options.lease_ms,
+            wait_ms: options.wait_ms,
+            fingerprint: options.fingerprint,
+            ..ReserveRequest::default()
+        };
+        once(self.clone(), request, options.on_cancel, work)
     }
 }
 
@@ -144,7 +180,8 @@ impl<G: Gate + Clone + 'static> GateExt for G {}
 /// [`GateExt::once`] for any reserve request (derived keys included).
 pub async fn once<G, F, Fut, E>(
     gate: G,
-    request: ReserveRequest,
+    mut request: ReserveRequest,
+    on_cancel: OnCancel,
     work: F,
 ) -> Result<Ran, OnceError<G::Error, E>>
 where
@@ -153,9 +190,15 @@ where
     Fut: Future<Output = Result<Vec<u8>, WorkError<E>>> + Send,
     E: std::fmt::Debug + Send,
 {
-    let lease_ms = request.lease_ms;
+    if request.lease_ms == 0 {
+        request.lease_ms = LEASE_DEFAULT_MS;
+    }
+    let lease_for = Duration::from_millis(request.lease_ms);
     let namespace = request.namespace.clone();
-    let reserved = gate.reserve(request).await.map_err(OnceError::Gate)?;
+    // The lease is counted from before the reserve was sent: the server started it when
+    // it decided, which may be long before the answer arrives (a wait, an fsync).
+    let sent = Instant::now();
+    let reserved = gate.reserve(request.clone()).await.map_err(OnceError::Gate)?;
     let lease = match reserved.reply {
         ReserveReply::Granted { token, attempt, previous, .. } => {
             Lease { key: reserved.key.as_str().to_owned(), token, attempt, previous }
@@ -164,25 +207,27 @@ where
         ReserveReply::Completed { outcome, response, .. } => return Ok(Ran::Replayed { outcome, response }),
         ReserveReply::Mismatch { expires_at_ms } => return Err(OnceError::Mismatch { expires_at_ms }),
     };
-    let held = Held {
-        gate: gate.clone(),
-        key: Some(KeyRequest { namespace, key: lease.key.clone(), token: lease.token, lease_ms }),
-    };
-    let lease_for = if lease_ms == 0 { LEASE_DEFAULT } else { Duration::from_millis(lease_ms) };
-    held.run(lease, lease_for, work).await
+    let key =
+        KeyRequest { namespace, key: lease.key.clone(), token: lease.token, lease_ms: request.lease_ms };
+    let held = Held { gate, key: Some(key), on_cancel };
+    held.run(lease, sent + lease_for, lease_for, work).await
 }
 
-/// A granted key until it is committed or released: dropped holding it (the work
-/// panicked, or the caller dropped the future), it releases the key in the background.
+/// A granted key while its work runs: dropped then (the work panicked, or the caller
+/// dropped the future), it gives the key back as `on_cancel` says.
 struct Held<G: Gate + Clone + 'static> {
     gate: G,
-    /// `Some` while the key is held.
+    /// `Some` while the work runs.
     key: Option<KeyRequest>,
+    on_cancel: OnCancel,
 }
 
 impl<G: Gate + Clone + 'static> Drop for Held<G> {
     fn drop(&mut self) {
         let Some(key) = self.key.take() else { return };
+        if self.on_cancel == OnCancel::KeepUntilLeaseEnds {
+            return;
+        }
         let gate = self.gate.clone();
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
@@ -199,14 +244,14 @@ impl<G: Gate + Clone + 'static> Drop for Held<G> {
     }
 }
 
-impl<G: Gate + Clone + 'static> Held<G> {
-    fn key(&self) -> KeyRequest {
-        self.key.clone().expect("held until committed or released")
-    }
+/// A heartbeat in flight: when it was sent, and its answer.
+type Beat<'a, E> = Pin<Box<dyn Future<Output = (Instant, Result<Renewed, E>)> + Send + 'a>>;
 
+impl<G: Gate + Clone + 'static> Held<G> {
     async fn run<F, Fut, E>(
         mut self,
         lease: Lease,
+        valid_until: Instant,
         lease_for: Duration,
         work: F,
     ) -> Result<Ran, OnceError<G::Error, E>>
@@ -216,7 +261,7 @@ impl<G: Gate + Clone + 'static> Held<G> {
         E: std::fmt::Debug + Send,
     {
         let token = lease.token;
-        let finished = self.keep_lease(lease_for, work(lease)).await;
+        let finished = self.keep_lease(valid_until, lease_for, work(lease)).await;
         // The work has run (or was cancelled by a lost lease): from here a drop must not
         // release the key, or the next attempt could repeat what this one did.
         let key = self.key.take().expect("held until the work ends");
@@ -231,44 +276,62 @@ impl<G: Gate + Clone + 'static> Held<G> {
                 commit(&self.gate, key, Outcome::Failed, response).await.and(Err(OnceError::Failed(error)))
             }
             Err(WorkError::Retryable(error)) => {
-                self.gate.release(key).await.map_err(OnceError::Gate)?;
+                // A release that fails (or was already done by a lost answer's retry:
+                // not found, lease lost) changes nothing for the caller: the key is no
+                // longer this attempt's, or frees when its lease ends.
+                if let Err(release) = self.gate.release(key).await {
+                    tracing::debug!(%release, "the release after a retryable failure was not confirmed");
+                }
                 Err(OnceError::Retryable(error))
             }
         }
     }
 
-    /// Runs `work` while heartbeating every third of the lease; `None` when the lease
-    /// was lost (refused by the gate, or not renewed before it ran out), which cancels
-    /// the work.
-    async fn keep_lease<T>(&self, lease_for: Duration, work: impl Future<Output = T>) -> Option<T> {
+    /// Runs `work` while heartbeating every third of the lease, the heartbeat alongside
+    /// the work; `None` when the lease was lost (refused by the gate, or not renewed
+    /// before `valid_until` by this client's clock), which cancels the work. The deadline
+    /// is checked before the work is polled, so the work never runs past it.
+    async fn keep_lease<T>(
+        &self,
+        mut valid_until: Instant,
+        lease_for: Duration,
+        work: impl Future<Output = T>,
+    ) -> Option<T> {
         let every = (lease_for / 3).max(Duration::from_millis(1));
-        let mut valid_until = Instant::now() + lease_for;
         let mut next = Instant::now() + every;
+        let mut beat: Option<Beat<'_, G::Error>> = None;
         tokio::pin!(work);
         loop {
+            let wake = if beat.is_some() { valid_until } else { next.min(valid_until) };
             tokio::select! {
+                biased;
+                () = tokio::time::sleep_until(wake) => {
+                    if Instant::now() >= valid_until {
+                        return None;
+                    }
+                    let (gate, key, sent) = (&self.gate, self.key(), Instant::now());
+                    beat = Some(Box::pin(async move { (sent, gate.heartbeat(key).await) }));
+                }
+                (sent, answer) = async { beat.as_mut().expect("polled only while in flight").await }, if beat.is_some() => {
+                    beat = None;
+                    match answer {
+                        Ok(_) => valid_until = sent + lease_for,
+                        Err(error) if matches!(error.code(), Code::LeaseLost | Code::NotFound | Code::AlreadyCompleted) => {
+                            return None;
+                        }
+                        // Not renewed this time (the gate's own retries ran out): the
+                        // lease runs on until `valid_until`, and the next beat tries again.
+                        Err(error) => tracing::warn!(%error, "heartbeat failed; the lease runs on until it is renewed or ends"),
+                    }
+                    next = Instant::now() + every;
+                }
                 done = &mut work => return Some(done),
-                () = tokio::time::sleep_until(next.min(valid_until)) => {}
             }
-            if Instant::now() >= valid_until {
-                return None;
-            }
-            let sent = Instant::now();
-            match self.gate.heartbeat(self.key()).await {
-                Ok(_) => valid_until = sent + lease_for,
-                Err(error)
-                    if matches!(error.code(), Code::LeaseLost | Code::NotFound | Code::AlreadyCompleted) =>
-                {
-                    return None;
-                }
-                // Not renewed this time (the gate's own retries ran out): the lease still
-                // runs until `valid_until`, and the next beat tries again.
-                Err(error) => {
-                    tracing::warn!(%error, "heartbeat failed; the lease runs on until it is renewed or ends")
-                }
-            }
-            next = Instant::now() + every;
         }
+    }
+
+    fn key(&self) -> KeyRequest {
+        self.key.clone().expect("held while the work runs")
     }
 }
 
@@ -283,9 +346,12 @@ async fn commit<G: Gate, E: std::fmt::Debug>(
 ) -> Result<(), OnceError<G::Error, E>> {
     let token = key.token;
     let request = CommitRequest { namespace: key.namespace, key: key.key, token, outcome, response };
+    let response = request.response.clone();
     match gate.commit(request).await {
         Ok(_) => Ok(()),
-        Err(error) if error.code() == Code::LeaseLost => Err(OnceError::LeaseLost { token }),
-        Err(error) => Err(OnceError::Gate(error)),
+        Err(error) if matches!(error.code(), Code::LeaseLost | Code::Conflict) => {
+            Err(OnceError::LeaseLost { token })
+        }
+        Err(error) => Err(OnceError::Unconfirmed { token, response, error }),
     }
 }

@@ -6,8 +6,15 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use oncegate_client::{Client, Gate, GateExt, KeyRequest, OnceError, OnceOptions, Ran, Transport, WorkError};
+use std::future::Future;
+
+use oncegate_client::{
+    Client, CommitRequest, Gate, GateExt, KeyRequest, OnCancel, OnceError, OnceOptions, Ran, Renewed,
+    ReserveRequest, Reserved, Transport, WorkError,
+};
+use oncegate_core::Previous;
 use oncegate_core::State;
+use oncegate_engine::TenantGate;
 use oncegate_engine::{Engine, EngineConfig};
 use oncegate_server::{Config, Listeners};
 
@@ -183,4 +190,80 @@ async fn a_retryable_failure_releases_and_a_final_one_is_replayed() {
         }
         other => panic!("{other:?}"),
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_work_can_leave_its_key_to_lapse_so_the_next_attempt_is_told() {
+    let server = server().await;
+    let client = Client::connect(server.url.clone()).await.unwrap();
+    let (started, running) = tokio::sync::oneshot::channel();
+    let keeping =
+        OnceOptions { lease_ms: 300, on_cancel: OnCancel::KeepUntilLeaseEnds, ..OnceOptions::default() };
+    let dropped = client.clone();
+    let attempt = tokio::spawn(async move {
+        dropped
+            .once("live", "k", keeping, |_| async move {
+                let _ = started.send(());
+                // The side effect may have happened here when the caller goes away.
+                std::future::pending::<Result<Vec<u8>, WorkError<()>>>().await
+            })
+            .await
+    });
+    running.await.unwrap();
+    attempt.abort();
+    let _ = attempt.await;
+    let next = client
+        .once("live", "k", waiting(), |lease| async move {
+            assert_eq!(
+                (lease.attempt, lease.previous),
+                (2, Previous::Abandoned),
+                "told to check the first attempt"
+            );
+            Ok::<_, WorkError<()>>(b"checked, then done".to_vec())
+        })
+        .await;
+    assert_eq!(next.unwrap(), Ran::Now(b"checked, then done".to_vec()));
+}
+
+/// A gate whose heartbeats never get through (the engine in process, for every other call).
+#[derive(Clone)]
+struct Unreachable(TenantGate);
+
+impl Gate for Unreachable {
+    type Error = oncegate_engine::Error;
+
+    fn reserve(&self, r: ReserveRequest) -> impl Future<Output = Result<Reserved, Self::Error>> + Send {
+        self.0.reserve(r)
+    }
+    fn commit(&self, r: CommitRequest) -> impl Future<Output = Result<u64, Self::Error>> + Send {
+        self.0.commit(r)
+    }
+    fn release(&self, r: KeyRequest) -> impl Future<Output = Result<(), Self::Error>> + Send {
+        self.0.release(r)
+    }
+    fn heartbeat(&self, _: KeyRequest) -> impl Future<Output = Result<Renewed, Self::Error>> + Send {
+        std::future::ready(Err(oncegate_engine::Error::Unavailable {
+            shard: 0,
+            reason: "unreachable".into(),
+        }))
+    }
+    fn get(&self, r: KeyRequest) -> impl Future<Output = Result<oncegate_core::View, Self::Error>> + Send {
+        self.0.get(r)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_not_renewed_in_time_cancels_the_work_as_lease_lost() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine =
+        Engine::open(EngineConfig { data_dir: dir.path().to_owned(), ..EngineConfig::default() }).unwrap();
+    let gate = Unreachable(engine.gate(oncegate_core::Tenant::default_tenant()));
+    let options = OnceOptions { lease_ms: 200, ..OnceOptions::default() };
+    let ran = gate
+        .once("live", "k", options, |_| async {
+            std::future::pending::<Result<Vec<u8>, WorkError<()>>>().await
+        })
+        .await;
+    assert!(matches!(ran, Err(OnceError::LeaseLost { .. })), "{ran:?}");
+    engine.shutdown();
 }
