@@ -3,12 +3,16 @@
 //! gate the retry places a second order; with oncegate the retry gets the first fill's
 //! stored response instead.
 //!
+//! The gateway is written against the `Gate` trait with `once`: here on the engine in
+//! process; `examples/client_once.rs` runs the same on a remote server.
+//!
 //! Run it with `cargo run --example double_fill`.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use oncegate::core::{Outcome, ReserveReply, Tenant};
-use oncegate::{CommitRequest, Engine, EngineConfig, ReserveRequest};
+use oncegate::client::{GateExt, OnceError, OnceOptions, Ran, WorkError};
+use oncegate::core::{Fingerprint, Tenant};
+use oncegate::{Engine, EngineConfig};
 
 /// The exchange side effect we must not repeat.
 static ORDERS_PLACED: AtomicU32 = AtomicU32::new(0);
@@ -18,48 +22,38 @@ fn place_order(symbol: &str, quantity: &str) -> String {
     format!("{{\"order\":\"A-{n}\",\"symbol\":\"{symbol}\",\"qty\":\"{quantity}\"}}")
 }
 
-/// The gateway's webhook handler: one reserve before the side effect, one commit after.
-fn handle_fill_webhook(
-    engine: &Engine,
-    tenant: &Tenant,
+/// The gateway's webhook handler: the order runs inside `once`, which reserves the
+/// webhook's id, commits the order's response, and replays it to any retry.
+async fn handle_fill_webhook<G: GateExt>(
+    gate: &G,
     webhook_id: &str,
-) -> Result<String, oncegate::Error> {
-    let reserve = ReserveRequest {
-        namespace: "live".into(),
-        key: webhook_id.into(),
-        fingerprint: b"BTCUSDT buy 0.5".to_vec(),
-        ..Default::default()
-    };
-    match engine.reserve_blocking(tenant, reserve)?.reply {
-        ReserveReply::Granted { token, .. } => {
-            let response = place_order("BTCUSDT", "0.5");
-            let commit = CommitRequest {
-                namespace: "live".into(),
-                key: webhook_id.into(),
-                token,
-                outcome: Outcome::Succeeded,
-                response: response.clone().into_bytes(),
-            };
-            engine.commit_blocking(tenant, commit)?;
-            Ok(response)
+) -> Result<String, OnceError<G::Error, String>> {
+    let payload = serde_json::json!({ "symbol": "BTCUSDT", "side": "buy", "qty": "0.5" });
+    let fingerprint = Fingerprint::of_json(&payload).expect("plain JSON").as_bytes().to_vec();
+    let options = OnceOptions { fingerprint, ..OnceOptions::default() };
+    let ran = gate
+        .once("live", webhook_id, options, |_lease| async {
+            Ok::<_, WorkError<String>>(place_order("BTCUSDT", "0.5").into_bytes())
+        })
+        .await?;
+    Ok(match ran {
+        Ran::Now(response) | Ran::Replayed { response, .. } => {
+            String::from_utf8_lossy(&response).into_owned()
         }
-        ReserveReply::Completed { response, .. } => Ok(String::from_utf8_lossy(&response).into_owned()),
-        ReserveReply::InProgress { retry_after_ms, .. } => {
-            Ok(format!("409: in progress, retry in {retry_after_ms} ms"))
-        }
-        ReserveReply::Mismatch { .. } => Ok("422: this key was used for another payload".to_owned()),
-    }
+        Ran::InProgress { retry_after_ms } => format!("409: in progress, retry in {retry_after_ms} ms"),
+    })
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = tempfile::tempdir()?;
     let engine = Engine::open(EngineConfig { data_dir: dir.path().to_owned(), ..EngineConfig::default() })?;
-    let tenant = Tenant::default_tenant();
+    let gate = engine.gate(Tenant::default_tenant());
 
-    let first = handle_fill_webhook(&engine, &tenant, "fill-8812")?;
+    let first = handle_fill_webhook(&gate, "fill-8812").await?;
     println!("webhook fill-8812, first delivery -> {first}");
     println!("(the gateway's 200 OK to the exchange is lost; the exchange retries)");
-    let retry = handle_fill_webhook(&engine, &tenant, "fill-8812")?;
+    let retry = handle_fill_webhook(&gate, "fill-8812").await?;
     println!("webhook fill-8812, retry          -> {retry}");
 
     let placed = ORDERS_PLACED.load(Ordering::SeqCst);

@@ -13,7 +13,7 @@ use oncegate_proto::v1::session_response::Result as Out;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use tonic::metadata::{Ascii, MetadataMap, MetadataValue};
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
 use crate::retry::RetryPolicy;
 use crate::session::{self, Sessions};
@@ -70,6 +70,8 @@ pub struct ClientBuilder {
     url: String,
     token: Option<String>,
     tls_ca: Option<PathBuf>,
+    tls_identity: Option<(PathBuf, PathBuf)>,
+    tls_domain: Option<String>,
     timeout: Duration,
     connect_timeout: Duration,
     retry: RetryPolicy,
@@ -86,6 +88,19 @@ impl ClientBuilder {
     /// A CA certificate (PEM) to trust beside the system's roots, for `https://`.
     pub fn tls_ca(mut self, path: impl Into<PathBuf>) -> ClientBuilder {
         self.tls_ca = Some(path.into());
+        self
+    }
+
+    /// This client's certificate and private key (PEM), for a server that requires
+    /// mutual TLS.
+    pub fn tls_identity(mut self, cert: impl Into<PathBuf>, key: impl Into<PathBuf>) -> ClientBuilder {
+        self.tls_identity = Some((cert.into(), key.into()));
+        self
+    }
+
+    /// The name the server's certificate must carry, when it is not the address's host.
+    pub fn tls_domain(mut self, domain: impl Into<String>) -> ClientBuilder {
+        self.tls_domain = Some(domain.into());
         self
     }
 
@@ -140,16 +155,30 @@ impl ClientBuilder {
         let config = |e: &dyn std::fmt::Display| ClientError::Config(format!("{}: {e}", self.url));
         let mut endpoint = Endpoint::from_shared(self.url.clone()).map_err(|e| config(&e))?;
         endpoint = endpoint.connect_timeout(self.connect_timeout).tcp_nodelay(true);
-        if self.url.starts_with("https://") {
-            let mut tls = ClientTlsConfig::new().with_native_roots();
-            if let Some(path) = &self.tls_ca {
-                let pem = std::fs::read(path)
-                    .map_err(|e| ClientError::Config(format!("{}: {e}", path.display())))?;
-                tls = tls.ca_certificate(Certificate::from_pem(pem));
+        let tls_asked = self.tls_ca.is_some() || self.tls_identity.is_some() || self.tls_domain.is_some();
+        if !self.url.starts_with("https://") {
+            if tls_asked {
+                let url = &self.url;
+                return Err(ClientError::Config(format!(
+                    "TLS settings need an https:// address; {url} is plaintext"
+                )));
             }
-            endpoint = endpoint.tls_config(tls).map_err(|e| config(&e))?;
+            return Ok(endpoint);
         }
-        Ok(endpoint)
+        let read = |path: &PathBuf| {
+            std::fs::read(path).map_err(|e| ClientError::Config(format!("{}: {e}", path.display())))
+        };
+        let mut tls = ClientTlsConfig::new().with_native_roots();
+        if let Some(path) = &self.tls_ca {
+            tls = tls.ca_certificate(Certificate::from_pem(read(path)?));
+        }
+        if let Some((cert, key)) = &self.tls_identity {
+            tls = tls.identity(Identity::from_pem(read(cert)?, read(key)?));
+        }
+        if let Some(domain) = &self.tls_domain {
+            tls = tls.domain_name(domain.clone());
+        }
+        endpoint.tls_config(tls).map_err(|e| config(&e))
     }
 }
 
@@ -192,6 +221,8 @@ impl Client {
             url: url.into(),
             token: None,
             tls_ca: None,
+            tls_identity: None,
+            tls_domain: None,
             timeout: Duration::from_secs(10),
             connect_timeout: Duration::from_secs(5),
             retry: RetryPolicy::default(),
