@@ -2,7 +2,6 @@
 //! tenant's bearer token.
 
 #[path = "../../oncegate-server/tests/common/mod.rs"]
-#[allow(dead_code)]
 mod common;
 
 use common::certs::Pki;
