@@ -7,6 +7,12 @@
 //! insignificant whitespace, strings escaped as `serde_json` writes them, integers as
 //! written, and a float that is a whole number of magnitude below 2^53 written as that
 //! integer (other floats in the shortest form that reads back exactly).
+//!
+//! Numbers are compared as the JSON parser reads them: integers within 64 bits exactly,
+//! everything else as the nearest 64-bit float, so two payloads that differ only beyond a
+//! float's precision (`0.30000000000000001` and `0.3`, or integers past 2^64) share a
+//! fingerprint; send such values as strings. An object with a repeated key keeps the
+//! last value, as most JSON parsers do.
 
 use std::fmt::Write as _;
 
