@@ -23,7 +23,7 @@ pub async fn run(args: AddShardsArgs) -> Answer {
     let request = admin_request(&args.target, pb::AddShardsRequest { shards_total: args.to })?;
     let mut stream = match admin(&args.target).await?.add_shards(request).await {
         Ok(response) => response.into_inner(),
-        Err(status) => return Ok(Err(status)),
+        Err(status) => return Ok(Err(status.into())),
     };
     let bar = ProgressBar::new(0);
     if let Ok(style) = ProgressStyle::with_template("moving slots [{bar:40}] {pos}/{len} ({per_sec}, {eta})")
@@ -38,7 +38,7 @@ pub async fn run(args: AddShardsArgs) -> Answer {
                 bar.set_position(u64::from(progress.slots_moved));
             }
             Ok(None) => anyhow::bail!("the server ended the stream before the shards were added"),
-            Err(status) => break Err(status),
+            Err(status) => break Err(status.into()),
         }
     };
     bar.finish_and_clear();

@@ -7,9 +7,13 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
+use oncegate_client::{
+    Client, ClientError, CommitRequest, Gate, KeyRequest, Refusal, Renewed, ReserveRequest, Reserved,
+    RetryPolicy, Transport,
+};
+use oncegate_core::{Outcome, Previous, ReserveReply, State, View};
 use oncegate_proto::v1 as pb;
 use oncegate_proto::v1::admin_client::AdminClient;
-use oncegate_proto::v1::gate_client::GateClient;
 use serde_json::{Value, json};
 use tonic::Request;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
@@ -38,18 +42,30 @@ pub struct Connection {
 
 impl Connection {
     /// Connects, over TLS when the address is `https://`.
-    async fn channel(&self, token: Option<&String>) -> anyhow::Result<Channel> {
-        let mut endpoint = Endpoint::from_shared(self.addr.clone()).with_context(|| self.addr.clone())?;
-        let uri = endpoint.uri().clone();
+    /// Refuses TLS flags on a plaintext address, and warns before a token crosses the
+    /// network in plaintext.
+    fn check(&self, token: Option<&String>) -> anyhow::Result<()> {
+        let uri: tonic::codegen::http::Uri = self.addr.parse().with_context(|| self.addr.clone())?;
         if uri.scheme_str() == Some("https") {
-            endpoint = endpoint.tls_config(self.tls()?)?;
-        } else if self.tls_ca.is_some() || self.tls_cert.is_some() {
+            return Ok(());
+        }
+        if self.tls_ca.is_some() || self.tls_cert.is_some() {
             anyhow::bail!("--tls-ca and --tls-cert need an https:// address; {} is plaintext", self.addr);
-        } else if token.is_some() && !is_loopback(uri.host().unwrap_or_default()) {
+        }
+        if token.is_some() && !is_loopback(uri.host().unwrap_or_default()) {
             eprintln!(
                 "oncegate: warning: sending the bearer token in plaintext to {}; use https://",
                 self.addr
             );
+        }
+        Ok(())
+    }
+
+    async fn channel(&self, token: Option<&String>) -> anyhow::Result<Channel> {
+        self.check(token)?;
+        let mut endpoint = Endpoint::from_shared(self.addr.clone()).with_context(|| self.addr.clone())?;
+        if endpoint.uri().scheme_str() == Some("https") {
+            endpoint = endpoint.tls_config(self.tls()?)?;
         }
         // The causes matter (a handshake failure says why only in one); `{:#}` prints them.
         endpoint.connect().await.map_err(|e| anyhow::Error::new(e).context(self.addr.clone()))
@@ -221,7 +237,8 @@ pub enum Call {
 
 /// A verb's answer: the outer error is a local problem (usage, connection); the inner
 /// one is the server's refusal.
-pub(crate) type Answer = anyhow::Result<Result<Value, tonic::Status>>;
+/// A verb's answer: JSON, a refusal (exit 1), or a usage or connection problem (exit 2).
+pub(crate) type Answer = anyhow::Result<Result<Value, Refusal>>;
 
 fn with_token<T>(token: Option<&String>, message: T) -> anyhow::Result<Request<T>> {
     let mut request = Request::new(message);
@@ -231,16 +248,30 @@ fn with_token<T>(token: Option<&String>, message: T) -> anyhow::Result<Request<T
     Ok(request)
 }
 
-fn request<T>(target: &Target, message: T) -> anyhow::Result<Request<T>> {
-    with_token(target.token.as_ref(), message)
-}
-
 pub(crate) fn admin_request<T>(target: &AdminTarget, message: T) -> anyhow::Result<Request<T>> {
     with_token(target.admin_token.as_ref(), message)
 }
 
-async fn gate(target: &Target) -> anyhow::Result<GateClient<Channel>> {
-    Ok(GateClient::new(target.connection.channel(target.token.as_ref()).await?))
+/// The client crate's `Client` for one call: unary, no retries (an operator sees what the
+/// server answered to exactly one call).
+async fn gate(target: &Target) -> anyhow::Result<Client> {
+    let connection = &target.connection;
+    connection.check(target.token.as_ref())?;
+    let mut builder =
+        Client::builder(connection.addr.clone()).transport(Transport::Unary).retry(RetryPolicy::NONE);
+    if let Some(token) = &target.token {
+        builder = builder.token(token);
+    }
+    if let Some(ca) = &connection.tls_ca {
+        builder = builder.tls_ca(ca);
+    }
+    if let (Some(cert), Some(key)) = (&connection.tls_cert, &connection.tls_key) {
+        builder = builder.tls_identity(cert, key);
+    }
+    if let Some(domain) = &connection.tls_domain {
+        builder = builder.tls_domain(domain);
+    }
+    Ok(builder.connect().await?)
 }
 
 pub(crate) async fn admin(target: &AdminTarget) -> anyhow::Result<AdminClient<Channel>> {
@@ -296,20 +327,14 @@ fn canonical(code: tonic::Code) -> String {
     out
 }
 
-fn refusal(status: &tonic::Status) -> Value {
-    let trailer = |name: &str| status.metadata().get(name).and_then(|v| v.to_str().ok());
-    // A status made by the client's transport (a refused handshake, a reset) says why
-    // only in its causes.
-    let causes: Vec<String> = std::iter::successors(std::error::Error::source(status), |e| e.source())
-        .map(ToString::to_string)
-        .collect();
+fn refusal_json(refusal: &Refusal) -> Value {
     json!({ "error": {
-        "grpc": canonical(status.code()),
-        "code": trailer(oncegate_proto::CODE_METADATA),
-        "field": trailer(oncegate_proto::FIELD_METADATA),
-        "limit": trailer(oncegate_proto::LIMIT_METADATA),
-        "message": status.message(),
-        "causes": causes,
+        "grpc": canonical(refusal.grpc),
+        "code": refusal.code.as_str(),
+        "field": refusal.field,
+        "limit": refusal.limit,
+        "message": refusal.message,
+        "causes": refusal.causes,
     } })
 }
 
@@ -321,8 +346,8 @@ pub fn run(call: Call) -> anyhow::Result<()> {
             println!("{value}");
             Ok(())
         }
-        Ok(Err(status)) => {
-            println!("{}", refusal(&status));
+        Ok(Err(refusal)) => {
+            println!("{}", refusal_json(&refusal));
             std::process::exit(1);
         }
         Err(error) => {
@@ -347,32 +372,63 @@ async fn call_once(call: Call) -> Answer {
     }
 }
 
-fn reserve_json(r: pb::ReserveResponse) -> Value {
-    use pb::reserve_response::Outcome as O;
-    let mut out = match r.outcome {
-        Some(O::Granted(g)) => json!({
-            "outcome": "granted", "token": g.token, "attempt": g.attempt,
-            "lease_until_ms": g.lease_until_ms, "expires_at_ms": g.expires_at_ms,
-            "previous": if g.previous == pb::Previous::Abandoned as i32 { "abandoned" } else { "none" },
+fn reserve_json(r: Reserved) -> Value {
+    let mut out = match r.reply {
+        ReserveReply::Granted { token, attempt, lease_until_ms, expires_at_ms, previous } => json!({
+            "outcome": "granted", "token": token, "attempt": attempt,
+            "lease_until_ms": lease_until_ms, "expires_at_ms": expires_at_ms,
+            "previous": if previous == Previous::Abandoned { "abandoned" } else { "none" },
         }),
-        Some(O::InProgress(p)) => json!({
-            "outcome": "in_progress", "attempt": p.attempt,
-            "lease_until_ms": p.lease_until_ms, "retry_after_ms": p.retry_after_ms,
+        ReserveReply::InProgress { attempt, lease_until_ms, retry_after_ms } => json!({
+            "outcome": "in_progress", "attempt": attempt,
+            "lease_until_ms": lease_until_ms, "retry_after_ms": retry_after_ms,
         }),
-        Some(O::Completed(c)) => json!({
-            "outcome": "completed", "token": c.token, "result": outcome_name(c.outcome),
-            "response": bytes_json(&c.response), "completed_at_ms": c.completed_at_ms,
-            "expires_at_ms": c.expires_at_ms,
+        ReserveReply::Completed { token, outcome, response, completed_at_ms, expires_at_ms } => json!({
+            "outcome": "completed", "token": token, "result": outcome_str(Some(outcome)),
+            "response": bytes_json(&response), "completed_at_ms": completed_at_ms,
+            "expires_at_ms": expires_at_ms,
         }),
-        Some(O::Mismatch(m)) => json!({ "outcome": "mismatch", "expires_at_ms": m.expires_at_ms }),
-        None => json!({ "outcome": null }),
+        ReserveReply::Mismatch { expires_at_ms } => {
+            json!({ "outcome": "mismatch", "expires_at_ms": expires_at_ms })
+        }
     };
-    out["key"] = json!(r.key);
+    out["key"] = json!(r.key.as_str());
     out
 }
 
+fn outcome_str(outcome: Option<Outcome>) -> &'static str {
+    match outcome {
+        Some(Outcome::Succeeded) => "succeeded",
+        Some(Outcome::Failed) => "failed",
+        None => "unspecified",
+    }
+}
+
+fn state_str(state: State) -> &'static str {
+    match state {
+        State::Free => "free",
+        State::Pending => "pending",
+        State::Abandoned => "abandoned",
+        State::Completed => "completed",
+    }
+}
+
+/// One call of the client crate's `Gate`: a refusal is the verb's answer (exit 1), a
+/// connection or setup problem its failure (exit 2).
+async fn gate_call<T>(
+    target: &Target,
+    call: impl AsyncFnOnce(Client) -> Result<T, ClientError>,
+    json: impl FnOnce(T) -> Value,
+) -> Answer {
+    match call(gate(target).await?).await {
+        Ok(answer) => Ok(Ok(json(answer))),
+        Err(ClientError::Refused(refusal)) => Ok(Err(refusal)),
+        Err(error) => Err(error.into()),
+    }
+}
+
 async fn reserve(a: ReserveArgs) -> Answer {
-    let message = pb::ReserveRequest {
+    let request = ReserveRequest {
         namespace: a.target.namespace.clone(),
         key: a.key.clone().unwrap_or_default(),
         key_parts: a.parts.clone(),
@@ -382,58 +438,53 @@ async fn reserve(a: ReserveArgs) -> Answer {
         fingerprint: a.fingerprint.clone().into_bytes(),
         wait_ms: a.wait_ms,
     };
-    let answer = gate(&a.target).await?.reserve(request(&a.target, message)?).await;
-    Ok(answer.map(|r| reserve_json(r.into_inner())))
+    gate_call(&a.target, async |gate| gate.reserve(request).await, reserve_json).await
 }
 
 async fn commit(a: CommitArgs) -> Answer {
-    let outcome = if a.failed { pb::Outcome::Failed } else { pb::Outcome::Succeeded };
-    let message = pb::CommitRequest {
+    let request = CommitRequest {
         namespace: a.target.namespace.clone(),
         key: a.key.clone(),
         token: a.fencing_token,
-        outcome: outcome as i32,
+        outcome: if a.failed { Outcome::Failed } else { Outcome::Succeeded },
         response: a.response.clone().into_bytes(),
     };
-    let answer = gate(&a.target).await?.commit(request(&a.target, message)?).await;
-    Ok(answer.map(|r| json!({ "committed": true, "expires_at_ms": r.into_inner().expires_at_ms })))
+    let json = |expires_at_ms| json!({ "committed": true, "expires_at_ms": expires_at_ms });
+    gate_call(&a.target, async |gate| gate.commit(request).await, json).await
 }
 
 async fn release(a: TokenArgs) -> Answer {
-    let message = pb::ReleaseRequest {
+    let request = KeyRequest {
         namespace: a.target.namespace.clone(),
         key: a.key.clone(),
         token: a.fencing_token,
+        lease_ms: 0,
     };
-    let answer = gate(&a.target).await?.release(request(&a.target, message)?).await;
-    Ok(answer.map(|_| json!({ "released": true })))
+    gate_call(&a.target, async |gate| gate.release(request).await, |()| json!({ "released": true })).await
 }
 
 async fn heartbeat(a: HeartbeatArgs) -> Answer {
-    let message = pb::HeartbeatRequest {
+    let request = KeyRequest {
         namespace: a.target.namespace.clone(),
         key: a.key.clone(),
         token: a.fencing_token,
         lease_ms: a.lease_ms,
     };
-    let answer = gate(&a.target).await?.heartbeat(request(&a.target, message)?).await;
-    Ok(answer.map(|r| {
-        let r = r.into_inner();
-        json!({ "lease_until_ms": r.lease_until_ms, "expires_at_ms": r.expires_at_ms })
-    }))
+    let json = |r: Renewed| json!({ "lease_until_ms": r.lease_until_ms, "expires_at_ms": r.expires_at_ms });
+    gate_call(&a.target, async |gate| gate.heartbeat(request).await, json).await
 }
 
 async fn get(a: KeyArgs) -> Answer {
-    let message = pb::GetRequest { namespace: a.target.namespace.clone(), key: a.key.clone() };
-    let answer = gate(&a.target).await?.get(request(&a.target, message)?).await;
-    Ok(answer.map(|r| {
-        let r = r.into_inner();
+    let request =
+        KeyRequest { namespace: a.target.namespace.clone(), key: a.key.clone(), token: 0, lease_ms: 0 };
+    let json = |v: View| {
         json!({
-            "state": state_name(r.state), "token": r.token, "attempt": r.attempt,
-            "lease_until_ms": r.lease_until_ms, "expires_at_ms": r.expires_at_ms,
-            "result": outcome_name(r.outcome), "response": bytes_json(&r.response),
+            "state": state_str(v.state), "token": v.token, "attempt": v.attempt,
+            "lease_until_ms": v.lease_until_ms, "expires_at_ms": v.expires_at_ms,
+            "result": outcome_str(v.outcome), "response": bytes_json(&v.response),
         })
-    }))
+    };
+    gate_call(&a.target, async |gate| gate.get(request).await, json).await
 }
 
 fn moving_json(m: Option<pb::SlotMove>) -> Value {
@@ -453,11 +504,13 @@ fn shard_json(s: pb::ShardStats) -> Value {
 
 async fn status(target: AdminTarget) -> Answer {
     let answer = admin(&target).await?.shard_stats(admin_request(&target, pb::ShardStatsRequest {})?).await;
-    Ok(answer.map(|r| {
-        let r = r.into_inner();
-        let shards: Vec<Value> = r.shards.into_iter().map(shard_json).collect();
-        json!({ "shards": shards, "moving": moving_json(r.moving) })
-    }))
+    Ok(answer
+        .map(|r| {
+            let r = r.into_inner();
+            let shards: Vec<Value> = r.shards.into_iter().map(shard_json).collect();
+            json!({ "shards": shards, "moving": moving_json(r.moving) })
+        })
+        .map_err(Refusal::from))
 }
 
 fn inspect_json(r: pb::InspectResponse) -> Value {
@@ -479,7 +532,7 @@ async fn inspect(a: InspectArgs) -> Answer {
     let message =
         pb::InspectRequest { tenant: a.tenant.clone(), namespace: a.namespace.clone(), key: a.key.clone() };
     let answer = admin(&a.target).await?.inspect(admin_request(&a.target, message)?).await;
-    Ok(answer.map(|r| inspect_json(r.into_inner())))
+    Ok(answer.map(|r| inspect_json(r.into_inner())).map_err(Refusal::from))
 }
 
 /// What an operator does to a key's record.
@@ -502,8 +555,10 @@ async fn remove(removal: Removal, a: AdminKeyArgs) -> Answer {
         Removal::Release => ("release", client.force_release(request).await),
         Removal::Purge => ("purge", client.purge(request).await),
     };
-    Ok(answer.map(|r| {
-        let r = r.into_inner();
-        json!({ "removed": true, "action": verb, "previous": state_name(r.previous), "token": r.token })
-    }))
+    Ok(answer
+        .map(|r| {
+            let r = r.into_inner();
+            json!({ "removed": true, "action": verb, "previous": state_name(r.previous), "token": r.token })
+        })
+        .map_err(Refusal::from))
 }

@@ -23,13 +23,16 @@ use crate::wire;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ClientError {
-    /// The server answered with a refusal (or the transport failed, as `unavailable`).
-    #[error("{message} ({})", code.as_str())]
-    Refused {
-        /// The contract's code.
-        code: Code,
-        /// The server's message.
-        message: String,
+    /// The server refused the call, or the call got no answer (`unavailable`).
+    #[error("{0}")]
+    Refused(Refusal),
+    /// The client could not connect.
+    #[error("cannot connect to {url}: {reason}")]
+    Connect {
+        /// Where it tried.
+        url: String,
+        /// Why it failed, with its causes.
+        reason: String,
     },
     /// The client could not be set up (its address, its CA file, its token).
     #[error("client configuration: {0}")]
@@ -39,29 +42,78 @@ pub enum ClientError {
     Protocol(String),
 }
 
+/// A refused call, with everything the server said about it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refusal {
+    /// The contract's code.
+    pub code: Code,
+    /// The gRPC status code it came with.
+    pub grpc: tonic::Code,
+    /// The server's message (or the transport's).
+    pub message: String,
+    /// The request field at fault, for `invalid_argument`.
+    pub field: Option<String>,
+    /// The configuration key of the limit reached, for `resource_exhausted`.
+    pub limit: Option<String>,
+    /// What the transport said below the message (a failed handshake says why only here).
+    pub causes: Vec<String>,
+}
+
+impl Refusal {
+    /// A call that got no answer (the stream ended, or the deadline passed).
+    pub(crate) fn unanswered(message: String) -> ClientError {
+        ClientError::Refused(Refusal {
+            code: Code::Unavailable,
+            grpc: tonic::Code::Unavailable,
+            message,
+            field: None,
+            limit: None,
+            causes: Vec::new(),
+        })
+    }
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({})", self.message, self.code.as_str())?;
+        self.causes.iter().try_for_each(|cause| write!(f, ": {cause}"))
+    }
+}
+
 impl GateError for ClientError {
     fn code(&self) -> Code {
         match self {
-            ClientError::Refused { code, .. } => *code,
+            ClientError::Refused(refusal) => refusal.code,
+            ClientError::Connect { .. } | ClientError::Protocol(_) => Code::Unavailable,
             ClientError::Config(_) => Code::InvalidArgument,
-            ClientError::Protocol(_) => Code::Unavailable,
+        }
+    }
+}
+
+impl From<tonic::Status> for Refusal {
+    fn from(status: tonic::Status) -> Refusal {
+        let trailer =
+            |name: &str| status.metadata().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
+        Refusal {
+            code: oncegate_proto::status::code_of(&status),
+            grpc: status.code(),
+            message: status.message().to_owned(),
+            field: trailer(oncegate_proto::FIELD_METADATA),
+            limit: trailer(oncegate_proto::LIMIT_METADATA),
+            causes: causes(&status),
         }
     }
 }
 
 impl From<tonic::Status> for ClientError {
     fn from(status: tonic::Status) -> ClientError {
-        let code = oncegate_proto::status::code_of(&status);
-        let causes: Vec<String> = std::iter::successors(std::error::Error::source(&status), |e| e.source())
-            .map(ToString::to_string)
-            .collect();
-        let message = if causes.is_empty() {
-            status.message().to_owned()
-        } else {
-            format!("{}: {}", status.message(), causes.join(": "))
-        };
-        ClientError::Refused { code, message }
+        ClientError::Refused(status.into())
     }
+}
+
+/// The chain of sources below an error, outermost first.
+fn causes(error: &dyn std::error::Error) -> Vec<String> {
+    std::iter::successors(error.source(), |e| e.source()).map(ToString::to_string).collect()
 }
 
 /// How to reach a server: [`Client::builder`].
@@ -137,9 +189,9 @@ impl ClientBuilder {
             ),
             None => None,
         };
-        let channel = self.endpoint()?.connect().await.map_err(|e| ClientError::Refused {
-            code: Code::Unavailable,
-            message: format!("cannot connect to {}: {e}", self.url),
+        let channel = self.endpoint()?.connect().await.map_err(|e| {
+            let reason = std::iter::once(e.to_string()).chain(causes(&e)).collect::<Vec<_>>().join(": ");
+            ClientError::Connect { url: self.url.clone(), reason }
         })?;
         Ok(Client {
             gate: GateClient::new(channel),
@@ -247,10 +299,7 @@ impl Client {
     /// plus `extra` (a reserve's wait). A refusal comes back as the error.
     async fn call(&self, call: Call, extra: Duration) -> Result<Out, ClientError> {
         let deadline = self.timeout + extra;
-        let late = || ClientError::Refused {
-            code: Code::Unavailable,
-            message: format!("no answer within {} ms", deadline.as_millis()),
-        };
+        let late = || Refusal::unanswered(format!("no answer within {} ms", deadline.as_millis()));
         let mut call = call;
         // A reserve that may wait goes as a unary call: parked on the server it must not
         // hold up the stream's other calls (a holder's heartbeat or commit behind a

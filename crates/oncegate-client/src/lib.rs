@@ -43,7 +43,7 @@ mod retry;
 mod session;
 mod wire;
 
-pub use client::{Client, ClientBuilder, ClientError, Transport};
+pub use client::{Client, ClientBuilder, ClientError, Refusal, Transport};
 pub use once::{GateExt, Lease, OnCancel, OnceError, OnceOptions, Ran, WorkError, once};
 pub use oncegate_core::gate::{
     CommitRequest, Gate, GateError, KeyRequest, Renewed, ReserveRequest, Reserved,

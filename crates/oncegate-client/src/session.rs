@@ -13,7 +13,7 @@ use pb::session_response::Result as Out;
 use tokio::sync::{Mutex, mpsc, oneshot};
 use tonic::transport::Channel;
 
-use crate::ClientError;
+use crate::{ClientError, Refusal};
 
 /// A call on its way, and where its answer goes.
 type Waiting = (pb::SessionRequest, oneshot::Sender<Out>);
@@ -70,7 +70,7 @@ impl Sessions {
 }
 
 fn ended(message: &str) -> ClientError {
-    ClientError::Refused { code: oncegate_core::Code::Unavailable, message: message.to_owned() }
+    Refusal::unanswered(message.to_owned())
 }
 
 /// Opens a stream and starts the task that sends its calls and routes its answers by id;
@@ -109,9 +109,16 @@ async fn open(
 
 /// A refused call of a session, as the unary call's status would have said it.
 pub(crate) fn refused(refusal: pb::Refusal) -> ClientError {
+    let grpc = tonic::Code::from(refusal.grpc_code);
     let code = oncegate_core::Code::ALL.into_iter().find(|c| c.as_str() == refusal.code);
-    let code = code.unwrap_or_else(|| {
-        oncegate_proto::status::code_of(&tonic::Status::new(tonic::Code::from(refusal.grpc_code), ""))
-    });
-    ClientError::Refused { code, message: refusal.message }
+    let code = code.unwrap_or_else(|| oncegate_proto::status::code_of(&tonic::Status::new(grpc, "")));
+    let named = |text: String| Some(text).filter(|t| !t.is_empty());
+    ClientError::Refused(Refusal {
+        code,
+        grpc,
+        message: refusal.message,
+        field: named(refusal.field),
+        limit: named(refusal.limit),
+        causes: Vec::new(),
+    })
 }
