@@ -80,8 +80,12 @@ async fn open(
     metadata: tonic::metadata::MetadataMap,
 ) -> Result<mpsc::Sender<Waiting>, tonic::Status> {
     let (calls, mut queued) = mpsc::channel::<Waiting>(CALLS_QUEUED_MAX);
-    let (requests, outgoing) = mpsc::channel(CALLS_QUEUED_MAX);
-    let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(outgoing));
+    // Unbounded on purpose: the task must never wait to hand a call to the stream, or it
+    // would stop reading answers, and a server whose answers are not read stops reading
+    // calls (HTTP/2 flow control): a deadlock. What bounds it is `calls`, and that every
+    // call handed over is one a caller is waiting on.
+    let (requests, outgoing) = mpsc::unbounded_channel();
+    let mut request = tonic::Request::new(tokio_stream::wrappers::UnboundedReceiverStream::new(outgoing));
     *request.metadata_mut() = metadata;
     let mut answers = gate.session(request).await?.into_inner();
     tokio::spawn(async move {
@@ -91,7 +95,7 @@ async fn open(
                 call = queued.recv() => {
                     let Some((request, answer)) = call else { return };
                     waiting.insert(request.id, answer);
-                    if requests.send(request).await.is_err() {
+                    if requests.send(request).is_err() {
                         return;
                     }
                 }

@@ -267,3 +267,24 @@ async fn a_lease_not_renewed_in_time_cancels_the_work_as_lease_lost() {
     assert!(matches!(ran, Err(OnceError::LeaseLost { .. })), "{ran:?}");
     engine.shutdown();
 }
+
+/// Far more calls at once on one session stream than the server takes in flight (256 by
+/// default) and than the client queues (1,024): every one is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thousands_of_calls_at_once_on_one_session_are_all_answered() {
+    let server = server().await;
+    let client = Client::connect(server.url.clone()).await.unwrap();
+    let calls: Vec<_> = (0..3_000)
+        .map(|i| {
+            let client = client.clone();
+            tokio::spawn(async move {
+                let key =
+                    KeyRequest { namespace: "live".into(), key: format!("k{i}"), ..KeyRequest::default() };
+                client.get(key).await.map(|view| view.state)
+            })
+        })
+        .collect();
+    for call in calls {
+        assert_eq!(call.await.unwrap().unwrap(), State::Free);
+    }
+}
