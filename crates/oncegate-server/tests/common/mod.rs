@@ -54,7 +54,7 @@ impl Running {
 pub async fn start_in(config: Config, dir: Option<tempfile::TempDir>) -> Running {
     let faults = Faults::default();
     let clock = ManualClock::new(T0);
-    let engine = Engine::open_with(config.engine.clone(), Arc::new(clock.clone()), faults.clone())
+    let engine = Engine::open_with(config.engine_config(), Arc::new(clock.clone()), faults.clone())
         .expect("engine opens");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let metrics = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
