@@ -91,11 +91,17 @@ fn run_round(round: usize) -> BTreeMap<String, Vec<Call>> {
     let dir = tempfile::tempdir().unwrap();
     let clock = ManualClock::new(T0);
     let engine: Engine = open(EngineConfig { shards: 2, ..config(dir.path()) }, &clock, &Faults::default());
+    run_calls(&[engine], round)
+}
+
+/// Each client calls one of `engines` (nodes of one store, or the one engine) and records
+/// its history.
+fn run_calls(engines: &[Engine], round: usize) -> BTreeMap<String, Vec<Call>> {
     let tick = Arc::new(AtomicU64::new(0));
     let histories: Vec<Vec<(String, Call)>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..CLIENTS)
             .map(|client| {
-                let (engine, tick) = (&engine, &tick);
+                let (engine, tick) = (&engines[client % engines.len()], &tick);
                 s.spawn(move || {
                     let t = tenant();
                     let mut seed = (round * 7919 + client * 104_729 + 1) as u64;
@@ -234,4 +240,23 @@ fn the_checker_rejects_a_double_grant() {
     };
     let later_first = Call { invoked: 1, returned: 2, ..first };
     assert!(!linearizable(&[in_progress, later_first]));
+}
+
+/// The same histories with the clients split over two nodes of one PostgreSQL database:
+/// what one node answers, the other must not contradict.
+#[test]
+fn histories_split_over_two_nodes_of_one_database_are_linearizable() {
+    common::with_backend(common::Backend::Postgres, || {
+        for round in 0..ROUNDS {
+            let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+            let clock = ManualClock::new(T0);
+            let node_a = EngineConfig { shards: 2, ..config(a.path()) };
+            let node_b = EngineConfig { data_dir: b.path().to_owned(), ..node_a.clone() };
+            let engines =
+                [open(node_a, &clock, &Faults::default()), open(node_b, &clock, &Faults::default())];
+            for (key, calls) in run_calls(&engines, round) {
+                assert!(linearizable(&calls), "round {round}, {key}: no linearization explains {calls:#?}");
+            }
+        }
+    });
 }
