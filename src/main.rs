@@ -1,9 +1,11 @@
 //! `oncegate`: the server (`serve`), a token helper (`hash-token`), client verbs
-//! (`reserve`, `commit`, `release`, `heartbeat`, `get`) and operator verbs (`status`,
-//! `inspect`, `admin release|purge|add-shards`, `reshard`).
+//! (`reserve`, `commit`, `release`, `heartbeat`, `get`), operator verbs (`status`,
+//! `inspect`, `admin release|purge|add-shards`, `reshard`) and the Idempotency-Key reverse
+//! proxy (`proxy`).
 
 mod add_shards;
 mod client;
+mod proxy;
 mod reshard;
 mod serve;
 
@@ -49,6 +51,8 @@ enum Verb {
     Inspect(client::InspectArgs),
     /// Operator: adds shards to a stopped data directory, moving slots to the new shards.
     Reshard(reshard::ReshardArgs),
+    /// Runs the Idempotency-Key reverse proxy in front of an HTTP service.
+    Proxy(proxy::ProxyArgs),
     /// Operator: force-release a pending key, purge a record, or add shards online.
     Admin {
         #[command(subcommand)]
@@ -94,6 +98,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Verb::Inspect(args) => client::run(client::Call::Inspect(args)),
         Verb::Admin { action } => client::run(client::Call::Admin(action)),
         Verb::Reshard(args) => reshard::run(args),
+        Verb::Proxy(args) => proxy::run(args),
     }
 }
 

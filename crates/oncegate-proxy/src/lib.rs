@@ -1,0 +1,335 @@
+//! The Idempotency-Key reverse proxy: put it in front of an unchanged HTTP service, and a
+//! guarded request (by default `POST` and `PATCH`) carrying an `Idempotency-Key` header runs
+//! upstream at most once; its retries get the stored answer, byte for byte, marked
+//! `Idempotent-Replayed: true`. It runs on any [`Gate`]: the engine in process or a remote
+//! oncegate, through the client crate's `once` (reserve, heartbeat while the upstream
+//! works, commit the answer, release when the upstream failed).
+//!
+//! | the request | the answer |
+//! | --- | --- |
+//! | not guarded, or no key (and none required) | passed through |
+//! | no key on a path that requires one | `400` problem |
+//! | first with its key | forwarded; a `2xx` or `4xx` (other than `408`, `409`, `429`) is stored |
+//! | a retry after the first completed | the stored answer, `Idempotent-Replayed: true` |
+//! | the same key while the first is in flight | waits up to `wait_ms`, then `409` with `Retry-After` |
+//! | the same key with another payload | `422` problem |
+//! | upstream `5xx`, other statuses not stored, a soft failure, a timeout | key released; the answer passed on (`502`/`504` problems for no answer) |
+//! | a body, key or stored answer over its limit | `413`/`400` problem, or passed on unstored with a `Warning` |
+
+mod problem;
+mod stored;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri, header};
+use axum::response::{IntoResponse, Response};
+use hyper_util::client::legacy::Client as HttpClient;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use oncegate_client::{Gate, OnCancel, OnceError, Ran, ReserveRequest, WorkError, once};
+use oncegate_core::Fingerprint;
+
+pub use problem::Problem;
+pub use stored::Stored;
+
+/// How the proxy guards, forwards and stores (`[proxy]` in the server's file).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ProxyConfig {
+    /// The service behind the proxy, `http://host:port`.
+    pub upstream: String,
+    /// The gate's namespace for the proxy's keys.
+    pub namespace: String,
+    /// Methods whose requests are guarded.
+    pub guarded_methods: Vec<Method>,
+    /// The header that carries the key.
+    pub key_header: HeaderName,
+    /// Path prefixes whose guarded requests must carry a key (`400` without one).
+    pub key_required_prefixes: Vec<String>,
+    /// The longest key accepted, in bytes.
+    pub key_bytes_max: usize,
+    /// The largest request body, in bytes (the fingerprint needs all of it).
+    pub body_bytes_max: usize,
+    /// The largest answer that is stored; a larger one is passed on unstored.
+    pub stored_bytes_max: usize,
+    /// How long a retry waits for the first request's answer before `409`.
+    pub wait_ms: u64,
+    /// How long the upstream may take; the key's lease is renewed meanwhile.
+    pub upstream_timeout_ms: u64,
+    /// How long an answer is kept for replays.
+    pub ttl_ms: u64,
+    /// Request headers that are part of the payload (its fingerprint).
+    pub fingerprint_headers: Vec<HeaderName>,
+    /// Response headers stored and replayed with the body.
+    pub stored_headers: Vec<HeaderName>,
+    /// A `2xx` whose JSON body has this value at this pointer failed (a trading gateway's
+    /// `{"success": false}`): released like a `5xx`.
+    pub soft_failure: Option<(String, serde_json::Value)>,
+}
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        ProxyConfig {
+            upstream: "http://127.0.0.1:9000".to_owned(),
+            namespace: "proxy".to_owned(),
+            guarded_methods: vec![Method::POST, Method::PATCH],
+            key_header: HeaderName::from_static("idempotency-key"),
+            key_required_prefixes: Vec::new(),
+            key_bytes_max: 255,
+            body_bytes_max: 1 << 20,
+            stored_bytes_max: 60 * 1024,
+            wait_ms: 5_000,
+            upstream_timeout_ms: 25_000,
+            ttl_ms: 86_400_000,
+            fingerprint_headers: vec![header::CONTENT_TYPE],
+            stored_headers: vec![header::CONTENT_TYPE, header::LOCATION],
+            soft_failure: None,
+        }
+    }
+}
+
+/// The proxy: a gate, the upstream's client and the configuration.
+pub struct Proxy<G> {
+    gate: G,
+    upstream: HttpClient<HttpConnector, Body>,
+    config: ProxyConfig,
+}
+
+/// The proxy's routes: every path, every method.
+pub fn router<G: Gate + Clone + 'static>(gate: G, config: ProxyConfig) -> axum::Router {
+    let upstream = HttpClient::builder(TokioExecutor::new()).build_http();
+    let proxy = Arc::new(Proxy { gate, upstream, config });
+    axum::Router::new().fallback(handle::<G>).with_state(proxy)
+}
+
+/// An upstream answer that is not stored: it goes back to the caller as it came, and the
+/// key is released so that a retry may run.
+#[derive(Debug)]
+struct Unstored(Response);
+
+async fn handle<G: Gate + Clone + 'static>(State(proxy): State<Arc<Proxy<G>>>, request: Request) -> Response {
+    let guarded = proxy.config.guarded_methods.contains(request.method());
+    let key = request.headers().get(&proxy.config.key_header).cloned();
+    match (guarded, key) {
+        (true, Some(key)) => proxy.guard(request, key).await.unwrap_or_else(IntoResponse::into_response),
+        (true, None) if proxy.requires_key(request.uri()) => Problem::new(
+            StatusCode::BAD_REQUEST,
+            "Idempotency-Key required",
+            "invalid_argument",
+            format!("{} needs an {} header", request.uri().path(), proxy.config.key_header),
+        )
+        .into_response(),
+        _ => proxy.forward(request).await.into_response(),
+    }
+}
+
+impl<G: Gate + Clone + 'static> Proxy<G> {
+    fn requires_key(&self, uri: &Uri) -> bool {
+        self.config.key_required_prefixes.iter().any(|prefix| uri.path().starts_with(prefix.as_str()))
+    }
+
+    /// A guarded request with its key: at most once upstream.
+    async fn guard(&self, request: Request, key: HeaderValue) -> Result<Response, Problem> {
+        let key = self.record_key(request.method(), request.uri(), &key)?;
+        let (parts, body) = request.into_parts();
+        let body = axum::body::to_bytes(body, self.config.body_bytes_max).await.map_err(|_| {
+            Problem::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "Request body too large",
+                "invalid_argument",
+                format!("the body passes body_bytes_max ({} bytes)", self.config.body_bytes_max),
+            )
+        })?;
+        let reserve = ReserveRequest {
+            namespace: self.config.namespace.clone(),
+            key,
+            ttl_ms: self.config.ttl_ms,
+            lease_ms: self.config.upstream_timeout_ms.saturating_add(5_000),
+            wait_ms: self.config.wait_ms,
+            fingerprint: self.fingerprint(&parts, &body),
+            ..ReserveRequest::default()
+        };
+        let work = |_lease| async move {
+            let answer = self.forward(Request::from_parts(parts, Body::from(body))).await;
+            self.keep(answer).await
+        };
+        match once(self.gate.clone(), reserve, OnCancel::Release, work).await {
+            Ok(Ran::Now(bytes)) => Ok(replay(&bytes, false)),
+            Ok(Ran::Replayed { response, .. }) => Ok(replay(&response, true)),
+            Ok(Ran::InProgress { retry_after_ms }) => Err(Problem {
+                retry_after_s: Some(retry_after_ms.div_ceil(1000).max(1)),
+                ..Problem::new(
+                    StatusCode::CONFLICT,
+                    "Request in progress",
+                    "in_progress",
+                    "a request with this Idempotency-Key is being processed; retry later".to_owned(),
+                )
+            }),
+            Err(error) => self.refused(error),
+        }
+    }
+
+    /// The gate's key for a request: the method, the path and the caller's key.
+    fn record_key(&self, method: &Method, uri: &Uri, key: &HeaderValue) -> Result<String, Problem> {
+        let invalid = |detail: String| {
+            Problem::new(StatusCode::BAD_REQUEST, "Invalid Idempotency-Key", "invalid_argument", detail)
+        };
+        let key = key.to_str().map_err(|_| invalid("the key is not visible ASCII".to_owned()))?;
+        if key.is_empty() || key.len() > self.config.key_bytes_max {
+            return Err(invalid(format!(
+                "the key is {} bytes; it must be 1 to {} (key_bytes_max)",
+                key.len(),
+                self.config.key_bytes_max
+            )));
+        }
+        Ok(format!("{method} {} {key}", uri.path()))
+    }
+
+    /// The payload's fingerprint: method, path and query, the configured headers, and the
+    /// body (canonical JSON when it parses as JSON, so key order and spacing do not count).
+    fn fingerprint(&self, parts: &axum::http::request::Parts, body: &[u8]) -> Vec<u8> {
+        let headers: serde_json::Map<String, serde_json::Value> = self
+            .config
+            .fingerprint_headers
+            .iter()
+            .filter_map(|name| {
+                let value = parts.headers.get(name)?.to_str().ok()?;
+                Some((name.as_str().to_owned(), serde_json::Value::from(value)))
+            })
+            .collect();
+        let body = match serde_json::from_slice::<serde_json::Value>(body) {
+            Ok(json) => serde_json::json!({ "json": json }),
+            Err(_) => {
+                serde_json::json!({ "bytes": body.iter().map(|b| format!("{b:02x}")).collect::<String>() })
+            }
+        };
+        let payload = serde_json::json!({
+            "method": parts.method.as_str(),
+            "target": parts.uri.path_and_query().map_or("/", |p| p.as_str()),
+            "headers": headers,
+            "body": body,
+        });
+        Fingerprint::of_json(&payload).map(|f| f.as_bytes().to_vec()).unwrap_or_default()
+    }
+
+    /// Sends `request` upstream as it is (the key header included), within the timeout.
+    async fn forward(&self, request: Request) -> Result<Response, Problem> {
+        let (mut parts, body) = request.into_parts();
+        let target =
+            format!("{}{}", self.config.upstream, parts.uri.path_and_query().map_or("/", |p| p.as_str()));
+        parts.uri =
+            target.parse().map_err(|_| bad_gateway(format!("{target} is not a valid upstream URI")))?;
+        parts.headers.remove(header::HOST);
+        let limit = Duration::from_millis(self.config.upstream_timeout_ms);
+        let sent = self.upstream.request(Request::from_parts(parts, body));
+        match tokio::time::timeout(limit, sent).await {
+            Ok(Ok(response)) => Ok(response.map(Body::new)),
+            Ok(Err(error)) => Err(bad_gateway(format!("the upstream did not answer: {error}"))),
+            Err(_) => Err(Problem::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                "Upstream timeout",
+                "unavailable",
+                format!("no answer within upstream_timeout_ms ({} ms)", self.config.upstream_timeout_ms),
+            )),
+        }
+    }
+
+    /// Stores a storable answer; anything else is passed on and releases the key.
+    async fn keep(&self, answer: Result<Response, Problem>) -> Result<Vec<u8>, WorkError<Unstored>> {
+        let response = answer.map_err(|problem| WorkError::Retryable(Unstored(problem.into_response())))?;
+        let (parts, body) = response.into_parts();
+        let body = axum::body::to_bytes(body, self.config.body_bytes_max.max(self.config.stored_bytes_max))
+            .await
+            .map_err(|_| {
+                WorkError::Retryable(Unstored(
+                    bad_gateway("the upstream's answer was too large or cut short".to_owned())
+                        .into_response(),
+                ))
+            })?;
+        let storable = stores(parts.status) && !self.soft_failure(&body);
+        let headers = self
+            .config
+            .stored_headers
+            .iter()
+            .filter_map(|name| Some((name.clone(), parts.headers.get(name)?.clone())))
+            .collect();
+        let stored = Stored { status: parts.status, headers, body: body.to_vec() };
+        let bytes = stored.encode();
+        if storable && bytes.len() <= self.config.stored_bytes_max {
+            return Ok(bytes);
+        }
+        let mut passed = Response::from_parts(parts, Body::from(body));
+        if storable {
+            passed.headers_mut().insert(
+                header::WARNING,
+                HeaderValue::from_static("299 - \"answer too large to store; a retry may run again\""),
+            );
+        }
+        Err(WorkError::Retryable(Unstored(passed)))
+    }
+
+    fn soft_failure(&self, body: &[u8]) -> bool {
+        let Some((pointer, value)) = &self.config.soft_failure else { return false };
+        serde_json::from_slice::<serde_json::Value>(body).ok().and_then(|json| json.pointer(pointer).cloned())
+            == Some(value.clone())
+    }
+
+    /// The answer for a request `once` did not complete.
+    fn refused(&self, error: OnceError<G::Error, Unstored>) -> Result<Response, Problem> {
+        use oncegate_core::Code;
+        use oncegate_core::gate::GateError;
+        match error {
+            OnceError::Retryable(Unstored(response)) => Ok(response),
+            OnceError::Mismatch { .. } => Err(Problem::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "Idempotency-Key reused",
+                "mismatch",
+                "this Idempotency-Key was used with another request payload".to_owned(),
+            )),
+            OnceError::Gate(error) if error.code() == Code::ResourceExhausted => Err(Problem {
+                retry_after_s: Some(1),
+                ..Problem::new(StatusCode::TOO_MANY_REQUESTS, "Too many requests", "resource_exhausted", error.to_string())
+            }),
+            OnceError::Gate(error) => Err(Problem {
+                retry_after_s: Some(1),
+                ..Problem::new(StatusCode::SERVICE_UNAVAILABLE, "Gate unavailable", "unavailable", error.to_string())
+            }),
+            OnceError::LeaseLost { .. } | OnceError::Unconfirmed { .. } | OnceError::Failed(_) => Err(Problem::new(
+                StatusCode::BAD_GATEWAY,
+                "Outcome unknown",
+                "lease_lost",
+                "the upstream may have run this request, but its answer could not be stored; do not retry \
+                 blindly: check the upstream"
+                    .to_owned(),
+            )),
+        }
+    }
+}
+
+/// Stored by default: `2xx`, and `4xx` other than `408`, `409` and `429` (those say
+/// "try again", which a replay would contradict).
+fn stores(status: StatusCode) -> bool {
+    status.is_success()
+        || (status.is_client_error()
+            && ![StatusCode::REQUEST_TIMEOUT, StatusCode::CONFLICT, StatusCode::TOO_MANY_REQUESTS]
+                .contains(&status))
+}
+
+fn bad_gateway(detail: String) -> Problem {
+    Problem::new(StatusCode::BAD_GATEWAY, "Bad gateway", "unavailable", detail)
+}
+
+/// A stored answer as a response; `replayed` marks a retry's.
+fn replay(bytes: &[u8], replayed: bool) -> Response {
+    let Some(stored) = Stored::decode(bytes) else {
+        return bad_gateway("the stored answer is in a format this proxy does not read".to_owned())
+            .into_response();
+    };
+    let mut headers: HeaderMap = stored.header_map();
+    if replayed {
+        headers.insert(HeaderName::from_static("idempotent-replayed"), HeaderValue::from_static("true"));
+    }
+    (stored.status, headers, stored.body).into_response()
+}

@@ -1,0 +1,170 @@
+//! The proxy between a real client and a real upstream (an in-process axum service that
+//! counts its executions), on the engine in process.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{HeaderName, Request, StatusCode, header};
+use axum::routing::post;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use oncegate_engine::{Engine, EngineConfig};
+use oncegate_proxy::ProxyConfig;
+
+/// Executions per upstream route.
+#[derive(Default)]
+struct Counts {
+    orders: AtomicUsize,
+    flaky: AtomicUsize,
+    soft: AtomicUsize,
+}
+
+async fn serve(router: axum::Router) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    url
+}
+
+/// The service behind the proxy.
+async fn upstream(counts: Arc<Counts>) -> String {
+    let (orders, flaky, soft) = (Arc::clone(&counts), Arc::clone(&counts), Arc::clone(&counts));
+    let router = axum::Router::new()
+        .route(
+            "/orders",
+            post(move || async move {
+                let n = orders.orders.fetch_add(1, Ordering::SeqCst) + 1;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                let headers = [(header::CONTENT_TYPE, "application/json"), (header::LOCATION, "/orders/77")];
+                (StatusCode::CREATED, headers, format!("{{\"order\":\"A-{n}\"}}"))
+            }),
+        )
+        .route(
+            "/flaky",
+            post(move || async move {
+                let n = flaky.flaky.fetch_add(1, Ordering::SeqCst) + 1;
+                if n == 1 { (StatusCode::SERVICE_UNAVAILABLE, "busy") } else { (StatusCode::OK, "done") }
+            }),
+        )
+        .route(
+            "/soft",
+            post(move || async move {
+                let n = soft.soft.fetch_add(1, Ordering::SeqCst) + 1;
+                format!("{{\"success\":{}}}", n > 1)
+            }),
+        );
+    serve(router).await
+}
+
+struct Setup {
+    proxy: String,
+    counts: Arc<Counts>,
+    http: Client<HttpConnector, Body>,
+    _engine: Engine,
+    _dir: tempfile::TempDir,
+}
+
+async fn setup(edit: impl FnOnce(&mut ProxyConfig)) -> Setup {
+    let counts = Arc::new(Counts::default());
+    let dir = tempfile::tempdir().unwrap();
+    let engine =
+        Engine::open(EngineConfig { data_dir: dir.path().to_owned(), ..EngineConfig::default() }).unwrap();
+    let mut config = ProxyConfig { upstream: upstream(Arc::clone(&counts)).await, ..ProxyConfig::default() };
+    config.soft_failure = Some(("/success".to_owned(), serde_json::Value::Bool(false)));
+    edit(&mut config);
+    let proxy =
+        serve(oncegate_proxy::router(engine.gate(oncegate_core::Tenant::default_tenant()), config)).await;
+    let http = Client::builder(TokioExecutor::new()).build_http();
+    Setup { proxy, counts, http, _engine: engine, _dir: dir }
+}
+
+/// An answer: status, the replay marker, the body.
+type Answer = (StatusCode, Option<String>, Vec<u8>);
+
+impl Setup {
+    async fn post(&self, path: &str, key: Option<&str>, body: &str) -> Answer {
+        let mut request =
+            Request::post(format!("{}{path}", self.proxy)).header(header::CONTENT_TYPE, "application/json");
+        if let Some(key) = key {
+            request = request.header("idempotency-key", key);
+        }
+        let response = self.http.request(request.body(Body::from(body.to_owned())).unwrap()).await.unwrap();
+        let (parts, body) = response.into_parts();
+        let replayed = parts
+            .headers
+            .get(HeaderName::from_static("idempotent-replayed"))
+            .map(|v| v.to_str().unwrap().to_owned());
+        let body = axum::body::to_bytes(Body::new(body), 1 << 20).await.unwrap().to_vec();
+        (parts.status, replayed, body)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_concurrent_posts_with_one_key_run_upstream_once() {
+    let setup = Arc::new(setup(|_| {}).await);
+    let posts: Vec<_> = (0..50)
+        .map(|_| {
+            let setup = Arc::clone(&setup);
+            tokio::spawn(async move { setup.post("/orders", Some("order-1"), r#"{"qty":1}"#).await })
+        })
+        .collect();
+    for post in posts {
+        let (status, _, body) = post.await.unwrap();
+        match status {
+            StatusCode::CREATED => assert_eq!(body, br#"{"order":"A-1"}"#),
+            StatusCode::CONFLICT => {}
+            other => panic!("every caller gets the stored answer or 409, not {other}"),
+        }
+    }
+    assert_eq!(setup.counts.orders.load(Ordering::SeqCst), 1, "the upstream ran once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_is_replayed_byte_for_byte_and_another_payload_is_refused() {
+    let setup = setup(|_| {}).await;
+    let first = setup.post("/orders", Some("k"), r#"{"qty":1,"symbol":"BTC"}"#).await;
+    assert_eq!((first.0, first.1.as_deref()), (StatusCode::CREATED, None));
+    // The same JSON with its keys reordered and spaced is the same payload.
+    let retry = setup.post("/orders", Some("k"), r#"{ "symbol": "BTC", "qty": 1 }"#).await;
+    assert_eq!(retry, (StatusCode::CREATED, Some("true".to_owned()), first.2.clone()));
+    let other = setup.post("/orders", Some("k"), r#"{"qty":2,"symbol":"BTC"}"#).await;
+    assert_eq!(other.0, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(String::from_utf8_lossy(&other.2).contains("\"code\":\"mismatch\""), "{other:?}");
+    assert_eq!(setup.counts.orders.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_5xx_or_soft_failure_releases_the_key_and_the_retry_runs() {
+    let setup = setup(|_| {}).await;
+    assert_eq!(setup.post("/flaky", Some("f"), "{}").await.0, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(setup.post("/flaky", Some("f"), "{}").await, (StatusCode::OK, None, b"done".to_vec()));
+    assert_eq!(setup.counts.flaky.load(Ordering::SeqCst), 2);
+
+    assert_eq!(setup.post("/soft", Some("s"), "{}").await.2, br#"{"success":false}"#);
+    assert_eq!(setup.post("/soft", Some("s"), "{}").await.2, br#"{"success":true}"#);
+    let replay = setup.post("/soft", Some("s"), "{}").await;
+    assert_eq!((replay.1.as_deref(), replay.2.as_slice()), (Some("true"), &br#"{"success":true}"#[..]));
+    assert_eq!(setup.counts.soft.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limits_and_missing_keys_give_problem_documents() {
+    let setup = setup(|c| {
+        c.body_bytes_max = 64;
+        c.key_required_prefixes = vec!["/orders".to_owned()];
+    })
+    .await;
+    let large = setup.post("/orders", Some("big"), &format!("{{\"pad\":\"{}\"}}", "x".repeat(100))).await;
+    assert_eq!(large.0, StatusCode::PAYLOAD_TOO_LARGE);
+    let long = setup.post("/orders", Some(&"k".repeat(300)), "{}").await;
+    assert_eq!(long.0, StatusCode::BAD_REQUEST);
+    assert!(String::from_utf8_lossy(&long.2).contains("key_bytes_max"), "{long:?}");
+    let missing = setup.post("/orders", None, "{}").await;
+    assert_eq!(missing.0, StatusCode::BAD_REQUEST);
+    // Without a key and off the required prefixes, a request passes through.
+    assert_eq!(setup.post("/flaky", None, "{}").await.0, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(setup.counts.orders.load(Ordering::SeqCst), 0);
+}
