@@ -77,7 +77,8 @@ async fn an_answered_request_never_runs_twice_across_proxy_kills() {
     for cycle in 0..4 {
         let (mut proxy, url) = start(&upstream, dir.path());
         // Every answer from earlier cycles is replayed as it was.
-        for (key, body) in answered.lock().unwrap().clone() {
+        let earlier = answered.lock().unwrap().clone();
+        for (key, body) in earlier {
             let replay = send(&http, &url, &key).await.expect("the restarted proxy answers");
             assert_eq!(replay, (StatusCode::CREATED, body), "{key}");
         }
