@@ -57,8 +57,16 @@ fn child(dir: &Path, cycle: &str, grow: bool) {
             s.spawn(move || {
                 for i in 0.. {
                     let key = format!("{cycle}-{thread}-{i}");
-                    let request =
-                        ReserveRequest { namespace: "live".into(), key: key.clone(), ..Default::default() };
+                    // A lease far longer than any run: an acknowledged grant must read as held
+                    // after the kill however slowly a loaded machine ran the child (with the
+                    // default 30 s, a commit stalled behind a slot move on a busy disk could
+                    // see its lease end before the kill, and the check below would fail).
+                    let request = ReserveRequest {
+                        namespace: "live".into(),
+                        key: key.clone(),
+                        lease_ms: 600_000,
+                        ..Default::default()
+                    };
                     let token = match engine.reserve_blocking(tenant, request).expect("reserve").reply {
                         ReserveReply::Granted { token, .. } => token,
                         other => panic!("fresh keys are granted, got {other:?}"),
