@@ -113,7 +113,16 @@ async fn handle<G: Gate + Clone + 'static>(State(proxy): State<Arc<Proxy<G>>>, r
     let guarded = proxy.config.guarded_methods.contains(request.method());
     let key = request.headers().get(&proxy.config.key_header).cloned();
     match (guarded, key) {
-        (true, Some(key)) => proxy.guard(request, key).await.unwrap_or_else(IntoResponse::into_response),
+        // On a task of its own: a client that disconnects must not cancel a request the
+        // upstream may already be running, or its retry would run it again. The answer is
+        // stored whether or not anyone waits for it, and the retry is replayed.
+        (true, Some(key)) => {
+            let guarded = tokio::spawn(async move { proxy.guard(request, key).await });
+            match guarded.await {
+                Ok(answer) => answer.unwrap_or_else(IntoResponse::into_response),
+                Err(_) => bad_gateway("the request's task failed".to_owned()).into_response(),
+            }
+        }
         (true, None) if proxy.requires_key(request.uri()) => Problem::new(
             StatusCode::BAD_REQUEST,
             "Idempotency-Key required",

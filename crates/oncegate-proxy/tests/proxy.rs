@@ -14,12 +14,14 @@ use hyper_util::rt::TokioExecutor;
 use oncegate_engine::{Engine, EngineConfig};
 use oncegate_proxy::ProxyConfig;
 
-/// Executions per upstream route.
+/// Executions per upstream route, and a signal that the slow one has started.
 #[derive(Default)]
 struct Counts {
     orders: AtomicUsize,
     flaky: AtomicUsize,
     soft: AtomicUsize,
+    slow: AtomicUsize,
+    slow_started: tokio::sync::Notify,
 }
 
 async fn serve(router: axum::Router) -> String {
@@ -32,6 +34,7 @@ async fn serve(router: axum::Router) -> String {
 /// The service behind the proxy.
 async fn upstream(counts: Arc<Counts>) -> String {
     let (orders, flaky, soft) = (Arc::clone(&counts), Arc::clone(&counts), Arc::clone(&counts));
+    let slow = Arc::clone(&counts);
     let router = axum::Router::new()
         .route(
             "/orders",
@@ -47,6 +50,15 @@ async fn upstream(counts: Arc<Counts>) -> String {
             post(move || async move {
                 let n = flaky.flaky.fetch_add(1, Ordering::SeqCst) + 1;
                 if n == 1 { (StatusCode::SERVICE_UNAVAILABLE, "busy") } else { (StatusCode::OK, "done") }
+            }),
+        )
+        .route(
+            "/slow",
+            post(move || async move {
+                let n = slow.slow.fetch_add(1, Ordering::SeqCst) + 1;
+                slow.slow_started.notify_one();
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                (StatusCode::CREATED, format!("slow run {n}"))
             }),
         )
         .route(
@@ -167,4 +179,19 @@ async fn limits_and_missing_keys_give_problem_documents() {
     // Without a key and off the required prefixes, a request passes through.
     assert_eq!(setup.post("/flaky", None, "{}").await.0, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(setup.counts.orders.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_disconnects_mid_request_gets_the_answer_on_its_retry() {
+    let setup = Arc::new(setup(|_| {}).await);
+    let first = {
+        let setup = Arc::clone(&setup);
+        tokio::spawn(async move { setup.post("/slow", Some("gone"), "{}").await })
+    };
+    setup.counts.slow_started.notified().await;
+    // The client goes away while the upstream works; its retry must not run it again.
+    first.abort();
+    let retry = setup.post("/slow", Some("gone"), "{}").await;
+    assert_eq!(retry, (StatusCode::CREATED, Some("true".to_owned()), b"slow run 1".to_vec()));
+    assert_eq!(setup.counts.slow.load(Ordering::SeqCst), 1, "the upstream ran once");
 }
