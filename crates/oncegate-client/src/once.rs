@@ -101,6 +101,10 @@ pub enum WorkError<E> {
         /// What to store for later attempts.
         response: Vec<u8>,
     },
+    /// The side effect may or may not have happened (a call that timed out after it was
+    /// sent): neither committed nor released. The key stays held until its lease ends,
+    /// and the next attempt is granted as `abandoned`, so that it checks before it acts.
+    Unknown(E),
 }
 
 /// Why `once` did not run the work to a committed end.
@@ -116,6 +120,10 @@ pub enum OnceError<G: std::error::Error, E: std::fmt::Debug> {
     /// The work failed for good; the failure was committed.
     #[error("the work failed for good (committed as failed): {0:?}")]
     Failed(E),
+    /// The work could not tell whether its side effect happened; the key is held until
+    /// its lease ends (see [`WorkError::Unknown`]).
+    #[error("the work's outcome is unknown; the key frees when its lease ends: {0:?}")]
+    Unknown(E),
     /// The work ran, but its commit could not be confirmed (the gate failed after its
     /// retries). The key stays held until its lease ends; the next attempt is granted as
     /// `abandoned` and must check whether this one's side effect happened.
@@ -275,6 +283,7 @@ impl<G: Gate + Clone + 'static> Held<G> {
             Err(WorkError::Final { error, response }) => {
                 commit(&self.gate, key, Outcome::Failed, response).await.and(Err(OnceError::Failed(error)))
             }
+            Err(WorkError::Unknown(error)) => Err(OnceError::Unknown(error)),
             Err(WorkError::Retryable(error)) => {
                 // A release that fails (or was already done by a lost answer's retry:
                 // not found, lease lost) changes nothing for the caller: the key is no

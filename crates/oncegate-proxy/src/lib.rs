@@ -1,7 +1,7 @@
 //! The Idempotency-Key reverse proxy: put it in front of an unchanged HTTP service, and a
 //! guarded request (by default `POST` and `PATCH`) carrying an `Idempotency-Key` header runs
-//! upstream at most once; its retries get the stored answer, byte for byte, marked
-//! `Idempotent-Replayed: true`. It runs on any [`Gate`]: the engine in process or a remote
+//! upstream at most once; its retries get the stored answer (status, `Content-Type`,
+//! `Location` and the body byte for byte), marked `Idempotent-Replayed: true`. It runs on any [`Gate`]: the engine in process or a remote
 //! oncegate, through the client crate's `once` (reserve, heartbeat while the upstream
 //! works, commit the answer, release when the upstream failed).
 //!
@@ -13,7 +13,8 @@
 //! | a retry after the first completed | the stored answer, `Idempotent-Replayed: true` |
 //! | the same key while the first is in flight | waits up to `wait_ms`, then `409` with `Retry-After` |
 //! | the same key with another payload | `422` problem |
-//! | upstream `5xx`, other statuses not stored, a soft failure, a timeout | key released; the answer passed on (`502`/`504` problems for no answer) |
+//! | upstream `5xx`, other statuses not stored, a soft failure, no connection | key released; the answer passed on (`502` for no connection) |
+//! | a timeout or a connection lost after sending | `504`/`502` "outcome unknown"; the key held until its lease ends |
 //! | a body, key or stored answer over its limit | `413`/`400` problem, or passed on unstored with a `Warning` |
 
 mod problem;
@@ -29,7 +30,7 @@ use axum::response::{IntoResponse, Response};
 use hyper_util::client::legacy::Client as HttpClient;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use oncegate_client::{Gate, OnCancel, OnceError, Ran, ReserveRequest, WorkError, once};
+use oncegate_client::{Gate, Lease, OnCancel, OnceError, Ran, ReserveRequest, WorkError, once};
 use oncegate_core::Fingerprint;
 
 pub use problem::Problem;
@@ -141,7 +142,7 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
 
     /// A guarded request with its key: at most once upstream.
     async fn guard(&self, request: Request, key: HeaderValue) -> Result<Response, Problem> {
-        let key = self.record_key(request.method(), request.uri(), &key)?;
+        let key = self.record_key(&request, &key)?;
         let (parts, body) = request.into_parts();
         let body = axum::body::to_bytes(body, self.config.body_bytes_max).await.map_err(|_| {
             Problem::new(
@@ -160,8 +161,13 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
             fingerprint: self.fingerprint(&parts, &body),
             ..ReserveRequest::default()
         };
-        let work = |_lease| async move {
-            let answer = self.forward(Request::from_parts(parts, Body::from(body))).await;
+        let work = |lease: Lease| async move {
+            let mut request = Request::from_parts(parts, Body::from(body));
+            attempt_headers(request.headers_mut(), &lease);
+            // The answer is stored as it comes: ask for it unencoded, so that what is
+            // replayed needs no encoding header to be read.
+            request.headers_mut().remove(header::ACCEPT_ENCODING);
+            let answer = self.forward(request).await;
             self.keep(answer).await
         };
         match once(self.gate.clone(), reserve, OnCancel::Release, work).await {
@@ -180,8 +186,10 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
         }
     }
 
-    /// The gate's key for a request: the method, the path and the caller's key.
-    fn record_key(&self, method: &Method, uri: &Uri, key: &HeaderValue) -> Result<String, Problem> {
+    /// The gate's key for a request: the method, the path, the caller's credentials (a
+    /// hash of `Authorization`, so that one caller's key never answers another's request)
+    /// and the caller's key.
+    fn record_key(&self, request: &Request, key: &HeaderValue) -> Result<String, Problem> {
         let invalid = |detail: String| {
             Problem::new(StatusCode::BAD_REQUEST, "Invalid Idempotency-Key", "invalid_argument", detail)
         };
@@ -193,7 +201,16 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
                 self.config.key_bytes_max
             )));
         }
-        Ok(format!("{method} {} {key}", uri.path()))
+        let caller = match request.headers().get(header::AUTHORIZATION) {
+            Some(credential) => {
+                let hash = Fingerprint::of_json(&String::from_utf8_lossy(credential.as_bytes()))
+                    .map(|f| f.as_bytes()[1..9].iter().map(|b| format!("{b:02x}")).collect::<String>())
+                    .unwrap_or_default();
+                format!("c:{hash}")
+            }
+            None => "-".to_owned(),
+        };
+        Ok(format!("{} {} {caller} {key}", request.method(), request.uri().path()))
     }
 
     /// The payload's fingerprint: method, path and query, the configured headers, and the
@@ -223,36 +240,61 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
         Fingerprint::of_json(&payload).map(|f| f.as_bytes().to_vec()).unwrap_or_default()
     }
 
-    /// Sends `request` upstream as it is (the key header included), within the timeout.
-    async fn forward(&self, request: Request) -> Result<Response, Problem> {
+    /// Sends `request` upstream (the key header included, hop-by-hop headers not),
+    /// within the timeout.
+    async fn forward(&self, request: Request) -> Result<Response, Upstream> {
         let (mut parts, body) = request.into_parts();
         let target =
             format!("{}{}", self.config.upstream, parts.uri.path_and_query().map_or("/", |p| p.as_str()));
-        parts.uri =
-            target.parse().map_err(|_| bad_gateway(format!("{target} is not a valid upstream URI")))?;
+        parts.uri = target
+            .parse()
+            .map_err(|_| Upstream::NotSent(bad_gateway(format!("{target} is not a valid upstream URI"))))?;
+        parts.version = axum::http::Version::HTTP_11;
         parts.headers.remove(header::HOST);
+        strip_hop_by_hop(&mut parts.headers);
         let limit = Duration::from_millis(self.config.upstream_timeout_ms);
         let sent = self.upstream.request(Request::from_parts(parts, body));
         match tokio::time::timeout(limit, sent).await {
-            Ok(Ok(response)) => Ok(response.map(Body::new)),
-            Ok(Err(error)) => Err(bad_gateway(format!("the upstream did not answer: {error}"))),
-            Err(_) => Err(Problem::new(
-                StatusCode::GATEWAY_TIMEOUT,
-                "Upstream timeout",
+            Ok(Ok(response)) => {
+                let (mut parts, body) = response.into_parts();
+                strip_hop_by_hop(&mut parts.headers);
+                Ok(Response::from_parts(parts, Body::new(body)))
+            }
+            Ok(Err(error)) if error.is_connect() => {
+                Err(Upstream::NotSent(bad_gateway(format!("the upstream could not be reached: {error}"))))
+            }
+            Ok(Err(error)) => Err(Upstream::Unknown(Problem::new(
+                StatusCode::BAD_GATEWAY,
+                "Outcome unknown",
                 "unavailable",
-                format!("no answer within upstream_timeout_ms ({} ms)", self.config.upstream_timeout_ms),
-            )),
+                format!("the upstream's answer was lost ({error}); it may have run the request"),
+            ))),
+            Err(_) => Err(Upstream::Unknown(Problem::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                "Outcome unknown",
+                "unavailable",
+                format!(
+                    "no answer within upstream_timeout_ms ({} ms); the upstream may have run the request",
+                    self.config.upstream_timeout_ms
+                ),
+            ))),
         }
     }
 
     /// Stores a storable answer; anything else is passed on and releases the key.
-    async fn keep(&self, answer: Result<Response, Problem>) -> Result<Vec<u8>, WorkError<Unstored>> {
-        let response = answer.map_err(|problem| WorkError::Retryable(Unstored(problem.into_response())))?;
+    async fn keep(&self, answer: Result<Response, Upstream>) -> Result<Vec<u8>, WorkError<Unstored>> {
+        let response = answer.map_err(|failed| match failed {
+            // Nothing reached the upstream: the key is released and a retry may run.
+            Upstream::NotSent(problem) => WorkError::Retryable(Unstored(problem.into_response())),
+            // It may have run: the key stays held until its lease ends.
+            Upstream::Unknown(problem) => WorkError::Unknown(Unstored(problem.into_response())),
+        })?;
         let (parts, body) = response.into_parts();
         let body = axum::body::to_bytes(body, self.config.body_bytes_max.max(self.config.stored_bytes_max))
             .await
             .map_err(|_| {
-                WorkError::Retryable(Unstored(
+                // The upstream ran; its answer cannot be kept: hold the key.
+                WorkError::Unknown(Unstored(
                     bad_gateway("the upstream's answer was too large or cut short".to_owned())
                         .into_response(),
                 ))
@@ -290,7 +332,13 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
         use oncegate_core::Code;
         use oncegate_core::gate::GateError;
         match error {
-            OnceError::Retryable(Unstored(response)) => Ok(response),
+            OnceError::Retryable(Unstored(response)) | OnceError::Unknown(Unstored(response)) => Ok(response),
+            OnceError::Gate(error) if error.code() == Code::InvalidArgument => Err(Problem::new(
+                StatusCode::BAD_REQUEST,
+                "Request refused",
+                "invalid_argument",
+                error.to_string(),
+            )),
             OnceError::Mismatch { .. } => Err(Problem::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "Idempotency-Key reused",
@@ -314,6 +362,56 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
                     .to_owned(),
             )),
         }
+    }
+}
+
+/// What became of a request sent upstream without an answer.
+enum Upstream {
+    /// It never reached the upstream (no connection).
+    NotSent(Problem),
+    /// It may have reached it (a timeout or a connection lost after sending).
+    Unknown(Problem),
+}
+
+impl IntoResponse for Upstream {
+    fn into_response(self) -> Response {
+        match self {
+            Upstream::NotSent(problem) | Upstream::Unknown(problem) => problem.into_response(),
+        }
+    }
+}
+
+/// Headers about one connection, never forwarded (RFC 9110, section 7.6.1).
+const HOP_BY_HOP: [&str; 8] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "upgrade",
+];
+
+fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(',').filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok()))
+        .collect();
+    for name in HOP_BY_HOP.iter().map(|n| HeaderName::from_static(n)).chain(named) {
+        headers.remove(name);
+    }
+}
+
+/// Tells the upstream which attempt this is, with the fencing token, so that it can refuse
+/// a stale attempt's writes and check for a partial one after an abandoned attempt.
+fn attempt_headers(headers: &mut HeaderMap, lease: &Lease) {
+    headers.insert(HeaderName::from_static("oncegate-token"), HeaderValue::from(lease.token));
+    headers.insert(HeaderName::from_static("oncegate-attempt"), HeaderValue::from(lease.attempt));
+    if lease.previous == oncegate_core::Previous::Abandoned {
+        headers.insert(HeaderName::from_static("oncegate-previous"), HeaderValue::from_static("abandoned"));
     }
 }
 

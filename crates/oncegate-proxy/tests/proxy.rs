@@ -22,6 +22,7 @@ struct Counts {
     soft: AtomicUsize,
     slow: AtomicUsize,
     slow_started: tokio::sync::Notify,
+    hang: AtomicUsize,
 }
 
 async fn serve(router: axum::Router) -> String {
@@ -35,6 +36,7 @@ async fn serve(router: axum::Router) -> String {
 async fn upstream(counts: Arc<Counts>) -> String {
     let (orders, flaky, soft) = (Arc::clone(&counts), Arc::clone(&counts), Arc::clone(&counts));
     let slow = Arc::clone(&counts);
+    let hang = Arc::clone(&counts);
     let router = axum::Router::new()
         .route(
             "/orders",
@@ -59,6 +61,14 @@ async fn upstream(counts: Arc<Counts>) -> String {
                 slow.slow_started.notify_one();
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 (StatusCode::CREATED, format!("slow run {n}"))
+            }),
+        )
+        .route(
+            "/hang",
+            post(move || async move {
+                hang.hang.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                "too late"
             }),
         )
         .route(
@@ -98,10 +108,17 @@ type Answer = (StatusCode, Option<String>, Vec<u8>);
 
 impl Setup {
     async fn post(&self, path: &str, key: Option<&str>, body: &str) -> Answer {
+        self.post_as(path, key, body, None).await
+    }
+
+    async fn post_as(&self, path: &str, key: Option<&str>, body: &str, credential: Option<&str>) -> Answer {
         let mut request =
             Request::post(format!("{}{path}", self.proxy)).header(header::CONTENT_TYPE, "application/json");
         if let Some(key) = key {
             request = request.header("idempotency-key", key);
+        }
+        if let Some(credential) = credential {
+            request = request.header(header::AUTHORIZATION, credential);
         }
         let response = self.http.request(request.body(Body::from(body.to_owned())).unwrap()).await.unwrap();
         let (parts, body) = response.into_parts();
@@ -194,4 +211,32 @@ async fn a_client_that_disconnects_mid_request_gets_the_answer_on_its_retry() {
     let retry = setup.post("/slow", Some("gone"), "{}").await;
     assert_eq!(retry, (StatusCode::CREATED, Some("true".to_owned()), b"slow run 1".to_vec()));
     assert_eq!(setup.counts.slow.load(Ordering::SeqCst), 1, "the upstream ran once");
+}
+
+/// An upstream that takes the request and does not answer in time may have run it: the
+/// caller hears the outcome is unknown, and the key stays held (a retry is not run again
+/// while the lease lasts; the next attempt after it is told the first was abandoned).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timeout_after_sending_keeps_the_key_held() {
+    let setup = setup(|c| {
+        c.upstream_timeout_ms = 100;
+        c.wait_ms = 0;
+    })
+    .await;
+    let first = setup.post("/hang", Some("h"), "{}").await;
+    assert_eq!(first.0, StatusCode::GATEWAY_TIMEOUT);
+    assert!(String::from_utf8_lossy(&first.2).contains("Outcome unknown"), "{first:?}");
+    assert_eq!(setup.post("/hang", Some("h"), "{}").await.0, StatusCode::CONFLICT, "not run again");
+    assert_eq!(setup.counts.hang.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_callers_key_never_answers_another_caller() {
+    let setup = setup(|_| {}).await;
+    let alice = setup.post_as("/orders", Some("same"), "{}", Some("Bearer alice")).await;
+    let bob = setup.post_as("/orders", Some("same"), "{}", Some("Bearer bob")).await;
+    assert_eq!((alice.1.as_deref(), bob.1.as_deref()), (None, None), "both ran, neither replayed the other");
+    assert_ne!(alice.2, bob.2);
+    let again = setup.post_as("/orders", Some("same"), "{}", Some("Bearer alice")).await;
+    assert_eq!(again, (StatusCode::CREATED, Some("true".to_owned()), alice.2));
 }
