@@ -257,6 +257,15 @@ impl EngineConfig {
             REOPEN_BACKOFF_MS_CEILING,
             Unit::Ms,
         );
+        self.check_files(&mut problems);
+        if let Err(store) = self.store.check(self.shards) {
+            problems.extend_under("store", store);
+        }
+        problems.into_result()
+    }
+
+    /// The shard files' settings: their size, cache, checkpoints and slot moves.
+    fn check_files(&self, problems: &mut Problems) {
         problems.within("shard_file_bytes_max", self.shard_file_bytes_max, 1 << 20, u64::MAX, Unit::Bytes);
         problems.within("page_cache_bytes_max", self.page_cache_bytes_max, 1 << 20, 16 << 30, Unit::Bytes);
         problems.within("wal_checkpoint_pages", self.wal_checkpoint_pages, 100, 1 << 20, Unit::Count);
@@ -267,10 +276,6 @@ impl EngineConfig {
             100_000,
             Unit::Count,
         );
-        if let Err(store) = self.store.check(self.shards) {
-            problems.extend_under("store", store);
-        }
-        problems.into_result()
     }
 }
 

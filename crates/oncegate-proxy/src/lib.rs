@@ -32,6 +32,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use oncegate_client::{Gate, Lease, OnCancel, OnceError, Ran, ReserveRequest, WorkError, once};
 use oncegate_core::Fingerprint;
+use sha2::{Digest, Sha256};
 
 pub use problem::Problem;
 pub use stored::Stored;
@@ -203,10 +204,8 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
         }
         let caller = match request.headers().get(header::AUTHORIZATION) {
             Some(credential) => {
-                let hash = Fingerprint::of_json(&String::from_utf8_lossy(credential.as_bytes()))
-                    .map(|f| f.as_bytes()[1..9].iter().map(|b| format!("{b:02x}")).collect::<String>())
-                    .unwrap_or_default();
-                format!("c:{hash}")
+                let hash = Sha256::digest(credential.as_bytes());
+                format!("c:{}", hash[..8].iter().map(|b| format!("{b:02x}")).collect::<String>())
             }
             None => "-".to_owned(),
         };

@@ -1,4 +1,5 @@
-//! The shard actor: one OS thread that alone owns one SQLite file.
+//! The shard actor: one OS thread that alone owns its store (a SQLite file, or a
+//! connection to the shared PostgreSQL table; `store/mod.rs` is the boundary).
 //!
 //! The protocol, in the order the loop runs it:
 //!
