@@ -119,6 +119,10 @@ pub struct ReserveArgs {
     /// The bucket width of a derived key.
     #[arg(long, default_value_t = 0)]
     bucket_ms: u64,
+    /// Within this long after a bucket boundary, answer from the previous bucket's key
+    /// while it is pending or completed.
+    #[arg(long, default_value_t = 0)]
+    bucket_grace_ms: u64,
     /// 0 selects the server's default.
     #[arg(long, default_value_t = 0)]
     ttl_ms: u64,
@@ -433,6 +437,7 @@ async fn reserve(a: ReserveArgs) -> Answer {
         key: a.key.clone().unwrap_or_default(),
         key_parts: a.parts.clone(),
         bucket_ms: a.bucket_ms,
+        bucket_grace_ms: a.bucket_grace_ms,
         ttl_ms: a.ttl_ms,
         lease_ms: a.lease_ms,
         fingerprint: a.fingerprint.clone().into_bytes(),

@@ -5,8 +5,9 @@ use oncegate_core::gate::ReserveRequest;
 
 /// The trading gateways' key (docs/semantics.md, derived keys): an order is the same order
 /// when its exchange, symbol, action and quantity are, on the same account kind, within
-/// one time bucket: `trade:{exchange}:{symbol}:{action}:{qty}:{live|test}:{bucket}`. The
-/// server appends the bucket (`now / bucket_ms`) by its own clock.
+/// one time bucket: `trade:{exchange}:{symbol}:{action}:{qty}:{live|test}::{bucket}`. The
+/// server appends the bucket (`now / bucket_ms`) by its own clock, and with
+/// `bucket_grace_ms` answers a retry that crossed a boundary from the bucket before.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TradeKey {
     /// Such as `binance`.
@@ -22,6 +23,10 @@ pub struct TradeKey {
     pub live: bool,
     /// The bucket's width.
     pub bucket_ms: u64,
+    /// How long after a bucket boundary a reserve is still answered from the previous
+    /// bucket's key while that key is pending or completed; 0 for never. Below
+    /// `bucket_ms`.
+    pub bucket_grace_ms: u64,
 }
 
 impl TradeKey {
@@ -34,6 +39,7 @@ impl TradeKey {
                 .map(str::to_owned)
                 .to_vec(),
             bucket_ms: self.bucket_ms,
+            bucket_grace_ms: self.bucket_grace_ms,
             ..ReserveRequest::default()
         }
     }
@@ -52,12 +58,13 @@ mod tests {
             qty: "0.5".into(),
             live: true,
             bucket_ms: 60_000,
+            bucket_grace_ms: 2_000,
         };
         let request = key.reserve("orders");
         assert_eq!(request.key_parts.join(":"), "trade:binance:BTCUSDT:buy:0.5:live");
         assert_eq!(
-            (request.bucket_ms, request.key.as_str(), request.namespace.as_str()),
-            (60_000, "", "orders")
+            (request.bucket_ms, request.bucket_grace_ms, request.key.as_str(), request.namespace.as_str()),
+            (60_000, 2_000, "", "orders")
         );
     }
 }

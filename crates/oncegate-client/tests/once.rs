@@ -1,6 +1,7 @@
-//! `once` through a real server (in process, on port 0, on the system clock): a race of
-//! 64 callers runs the work once, a long work keeps its lease by heartbeats, and a work
-//! that panics or whose future is dropped gives the key back.
+//! `once` through a real server (in process, on port 0, on the system clock unless a
+//! test drives a manual one): a race of 64 callers runs the work once, a long work keeps
+//! its lease by heartbeats, a work that panics or whose future is dropped gives the key
+//! back, and a retry across a bucket boundary within the grace replays.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -25,12 +26,17 @@ struct Server {
 }
 
 async fn server() -> Server {
+    server_on(Arc::new(oncegate_engine::SystemClock)).await
+}
+
+/// A server whose engine reads `clock`.
+async fn server_on(clock: Arc<dyn oncegate_engine::Clock>) -> Server {
     let dir = tempfile::tempdir().unwrap();
     let config = Config {
         engine: EngineConfig { data_dir: dir.path().to_owned(), ..EngineConfig::default() },
         ..Config::default()
     };
-    let engine = Engine::open(config.engine_config()).unwrap();
+    let engine = Engine::open_with(config.engine_config(), clock, Default::default()).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -287,4 +293,45 @@ async fn thousands_of_calls_at_once_on_one_session_are_all_answered() {
     for call in calls {
         assert_eq!(call.await.unwrap().unwrap(), State::Free);
     }
+}
+
+/// A trade sent just before a minute boundary, retried just after it: within the bucket
+/// grace the retry replays the first answer instead of placing the order again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_across_a_bucket_boundary_within_the_grace_replays() {
+    const MINUTE_MS: u64 = 60_000;
+    let boundary = (1_700_000_000_000 / MINUTE_MS + 1) * MINUTE_MS;
+    let clock = oncegate_engine::ManualClock::new(boundary - 100);
+    let server = server_on(Arc::new(clock.clone())).await;
+    let client = Client::connect(server.url.clone()).await.unwrap();
+    let trade = oncegate_client::keys::TradeKey {
+        exchange: "binance".into(),
+        symbol: "BTCUSDT".into(),
+        action: "buy".into(),
+        qty: "0.5".into(),
+        live: true,
+        bucket_ms: MINUTE_MS,
+        bucket_grace_ms: 2_000,
+    };
+    let runs = Arc::new(AtomicUsize::new(0));
+    // Places the trade through `once`: the work counts the orders actually placed.
+    let place = || {
+        let runs = Arc::clone(&runs);
+        let work = move |_lease: oncegate_client::Lease| async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, WorkError<()>>(b"order 7781 filled".to_vec())
+        };
+        oncegate_client::once(client.clone(), trade.reserve("live"), OnCancel::Release, work)
+    };
+    assert_eq!(place().await.unwrap(), Ran::Now(b"order 7781 filled".to_vec()));
+    clock.advance(200);
+    let retry = place().await.unwrap();
+    let Ran::Replayed { response, .. } = retry else { panic!("expected a replay, got {retry:?}") };
+    assert_eq!(response, b"order 7781 filled");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the order was placed once");
+    // Past the grace the same trade is a new order.
+    clock.advance(2_000);
+    let next = place().await.unwrap();
+    assert!(matches!(next, Ran::Now(_)), "{next:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
 }

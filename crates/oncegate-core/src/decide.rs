@@ -233,6 +233,18 @@ impl Decision {
     }
 }
 
+/// Which key answers a reserve sent within the bucket grace after a boundary (see
+/// `bucket_grace_ms` in the contract): the earlier bucket's while its record is pending
+/// or completed, since the call may be a retry of one sent before the boundary and
+/// nothing can tell it apart; the current bucket's when the earlier key holds nothing
+/// to protect (free, expired, released or abandoned).
+///
+/// `earlier` is the stored record of the earlier bucket's key, possibly expired; `now_ms`
+/// is the shard's guarded time, as for [`decide`].
+pub fn answers_from_earlier_bucket(earlier: Option<&Record>, now_ms: u64) -> bool {
+    earlier.is_some_and(|record| matches!(record.state(now_ms), State::Pending | State::Completed))
+}
+
 /// Decides one command against the key's stored record.
 ///
 /// `record` is what the store holds, possibly expired (reads treat an expired record as

@@ -21,6 +21,10 @@ pub struct ReserveRequest {
     pub key_parts: Vec<String>,
     /// The bucket width of a derived key.
     pub bucket_ms: u64,
+    /// With `key_parts`: a reserve this long after a bucket boundary is answered from the
+    /// previous bucket's key while that key is pending or completed (a retry that
+    /// crossed the boundary), and reserves the current bucket's key otherwise.
+    pub bucket_grace_ms: u64,
     /// How long the record is remembered; 0 selects the default.
     pub ttl_ms: u64,
     /// How long the holder may work before it must heartbeat; 0 selects the default.

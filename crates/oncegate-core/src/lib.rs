@@ -18,7 +18,7 @@ pub mod route;
 pub use clock::ClockGuard;
 pub use decide::{
     Change, Command, Commit, Decision, Previous, RETRY_AFTER_MS_MAX, Reply, Reserve, ReserveReply, View,
-    decide,
+    answers_from_earlier_bucket, decide,
 };
 pub use error::{Code, Error, Invalid};
 pub use limits::*;

@@ -7,6 +7,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::route::Routing;
 use crate::{Invalid, Problem, Problems, Unit};
 
 const SECOND_MS: u64 = 1_000;
@@ -225,13 +226,28 @@ impl Limits {
         Ok(token)
     }
 
-    /// Derives a key from parts and a time bucket; see [`derive_key`] for the format.
+    /// Derives a key from parts and a time bucket, as a directory routed by whole keys
+    /// does; see [`derive_key`] for that format.
     pub fn derive_key<S: AsRef<str>>(
         &self,
         parts: &[S],
         bucket_ms: u64,
         now_ms: u64,
     ) -> Result<Key, Invalid> {
+        let derived = self.derived(parts, bucket_ms, 0, Routing::WholeKey)?;
+        self.key(&derived.key(derived.bucket_of(now_ms)))
+    }
+
+    /// Validates a derived key's parts, bucket width and grace (`bucket_grace_ms`, zero
+    /// for none; it must be shorter than the bucket). The keys it then makes still need
+    /// [`Limits::key`] for their length.
+    pub fn derived<S: AsRef<str>>(
+        &self,
+        parts: &[S],
+        bucket_ms: u64,
+        bucket_grace_ms: u64,
+        routing: Routing,
+    ) -> Result<DerivedKey, Invalid> {
         if parts.is_empty() {
             return Err(Invalid::Empty { field: "key_parts" });
         }
@@ -254,6 +270,15 @@ impl Limits {
                 unit: Unit::Ms,
             });
         }
+        if bucket_grace_ms >= bucket_ms {
+            return Err(Invalid::OutOfRange {
+                field: "bucket_grace_ms",
+                value: bucket_grace_ms,
+                min: 0,
+                max: bucket_ms - 1,
+                unit: Unit::Ms,
+            });
+        }
         for (index, part) in parts.iter().enumerate() {
             let part = part.as_ref();
             if part.is_empty() {
@@ -269,9 +294,37 @@ impl Limits {
                 });
             }
         }
-        let key = derive_key(parts, bucket_ms, now_ms);
-        check_len("key", key.len(), self.key_bytes_max)?;
-        Ok(Key(key))
+        let base = parts.iter().map(AsRef::as_ref).collect::<Vec<_>>().join(":");
+        Ok(DerivedKey { base, bucket_ms, bucket_grace_ms, routing })
+    }
+}
+
+/// A derived key before its bucket is known: validated parts, width and grace.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DerivedKey {
+    base: String,
+    bucket_ms: u64,
+    bucket_grace_ms: u64,
+    routing: Routing,
+}
+
+impl DerivedKey {
+    /// The bucket that `now_ms` falls in.
+    pub fn bucket_of(&self, now_ms: u64) -> u64 {
+        now_ms / self.bucket_ms
+    }
+
+    /// The key of one bucket.
+    pub fn key(&self, bucket: u64) -> String {
+        self.routing.bucket_key(&self.base, bucket)
+    }
+
+    /// The bucket before `now_ms`'s, when `now_ms` is within the grace after their
+    /// boundary: a retry of a call sent just before the boundary may belong there.
+    pub fn earlier_bucket(&self, now_ms: u64) -> Option<u64> {
+        let bucket = self.bucket_of(now_ms);
+        let into_ms = now_ms - bucket * self.bucket_ms;
+        (bucket > 0 && into_ms < self.bucket_grace_ms).then(|| bucket - 1)
     }
 }
 
@@ -302,12 +355,14 @@ fn check_len(field: &'static str, len: usize, max: usize) -> Result<(), Invalid>
 /// The separator between the parts of a derived key, and before its bucket number.
 pub const KEY_PART_SEPARATOR: char = ':';
 
-/// The derived key: `parts.join(":") + ":" + floor(now_ms / bucket_ms)`.
+/// The derived key of a directory routed by whole keys ([`Routing::WholeKey`]):
+/// `parts.join(":") + ":" + floor(now_ms / bucket_ms)`. Directories made since bucket
+/// routing set the bucket off with `::` instead ([`Routing::bucket_key`]).
 ///
-/// This format is part of the wire contract (clients may compute it themselves to look
-/// a key up), so it never changes. It does no validation: use [`Limits::derive_key`],
-/// which refuses empty parts, parts containing `:` and a zero bucket, so that distinct
-/// part lists can never produce the same key.
+/// Each format is part of the wire contract and never changes for a directory that
+/// uses it (a retry must find the key its first attempt stored). It does no validation:
+/// use [`Limits::derived`], which refuses empty parts, parts containing `:` and a zero
+/// bucket, so that distinct part lists can never produce the same key.
 pub fn derive_key<S: AsRef<str>>(parts: &[S], bucket_ms: u64, now_ms: u64) -> String {
     let mut key = String::new();
     for part in parts {

@@ -11,8 +11,69 @@
 //! 3. `slot = hash % 16384`.
 //! 4. `shard = slot % shard_count`. The slot layer lets a later version record a slot map
 //!    in the data directory's manifest and move slots between shards without rehashing.
+//!
+//! Directories made since bucket routing ([`Routing::BucketBase`]) take one step more: a
+//! key that ends in `::` and a bucket number (a derived key, see [`Routing::bucket_key`])
+//! takes its slot from the hash of the scope with the text before `::`, so that every
+//! bucket of one derived key lives on one shard and a reserve can decide two buckets in
+//! one batch. The other 50 bits of its hash stay the whole key's, so records keep
+//! distinct hashes. Every other key routes as before.
 
 use crate::Scope;
+
+/// How a data directory maps keys to slots; recorded in its manifest, never changed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Routing {
+    /// The whole key's hash picks the slot, and derived keys end `:bucket`: directories
+    /// made before bucket routing.
+    WholeKey,
+    /// Derived keys end `::bucket` and route by the text before it: new directories.
+    BucketBase,
+}
+
+/// What sets a bucket number off from the rest of a derived key under
+/// [`Routing::BucketBase`]; key parts may hold neither `:` nor nothing, so no part list
+/// can produce it anywhere else.
+pub const BUCKET_SEPARATOR: &str = "::";
+
+impl Routing {
+    /// The routing hash of a scope: what stores keep beside each record and what
+    /// [`slot_of_hash`] reads the slot from.
+    pub fn hash(self, scope: &Scope) -> u64 {
+        let whole = scope_hash(scope);
+        let Some(base) = self.bucket_base(scope.key.as_str()) else { return whole };
+        let base = Scope { key: crate::Key::from_stored(base.to_owned()), ..scope.clone() };
+        let slot_bits = u64::from(SLOT_COUNT - 1);
+        (whole & !slot_bits) | (scope_hash(&base) & slot_bits)
+    }
+
+    /// The slot of a scope, in `0..SLOT_COUNT`.
+    pub fn slot_of(self, scope: &Scope) -> u32 {
+        slot_of_hash(self.hash(scope))
+    }
+
+    /// The text a derived key routes by: before a final `::` and 1 to 20 ASCII digits.
+    /// `None` for every other key, and always under [`Routing::WholeKey`].
+    pub fn bucket_base(self, key: &str) -> Option<&str> {
+        if self == Routing::WholeKey {
+            return None;
+        }
+        let (base, bucket) = key.rsplit_once(BUCKET_SEPARATOR)?;
+        let digits = (1..=20).contains(&bucket.len()) && bucket.bytes().all(|b| b.is_ascii_digit());
+        (digits && !base.is_empty()).then_some(base)
+    }
+
+    /// A derived key: its base (the parts joined by `:`) and a bucket number, set off by
+    /// `:` under [`Routing::WholeKey`] and by [`BUCKET_SEPARATOR`] under
+    /// [`Routing::BucketBase`].
+    pub fn bucket_key(self, base: &str, bucket: u64) -> String {
+        let separator = match self {
+            Routing::WholeKey => ":",
+            Routing::BucketBase => BUCKET_SEPARATOR,
+        };
+        format!("{base}{separator}{bucket}")
+    }
+}
 
 /// The number of slots that keys hash onto.
 pub const SLOT_COUNT: u32 = 16_384;
@@ -89,6 +150,36 @@ mod tests {
         assert_eq!(scope_hash(&s), PINNED_HASH);
         assert_eq!(slot_of(&s), 14_267);
         assert_eq!(shard_of(&s, 4), slot_of(&s) % 4);
+    }
+
+    #[test]
+    fn bucket_routing_puts_every_bucket_of_a_derived_key_on_one_slot() {
+        let routing = Routing::BucketBase;
+        let a = scope("acme", "live", "trade:x:buy::29401224");
+        let b = scope("acme", "live", "trade:x:buy::29401225");
+        assert_eq!(routing.slot_of(&a), routing.slot_of(&b));
+        assert_eq!(routing.slot_of(&a), slot_of(&scope("acme", "live", "trade:x:buy")));
+        assert_ne!(routing.hash(&a), routing.hash(&b), "records keep distinct hashes");
+        assert_eq!(routing.hash(&a) >> 14, scope_hash(&a) >> 14);
+    }
+
+    #[test]
+    fn only_a_final_double_colon_and_digits_is_a_bucket() {
+        let base = |key| Routing::BucketBase.bucket_base(key);
+        assert_eq!(base("a:b::12"), Some("a:b"));
+        assert_eq!(base("a::b::7"), Some("a::b"));
+        for plain in ["order:123", "a::", "::5", "a::1x", "a::123456789012345678901", "a:::"] {
+            assert_eq!(base(plain), None, "{plain}");
+        }
+        assert_eq!(Routing::WholeKey.bucket_base("a:b::12"), None);
+        let plain = scope("acme", "live", "order:123");
+        assert_eq!(Routing::BucketBase.hash(&plain), scope_hash(&plain));
+    }
+
+    #[test]
+    fn bucket_keys_are_set_off_by_the_routing_separator() {
+        assert_eq!(Routing::WholeKey.bucket_key("trade:x", 5), "trade:x:5");
+        assert_eq!(Routing::BucketBase.bucket_key("trade:x", 5), "trade:x::5");
     }
 
     /// Computed independently with Python's `xxhash.xxh3_64_intdigest` over the same

@@ -4,7 +4,7 @@
 
 use oncegate_core::{
     Change, Command, Commit, Completion, Decision, Error, Event, Fingerprint, Outcome, Previous, Record,
-    Reply, Reserve, ReserveReply, State, Transition, View, decide,
+    Reply, Reserve, ReserveReply, State, Transition, View, answers_from_earlier_bucket, decide,
 };
 
 const T0: u64 = 1_000_000;
@@ -250,6 +250,35 @@ cells! {
     completed_expires_exactly_at_deadline: Some(done()), Command::Get, T0 + 10_000 + TTL => keep(Ok(Reply::Get(View::FREE)));
     live_pending_never_expires_past_ttl: Some(Record { lease_until_ms: T0 + TTL + 50_000, ..held() }), Command::Get, T0 + TTL + 10_000 => view(State::Pending, &Record { lease_until_ms: T0 + TTL + 50_000, ..held() });
     pending_past_ttl_expires_when_lease_ends: Some(Record { lease_until_ms: T0 + TTL + 50_000, ..held() }), Command::Get, T0 + TTL + 50_000 => keep(Ok(Reply::Get(View::FREE)));
+}
+
+/// One test per cell of the bucket grace: the earlier bucket's record and `now` decide
+/// which key answers a reserve sent just after a boundary; `decide` then answers it as
+/// the cells above say for that key.
+macro_rules! grace_cells {
+    ($($name:ident: $earlier:expr, $now:expr => $answers:expr;)+) => {$(
+        #[test]
+        fn $name() {
+            let earlier: Option<Record> = $earlier;
+            assert_eq!(answers_from_earlier_bucket(earlier.as_ref(), $now), $answers == Bucket::Earlier);
+        }
+    )+};
+}
+
+#[derive(PartialEq)]
+enum Bucket {
+    Earlier,
+    Current,
+}
+
+grace_cells! {
+    grace_earlier_free_reserves_current: None, T0 => Bucket::Current;
+    grace_earlier_pending_answers_in_progress_from_earlier: Some(held()), PENDING_AT => Bucket::Earlier;
+    grace_earlier_abandoned_reserves_current: Some(held()), ABANDONED_AT => Bucket::Current;
+    grace_earlier_completed_replays_from_earlier: Some(done()), DONE_AT => Bucket::Earlier;
+    grace_earlier_completed_failed_replays_from_earlier: Some(Record { completion: Some(Completion { outcome: Outcome::Failed, ..done().completion.unwrap() }), ..done() }), DONE_AT => Bucket::Earlier;
+    grace_earlier_expired_reserves_current: Some(done()), T0 + 10_000 + TTL => Bucket::Current;
+    grace_earlier_pending_past_ttl_answers_from_earlier: Some(Record { lease_until_ms: T0 + TTL + 50_000, ..held() }), T0 + TTL + 10_000 => Bucket::Earlier;
 }
 
 #[test]

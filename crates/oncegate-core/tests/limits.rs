@@ -2,8 +2,8 @@
 //! checks of the limits themselves.
 
 use oncegate_core::{
-    FINGERPRINT_BYTES_CEILING, Invalid, KEY_BYTES_CEILING, LEASE_MS_FLOOR, Limits, Namespace,
-    RESPONSE_BYTES_CEILING, TTL_MS_CEILING, Tenant, Unit, derive_key,
+    FINGERPRINT_BYTES_CEILING, Invalid, KEY_BYTES_CEILING, Key, LEASE_MS_FLOOR, Limits, Namespace,
+    RESPONSE_BYTES_CEILING, TTL_MS_CEILING, Tenant, Unit, derive_key, route::Routing,
 };
 
 /// A named check: does a value of this size pass?
@@ -199,6 +199,23 @@ fn derived_key_format_is_the_documented_one() {
 }
 
 #[test]
+fn bucket_routing_sets_the_bucket_off_and_names_the_earlier_one_within_the_grace() {
+    let limits = Limits::default();
+    let parts = ["trade", "binance", "BTCUSDT", "buy", "0.5", "live"];
+    let derived = limits.derived(&parts, 60_000, 2_000, Routing::BucketBase).unwrap();
+    let boundary = 29_401_225 * 60_000;
+    assert_eq!(derived.key(derived.bucket_of(boundary)), "trade:binance:BTCUSDT:buy:0.5:live::29401225");
+    assert_eq!(derived.earlier_bucket(boundary), Some(29_401_224));
+    assert_eq!(derived.earlier_bucket(boundary + 1_999), Some(29_401_224));
+    assert_eq!(derived.earlier_bucket(boundary + 2_000), None, "the grace has passed");
+    assert_eq!(derived.earlier_bucket(boundary - 1), None, "before the boundary there is no earlier bucket");
+    let no_grace = limits.derived(&parts, 60_000, 0, Routing::BucketBase).unwrap();
+    assert_eq!(no_grace.earlier_bucket(boundary), None);
+    let first = limits.derived(&parts, 60_000, 2_000, Routing::BucketBase).unwrap();
+    assert_eq!(first.earlier_bucket(5), None, "bucket zero has none before it");
+}
+
+#[test]
 fn derived_key_refusals() {
     let limits = Limits::default();
     let refused = [
@@ -206,6 +223,10 @@ fn derived_key_refusals() {
         (limits.derive_key(&["a", ""], 60_000, 0), "key_parts[1] is empty"),
         (limits.derive_key(&["a:b"], 60_000, 0), "key_parts[0] contains ':', the separator of derived keys"),
         (limits.derive_key(&["a"], 0, 0), "bucket_ms must not be zero"),
+        (
+            limits.derived(&["a"], 60_000, 60_000, Routing::BucketBase).map(|d| Key::from_stored(d.key(0))),
+            "bucket_grace_ms is 60000 ms; it must be between 0 ms and 59999 ms",
+        ),
         (limits.derive_key(&["a", "b\0c"], 60_000, 0), "key_parts[1] contains NUL"),
     ];
     for (result, message) in refused {

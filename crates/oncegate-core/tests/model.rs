@@ -1,13 +1,14 @@
 //! Random command sequences from several clients, with a clock that moves forward and
 //! sometimes steps back, run against the decision function and a deliberately simple
 //! reference model. Every reply must equal the model's, and an observer that sees only
-//! the replies checks the contract's safety properties.
+//! the replies checks the contract's safety properties. Some reserves fall within a
+//! bucket grace and are answered from their key or the next, as the model says.
 
 use std::collections::{BTreeMap, HashMap};
 
 use oncegate_core::{
     Change, ClockGuard, Command, Commit, Error, Fingerprint, Outcome, Previous, Record, Reply, Reserve,
-    ReserveReply, State, View, decide,
+    ReserveReply, State, View, answers_from_earlier_bucket, decide,
 };
 use proptest::prelude::*;
 
@@ -25,10 +26,26 @@ enum TokenPick {
 
 #[derive(Clone, Debug)]
 enum Op {
-    Reserve { fingerprint: u8, lease_ms: u64, ttl_ms: u64 },
-    Commit { token: TokenPick, failed: bool, response: u8 },
-    Release { token: TokenPick },
-    Heartbeat { token: TokenPick, lease_ms: u64 },
+    /// With `grace`, the key is the earlier bucket of a derived key whose current bucket
+    /// is the next key, and the reserve falls within the grace after their boundary.
+    Reserve {
+        fingerprint: u8,
+        lease_ms: u64,
+        ttl_ms: u64,
+        grace: bool,
+    },
+    Commit {
+        token: TokenPick,
+        failed: bool,
+        response: u8,
+    },
+    Release {
+        token: TokenPick,
+    },
+    Heartbeat {
+        token: TokenPick,
+        lease_ms: u64,
+    },
     Get,
     ForceRelease,
     Purge,
@@ -54,7 +71,7 @@ fn op() -> impl Strategy<Value = Op> {
     let lease = prop_oneof![Just(100u64), Just(5_000), Just(30_000)];
     let ttl = prop_oneof![Just(1_000u64), Just(20_000), Just(90_000)];
     prop_oneof![
-        4 => (0u8..3, lease.clone(), ttl).prop_map(|(fingerprint, lease_ms, ttl_ms)| Op::Reserve { fingerprint, lease_ms, ttl_ms }),
+        4 => (0u8..3, lease.clone(), ttl, proptest::bool::weighted(0.3)).prop_map(|(fingerprint, lease_ms, ttl_ms, grace)| Op::Reserve { fingerprint, lease_ms, ttl_ms, grace }),
         2 => (token_pick(), any::<bool>(), 0u8..3).prop_map(|(token, failed, response)| Op::Commit { token, failed, response }),
         1 => token_pick().prop_map(|token| Op::Release { token }),
         2 => (token_pick(), lease).prop_map(|(token, lease_ms)| Op::Heartbeat { token, lease_ms }),
@@ -93,18 +110,7 @@ struct ModelKey {
 }
 
 fn model(slot: &mut Option<ModelKey>, command: &Command, now: u64, next: u64) -> Result<Reply, Error> {
-    if let Some(k) = slot {
-        let held_by_live_lease = k.done.is_none() && now < k.lease_until;
-        if now >= k.expires_at && !held_by_live_lease {
-            *slot = None;
-        }
-    }
-    let state = match slot {
-        None => State::Free,
-        Some(k) if k.done.is_some() => State::Completed,
-        Some(k) if now < k.lease_until => State::Pending,
-        Some(_) => State::Abandoned,
-    };
+    let state = model_state(slot, now);
     let grant =
         |slot: &mut Option<ModelKey>, r: &Reserve, attempt: u32, previous: Previous, fp: Fingerprint| {
             *slot = Some(ModelKey {
@@ -216,6 +222,38 @@ fn model(slot: &mut Option<ModelKey>, command: &Command, now: u64, next: u64) ->
     }
 }
 
+/// Applies expiry to a model key and says its state.
+fn model_state(slot: &mut Option<ModelKey>, now: u64) -> State {
+    if let Some(k) = slot {
+        let held_by_live_lease = k.done.is_none() && now < k.lease_until;
+        if now >= k.expires_at && !held_by_live_lease {
+            *slot = None;
+        }
+    }
+    match slot {
+        None => State::Free,
+        Some(k) if k.done.is_some() => State::Completed,
+        Some(k) if now < k.lease_until => State::Pending,
+        Some(_) => State::Abandoned,
+    }
+}
+
+/// The key a reserve within the bucket grace is answered from: the model says the
+/// earlier bucket's while it is pending or completed.
+fn grace_target(
+    store: &BTreeMap<usize, Record>,
+    models: &mut HashMap<usize, Option<ModelKey>>,
+    earlier: usize,
+    now: u64,
+) -> Result<usize, TestCaseError> {
+    let current = (earlier + 1) % KEYS;
+    let from_earlier = answers_from_earlier_bucket(store.get(&earlier), now);
+    let model_earlier =
+        matches!(model_state(models.entry(earlier).or_default(), now), State::Pending | State::Completed);
+    prop_assert_eq!(from_earlier, model_earlier, "grace picks another bucket than the model at {}", now);
+    Ok(if from_earlier { earlier } else { current })
+}
+
 /// What the observer has learnt about one key from replies alone.
 #[derive(Default)]
 struct Seen {
@@ -258,12 +296,16 @@ fn run(steps: Vec<Step>) -> Result<(), TestCaseError> {
                 });
             }
             Step::Call { client, key, op } => {
+                let key = match op {
+                    Op::Reserve { grace: true, .. } => grace_target(&store, &mut models, key, now)?,
+                    _ => key,
+                };
                 let pick = |t: &TokenPick| match t {
                     TokenPick::Mine => mine.get(&(client, key)).copied().unwrap_or(1),
                     TokenPick::Any(t) => *t,
                 };
                 let command = match &op {
-                    Op::Reserve { fingerprint: f, lease_ms, ttl_ms } => Command::Reserve(Reserve {
+                    Op::Reserve { fingerprint: f, lease_ms, ttl_ms, .. } => Command::Reserve(Reserve {
                         ttl_ms: *ttl_ms,
                         lease_ms: *lease_ms,
                         fingerprint: fingerprint(*f),

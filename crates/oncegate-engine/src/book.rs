@@ -273,13 +273,9 @@ impl Book {
 
     /// Takes out the parked reserves of the keys of `slot`, which is moving to another
     /// shard: they wait there, in the same order, with the same deadlines.
-    pub fn take_parked(&mut self, slot: u32) -> Parked {
-        let scopes: Vec<Scope> = self
-            .queues
-            .keys()
-            .filter(|scope| oncegate_core::route::slot_of(scope) == slot)
-            .cloned()
-            .collect();
+    pub fn take_parked(&mut self, slot: u32, routing: oncegate_core::route::Routing) -> Parked {
+        let scopes: Vec<Scope> =
+            self.queues.keys().filter(|scope| routing.slot_of(scope) == slot).cloned().collect();
         let parked = scopes.into_iter().filter_map(|scope| self.queues.remove_entry(&scope)).collect();
         self.count_waiters();
         Parked(parked)

@@ -55,7 +55,7 @@ pub fn configure_sqlite(conn: &rusqlite::Connection, config: &EngineConfig) -> R
     store::configure(conn, config.durability, config.wal_checkpoint_pages, config.page_cache_bytes_max)
 }
 
-use shard::{Control, FrameFloor, Mail, Parts, Request, Shard, Shared, Start};
+use shard::{Control, Earlier, FrameFloor, Mail, Parts, Request, Shard, Shared, Start};
 
 pub use oncegate_core::gate::{CommitRequest, Gate, KeyRequest, Renewed, ReserveRequest, Reserved};
 
@@ -227,6 +227,44 @@ impl Drop for Pending {
     }
 }
 
+/// A reserve on its way: the key it was sent under and, within a bucket grace, the
+/// earlier bucket's key with the flag the shard sets when that key answered.
+struct StartedReserve {
+    keys: ReserveKeys,
+    pending: Pending,
+}
+
+struct ReserveKeys {
+    key: Key,
+    earlier: Option<(Key, Arc<AtomicBool>)>,
+}
+
+impl ReserveKeys {
+    /// The key the answer came from; read only after the answer arrived.
+    fn answered(self) -> Key {
+        match self.earlier {
+            Some((earlier, answered)) if answered.load(Ordering::Acquire) => earlier,
+            _ => self.key,
+        }
+    }
+}
+
+/// A request that breaks a rule between its fields.
+fn rule(field: &'static str, rule: &'static str) -> Error {
+    oncegate_core::Invalid::Rule { field, rule }.into()
+}
+
+/// Refuses derived-key fields on a reserve that names its key.
+fn only_with_key_parts(request: &ReserveRequest) -> Result<(), Error> {
+    if request.bucket_ms != 0 {
+        return Err(rule("bucket_ms", "only applies with key_parts"));
+    }
+    if request.bucket_grace_ms != 0 {
+        return Err(rule("bucket_grace_ms", "only applies with key_parts"));
+    }
+    Ok(())
+}
+
 fn expect_reserve(reply: Reply) -> ReserveReply {
     match reply {
         Reply::Reserve(r) => r,
@@ -288,10 +326,11 @@ impl Engine {
     ) -> Result<Engine, OpenError> {
         config.check().map_err(OpenError::Config)?;
         let lock = manifest::lock(&*files, &config.data_dir)?;
-        let (map, shards, postgres) = match config.store.kind {
+        let (map, shards, routing, postgres) = match config.store.kind {
             StoreKind::Sqlite => {
-                let (map, shards) = manifest::open_or_create(&*files, &config.data_dir, config.shards)?;
-                (map, shards, None)
+                let (map, shards, routing) =
+                    manifest::open_or_create(&*files, &config.data_dir, config.shards)?;
+                (map, shards, routing, None)
             }
             StoreKind::Postgres => {
                 // The records are in the database; shards only spread this node's work, so
@@ -300,7 +339,8 @@ impl Engine {
                 let pg = store::postgres::Postgres::new(&config.store, node.clone())
                     .map_err(|e| OpenError::Postgres { reason: e.to_string() })?;
                 tracing::info!(database = %pg.display, node = %node, shards = config.shards, "records in PostgreSQL");
-                (slots::SlotMap::even(config.shards), config.shards, Some(Arc::new(pg)))
+                let (map, routing) = (slots::SlotMap::even(config.shards), store::postgres::ROUTING);
+                (map, config.shards, routing, Some(Arc::new(pg)))
             }
         };
         if shards > config.shards {
@@ -319,7 +359,7 @@ impl Engine {
         let mut frame = ClockGuard::new(0);
         frame.anchor(start.wall_ms, start.monotonic_ms);
         let inner = Inner {
-            live: Arc::new(slots::LiveMap::new(map.clone())),
+            live: Arc::new(slots::LiveMap::new(map.clone(), routing)),
             table: RwLock::new(routes::Table { map, shards: Vec::new(), moving: None }),
             config,
             clock,
@@ -366,7 +406,7 @@ impl Engine {
 
     /// The shard that owns a scope: the slot map's owner of the scope's slot.
     pub fn shard_of(&self, scope: &Scope) -> u32 {
-        self.inner.table().map.owner(route::slot_of(scope))
+        self.inner.table().map.owner(self.inner.live.routing.slot_of(scope))
     }
 
     /// `now` for deriving keys: the process's frame, never below any shard's persisted
@@ -390,7 +430,11 @@ impl Engine {
     /// Queues a request on its slot's shard, or holds it while the slot moves; either
     /// way under the table's read lock (`routes.rs` says why).
     fn submit(&self, scope: Scope, command: Command) -> Result<Pending, Error> {
-        let slot = route::slot_of(&scope);
+        self.send(scope, command, None)
+    }
+
+    fn send(&self, scope: Scope, command: Command, earlier: Option<Box<Earlier>>) -> Result<Pending, Error> {
+        let slot = self.inner.live.routing.slot_of(&scope);
         let table = self.inner.table();
         let shard = table.map.owner(slot);
         if self.inner.closing.load(Ordering::Acquire) {
@@ -400,7 +444,7 @@ impl Engine {
         let handle = &table.shards[shard as usize];
         let span = tracing::Span::current();
         span.record("shard", shard);
-        let request = Request { scope, command, reply, span };
+        let request = Request { scope, command, reply, span, earlier };
         let sent = match table.moving.as_ref().filter(|moving| moving.step.slot == slot) {
             Some(moving) => moving.hold(request, self.inner.config.mailbox_depth_max),
             None => handle.data.try_send(Mail::Call(request)).map_err(|error| match error {
@@ -424,38 +468,53 @@ impl Engine {
         })
     }
 
-    fn start_reserve(&self, tenant: &Tenant, request: ReserveRequest) -> Result<(Key, Pending), Error> {
+    fn start_reserve(&self, tenant: &Tenant, request: ReserveRequest) -> Result<StartedReserve, Error> {
         let limits = self.limits();
         let namespace = Namespace::new(&request.namespace)?;
-        let key = match (request.key.is_empty(), request.key_parts.is_empty()) {
-            (false, true) => limits.key(&request.key)?,
-            (true, false) => {
-                limits.derive_key(&request.key_parts, request.bucket_ms, self.derive_now_ms()?)?
+        let (key, earlier) = match (request.key.is_empty(), request.key_parts.is_empty()) {
+            (false, true) => {
+                only_with_key_parts(&request)?;
+                (limits.key(&request.key)?, None)
             }
-            (false, false) => {
-                return Err(oncegate_core::Invalid::Rule {
-                    field: "key_parts",
-                    rule: "send either key or key_parts, not both",
-                }
-                .into());
-            }
+            (true, false) => self.derive_keys(&request)?,
+            (false, false) => return Err(rule("key_parts", "send either key or key_parts, not both")),
             (true, true) => return Err(oncegate_core::Invalid::Empty { field: "key" }.into()),
         };
-        if request.key_parts.is_empty() && request.bucket_ms != 0 {
-            return Err(oncegate_core::Invalid::Rule {
-                field: "bucket_ms",
-                rule: "only applies with key_parts",
-            }
-            .into());
-        }
         let reserve = Reserve {
             ttl_ms: limits.ttl_ms(request.ttl_ms)?,
             lease_ms: limits.lease_ms(request.lease_ms)?,
             fingerprint: limits.fingerprint(&request.fingerprint)?,
             wait_ms: limits.wait_ms(request.wait_ms)?,
         };
-        let scope = Scope { tenant: tenant.clone(), namespace, key: key.clone() };
-        Ok((key, self.submit(scope, Command::Reserve(reserve))?))
+        let scope = |key: Key| Scope { tenant: tenant.clone(), namespace: namespace.clone(), key };
+        let earlier = earlier.map(|key: Key| {
+            let answered = Arc::new(AtomicBool::new(false));
+            (key.clone(), Earlier { scope: scope(key), answered })
+        });
+        let flag = earlier.as_ref().map(|(key, e)| (key.clone(), Arc::clone(&e.answered)));
+        let pending =
+            self.send(scope(key.clone()), Command::Reserve(reserve), earlier.map(|(_, e)| Box::new(e)))?;
+        Ok(StartedReserve { keys: ReserveKeys { key, earlier: flag }, pending })
+    }
+
+    /// The key of a reserve sent as parts, by the process's frame, and the earlier
+    /// bucket's when the frame is within `bucket_grace_ms` after a boundary.
+    fn derive_keys(&self, request: &ReserveRequest) -> Result<(Key, Option<Key>), Error> {
+        let routing = self.inner.live.routing;
+        if request.bucket_grace_ms > 0 && routing == route::Routing::WholeKey {
+            return Err(rule(
+                "bucket_grace_ms",
+                "needs bucket routing, which this data directory predates: its derived keys' buckets may live on different shards",
+            ));
+        }
+        let limits = self.limits();
+        let derived =
+            limits.derived(&request.key_parts, request.bucket_ms, request.bucket_grace_ms, routing)?;
+        let now_ms = self.derive_now_ms()?;
+        let key = limits.key(&derived.key(derived.bucket_of(now_ms)))?;
+        let earlier =
+            derived.earlier_bucket(now_ms).map(|bucket| limits.key(&derived.key(bucket))).transpose()?;
+        Ok((key, earlier))
     }
 
     fn start_commit(&self, tenant: &Tenant, request: CommitRequest) -> Result<Pending, Error> {
@@ -496,8 +555,9 @@ impl Engine {
     ) -> impl Future<Output = Result<Reserved, Error>> + Send + 'static + use<> {
         let started = self.start_reserve(tenant, request);
         async move {
-            let (key, pending) = started?;
-            Ok(Reserved { key, reply: expect_reserve(pending.wait().await?) })
+            let StartedReserve { keys, pending } = started?;
+            let reply = expect_reserve(pending.wait().await?);
+            Ok(Reserved { key: keys.answered(), reply })
         }
     }
 
@@ -589,8 +649,9 @@ impl Engine {
 
     /// [`Engine::reserve`] for synchronous callers (not from inside an async task).
     pub fn reserve_blocking(&self, tenant: &Tenant, request: ReserveRequest) -> Result<Reserved, Error> {
-        let (key, pending) = self.start_reserve(tenant, request)?;
-        Ok(Reserved { key, reply: expect_reserve(pending.wait_blocking()?) })
+        let StartedReserve { keys, pending } = self.start_reserve(tenant, request)?;
+        let reply = expect_reserve(pending.wait_blocking()?);
+        Ok(Reserved { key: keys.answered(), reply })
     }
 
     /// [`Engine::commit`] for synchronous callers.

@@ -18,6 +18,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use oncegate_core::route::Routing;
+
 use crate::OpenError;
 use crate::files::{Files, LockGuard, write_atomically};
 use crate::slots::{self, SlotMap};
@@ -30,9 +32,15 @@ pub const LOCK_FILE: &str = "oncegate.lock";
 pub const NODE_FILE: &str = "oncegate.node";
 /// The only manifest format this version reads and writes.
 pub const FORMAT_VERSION: u32 = 1;
-/// The routing algorithm, named so a later version can refuse a directory routed another
-/// way: the scope's hash onto 16,384 slots, and the slot map's owner of each slot.
-pub const ROUTING: &str = "xxh3-64/len-prefixed/slots-16384/slot-map";
+/// The routing algorithm of new directories, named so a later version can refuse a
+/// directory routed another way: the scope's hash onto 16,384 slots (a derived key's slot
+/// from its text before `::bucket`, `Routing::BucketBase`), and the slot map's owner of
+/// each slot.
+pub const ROUTING: &str = "xxh3-64/len-prefixed/slots-16384/slot-map/bucket-base";
+/// The routing of directories made with a slot map but before bucket routing: every
+/// key's slot from its whole text (`Routing::WholeKey`). They keep it, since a key of
+/// theirs that happens to end `::digits` would otherwise be looked for on another shard.
+pub const ROUTING_WHOLE_KEY: &str = "xxh3-64/len-prefixed/slots-16384/slot-map";
 /// The routing of directories made before the slot map: the owner of a slot was
 /// `slot % shards`. Such a directory is given exactly that map when it opens.
 pub const ROUTING_COMPUTED: &str = "xxh3-64/len-prefixed/slots-16384/mod-shards";
@@ -47,6 +55,13 @@ pub struct Manifest {
     pub shards: u32,
     /// How keys map to shards.
     pub routing: String,
+}
+
+impl Manifest {
+    /// How this directory hashes keys onto slots.
+    pub fn key_routing(&self) -> Routing {
+        if self.routing == ROUTING { Routing::BucketBase } else { Routing::WholeKey }
+    }
 }
 
 /// The shard file name for a shard number: `shard-NNNN.sqlite`.
@@ -128,17 +143,21 @@ pub fn lock(files: &dyn Files, data_dir: &Path) -> Result<LockGuard, OpenError> 
 
 /// Reads the manifest and the slot map, or creates both for a new directory, checks the
 /// shard count, and gives a directory routed by `slot % shards` its slot map. Returns the
-/// map and the directory's shard count: at least `shards` (a directory that has grown
-/// past the configured count opens with all of its shards).
-pub fn open_or_create(files: &dyn Files, data_dir: &Path, shards: u32) -> Result<(SlotMap, u32), OpenError> {
+/// map, the directory's shard count (at least `shards`: a directory that has grown past
+/// the configured count opens with all of its shards) and how it routes keys.
+pub fn open_or_create(
+    files: &dyn Files,
+    data_dir: &Path,
+    shards: u32,
+) -> Result<(SlotMap, u32, Routing), OpenError> {
     let (manifest, new) = read_or_new(files, data_dir, shards)?;
     let shards = manifest.shards;
     // A map in a new directory is a creation's that did not reach its manifest.
     let found = if new { None } else { slots::read(files, data_dir, shards)? };
-    if manifest.routing == ROUTING {
+    if manifest.routing != ROUTING_COMPUTED {
         // After a slot has moved, no computed map is right: a lost map is never guessed.
         let map = found.ok_or_else(|| OpenError::SlotMapMissing { path: slots::path(data_dir) })?;
-        return Ok((map, shards));
+        return Ok((map, shards, manifest.key_routing()));
     }
     // Routed by `slot % shards` until now: the map is that, exactly. A map file already
     // there was written by an upgrade that did not reach the manifest; nothing can have
@@ -150,14 +169,13 @@ pub fn open_or_create(files: &dyn Files, data_dir: &Path, shards: u32) -> Result
     }
     // The map is durable before the manifest names it, so a crash between the two
     // leaves a directory that still opens (by the first branch, or this one again). A
-    // new directory takes the same path: its manifest is written once, naming the map.
+    // new directory takes the same path: its manifest is written once, naming the map
+    // and bucket routing; an old one keeps routing whole keys.
     slots::write(files, data_dir, &map)?;
-    write_manifest(
-        files,
-        &data_dir.join(MANIFEST_FILE),
-        &Manifest { routing: ROUTING.to_owned(), ..manifest },
-    )?;
-    Ok((map, shards))
+    let routing = if new { ROUTING } else { ROUTING_WHOLE_KEY };
+    let manifest = Manifest { routing: routing.to_owned(), ..manifest };
+    write_manifest(files, &data_dir.join(MANIFEST_FILE), &manifest)?;
+    Ok((map, shards, manifest.key_routing()))
 }
 
 fn write_manifest(files: &dyn Files, path: &Path, manifest: &Manifest) -> Result<(), OpenError> {
@@ -205,7 +223,7 @@ pub fn read(files: &dyn Files, data_dir: &Path) -> Result<Option<Manifest>, Open
             format!("format_version is {}; this version reads {FORMAT_VERSION}", manifest.format_version);
         return Err(OpenError::Manifest { path, reason });
     }
-    if manifest.routing != ROUTING && manifest.routing != ROUTING_COMPUTED {
+    if ![ROUTING, ROUTING_WHOLE_KEY, ROUTING_COMPUTED].contains(&manifest.routing.as_str()) {
         let reason = format!("routing is {:?}; this version routes by {ROUTING:?}", manifest.routing);
         return Err(OpenError::Manifest { path, reason });
     }

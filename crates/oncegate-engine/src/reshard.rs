@@ -99,7 +99,7 @@ pub fn add_shards_on(
             ),
         )]));
     }
-    let (mut map, _) = manifest::open_or_create(&*files, dir, before)?;
+    let (mut map, _, routing) = manifest::open_or_create(&*files, dir, before)?;
     // Read again: opening may have moved an older directory's routing to the map.
     let manifest = manifest::read(&*files, dir)?.unwrap_or(manifest);
     prepare_new_shards(&*files, dir, &manifest, to)?;
@@ -111,8 +111,10 @@ pub fn add_shards_on(
     }
     let (mut moved, mut records) = (0, 0);
     progress(0, total);
+    // Always synced: the map must never name a destination whose copy a power cut undid.
+    let tuning = Tuning { durability: crate::Durability::Full, ..Tuning::of(config, files, None, routing) };
     for ((from, dest), group) in groups {
-        records += move_group(config, &files, faults, &mut map, from, dest, &group)?;
+        records += move_group(config, &tuning, faults, &mut map, from, dest, &group)?;
         moved += group.len() as u32;
         progress(moved, total);
     }
@@ -157,23 +159,20 @@ pub(crate) fn prepare_new_shards(
 /// The three steps of one group: copy, flip the map, delete at the source.
 fn move_group(
     config: &EngineConfig,
-    files: &Arc<dyn Files>,
+    tuning: &Tuning,
     faults: &Faults,
     map: &mut SlotMap,
     from: u32,
     dest: u32,
     group: &HashSet<u32>,
 ) -> Result<u64, OpenError> {
-    // Always synced: the map must never name a destination whose copy a power cut undid.
-    let tuning =
-        Tuning { durability: crate::Durability::Full, ..Tuning::of(config, Arc::clone(files), None) };
     let shard_error =
         |shard: u32| move |e: crate::store::StoreError| OpenError::Shard { shard, reason: e.to_string() };
     let dir = &config.data_dir;
     let (mut source, source_meta, _) =
-        Store::open(&manifest::shard_file(dir, from), &tuning, faults, false).map_err(shard_error(from))?;
+        Store::open(&manifest::shard_file(dir, from), tuning, faults, false).map_err(shard_error(from))?;
     let (mut destination, destination_meta, _) =
-        Store::open(&manifest::shard_file(dir, dest), &tuning, faults, false).map_err(shard_error(dest))?;
+        Store::open(&manifest::shard_file(dir, dest), tuning, faults, false).map_err(shard_error(dest))?;
     step(faults)?;
     // The destination's counters start above the source's, not only above the tokens of
     // the rows it copies: a key of the group released or reclaimed at the source has no
@@ -186,7 +185,7 @@ fn move_group(
         map.set_owner(*slot, dest);
     }
     map.version += 1;
-    slots::write(&**files, dir, map)?;
+    slots::write(&*tuning.files, dir, map)?;
     step(faults)?;
     source.delete_slots(group, source_meta).map_err(shard_error(from))?;
     tracing::info!(

@@ -17,7 +17,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use oncegate_core::route::{SLOT_COUNT, shard_of_slot};
+use oncegate_core::route::{Routing, SLOT_COUNT, shard_of_slot};
 
 use crate::files::{Files, write_atomically};
 
@@ -192,11 +192,13 @@ impl Owned {
 #[derive(Debug)]
 pub(crate) struct LiveMap {
     state: Mutex<(Arc<SlotMap>, Option<SlotMove>)>,
+    /// How keys hash onto slots; fixed for the directory's life.
+    pub routing: Routing,
 }
 
 impl LiveMap {
-    pub fn new(map: SlotMap) -> LiveMap {
-        LiveMap { state: Mutex::new((Arc::new(map), None)) }
+    pub fn new(map: SlotMap, routing: Routing) -> LiveMap {
+        LiveMap { state: Mutex::new((Arc::new(map), None)), routing }
     }
 
     /// What `shard` keeps rows of now.

@@ -120,7 +120,7 @@ fn derived_keys_collide_within_a_bucket() {
         ..ReserveRequest::default()
     };
     let first = engine.reserve_blocking(&t, parts(60_000)).unwrap();
-    assert_eq!(first.key.as_str(), format!("trade:binance:BTCUSDT:buy:0.5:{}", T0 / 60_000));
+    assert_eq!(first.key.as_str(), format!("trade:binance:BTCUSDT:buy:0.5::{}", T0 / 60_000));
     granted(&first.reply);
     let dup = engine.reserve_blocking(&t, parts(60_000)).unwrap();
     assert!(matches!(dup.reply, ReserveReply::InProgress { .. }));

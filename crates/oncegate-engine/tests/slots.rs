@@ -9,7 +9,7 @@ use std::sync::Arc;
 use common::*;
 use oncegate_core::route::SLOT_COUNT;
 use oncegate_core::{ReserveReply, State};
-use oncegate_engine::manifest::{MANIFEST_FILE, ROUTING, ROUTING_COMPUTED};
+use oncegate_engine::manifest::{MANIFEST_FILE, ROUTING, ROUTING_COMPUTED, ROUTING_WHOLE_KEY};
 use oncegate_engine::slots::SLOTS_FILE;
 use oncegate_engine::{Engine, EngineConfig, Faults, ManualClock, OpenError};
 
@@ -21,12 +21,17 @@ fn manifest(dir: &std::path::Path) -> String {
     std::fs::read_to_string(dir.join(MANIFEST_FILE)).unwrap()
 }
 
+/// Whether the manifest names exactly `routing`.
+fn routes_by(dir: &std::path::Path, routing: &str) -> bool {
+    manifest(dir).lines().any(|line| line == format!("routing = \"{routing}\""))
+}
+
 #[test]
 fn a_new_directory_is_routed_by_its_slot_map_spread_evenly() {
     let dir = tempfile::tempdir().unwrap();
     let clock = ManualClock::new(T0);
     let engine = open(EngineConfig { shards: 3, ..config(dir.path()) }, &clock, &Faults::default());
-    assert!(manifest(dir.path()).contains(ROUTING), "{}", manifest(dir.path()));
+    assert!(routes_by(dir.path(), ROUTING), "{}", manifest(dir.path()));
     assert!(dir.path().join(SLOTS_FILE).exists());
     let slots: Vec<u32> = engine.stats().iter().map(|s| s.slots).collect();
     assert_eq!(slots, vec![5_462, 5_461, 5_461]);
@@ -51,7 +56,10 @@ fn a_directory_routed_by_slot_mod_shards_gets_that_map_and_keeps_its_keys() {
     let clock = ManualClock::new(1_700_000_000_000 + 1_000);
     let config = EngineConfig { shards: 2, ..config(dir.path()) };
     let engine = try_open(config.clone(), &clock).expect("the old directory opens");
-    assert!(manifest(dir.path()).contains(ROUTING), "the manifest names the map now");
+    assert!(
+        routes_by(dir.path(), ROUTING_WHOLE_KEY),
+        "the manifest names the map now, and whole-key routing"
+    );
     let acme = oncegate_core::Tenant::new("acme").unwrap();
     let done = engine
         .get_blocking(
@@ -94,7 +102,7 @@ fn an_upgrade_cut_between_the_map_and_the_manifest_finishes_at_the_next_open() {
     let text = manifest(dir.path()).replace(ROUTING, ROUTING_COMPUTED);
     std::fs::write(dir.path().join(MANIFEST_FILE), text).unwrap();
     drop(try_open(config, &clock).expect("opens"));
-    assert!(manifest(dir.path()).contains(ROUTING));
+    assert!(routes_by(dir.path(), ROUTING_WHOLE_KEY), "{}", manifest(dir.path()));
 }
 
 #[test]

@@ -223,6 +223,7 @@ impl Call for pb::ReserveRequest {
             key: r.key,
             key_parts: r.key_parts,
             bucket_ms: r.bucket_ms,
+            bucket_grace_ms: r.bucket_grace_ms,
             ttl_ms: r.ttl_ms,
             lease_ms: r.lease_ms,
             fingerprint: r.fingerprint,

@@ -99,7 +99,7 @@ async fn every_outcome_over_grpc() {
         ..Default::default()
     };
     let response = client.reserve(derived).await.unwrap().into_inner();
-    assert_eq!(response.key, format!("trade:BTCUSDT:buy:{}", T0 / 60_000));
+    assert_eq!(response.key, format!("trade:BTCUSDT:buy::{}", T0 / 60_000));
     granted(&response);
     server.stop().await;
 }

@@ -5,9 +5,9 @@
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use oncegate_core::{Command, Reply, ReserveReply, Scope, decide};
+use oncegate_core::{Command, Reply, ReserveReply, Scope, answers_from_earlier_bucket, decide};
 
-use super::{Request, Shard, ShardState};
+use super::{Earlier, Request, Shard, ShardState};
 use crate::book::{Book, Outbox, file_full};
 use crate::store::{Meta, Store, StoreError, Txn};
 use crate::{EngineConfig, Error};
@@ -211,7 +211,10 @@ impl Batch<'_> {
     /// and syncs nothing. Returns whether it wrote.
     fn write(&mut self, store: &mut Store, requests: Vec<Request>) -> Result<bool, StoreError> {
         let writes = requests.iter().any(|r| !r.command.is_read_only());
-        let keys: Vec<&Scope> = requests.iter().map(|r| &r.scope).collect();
+        let keys: Vec<&Scope> = requests
+            .iter()
+            .flat_map(|r| std::iter::once(&r.scope).chain(r.earlier.as_ref().map(|e| &e.scope)))
+            .collect();
         let began = if writes { store.begin(&keys, self.now) } else { store.begin_read(&keys, self.now) };
         drop(keys);
         let txn = match began {
@@ -262,10 +265,18 @@ impl Batch<'_> {
     /// Decides one request. A reserve or read whose caller has gone is skipped: never
     /// granted, never parked. A write that does not fit is refused alone.
     fn step(&mut self, txn: &Txn<'_>, request: Request, touched: &mut Vec<Scope>) -> Result<(), StoreError> {
-        let Request { scope, command, reply, .. } = request;
+        let Request { scope, command, reply, earlier, .. } = request;
         if reply.is_closed() && matches!(command, Command::Reserve(_) | Command::Get | Command::Inspect) {
             return Ok(());
         }
+        let scope = match self.bucket_of(txn, scope, earlier) {
+            Ok(scope) => scope,
+            Err(error) => {
+                self.outbox
+                    .push((reply, Err(Error::Unavailable { shard: self.shard, reason: String::new() })));
+                return Err(error);
+            }
+        };
         let book = &mut *self.book;
         let step = txn.get(&scope).and_then(|record| {
             if matches!(command, Command::Reserve(_)) {
@@ -311,5 +322,22 @@ impl Batch<'_> {
         }
         self.outbox.push((reply, decision.reply.map_err(Error::from)));
         Ok(())
+    }
+
+    /// The key that decides a reserve within a bucket grace: the earlier bucket's while
+    /// it is pending or completed (flagged for the caller before any answer goes out),
+    /// else the one it was sent under.
+    fn bucket_of(
+        &self,
+        txn: &Txn<'_>,
+        scope: Scope,
+        earlier: Option<Box<Earlier>>,
+    ) -> Result<Scope, StoreError> {
+        let Some(earlier) = earlier else { return Ok(scope) };
+        if !answers_from_earlier_bucket(txn.get(&earlier.scope)?.as_ref(), self.now) {
+            return Ok(scope);
+        }
+        earlier.answered.store(true, Ordering::Release);
+        Ok(earlier.scope)
     }
 }

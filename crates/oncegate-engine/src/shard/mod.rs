@@ -28,7 +28,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, at, never, select};
@@ -59,6 +59,18 @@ pub(crate) struct Request {
     /// The caller's span (disabled unless a subscriber wants it), so the batch that
     /// serves the request can link to it.
     pub span: tracing::Span,
+    /// A reserve within a bucket grace: the earlier bucket's key, which answers instead
+    /// while it is pending or completed (`answers_from_earlier_bucket`). It routes with
+    /// `scope`, so the same batch decides both. Boxed: most requests have none.
+    pub earlier: Option<Box<Earlier>>,
+}
+
+/// The earlier bucket of a reserve within a bucket grace.
+pub(crate) struct Earlier {
+    pub scope: Scope,
+    /// Set by the shard, before it answers, when the earlier key answered: the caller
+    /// reads it after the answer arrives to report the key the record lives under.
+    pub answered: Arc<AtomicBool>,
 }
 
 /// What arrives on a shard's data channel, in the order it was sent.

@@ -90,7 +90,7 @@ impl Shard {
         // Nothing of the slot reaches this shard from now on, so these are the rows to
         // drop when the move ends (reclaim may take some first).
         self.handed = Some(Leaving { slot, rows });
-        let parked = self.book.take_parked(slot);
+        let parked = self.book.take_parked(slot, self.slots.routing);
         self.shared.waiters.store(self.book.waiters_len as u64, Ordering::Relaxed);
         let high_water_ms = self.guard.read(self.clock.monotonic_ms());
         let meta = Meta { next_token: self.book.next_token, high_water_ms };

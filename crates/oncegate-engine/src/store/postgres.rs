@@ -37,7 +37,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod};
-use oncegate_core::{Completion, Fingerprint, Outcome, Record, Scope, route};
+use oncegate_core::route::{self, Routing};
+use oncegate_core::{Completion, Fingerprint, Outcome, Record, Scope};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Row, Statement};
@@ -46,6 +47,11 @@ use super::{Meta, StoreError, decode_history, encode_history, stored_scope, stor
 use crate::config::{PgClock, StoreConfig};
 use crate::quota::Tally;
 use crate::{Faults, slots};
+
+/// How every node routes keys to its shards. Rows are found by key, so routing only
+/// spreads the work; derived keys go by their base, so a reserve decides both buckets of
+/// a bucket grace in one batch (every node the same, since the slot column follows it).
+pub(crate) const ROUTING: Routing = Routing::BucketBase;
 
 /// The schema version this code reads and writes (table `oncegate_schema`).
 pub const SCHEMA_VERSION: i64 = 1;
@@ -915,9 +921,10 @@ struct Upserts {
 
 impl Upserts {
     fn push(&mut self, scope: Scope, record: Record) {
-        let hash = route::scope_hash(&scope);
-        self.hash.push(hash as i64);
-        self.slot.push(route::slot_of_hash(hash) as i32);
+        // The hash names the row's lock (the whole key's, on every node); the slot is the
+        // routing's, which spreads reclaim over the shards.
+        self.hash.push(route::scope_hash(&scope) as i64);
+        self.slot.push(ROUTING.slot_of(&scope) as i32);
         self.reclaim_at_ms.push(to_sql(record.reclaim_at_ms()));
         self.tenant.push(scope.tenant.as_str().to_owned());
         self.namespace.push(scope.namespace.as_str().to_owned());

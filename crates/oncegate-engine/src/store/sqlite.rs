@@ -9,7 +9,8 @@ use std::cell::{Cell, RefCell};
 use std::path::Path;
 use std::sync::Arc;
 
-use oncegate_core::{Completion, Fingerprint, Outcome, Record, Scope, route};
+use oncegate_core::route::{self, Routing};
+use oncegate_core::{Completion, Fingerprint, Outcome, Record, Scope};
 use rusqlite::{Connection, OpenFlags, OptionalExtension, Transaction, TransactionBehavior, params};
 
 use super::{Meta, StoreError, decode_history, encode_history, stored_scope, stored_tenant};
@@ -157,6 +158,8 @@ pub(crate) struct Tuning {
     pub owned: Option<crate::slots::Owned>,
     /// The files seam, and with it the SQLite VFS.
     pub files: Arc<dyn Files>,
+    /// How the directory routes keys: the hash stored beside each record is its.
+    pub routing: Routing,
 }
 
 pub(crate) struct Store {
@@ -174,6 +177,7 @@ pub(crate) struct Store {
     journaled: bool,
     /// The configured durability, which [`Store::sync_commits`] puts back.
     durability: Durability,
+    routing: Routing,
 }
 
 impl Tuning {
@@ -182,6 +186,7 @@ impl Tuning {
         config: &crate::EngineConfig,
         files: Arc<dyn Files>,
         owned: Option<crate::slots::Owned>,
+        routing: Routing,
     ) -> Tuning {
         let limits = &config.limits;
         // Every field at its limit, the full history, and room for SQLite's own headers.
@@ -201,6 +206,7 @@ impl Tuning {
             batch_writes_max: (config.batch_len_max + config.waiters_per_shard_max) as u64,
             owned,
             files,
+            routing,
         }
     }
 }
@@ -248,7 +254,7 @@ pub fn configure(
 
 /// Brings a file of schema `version` to [`SCHEMA_VERSION`], each step in one transaction
 /// (a crash leaves the old file or the new one), or refuses a newer one.
-fn upgrade(conn: &mut Connection, version: i64) -> Result<(), StoreError> {
+fn upgrade(conn: &mut Connection, version: i64, routing: Routing) -> Result<(), StoreError> {
     if version == SCHEMA_VERSION {
         return Ok(());
     }
@@ -266,7 +272,7 @@ fn upgrade(conn: &mut Connection, version: i64) -> Result<(), StoreError> {
             if version == 1 {
                 tx.execute_batch("ALTER TABLE records ADD COLUMN history BLOB")?;
             }
-            migrate_to_appended_rows(&tx)?;
+            migrate_to_appended_rows(&tx, routing)?;
         }
         _ => {
             // 4 and 5: the reclaim schedule moved into memory (its index in the file
@@ -317,7 +323,7 @@ impl Store {
             quick_check(&conn, faults)?;
         }
         let version: i64 = conn.query_row("PRAGMA user_version", [], |row| row.get(0))?;
-        upgrade(&mut conn, version)?;
+        upgrade(&mut conn, version, tuning.routing)?;
         let stored =
             conn.query_row("SELECT next_token, high_water_ms FROM meta WHERE id = 0", [], |row| {
                 Ok(Meta { next_token: from_sql(row.get(0)?), high_water_ms: from_sql(row.get(1)?) })
@@ -327,8 +333,7 @@ impl Store {
         let page_bytes: i64 = conn.query_row("PRAGMA page_size", [], |row| row.get(0))?;
         let pages = faults.page_count_max().unwrap_or(tuning.file_bytes_max / from_sql(page_bytes).max(512));
         let _: i64 = conn.query_row(&format!("PRAGMA max_page_count = {pages}"), [], |row| row.get(0))?;
-        let Scanned { index, schedule, tally, rows, foreign } =
-            scan(&conn, tuning.reclaim_granularity_ms, tuning.owned.as_ref(), check_integrity)?;
+        let Scanned { index, schedule, tally, rows, foreign } = scan(&conn, tuning, check_integrity)?;
         let meta = stored.max(rows);
         if !foreign.is_empty() {
             delete_foreign(&mut conn, &foreign, meta)?;
@@ -346,6 +351,7 @@ impl Store {
             batch_pages_max: write_pages.saturating_mul(tuning.batch_writes_max),
             journaled: false,
             durability: tuning.durability,
+            routing: tuning.routing,
         };
         Ok((store, meta, version == 0))
     }
@@ -403,6 +409,7 @@ impl Store {
             deleted: Cell::new(false),
             wrote: Cell::new(false),
             located: RefCell::default(),
+            routing: self.routing,
         })
     }
 
@@ -440,6 +447,7 @@ pub(crate) struct Txn<'s> {
     /// The last scope found, its row, and the row's `reclaim_at_ms` when it was read, so
     /// that the write after a read neither looks the row up again nor schedules it twice.
     located: RefCell<Option<Located>>,
+    routing: Routing,
 }
 
 /// A row found by scope.
@@ -460,7 +468,7 @@ impl Drop for Txn<'_> {
 /// Copies every row of a version 1–3 table (keyed by the scope) into the appended layout,
 /// in reclaim order, computing each scope's hash; one transaction with the rest of the
 /// upgrade, so a crash leaves the old file or the new one.
-fn migrate_to_appended_rows(tx: &Transaction<'_>) -> Result<(), StoreError> {
+fn migrate_to_appended_rows(tx: &Transaction<'_>, routing: Routing) -> Result<(), StoreError> {
     // The old table keeps its reclaim index (renamed with it) until the copy is done, so
     // the copy reads in reclaim order without sorting the whole table.
     tx.execute_batch(
@@ -480,7 +488,7 @@ fn migrate_to_appended_rows(tx: &Transaction<'_>) -> Result<(), StoreError> {
         while let Some(row) = rows.next()? {
             let (tenant, namespace, key): (String, String, String) = (row.get(0)?, row.get(1)?, row.get(2)?);
             let scope = stored_scope(tenant, namespace, key)?;
-            let mut values: Vec<rusqlite::types::Value> = vec![hash_to_sql(route::scope_hash(&scope)).into()];
+            let mut values: Vec<rusqlite::types::Value> = vec![hash_to_sql(routing.hash(&scope)).into()];
             for column in 0..14 {
                 values.push(row.get(column)?);
             }
@@ -513,12 +521,8 @@ struct Scanned {
 /// row from its key (which would then be granted again), and `quick_check` checks the
 /// file's structure, not the values in it. Keys are not named in the error (they may
 /// carry customers' data).
-fn scan(
-    conn: &Connection,
-    reclaim_granularity_ms: u64,
-    owned: Option<&crate::slots::Owned>,
-    verify_hashes: bool,
-) -> Result<Scanned, StoreError> {
+fn scan(conn: &Connection, tuning: &Tuning, verify_hashes: bool) -> Result<Scanned, StoreError> {
+    let (reclaim_granularity_ms, owned) = (tuning.reclaim_granularity_ms, tuning.owned.as_ref());
     let mut foreign = Vec::new();
     let mut index = Index::default();
     let mut schedule = Schedule::new(reclaim_granularity_ms);
@@ -536,7 +540,7 @@ fn scan(
         if verify_hashes {
             let (tenant, namespace): (String, String) = (row.get(2)?, row.get(7)?);
             let scope = stored_scope(tenant.clone(), namespace.clone(), row.get(8)?)?;
-            if route::scope_hash(&scope) != hash {
+            if tuning.routing.hash(&scope) != hash {
                 return Err(StoreError::Corrupt(format!(
                     "row {id} (tenant {tenant}, namespace {namespace}): its stored hash is not its key's"
                 )));
@@ -687,7 +691,7 @@ impl Txn<'_> {
         }
         let index = self.index.borrow();
         let mut stmt = self.tx().prepare_cached(SELECT_SCOPE)?;
-        for id in index.ids(route::scope_hash(scope)) {
+        for id in index.ids(self.routing.hash(scope)) {
             let found = stmt
                 .query_row(params![id], |row| {
                     Ok(row.get_ref(0)?.as_str()? == scope.tenant.as_str()
@@ -742,7 +746,7 @@ impl Txn<'_> {
             stmt.execute(all.as_slice())?;
             return Ok(self.reschedule(id, reclaim_at_ms));
         }
-        let hash = route::scope_hash(scope);
+        let hash = self.routing.hash(scope);
         let mut stmt = self.tx().prepare_cached(INSERT_RECORD)?;
         let (hash_sql, tenant, namespace, key) =
             (hash_to_sql(hash), scope.tenant.as_str(), scope.namespace.as_str(), scope.key.as_str());
@@ -781,7 +785,7 @@ impl Txn<'_> {
         self.failpoint()?;
         let Some(id) = self.locate(scope)? else { return Ok(()) };
         self.tx().prepare_cached(DELETE_RECORD)?.execute(params![id])?;
-        self.forget(route::scope_hash(scope), id);
+        self.forget(self.routing.hash(scope), id);
         Ok(())
     }
 
@@ -1007,6 +1011,7 @@ mod tests {
             batch_writes_max: 256,
             owned: None,
             files: Arc::new(crate::files::OsFiles),
+            routing: Routing::BucketBase,
         }
     }
 
