@@ -120,7 +120,7 @@ pub struct ReserveArgs {
     #[arg(long, default_value_t = 0)]
     bucket_ms: u64,
     /// Within this long after a bucket boundary, answer from the previous bucket's key
-    /// while it is pending or completed.
+    /// while it holds a live record.
     #[arg(long, default_value_t = 0)]
     bucket_grace_ms: u64,
     /// 0 selects the server's default.

@@ -24,7 +24,7 @@ pub struct TradeKey {
     /// The bucket's width.
     pub bucket_ms: u64,
     /// How long after a bucket boundary a reserve is still answered from the previous
-    /// bucket's key while that key is pending or completed; 0 for never. Below
+    /// bucket's key while that key holds a live record; 0 for never. Below
     /// `bucket_ms`.
     pub bucket_grace_ms: u64,
 }

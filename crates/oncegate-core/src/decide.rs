@@ -234,15 +234,21 @@ impl Decision {
 }
 
 /// Which key answers a reserve sent within the bucket grace after a boundary (see
-/// `bucket_grace_ms` in the contract): the earlier bucket's while its record is pending
-/// or completed, since the call may be a retry of one sent before the boundary and
-/// nothing can tell it apart; the current bucket's when the earlier key holds nothing
-/// to protect (free, expired, released or abandoned).
+/// `bucket_grace_ms` in the contract): the earlier bucket's while it holds a live record,
+/// since the call may be a retry of one sent before the boundary and nothing can tell it
+/// apart; the current bucket's when the earlier key is free (never reserved, released
+/// or expired).
+///
+/// An abandoned earlier key answers too: `decide` then takes it over, which raises its
+/// token and so fences off the stalled holder's late commit, and tells the new holder
+/// `previous = abandoned`. Sending that retry to a fresh current key instead would leave
+/// the stalled holder free to commit, and the retry would run the work a second time
+/// without being told.
 ///
 /// `earlier` is the stored record of the earlier bucket's key, possibly expired; `now_ms`
 /// is the shard's guarded time, as for [`decide`].
 pub fn answers_from_earlier_bucket(earlier: Option<&Record>, now_ms: u64) -> bool {
-    earlier.is_some_and(|record| matches!(record.state(now_ms), State::Pending | State::Completed))
+    earlier.is_some_and(|record| record.state(now_ms) != State::Free)
 }
 
 /// Decides one command against the key's stored record.

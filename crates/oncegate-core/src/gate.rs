@@ -22,7 +22,7 @@ pub struct ReserveRequest {
     /// The bucket width of a derived key.
     pub bucket_ms: u64,
     /// With `key_parts`: a reserve this long after a bucket boundary is answered from the
-    /// previous bucket's key while that key is pending or completed (a retry that
+    /// previous bucket's key while that key holds a live record (a retry that
     /// crossed the boundary), and reserves the current bucket's key otherwise.
     pub bucket_grace_ms: u64,
     /// How long the record is remembered; 0 selects the default.

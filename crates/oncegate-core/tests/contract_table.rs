@@ -253,8 +253,9 @@ cells! {
 }
 
 /// One test per cell of the bucket grace: the earlier bucket's record and `now` decide
-/// which key answers a reserve sent just after a boundary; `decide` then answers it as
-/// the cells above say for that key.
+/// which key answers a reserve sent just after a boundary. (The engine then calls
+/// `decide` on that key's record, so the reply is the one the cells above give it; a
+/// released key has no record, the `None` cell.)
 macro_rules! grace_cells {
     ($($name:ident: $earlier:expr, $now:expr => $answers:expr;)+) => {$(
         #[test]
@@ -274,7 +275,7 @@ enum Bucket {
 grace_cells! {
     grace_earlier_free_reserves_current: None, T0 => Bucket::Current;
     grace_earlier_pending_answers_in_progress_from_earlier: Some(held()), PENDING_AT => Bucket::Earlier;
-    grace_earlier_abandoned_reserves_current: Some(held()), ABANDONED_AT => Bucket::Current;
+    grace_earlier_abandoned_is_taken_over_on_the_earlier_key: Some(held()), ABANDONED_AT => Bucket::Earlier;
     grace_earlier_completed_replays_from_earlier: Some(done()), DONE_AT => Bucket::Earlier;
     grace_earlier_completed_failed_replays_from_earlier: Some(Record { completion: Some(Completion { outcome: Outcome::Failed, ..done().completion.unwrap() }), ..done() }), DONE_AT => Bucket::Earlier;
     grace_earlier_expired_reserves_current: Some(done()), T0 + 10_000 + TTL => Bucket::Current;

@@ -30,7 +30,7 @@ mod store;
 pub mod token;
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{Sender, TrySendError};
@@ -355,6 +355,11 @@ impl Engine {
         // derived keys, is anchored to it; nothing re-anchors until the next process.
         let start = Start { wall_ms: clock.now_ms(), monotonic_ms: clock.monotonic_ms() };
         let floor = Arc::new(FrameFloor::default());
+        if postgres.is_none() {
+            // A file store's derived keys take the directory's format; a shared store's,
+            // the database's, which its shards read when they open.
+            let _ = floor.format.set(routing);
+        }
         // Derived keys use the same frame, never below any shard's persisted mark.
         let mut frame = ClockGuard::new(0);
         frame.anchor(start.wall_ms, start.monotonic_ms);
@@ -409,22 +414,22 @@ impl Engine {
         self.inner.table().map.owner(self.inner.live.routing.slot_of(scope))
     }
 
-    /// `now` for deriving keys: the process's frame, never below any shard's persisted
-    /// mark. Until every shard has opened once the marks are not all known, and a key
-    /// bucketed by a clock that may be behind could land on another shard than its first
-    /// attempt: derived keys are refused until then.
-    fn derive_now_ms(&self) -> Result<u64, Error> {
+    /// The frame for deriving keys, raised to every shard's persisted mark, and the
+    /// format derived keys take. Until every shard has opened once the marks are not all
+    /// known, and a key bucketed by a clock that may be behind could land in another
+    /// bucket than its first attempt: derived keys are refused until then.
+    fn derive_frame(&self) -> Result<(MutexGuard<'_, ClockGuard>, route::Routing), Error> {
         let floor = &self.inner.floor;
-        if floor.unopened.load(Ordering::SeqCst) > 0 {
+        let format = floor.format.get().copied().filter(|_| floor.unopened.load(Ordering::SeqCst) == 0);
+        let Some(format) = format else {
             let shard =
                 self.shard_states().iter().position(|s| *s != ShardState::Serving).unwrap_or(0) as u32;
             let reason = "derived keys wait until every shard has opened once (its clock mark is unknown)";
             return Err(Error::Unavailable { shard, reason: reason.to_owned() });
-        }
-        let monotonic = self.inner.clock.monotonic_ms();
+        };
         let mut frame = self.inner.frame.lock().unwrap_or_else(|p| p.into_inner());
         frame.raise(floor.high_water_ms.load(Ordering::SeqCst));
-        Ok(frame.read(monotonic))
+        Ok((frame, format))
     }
 
     /// Queues a request on its slot's shard, or holds it while the slot moves; either
@@ -471,50 +476,59 @@ impl Engine {
     fn start_reserve(&self, tenant: &Tenant, request: ReserveRequest) -> Result<StartedReserve, Error> {
         let limits = self.limits();
         let namespace = Namespace::new(&request.namespace)?;
-        let (key, earlier) = match (request.key.is_empty(), request.key_parts.is_empty()) {
-            (false, true) => {
-                only_with_key_parts(&request)?;
-                (limits.key(&request.key)?, None)
-            }
-            (true, false) => self.derive_keys(&request)?,
-            (false, false) => return Err(rule("key_parts", "send either key or key_parts, not both")),
-            (true, true) => return Err(oncegate_core::Invalid::Empty { field: "key" }.into()),
-        };
         let reserve = Reserve {
             ttl_ms: limits.ttl_ms(request.ttl_ms)?,
             lease_ms: limits.lease_ms(request.lease_ms)?,
             fingerprint: limits.fingerprint(&request.fingerprint)?,
             wait_ms: limits.wait_ms(request.wait_ms)?,
         };
-        let scope = |key: Key| Scope { tenant: tenant.clone(), namespace: namespace.clone(), key };
-        let earlier = earlier.map(|key: Key| {
-            let answered = Arc::new(AtomicBool::new(false));
-            (key.clone(), Earlier { scope: scope(key), answered })
-        });
-        let flag = earlier.as_ref().map(|(key, e)| (key.clone(), Arc::clone(&e.answered)));
-        let pending =
-            self.send(scope(key.clone()), Command::Reserve(reserve), earlier.map(|(_, e)| Box::new(e)))?;
-        Ok(StartedReserve { keys: ReserveKeys { key, earlier: flag }, pending })
+        match (request.key.is_empty(), request.key_parts.is_empty()) {
+            (false, true) => {
+                only_with_key_parts(&request)?;
+                let key = limits.key(&request.key)?;
+                let scope = Scope { tenant: tenant.clone(), namespace, key: key.clone() };
+                let pending = self.submit(scope, Command::Reserve(reserve))?;
+                Ok(StartedReserve { keys: ReserveKeys { key, earlier: None }, pending })
+            }
+            (true, false) => self.start_derived(tenant, namespace, &request, reserve),
+            (false, false) => Err(rule("key_parts", "send either key or key_parts, not both")),
+            (true, true) => Err(oncegate_core::Invalid::Empty { field: "key" }.into()),
+        }
     }
 
-    /// The key of a reserve sent as parts, by the process's frame, and the earlier
-    /// bucket's when the frame is within `bucket_grace_ms` after a boundary.
-    fn derive_keys(&self, request: &ReserveRequest) -> Result<(Key, Option<Key>), Error> {
-        let routing = self.inner.live.routing;
-        if request.bucket_grace_ms > 0 && routing == route::Routing::WholeKey {
+    /// A reserve sent as parts: the key of the frame's bucket and, within
+    /// `bucket_grace_ms` after a boundary, the previous bucket's, which answers while it
+    /// holds a record. The frame stays locked until the reserve is queued, so this node's
+    /// reserves reach their shard in the order their buckets were read: a retry read just
+    /// after a boundary never overtakes a first attempt read just before it.
+    fn start_derived(
+        &self,
+        tenant: &Tenant,
+        namespace: Namespace,
+        request: &ReserveRequest,
+        reserve: Reserve,
+    ) -> Result<StartedReserve, Error> {
+        let limits = self.limits();
+        let (mut frame, format) = self.derive_frame()?;
+        if request.bucket_grace_ms > 0 && format == route::Routing::WholeKey {
             return Err(rule(
                 "bucket_grace_ms",
                 "needs bucket routing, which this data directory predates: its derived keys' buckets may live on different shards",
             ));
         }
-        let limits = self.limits();
         let derived =
-            limits.derived(&request.key_parts, request.bucket_ms, request.bucket_grace_ms, routing)?;
-        let now_ms = self.derive_now_ms()?;
+            limits.derived(&request.key_parts, request.bucket_ms, request.bucket_grace_ms, format)?;
+        let now_ms = frame.read(self.inner.clock.monotonic_ms());
         let key = limits.key(&derived.key(derived.bucket_of(now_ms)))?;
         let earlier =
             derived.earlier_bucket(now_ms).map(|bucket| limits.key(&derived.key(bucket))).transpose()?;
-        Ok((key, earlier))
+        let scope = |key: Key| Scope { tenant: tenant.clone(), namespace: namespace.clone(), key };
+        let answered = Arc::new(AtomicBool::new(false));
+        let flag = earlier.clone().map(|key| (key, Arc::clone(&answered)));
+        let earlier = earlier.map(|key| Box::new(Earlier { scope: scope(key), answered }));
+        let pending = self.send(scope(key.clone()), Command::Reserve(reserve), earlier)?;
+        drop(frame);
+        Ok(StartedReserve { keys: ReserveKeys { key, earlier: flag }, pending })
     }
 
     fn start_commit(&self, tenant: &Tenant, request: CommitRequest) -> Result<Pending, Error> {

@@ -92,22 +92,52 @@ on_both! {
         assert!(granted(&later.reply) > token);
     }
 
-    fn an_abandoned_or_released_earlier_key_leaves_the_retry_to_the_current_bucket() {
+    fn an_abandoned_earlier_key_is_taken_over_and_its_stalled_holder_fenced_off() {
         let dir = tempfile::tempdir().unwrap();
         let (engine, clock) = engine_at(dir.path(), BOUNDARY - 1_500);
         let t = tenant();
-        // Abandoned: the lease (1 s) ran out before the boundary.
-        granted(&engine.reserve_blocking(&t, trade(b"A")).unwrap().reply);
+        // The first attempt stalls: its lease (1 s) runs out before the boundary.
+        let first = engine.reserve_blocking(&t, trade(b"A")).unwrap();
+        let stalled = granted(&first.reply);
         clock.advance(1_600);
         let retry = engine.reserve_blocking(&t, trade(b"A")).unwrap();
+        assert_eq!(retry.key, first.key, "the retry takes the earlier key over");
+        let ReserveReply::Granted { token, attempt, previous, .. } = retry.reply else {
+            panic!("expected a grant, got {:?}", retry.reply)
+        };
+        assert_eq!((attempt, previous), (2, oncegate_core::Previous::Abandoned), "and is told");
+        assert!(token > stalled);
+        // The stalled attempt's late commit is refused: only one of the two may complete.
+        let late = engine.commit_blocking(&t, commit(first.key.as_str(), stalled, b"late")).unwrap_err();
+        assert_eq!(late.code(), Code::LeaseLost);
+        engine.commit_blocking(&t, commit(first.key.as_str(), token, b"filled")).unwrap();
+    }
+
+    fn a_released_earlier_key_leaves_the_retry_to_the_current_bucket() {
+        let dir = tempfile::tempdir().unwrap();
+        let (engine, clock) = engine_at(dir.path(), BOUNDARY - 100);
+        let t = tenant();
+        let first = engine.reserve_blocking(&t, trade(b"A")).unwrap();
+        engine.release_blocking(&t, key(first.key.as_str(), granted(&first.reply))).unwrap();
+        clock.advance(200);
+        let retry = engine.reserve_blocking(&t, trade(b"A")).unwrap();
         assert_eq!(retry.key.as_str(), bucket_key(BOUNDARY));
-        let token = granted(&retry.reply);
-        // Released: the current bucket's key is free again, and the grace does not go
-        // back to the abandoned earlier one.
-        engine.release_blocking(&t, key(retry.key.as_str(), token)).unwrap();
-        let again = engine.reserve_blocking(&t, trade(b"A")).unwrap();
-        assert_eq!(again.key.as_str(), bucket_key(BOUNDARY));
-        granted(&again.reply);
+        granted(&retry.reply);
+    }
+
+    fn derived_keys_are_found_again_after_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let (engine, clock) = engine_at(dir.path(), BOUNDARY - 100);
+        let t = tenant();
+        let first = engine.reserve_blocking(&t, trade(b"A")).unwrap();
+        engine.commit_blocking(&t, commit(first.key.as_str(), granted(&first.reply), b"filled")).unwrap();
+        drop(engine);
+        // The reopened directory checks every stored hash against its routing.
+        drop(clock);
+        let (engine, _clock) = engine_at(dir.path(), BOUNDARY + 100);
+        let retry = engine.reserve_blocking(&t, trade(b"A")).unwrap();
+        assert_eq!(retry.key, first.key);
+        assert!(matches!(retry.reply, ReserveReply::Completed { .. }), "{:?}", retry.reply);
     }
 
     fn a_waiting_retry_answered_from_the_earlier_key_reports_that_key() {
@@ -146,8 +176,8 @@ fn the_grace_must_be_shorter_than_the_bucket_and_needs_key_parts() {
 }
 
 /// A directory made before bucket routing keeps routing whole keys and its derived keys'
-/// old format, so its stored keys are still found; the grace, which needs both buckets
-/// on one shard, is refused there with the reason.
+/// old format (that its stored keys are still found is `tests/slots.rs`'s); the grace,
+/// which needs both buckets on one shard, is refused there with the reason.
 #[test]
 fn a_directory_routed_by_whole_keys_keeps_its_format_and_refuses_the_grace() {
     let dir = tempfile::tempdir().unwrap();

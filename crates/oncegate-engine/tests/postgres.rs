@@ -332,3 +332,34 @@ fn the_database_is_reached_over_tls_when_the_url_asks() {
         ReserveReply::Granted { .. }
     ));
 }
+
+/// A database made at schema version 1 derived keys as `base:bucket`; upgraded, it keeps
+/// that format (a retry must find the key its first attempt stored under an older node)
+/// and refuses the bucket grace. A new database derives `base::bucket`.
+#[test]
+fn a_database_from_schema_version_1_keeps_its_derived_key_format() {
+    let Some(cluster) = shared() else { return };
+    let url = cluster.database("schema_v1");
+    let dir = tempfile::tempdir().unwrap();
+    let time: Arc<dyn Clock> = Arc::new(ManualClock::new(T0));
+    let parts = |grace_ms| oncegate_engine::ReserveRequest {
+        namespace: "live".into(),
+        key_parts: vec!["trade".into(), "BTCUSDT".into()],
+        bucket_ms: 60_000,
+        bucket_grace_ms: grace_ms,
+        ..Default::default()
+    };
+    let engine = node(dir.path(), &url, PgClock::Engine, Arc::clone(&time));
+    let made = engine.reserve_blocking(&tenant(), parts(0)).unwrap();
+    assert_eq!(made.key.as_str(), format!("trade:BTCUSDT::{}", T0 / 60_000));
+    drop(engine);
+
+    // What a version-1 database looks like: no format recorded.
+    sql(&url, "ALTER TABLE oncegate_schema DROP COLUMN derived_keys; UPDATE oncegate_schema SET version = 1");
+    let engine = node(dir.path(), &url, PgClock::Engine, time);
+    let old = engine.reserve_blocking(&tenant(), parts(0)).unwrap();
+    assert_eq!(old.key.as_str(), format!("trade:BTCUSDT:{}", T0 / 60_000));
+    let refused = engine.reserve_blocking(&tenant(), parts(1_000)).unwrap_err();
+    assert_eq!(refused.code(), Code::InvalidArgument);
+    assert!(refused.to_string().contains("bucket_grace_ms"), "{refused}");
+}

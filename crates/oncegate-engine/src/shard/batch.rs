@@ -325,7 +325,7 @@ impl Batch<'_> {
     }
 
     /// The key that decides a reserve within a bucket grace: the earlier bucket's while
-    /// it is pending or completed (flagged for the caller before any answer goes out),
+    /// it holds a live record (flagged for the caller before any answer goes out),
     /// else the one it was sent under.
     fn bucket_of(
         &self,

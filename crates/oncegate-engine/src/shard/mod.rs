@@ -60,7 +60,7 @@ pub(crate) struct Request {
     /// serves the request can link to it.
     pub span: tracing::Span,
     /// A reserve within a bucket grace: the earlier bucket's key, which answers instead
-    /// while it is pending or completed (`answers_from_earlier_bucket`). It routes with
+    /// while it holds a live record (`answers_from_earlier_bucket`). It routes with
     /// `scope`, so the same batch decides both. Boxed: most requests have none.
     pub earlier: Option<Box<Earlier>>,
 }

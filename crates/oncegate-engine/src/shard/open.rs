@@ -51,7 +51,7 @@ impl Shard {
     fn open_postgres(&mut self, pg: &std::sync::Arc<postgres::Postgres>) -> Result<Store, StoreError> {
         let owned = self.slots.owned(self.id);
         let process_start = !self.opened;
-        let (mut store, meta) = postgres::Store::open(
+        let (mut store, meta, format) = postgres::Store::open(
             pg,
             self.id,
             &owned,
@@ -59,6 +59,8 @@ impl Shard {
             process_start,
             self.config.reclaim_granularity_ms,
         )?;
+        // Every shard reads the same row; the first to open tells the engine.
+        let _ = self.floor.format.set(format);
         let now = if process_start { self.anchor(meta.high_water_ms) } else { self.keep_frame(meta) };
         // Other nodes' records come due without this shard hearing of them: it looks for
         // them once a reclaim window after it opens, and after each reclaim from then on.

@@ -103,13 +103,16 @@ impl Shared {
     }
 }
 
-/// What derived keys need from the shards: the greatest persisted high-water mark, and
-/// how many shards have not opened yet in this process (until all have, the mark is not
-/// known and derived keys are refused rather than bucketed by a clock that may be behind).
+/// What derived keys need from the shards: the greatest persisted high-water mark, how
+/// many shards have not opened yet in this process (until all have, the mark is not
+/// known and derived keys are refused rather than bucketed by a clock that may be
+/// behind), and the store's derived-key format (the directory's routing; a PostgreSQL
+/// store's as its schema records it, which a shard reads when it opens).
 #[derive(Debug, Default)]
 pub(crate) struct FrameFloor {
     pub high_water_ms: AtomicU64,
     pub unopened: std::sync::atomic::AtomicU32,
+    pub format: std::sync::OnceLock<oncegate_core::route::Routing>,
 }
 
 /// The engine's start: the one wall-clock reading every shard anchors its frame to.

@@ -53,8 +53,29 @@ use crate::{Faults, slots};
 /// a bucket grace in one batch (every node the same, since the slot column follows it).
 pub(crate) const ROUTING: Routing = Routing::BucketBase;
 
-/// The schema version this code reads and writes (table `oncegate_schema`).
-pub const SCHEMA_VERSION: i64 = 1;
+/// `oncegate_schema.derived_keys` of a database whose derived keys end `::bucket`.
+const DERIVED_BUCKET_BASE: &str = "bucket-base";
+/// `oncegate_schema.derived_keys` of a database made at schema version 1 (`:bucket`).
+const DERIVED_WHOLE_KEY: &str = "whole-key";
+
+/// The derived keys' format a database records.
+async fn derived_format(client: &Object) -> Result<Routing, StoreError> {
+    let row = client
+        .query_one("SELECT derived_keys FROM oncegate_schema WHERE id = 0", &[])
+        .await
+        .map_err(pg_error)?;
+    match row.get::<_, &str>(0) {
+        DERIVED_BUCKET_BASE => Ok(Routing::BucketBase),
+        DERIVED_WHOLE_KEY => Ok(Routing::WholeKey),
+        other => Err(StoreError::Corrupt(format!("oncegate_schema.derived_keys is {other:?}"))),
+    }
+}
+
+/// The schema version this code reads and writes (table `oncegate_schema`). Version 2
+/// records the derived keys' format (`derived_keys`): `bucket-base` for databases made
+/// since (`base::bucket`), `whole-key` for those made at version 1, which keep `base:bucket`
+/// so that a retry finds the key its first attempt stored under an older node.
+pub const SCHEMA_VERSION: i64 = 2;
 
 /// How far apart consecutive draws of the token sequence are: the tokens one transaction
 /// may hand out before it draws again.
@@ -136,7 +157,7 @@ SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::integ
     $7::integer[], $8::bigint[], $9::bigint[], $10::bigint[], $11::bigint[], $12::bytea[],
     $13::smallint[], $14::bytea[], $15::bigint[], $16::bytea[])
 ON CONFLICT (tenant, namespace, key) DO UPDATE SET
-    token = excluded.token, attempt = excluded.attempt, lease_until_ms = excluded.lease_until_ms,
+    slot = excluded.slot, token = excluded.token, attempt = excluded.attempt, lease_until_ms = excluded.lease_until_ms,
     expires_at_ms = excluded.expires_at_ms, ttl_ms = excluded.ttl_ms, reclaim_at_ms = excluded.reclaim_at_ms,
     fingerprint = excluded.fingerprint, outcome = excluded.outcome, response = excluded.response,
     completed_at_ms = excluded.completed_at_ms, history = excluded.history";
@@ -395,7 +416,8 @@ impl Drop for Store {
 
 impl Store {
     /// Connects, creates or checks the schema, refuses a read-only database, and counts
-    /// the records of the shard's slots. Returns the greatest persisted clock mark.
+    /// the records of the shard's slots. Returns the greatest persisted clock mark and
+    /// the derived keys' format the database records.
     pub fn open(
         pg: &Arc<Postgres>,
         shard: u32,
@@ -403,7 +425,7 @@ impl Store {
         faults: &Faults,
         first: bool,
         reclaim_every_ms: u64,
-    ) -> Result<(Store, Meta), StoreError> {
+    ) -> Result<(Store, Meta, Routing), StoreError> {
         if faults.open_should_fail() {
             return Err(StoreError::Injected("open"));
         }
@@ -416,9 +438,9 @@ impl Store {
                 .await
                 .map_err(pg_error)?
                 .get(0);
-            Ok((tally, mark))
+            Ok((tally, mark, derived_format(&client).await?))
         });
-        let (tally, mark) = match counted {
+        let (tally, mark, format) = match counted {
             Ok(counted) => counted,
             Err(error) => {
                 drop(Object::take(client));
@@ -437,7 +459,7 @@ impl Store {
             faults: faults.clone(),
             last_now: None,
         };
-        Ok((store, Meta { next_token: 1, high_water_ms: from_sql(mark) }))
+        Ok((store, Meta { next_token: 1, high_water_ms: from_sql(mark) }, format))
     }
 
     /// Replaces a connection the server closed (a restart, a fail-over) before it is
@@ -674,15 +696,31 @@ async fn migrate(client: &Object) -> Result<(), StoreError> {
                 client.batch_execute(SCHEMA_1).await.map_err(pg_error)?;
                 client
                     .batch_execute(
-                        "CREATE TABLE oncegate_schema (id integer PRIMARY KEY CHECK (id = 0), version bigint NOT NULL);",
+                        "CREATE TABLE oncegate_schema (id integer PRIMARY KEY CHECK (id = 0), version bigint NOT NULL, \
+                         derived_keys text NOT NULL);",
                     )
                     .await
                     .map_err(pg_error)?;
                 client
-                    .execute("INSERT INTO oncegate_schema (id, version) VALUES (0, $1)", &[&SCHEMA_VERSION])
+                    .execute(
+                        "INSERT INTO oncegate_schema (id, version, derived_keys) VALUES (0, $1, $2)",
+                        &[&SCHEMA_VERSION, &DERIVED_BUCKET_BASE],
+                    )
                     .await
                     .map_err(pg_error)?;
                 tracing::info!(version = SCHEMA_VERSION, "created the oncegate schema");
+                Ok(())
+            }
+            Some(1) => {
+                // Made before derived keys routed by their base: they keep their format.
+                client
+                    .batch_execute(&format!(
+                        "ALTER TABLE oncegate_schema ADD COLUMN derived_keys text NOT NULL DEFAULT '{DERIVED_WHOLE_KEY}'; \
+                         UPDATE oncegate_schema SET version = {SCHEMA_VERSION} WHERE id = 0;"
+                    ))
+                    .await
+                    .map_err(pg_error)?;
+                tracing::info!(from = 1, to = SCHEMA_VERSION, "upgraded the oncegate schema");
                 Ok(())
             }
             Some(SCHEMA_VERSION) => Ok(()),
