@@ -53,6 +53,9 @@ enum Verb {
     Reshard(reshard::ReshardArgs),
     /// Runs the Idempotency-Key reverse proxy in front of an HTTP service.
     Proxy(proxy::ProxyArgs),
+    /// Prints the HTTP/JSON API's OpenAPI 3.1 document (the server serves it at
+    /// /v1/openapi.json).
+    Openapi,
     /// Operator: force-release a pending key, purge a record, or add shards online.
     Admin {
         #[command(subcommand)]
@@ -99,6 +102,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Verb::Admin { action } => client::run(client::Call::Admin(action)),
         Verb::Reshard(args) => reshard::run(args),
         Verb::Proxy(args) => proxy::run(args),
+        Verb::Openapi => {
+            println!("{}", oncegate_server::http::openapi_json());
+            Ok(())
+        }
     }
 }
 

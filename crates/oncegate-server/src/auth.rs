@@ -32,12 +32,23 @@ impl Auth {
         self.tenants.is_empty()
     }
 
-    /// The tenant whose token the request carries in `authorization: Bearer <token>`.
+    /// The tenant whose token a gRPC call carries in `authorization: Bearer <token>`.
     pub fn tenant(&self, metadata: &MetadataMap) -> Result<Tenant, Refusal> {
+        self.tenant_of(metadata.get("authorization").map(|value| value.to_str().ok()))
+    }
+
+    /// The tenant whose token an HTTP request carries in `Authorization: Bearer <token>`.
+    pub fn tenant_of_headers(&self, headers: &axum::http::HeaderMap) -> Result<Tenant, Refusal> {
+        self.tenant_of(headers.get(axum::http::header::AUTHORIZATION).map(|value| value.to_str().ok()))
+    }
+
+    /// `authorization` is the header's value: `None` when absent, `Some(None)` when not
+    /// ASCII.
+    fn tenant_of(&self, authorization: Option<Option<&str>>) -> Result<Tenant, Refusal> {
         if self.tenants.is_empty() {
             return Ok(Tenant::default_tenant());
         }
-        let token = bearer(metadata).map_err(Refusal::Unauthenticated)?;
+        let token = bearer(authorization).map_err(Refusal::Unauthenticated)?;
         let presented: [u8; 32] = Sha256::digest(token.trim().as_bytes()).into();
         // Compare against every tenant without stopping early, so timing does not reveal
         // which tenant (if any) came close.
@@ -51,16 +62,16 @@ impl Auth {
     }
 }
 
-/// The token of `authorization: Bearer <token>`, or why there is none.
-fn bearer(metadata: &MetadataMap) -> Result<&str, &'static str> {
-    let header = metadata
-        .get("authorization")
-        .ok_or("missing authorization metadata; send `authorization: Bearer <token>`")?;
-    let value = header.to_str().map_err(|_| "authorization metadata is not ascii")?;
+/// The token of `authorization: Bearer <token>` (the value of the gRPC metadata or the
+/// HTTP header, `Some(None)` when it is not ASCII), or why there is none.
+fn bearer(authorization: Option<Option<&str>>) -> Result<&str, &'static str> {
+    let value = authorization
+        .ok_or("missing authorization; send `authorization: Bearer <token>`")?
+        .ok_or("authorization is not ascii")?;
     value
         .strip_prefix("Bearer ")
         .or_else(|| value.strip_prefix("bearer "))
-        .ok_or("authorization metadata must be `Bearer <token>`")
+        .ok_or("authorization must be `Bearer <token>`")
 }
 
 fn unauthenticated(message: &'static str) -> Status {
@@ -98,7 +109,8 @@ impl AdminAuth {
                 "the admin service is disabled: set admin.token_sha256 in the configuration",
             )),
             AdminAuth::Token(hash) => {
-                let token = bearer(metadata).map_err(unauthenticated)?;
+                let value = metadata.get("authorization").map(|value| value.to_str().ok());
+                let token = bearer(value).map_err(unauthenticated)?;
                 let presented: [u8; 32] = Sha256::digest(token.trim().as_bytes()).into();
                 if bool::from(hash.ct_eq(&presented)) {
                     Ok(())

@@ -9,6 +9,7 @@ mod admin;
 mod auth;
 pub mod config;
 mod gate;
+pub mod http;
 mod listen;
 mod session;
 mod status;
@@ -225,10 +226,11 @@ async fn routes(engine: &Engine, config: &Config) -> Result<(Routes, HealthRepor
         engine.clone(),
         AdminAuth::new(config),
     ));
-    let gate =
-        GateServer::new(GateService::new(engine.clone(), auth, admit, server.session_calls_in_flight_max))
-            .max_decoding_message_size(server.message_bytes_max)
-            .max_encoding_message_size(server.message_bytes_max);
+    let service = GateService::new(engine.clone(), auth, admit, server.session_calls_in_flight_max);
+    let json = http::router(service.clone(), server.message_bytes_max);
+    let gate = GateServer::new(service)
+        .max_decoding_message_size(server.message_bytes_max)
+        .max_encoding_message_size(server.message_bytes_max);
     let (reporter, health) = tonic_health::server::health_reporter();
     let all_serving = engine.shard_states().iter().all(|s| *s == ShardState::Serving);
     set_health(&reporter, all_serving).await;
@@ -248,6 +250,9 @@ async fn routes(engine: &Engine, config: &Config) -> Result<(Routes, HealthRepor
         .add_service(health)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha);
+    // The HTTP/JSON API shares the port: tonic's server takes HTTP/1.1 and hands every
+    // request that is not gRPC to these routes.
+    let routes = Routes::from(routes.into_axum_router().merge(json));
     Ok((routes, reporter))
 }
 /// Keeps the health service in step with the shards: `SERVING` when every shard serves,

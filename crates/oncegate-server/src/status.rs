@@ -64,8 +64,16 @@ impl Refusal {
         }
     }
 
+    /// When the caller may try again, where the refusal knows.
+    pub(crate) fn retry_after_ms(&self) -> Option<u64> {
+        match self {
+            Refusal::RateLimited { retry_after_ms, .. } => Some(*retry_after_ms),
+            _ => None,
+        }
+    }
+
     /// The request field at fault and the limit reached, where the refusal names one.
-    fn detail(&self) -> (Option<&'static str>, Option<&'static str>) {
+    pub(crate) fn detail(&self) -> (Option<&'static str>, Option<&'static str>) {
         use oncegate_engine::Error as E;
         match self {
             Refusal::Engine(E::Refused(oncegate_core::Error::Invalid(invalid))) => {

@@ -148,3 +148,51 @@ pub struct RawReserve {
     #[prost(uint64, tag = "4")]
     pub bucket_ms: u64,
 }
+
+/// An HTTP answer: status, the header block as received, and the body parsed as JSON
+/// (`null` when empty or not JSON).
+pub struct HttpAnswer {
+    pub status: u16,
+    pub headers: String,
+    pub body: serde_json::Value,
+}
+
+impl HttpAnswer {
+    /// A header's value (names compare without case).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.lines().find_map(|line| {
+            let (key, value) = line.split_once(':')?;
+            key.trim().eq_ignore_ascii_case(name).then(|| value.trim())
+        })
+    }
+}
+
+/// One HTTP/1.1 request on a connection of its own: `method path`, with a bearer token
+/// when given, and `body` as `application/json` when given.
+pub async fn http(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: Option<&str>,
+) -> HttpAnswer {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut request = format!("{method} {path} HTTP/1.1\r\nHost: oncegate\r\nConnection: close\r\n");
+    if let Some(token) = token {
+        request.push_str(&format!("Authorization: Bearer {token}\r\n"));
+    }
+    if let Some(body) = body {
+        request.push_str(&format!("Content-Type: application/json\r\nContent-Length: {}\r\n", body.len()));
+    }
+    request.push_str("\r\n");
+    request.push_str(body.unwrap_or(""));
+    let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+    socket.write_all(request.as_bytes()).await.unwrap();
+    let mut response = Vec::new();
+    socket.read_to_end(&mut response).await.unwrap();
+    let response = String::from_utf8(response).expect("an HTTP answer in UTF-8");
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let headers = head.split_once("\r\n").map(|(_, h)| h.to_owned()).unwrap_or_default();
+    HttpAnswer { status, headers, body: serde_json::from_str(body).unwrap_or(serde_json::Value::Null) }
+}

@@ -1,0 +1,347 @@
+//! The JSON bodies of the HTTP API and their one translation to and from the proto
+//! messages, which then take the gRPC front's own call path.
+//!
+//! The mapping is protobuf's JSON mapping with the proto's own field names: 64-bit
+//! integers are decimal strings (a fencing token can pass 2^53, where JavaScript numbers
+//! stop being exact; numbers are accepted on the way in), bytes are base64, enums are
+//! their proto names, and a oneof is the one member it holds. Unknown fields are refused,
+//! so a misspelt `lease_ms` is an error rather than a default.
+
+use oncegate_core::Invalid;
+use oncegate_proto::v1 as pb;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_with::base64::Base64;
+use serde_with::{DisplayFromStr, PickFirst, Same, serde_as};
+use utoipa::ToSchema;
+
+use crate::gate::Call;
+use crate::status::Refusal;
+
+/// A `uint64` as protobuf's JSON mapping writes it (a decimal string) and reads it (a
+/// string or a number).
+#[serde_as]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(transparent)]
+#[schema(value_type = String, format = "uint64", example = "30000")]
+pub(crate) struct Uint64(#[serde_as(as = "PickFirst<(DisplayFromStr, Same)>")] pub u64);
+
+/// `POST /v1/reserve`: may this attempt proceed?
+#[serde_as]
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ReserveBody {
+    /// 1 to 64 bytes of `[A-Za-z0-9._-]`, such as `live` or `test`.
+    namespace: String,
+    /// The idempotency key; leave it out to derive one from `key_parts`.
+    #[serde(default)]
+    key: String,
+    /// Parts of a derived key: `parts.join(":") + "::" + floor(now_ms / bucket_ms)`.
+    #[serde(default)]
+    key_parts: Vec<String>,
+    /// The bucket width of a derived key, in ms; only with `key_parts`.
+    #[serde(default)]
+    bucket_ms: Uint64,
+    /// Within this long after a bucket boundary, answer from the previous bucket's key
+    /// while it holds a live record; only with `key_parts`, below `bucket_ms`.
+    #[serde(default)]
+    bucket_grace_ms: Uint64,
+    /// How long the record is remembered, in ms; 0 or absent selects the default.
+    #[serde(default)]
+    ttl_ms: Uint64,
+    /// How long the holder may work before it must heartbeat, in ms; 0 selects the default.
+    #[serde(default)]
+    lease_ms: Uint64,
+    /// A hash of the request payload (at most 64 bytes), base64.
+    #[serde_as(as = "Base64")]
+    #[serde(default)]
+    #[schema(value_type = String, format = Byte)]
+    fingerprint: Vec<u8>,
+    /// How long to wait when the key is in progress, in ms; 0 answers at once.
+    #[serde(default)]
+    wait_ms: Uint64,
+}
+
+/// `POST /v1/commit`: the holder finished; store its outcome and response.
+#[serde_as]
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct CommitBody {
+    namespace: String,
+    /// The key the reserve answered with.
+    key: String,
+    /// The fencing token of the grant.
+    token: Uint64,
+    /// `OUTCOME_SUCCEEDED` or `OUTCOME_FAILED`.
+    outcome: String,
+    /// What later reserves of the key replay, base64.
+    #[serde_as(as = "Base64")]
+    #[serde(default)]
+    #[schema(value_type = String, format = Byte)]
+    response: Vec<u8>,
+}
+
+/// `POST /v1/release`: give the key up so that a retry may proceed.
+#[serde_as]
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ReleaseBody {
+    namespace: String,
+    key: String,
+    token: Uint64,
+}
+
+/// `POST /v1/heartbeat`: the holder is still working; renew its lease.
+#[serde_as]
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct HeartbeatBody {
+    namespace: String,
+    key: String,
+    token: Uint64,
+    /// The new lease, from now, in ms; 0 or absent selects the default.
+    #[serde(default)]
+    lease_ms: Uint64,
+}
+
+/// The answer to a reserve: the key the record lives under and one of four outcomes.
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct ReserveAnswer {
+    /// The key the record lives under (the derived one, or within a bucket grace the
+    /// previous bucket's, when key parts were sent).
+    key: String,
+    #[serde(flatten)]
+    outcome: ReserveOutcome,
+}
+
+/// Exactly one of these members is present.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+enum ReserveOutcome {
+    /// Proceed: the caller holds the key with this token until the lease ends.
+    Granted(Granted),
+    /// Another attempt holds the key.
+    InProgress(InProgress),
+    /// An attempt completed the key: replay its response.
+    Completed(Completed),
+    /// The key is taken by a request with another fingerprint.
+    Mismatch(Mismatch),
+}
+
+#[serde_as]
+#[derive(Debug, Serialize, ToSchema)]
+struct Granted {
+    token: Uint64,
+    attempt: u32,
+    lease_until_ms: Uint64,
+    expires_at_ms: Uint64,
+    /// `PREVIOUS_NONE`, or `PREVIOUS_ABANDONED` when an earlier holder's lease ran out.
+    previous: &'static str,
+}
+
+#[serde_as]
+#[derive(Debug, Serialize, ToSchema)]
+struct InProgress {
+    attempt: u32,
+    lease_until_ms: Uint64,
+    retry_after_ms: Uint64,
+}
+
+#[serde_as]
+#[derive(Debug, Serialize, ToSchema)]
+struct Completed {
+    token: Uint64,
+    /// `OUTCOME_SUCCEEDED` or `OUTCOME_FAILED`.
+    outcome: &'static str,
+    /// The stored response, base64.
+    #[serde_as(as = "Base64")]
+    #[schema(value_type = String, format = Byte)]
+    response: Vec<u8>,
+    completed_at_ms: Uint64,
+    expires_at_ms: Uint64,
+}
+
+#[serde_as]
+#[derive(Debug, Serialize, ToSchema)]
+struct Mismatch {
+    expires_at_ms: Uint64,
+}
+
+/// The answer to a commit.
+#[serde_as]
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct CommitAnswer {
+    /// When the completed record expires.
+    expires_at_ms: Uint64,
+}
+
+/// The answer to a release: empty.
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct ReleaseAnswer {}
+
+/// The answer to a heartbeat.
+#[serde_as]
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct HeartbeatAnswer {
+    /// The new lease deadline.
+    lease_until_ms: Uint64,
+    expires_at_ms: Uint64,
+}
+
+/// What a key holds now (`GET /v1/namespaces/{namespace}/keys/{key}`).
+#[serde_as]
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct GetAnswer {
+    /// `STATE_FREE`, `STATE_PENDING`, `STATE_ABANDONED` or `STATE_COMPLETED`.
+    state: &'static str,
+    token: Uint64,
+    attempt: u32,
+    lease_until_ms: Uint64,
+    expires_at_ms: Uint64,
+    /// `OUTCOME_UNSPECIFIED` unless completed.
+    outcome: &'static str,
+    #[serde_as(as = "Base64")]
+    #[schema(value_type = String, format = Byte)]
+    response: Vec<u8>,
+}
+
+/// An error, as RFC 9457 `application/problem+json`, with oncegate's stable code.
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct Problem {
+    /// `https://oncegate.dev/problems/{code}`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub title: &'static str,
+    pub status: u16,
+    /// What happened, naming the field, the value and the limit.
+    pub detail: String,
+    /// The stable code: `invalid_argument`, `lease_lost`, `unavailable`, ...
+    pub code: &'static str,
+    /// The request field at fault, for `invalid_argument`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub field: Option<&'static str>,
+    /// The limit reached, for `resource_exhausted`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub limit: Option<&'static str>,
+}
+
+/// A request body of the HTTP API: the proto message it becomes (and so its call on the
+/// gRPC front's path), and the JSON that the message's reply becomes.
+pub(crate) trait Body: DeserializeOwned + Send + 'static {
+    type Message: Call;
+    type Answer: Serialize;
+    fn into_wire(self) -> Result<Self::Message, Refusal>;
+    fn answer(reply: <Self::Message as Call>::Reply) -> Self::Answer;
+}
+
+impl Body for ReserveBody {
+    type Message = pb::ReserveRequest;
+    type Answer = ReserveAnswer;
+    fn into_wire(self) -> Result<pb::ReserveRequest, Refusal> {
+        Ok(pb::ReserveRequest {
+            namespace: self.namespace,
+            key: self.key,
+            key_parts: self.key_parts,
+            bucket_ms: self.bucket_ms.0,
+            bucket_grace_ms: self.bucket_grace_ms.0,
+            ttl_ms: self.ttl_ms.0,
+            lease_ms: self.lease_ms.0,
+            fingerprint: self.fingerprint,
+            wait_ms: self.wait_ms.0,
+        })
+    }
+    fn answer(reply: pb::ReserveResponse) -> ReserveAnswer {
+        use pb::reserve_response::Outcome as O;
+        let outcome = match reply.outcome.expect("the gate always sets an outcome") {
+            O::Granted(g) => ReserveOutcome::Granted(Granted {
+                token: Uint64(g.token),
+                attempt: g.attempt,
+                lease_until_ms: Uint64(g.lease_until_ms),
+                expires_at_ms: Uint64(g.expires_at_ms),
+                previous: g.previous().as_str_name(),
+            }),
+            O::InProgress(p) => ReserveOutcome::InProgress(InProgress {
+                attempt: p.attempt,
+                lease_until_ms: Uint64(p.lease_until_ms),
+                retry_after_ms: Uint64(p.retry_after_ms),
+            }),
+            O::Completed(c) => ReserveOutcome::Completed(Completed {
+                token: Uint64(c.token),
+                outcome: c.outcome().as_str_name(),
+                response: c.response,
+                completed_at_ms: Uint64(c.completed_at_ms),
+                expires_at_ms: Uint64(c.expires_at_ms),
+            }),
+            O::Mismatch(m) => ReserveOutcome::Mismatch(Mismatch { expires_at_ms: Uint64(m.expires_at_ms) }),
+        };
+        ReserveAnswer { key: reply.key, outcome }
+    }
+}
+
+impl Body for CommitBody {
+    type Message = pb::CommitRequest;
+    type Answer = CommitAnswer;
+    fn into_wire(self) -> Result<pb::CommitRequest, Refusal> {
+        let outcome = match pb::Outcome::from_str_name(&self.outcome) {
+            Some(outcome @ (pb::Outcome::Succeeded | pb::Outcome::Failed)) => outcome as i32,
+            _ => {
+                let rule = "must be OUTCOME_SUCCEEDED or OUTCOME_FAILED";
+                return Err(Invalid::Rule { field: "outcome", rule }.into());
+            }
+        };
+        Ok(pb::CommitRequest {
+            namespace: self.namespace,
+            key: self.key,
+            token: self.token.0,
+            outcome,
+            response: self.response,
+        })
+    }
+    fn answer(reply: pb::CommitResponse) -> CommitAnswer {
+        CommitAnswer { expires_at_ms: Uint64(reply.expires_at_ms) }
+    }
+}
+
+impl Body for ReleaseBody {
+    type Message = pb::ReleaseRequest;
+    type Answer = ReleaseAnswer;
+    fn into_wire(self) -> Result<pb::ReleaseRequest, Refusal> {
+        Ok(pb::ReleaseRequest { namespace: self.namespace, key: self.key, token: self.token.0 })
+    }
+    fn answer(_: pb::ReleaseResponse) -> ReleaseAnswer {
+        ReleaseAnswer {}
+    }
+}
+
+impl Body for HeartbeatBody {
+    type Message = pb::HeartbeatRequest;
+    type Answer = HeartbeatAnswer;
+    fn into_wire(self) -> Result<pb::HeartbeatRequest, Refusal> {
+        Ok(pb::HeartbeatRequest {
+            namespace: self.namespace,
+            key: self.key,
+            token: self.token.0,
+            lease_ms: self.lease_ms.0,
+        })
+    }
+    fn answer(reply: pb::HeartbeatResponse) -> HeartbeatAnswer {
+        HeartbeatAnswer {
+            lease_until_ms: Uint64(reply.lease_until_ms),
+            expires_at_ms: Uint64(reply.expires_at_ms),
+        }
+    }
+}
+
+impl GetAnswer {
+    pub(crate) fn from_wire(reply: pb::GetResponse) -> GetAnswer {
+        GetAnswer {
+            state: reply.state().as_str_name(),
+            token: Uint64(reply.token),
+            attempt: reply.attempt,
+            lease_until_ms: Uint64(reply.lease_until_ms),
+            expires_at_ms: Uint64(reply.expires_at_ms),
+            outcome: reply.outcome().as_str_name(),
+            response: reply.response,
+        }
+    }
+}

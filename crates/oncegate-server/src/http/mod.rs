@@ -1,0 +1,288 @@
+//! The HTTP/JSON form of the `Gate` API, served on the gRPC port (tonic's server takes
+//! HTTP/1.1 too): `POST /v1/reserve`, `/v1/commit`, `/v1/release`, `/v1/heartbeat`,
+//! `GET /v1/namespaces/{namespace}/keys/{key}`, and the OpenAPI 3.1 document generated
+//! from this code at `/v1/openapi.json`.
+//!
+//! A body is translated to its proto message (`json.rs`) and takes the gRPC front's own
+//! call path (`GateService::begin`): the same bearer token and tenant, admission limits,
+//! metrics, engine and `decide`. Only the last step differs: a refusal becomes an
+//! `application/problem+json` document through [`problem`], this front's one mapping
+//! from codes to HTTP statuses.
+
+mod json;
+
+use std::sync::Arc;
+
+use axum::Json;
+use axum::extract::rejection::{JsonRejection, PathRejection};
+use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use oncegate_core::Code;
+use oncegate_proto::v1 as pb;
+use serde::Serialize;
+use utoipa::OpenApi;
+
+use crate::gate::{Call, GateService};
+use crate::status::Refusal;
+use json::{
+    Body, CommitAnswer, CommitBody, GetAnswer, HeartbeatAnswer, HeartbeatBody, Problem, ReleaseAnswer,
+    ReleaseBody, ReserveAnswer, ReserveBody,
+};
+
+/// Where the OpenAPI document is served.
+pub const OPENAPI_PATH: &str = "/v1/openapi.json";
+
+/// The routes of the HTTP API, bodies limited to `body_bytes_max` (the gRPC message
+/// limit, `server.message_bytes_max`).
+pub(crate) fn router(gate: GateService, body_bytes_max: usize) -> axum::Router {
+    let document: Arc<str> = openapi_json().into();
+    axum::Router::new()
+        .route("/v1/reserve", post(reserve))
+        .route("/v1/commit", post(commit))
+        .route("/v1/release", post(release))
+        .route("/v1/heartbeat", post(heartbeat))
+        .route("/v1/namespaces/{namespace}/keys/{key}", get(key))
+        .with_state(gate)
+        .route(OPENAPI_PATH, get(move || openapi(Arc::clone(&document))))
+        .layer(DefaultBodyLimit::max(body_bytes_max))
+}
+
+async fn openapi(document: Arc<str>) -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], document.to_string()).into_response()
+}
+
+/// The one path of every HTTP call: authenticate, translate, then the gRPC front's path;
+/// the answer as JSON or a problem document.
+async fn call<M: Call, A: Serialize>(
+    gate: &GateService,
+    headers: &HeaderMap,
+    message: Result<M, Refusal>,
+    answer: impl FnOnce(M::Reply) -> A,
+) -> Response {
+    let tenant = gate.auth().tenant_of_headers(headers);
+    let message = match message {
+        Ok(message) => message,
+        Err(refusal) => return problem(&refusal),
+    };
+    match gate.begin(tenant, message).await {
+        Ok((reply, _)) => Json(answer(reply)).into_response(),
+        Err(refusal) => problem(&refusal),
+    }
+}
+
+/// A body as axum reads it: the operation's JSON, or why not.
+type BodyOf<B> = Result<Json<B>, JsonRejection>;
+
+/// The four `POST` operations: the body, then [`call`].
+async fn handle<B: Body>(State(gate): State<GateService>, headers: HeaderMap, body: BodyOf<B>) -> Response {
+    match body {
+        Ok(Json(body)) => call(&gate, &headers, body.into_wire(), B::answer).await,
+        Err(rejection) => bad_body(&rejection),
+    }
+}
+
+/// A body that is not the operation's JSON: `400` as every invalid argument (axum says
+/// `422` for a body that parses but does not fit), `413` when it is over the limit, `415`
+/// when it is not `application/json`; the detail says why.
+fn bad_body(rejection: &JsonRejection) -> Response {
+    let status = match rejection.status() {
+        status @ (StatusCode::PAYLOAD_TOO_LARGE | StatusCode::UNSUPPORTED_MEDIA_TYPE) => status,
+        _ => StatusCode::BAD_REQUEST,
+    };
+    let detail = rejection.body_text();
+    problem_document(status, Code::InvalidArgument, detail, None, None, None)
+}
+
+/// Asks whether an attempt may proceed.
+///
+/// Every answer of the contract is `200`: `granted` (proceed, with the fencing token),
+/// `in_progress` (another attempt holds the key), `completed` (replay the stored
+/// response) or `mismatch` (the key belongs to another payload).
+#[utoipa::path(
+    post, path = "/v1/reserve", tag = "gate",
+    request_body(content = ReserveBody, example = json!({
+        "namespace": "live", "key": "order-1001", "lease_ms": "30000", "fingerprint": "c2hhMjU2OmFiYzEyMw=="
+    })),
+    responses(
+        (status = 200, body = ReserveAnswer, example = json!({
+            "key": "order-1001",
+            "granted": {"token": "4294967297", "attempt": 1, "lease_until_ms": "1764500430000", "expires_at_ms": "1764586800000", "previous": "PREVIOUS_NONE"}
+        })),
+        (status = 400, description = "a field is outside its limit or malformed", body = Problem, content_type = "application/problem+json"),
+        (status = 401, description = "no or an unknown bearer token", body = Problem, content_type = "application/problem+json"),
+        (status = 429, description = "a queue or a tenant limit is full", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "the key's shard or the store is down; nothing was granted", body = Problem, content_type = "application/problem+json"),
+    ),
+    security((), ("bearer" = [])),
+)]
+async fn reserve(gate: State<GateService>, headers: HeaderMap, body: BodyOf<ReserveBody>) -> Response {
+    handle(gate, headers, body).await
+}
+
+/// Stores the holder's outcome and response; later reserves replay them.
+#[utoipa::path(
+    post, path = "/v1/commit", tag = "gate",
+    request_body(content = CommitBody, example = json!({
+        "namespace": "live", "key": "order-1001", "token": "4294967297", "outcome": "OUTCOME_SUCCEEDED", "response": "eyJvcmRlciI6NzcxfQ=="
+    })),
+    responses(
+        (status = 200, body = CommitAnswer, example = json!({"expires_at_ms": "1764586810000"})),
+        (status = 404, description = "no live record", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "`lease_lost` (another attempt took over) or `conflict` (another outcome is stored)", body = Problem, content_type = "application/problem+json"),
+        (status = 400, body = Problem, content_type = "application/problem+json"),
+        (status = 503, body = Problem, content_type = "application/problem+json"),
+    ),
+    security((), ("bearer" = [])),
+)]
+async fn commit(gate: State<GateService>, headers: HeaderMap, body: BodyOf<CommitBody>) -> Response {
+    handle(gate, headers, body).await
+}
+
+/// Gives the key up so that a retry may proceed.
+#[utoipa::path(
+    post, path = "/v1/release", tag = "gate",
+    request_body(content = ReleaseBody, example = json!({"namespace": "live", "key": "order-1001", "token": "4294967297"})),
+    responses(
+        (status = 200, body = ReleaseAnswer, example = json!({})),
+        (status = 404, body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "`lease_lost` or `already_completed`", body = Problem, content_type = "application/problem+json"),
+        (status = 400, body = Problem, content_type = "application/problem+json"),
+        (status = 503, body = Problem, content_type = "application/problem+json"),
+    ),
+    security((), ("bearer" = [])),
+)]
+async fn release(gate: State<GateService>, headers: HeaderMap, body: BodyOf<ReleaseBody>) -> Response {
+    handle(gate, headers, body).await
+}
+
+/// Renews the holder's lease while it works.
+#[utoipa::path(
+    post, path = "/v1/heartbeat", tag = "gate",
+    request_body(content = HeartbeatBody, example = json!({"namespace": "live", "key": "order-1001", "token": "4294967297", "lease_ms": "30000"})),
+    responses(
+        (status = 200, body = HeartbeatAnswer, example = json!({"lease_until_ms": "1764500440000", "expires_at_ms": "1764586800000"})),
+        (status = 404, body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "`lease_lost` or `already_completed`", body = Problem, content_type = "application/problem+json"),
+        (status = 400, body = Problem, content_type = "application/problem+json"),
+        (status = 503, body = Problem, content_type = "application/problem+json"),
+    ),
+    security((), ("bearer" = [])),
+)]
+async fn heartbeat(gate: State<GateService>, headers: HeaderMap, body: BodyOf<HeartbeatBody>) -> Response {
+    handle(gate, headers, body).await
+}
+
+/// What a key holds now (a read: no write, no fsync).
+///
+/// A key holding `/` is sent percent-encoded (`%2F`).
+#[utoipa::path(
+    get, path = "/v1/namespaces/{namespace}/keys/{key}", tag = "gate",
+    params(("namespace" = String, Path, example = "live"), ("key" = String, Path, example = "order-1001")),
+    responses(
+        (status = 200, body = GetAnswer, example = json!({
+            "state": "STATE_COMPLETED", "token": "4294967297", "attempt": 1, "lease_until_ms": "1764500430000",
+            "expires_at_ms": "1764586810000", "outcome": "OUTCOME_SUCCEEDED", "response": "eyJvcmRlciI6NzcxfQ=="
+        })),
+        (status = 400, body = Problem, content_type = "application/problem+json"),
+        (status = 503, body = Problem, content_type = "application/problem+json"),
+    ),
+    security((), ("bearer" = [])),
+)]
+async fn key(
+    State(gate): State<GateService>,
+    headers: HeaderMap,
+    path: Result<Path<(String, String)>, PathRejection>,
+) -> Response {
+    let Path((namespace, key)) = match path {
+        Ok(path) => path,
+        Err(rejection) => {
+            let detail = rejection.body_text();
+            return problem_document(rejection.status(), Code::InvalidArgument, detail, None, None, None);
+        }
+    };
+    call(&gate, &headers, Ok(pb::GetRequest { namespace, key }), GetAnswer::from_wire).await
+}
+
+/// This front's one mapping from a refusal to its HTTP answer (the HTTP column of the
+/// error table in docs/semantics.md).
+fn problem(refusal: &Refusal) -> Response {
+    let code = refusal.code();
+    let (field, limit) = refusal.detail();
+    let retry_after_ms = refusal.retry_after_ms();
+    problem_document(http_status(code), code, refusal.to_string(), field, limit, retry_after_ms)
+}
+
+fn http_status(code: Code) -> StatusCode {
+    match code {
+        Code::InvalidArgument => StatusCode::BAD_REQUEST,
+        Code::NotFound => StatusCode::NOT_FOUND,
+        Code::LeaseLost | Code::Conflict | Code::AlreadyCompleted => StatusCode::CONFLICT,
+        Code::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+        Code::ResourceExhausted => StatusCode::TOO_MANY_REQUESTS,
+        Code::Unauthenticated => StatusCode::UNAUTHORIZED,
+        // A code added to the core later reaches HTTP callers as an error, not as success.
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
+
+fn problem_document(
+    status: StatusCode,
+    code: Code,
+    detail: String,
+    field: Option<&'static str>,
+    limit: Option<&'static str>,
+    retry_after_ms: Option<u64>,
+) -> Response {
+    let document = Problem {
+        kind: format!("https://oncegate.dev/problems/{}", code.as_str()),
+        title: status.canonical_reason().unwrap_or("Error"),
+        status: status.as_u16(),
+        detail,
+        code: code.as_str(),
+        field,
+        limit,
+    };
+    let mut response = (status, Json(document)).into_response();
+    let headers = response.headers_mut();
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+    if code == Code::Unauthenticated {
+        headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    }
+    if let Some(ms) = retry_after_ms {
+        headers.insert(header::RETRY_AFTER, HeaderValue::from(ms.div_ceil(1_000).max(1)));
+    }
+    response
+}
+
+/// The OpenAPI document, generated from the handlers and body types above.
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "oncegate",
+        description = "An idempotency gate: durably and at most once per key, may this attempt proceed? \
+            The HTTP/JSON form of the gRPC service oncegate.v1.Gate; docs/semantics.md is the contract."
+    ),
+    paths(reserve, commit, release, heartbeat, key),
+    components(schemas(Problem)),
+    modifiers(&BearerToken),
+)]
+struct ApiDoc;
+
+/// The bearer token that selects the tenant (not needed by a server without tenants).
+struct BearerToken;
+
+impl utoipa::Modify for BearerToken {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+        let components = openapi.components.get_or_insert_with(Default::default);
+        let scheme = HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build();
+        components.add_security_scheme("bearer", SecurityScheme::Http(scheme));
+    }
+}
+
+/// The OpenAPI document as served, for tools that want it without a server.
+pub fn openapi_json() -> String {
+    ApiDoc::openapi().to_pretty_json().expect("the document serialises")
+}

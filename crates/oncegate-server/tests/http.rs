@@ -1,0 +1,188 @@
+//! The HTTP/JSON API on the gRPC port, through the real server on port 0: the whole
+//! protocol, refusals as problem documents with the stable code, tenants shared with
+//! gRPC, and the OpenAPI document whose examples are run against the server.
+
+mod common;
+
+use common::*;
+use oncegate_proto::v1 as pb;
+use oncegate_server::{TenantConfig, token_sha256};
+use serde_json::{Value, json};
+
+/// Sends `body` (JSON) to `path` as `POST`.
+async fn post(server: &Running, path: &str, token: Option<&str>, body: &Value) -> HttpAnswer {
+    http(server.addr, "POST", path, token, Some(&body.to_string())).await
+}
+
+fn ok(answer: &HttpAnswer) -> &Value {
+    assert_eq!(answer.status, 200, "{} {}", answer.headers, answer.body);
+    &answer.body
+}
+
+/// A problem document with `status` and `code`.
+fn problem(answer: &HttpAnswer, status: u16, code: &str) {
+    assert_eq!((answer.status, answer.body["code"].as_str()), (status, Some(code)), "{}", answer.body);
+    assert_eq!(answer.header("content-type"), Some("application/problem+json"));
+    assert_eq!(answer.body["status"], json!(status));
+    assert_eq!(answer.body["type"], json!(format!("https://oncegate.dev/problems/{code}")));
+    assert!(answer.body["detail"].as_str().is_some_and(|d| !d.is_empty()));
+}
+
+#[tokio::test]
+async fn the_json_api_runs_the_whole_protocol() {
+    let server = start_with(|_| {}).await;
+    let reserve = json!({"namespace": "live", "key": "order-1", "fingerprint": "QUJD", "lease_ms": 30000});
+    let first = post(&server, "/v1/reserve", None, &reserve).await;
+    let granted = &ok(&first)["granted"];
+    assert_eq!(first.body["key"], json!("order-1"));
+    let token = granted["token"].as_str().expect("64-bit numbers are strings").to_owned();
+    assert_eq!(granted["previous"], json!("PREVIOUS_NONE"));
+    assert_eq!(granted["lease_until_ms"], json!((T0 + 30_000).to_string()));
+
+    let again = post(&server, "/v1/reserve", None, &reserve).await;
+    assert!(ok(&again)["in_progress"]["retry_after_ms"].is_string(), "{}", again.body);
+    let other = post(
+        &server,
+        "/v1/reserve",
+        None,
+        &json!({"namespace": "live", "key": "order-1", "fingerprint": "WFla"}),
+    )
+    .await;
+    assert!(ok(&other)["mismatch"].is_object(), "{}", other.body);
+
+    let beat = json!({"namespace": "live", "key": "order-1", "token": token, "lease_ms": "60000"});
+    assert_eq!(
+        ok(&post(&server, "/v1/heartbeat", None, &beat).await)["lease_until_ms"],
+        json!((T0 + 60_000).to_string())
+    );
+    let commit = json!({"namespace": "live", "key": "order-1", "token": token, "outcome": "OUTCOME_SUCCEEDED", "response": "ZmlsbGVk"});
+    assert!(ok(&post(&server, "/v1/commit", None, &commit).await)["expires_at_ms"].is_string());
+
+    let replay = post(&server, "/v1/reserve", None, &reserve).await;
+    let completed = &ok(&replay)["completed"];
+    assert_eq!(
+        (&completed["response"], &completed["outcome"]),
+        (&json!("ZmlsbGVk"), &json!("OUTCOME_SUCCEEDED"))
+    );
+    let view = http(server.addr, "GET", "/v1/namespaces/live/keys/order-1", None, None).await;
+    assert_eq!(ok(&view)["state"], json!("STATE_COMPLETED"));
+    assert_eq!(view.body["token"], json!(token));
+
+    // The same record over gRPC: one engine, one contract.
+    let mut client = server.client().await;
+    let got = client.get(pb::GetRequest { namespace: "live".into(), key: "order-1".into() }).await.unwrap();
+    assert_eq!(got.into_inner().token.to_string(), token);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn refusals_are_problem_documents_with_the_stable_code() {
+    let server = start_with(|c| c.server.message_bytes_max = 70_000).await;
+    let granted = post(&server, "/v1/reserve", None, &json!({"namespace": "live", "key": "k"})).await;
+    let token: u64 = ok(&granted)["granted"]["token"].as_str().unwrap().parse().unwrap();
+    let stale = json!({"namespace": "live", "key": "k", "token": token + 1, "outcome": "OUTCOME_SUCCEEDED"});
+    problem(&post(&server, "/v1/commit", None, &stale).await, 409, "lease_lost");
+    let missing = json!({"namespace": "live", "key": "nothing", "token": "5"});
+    problem(&post(&server, "/v1/release", None, &missing).await, 404, "not_found");
+
+    let long =
+        post(&server, "/v1/reserve", None, &json!({"namespace": "live", "key": "k".repeat(700)})).await;
+    problem(&long, 400, "invalid_argument");
+    assert_eq!(
+        (long.body["field"].as_str(), long.body["detail"].as_str()),
+        (Some("key"), Some("key is 700 bytes; the limit is 512"))
+    );
+    let outcome = json!({"namespace": "live", "key": "k", "token": "1", "outcome": "DONE"});
+    let bad_outcome = post(&server, "/v1/commit", None, &outcome).await;
+    problem(&bad_outcome, 400, "invalid_argument");
+    assert_eq!(bad_outcome.body["field"], json!("outcome"));
+    let typo =
+        post(&server, "/v1/reserve", None, &json!({"namespace": "live", "key": "k", "lease": 5})).await;
+    problem(&typo, 400, "invalid_argument");
+    assert!(typo.body["detail"].as_str().unwrap().contains("unknown field `lease`"), "{}", typo.body);
+    let not_json = http(server.addr, "POST", "/v1/reserve", None, Some("{not json")).await;
+    problem(&not_json, 400, "invalid_argument");
+    let big = json!({"namespace": "live", "key": "k", "fingerprint": "A".repeat(80_000)});
+    problem(&post(&server, "/v1/reserve", None, &big).await, 413, "invalid_argument");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn the_bearer_token_selects_the_tenant_as_over_grpc() {
+    let tenant = |name: &str| TenantConfig {
+        name: name.into(),
+        token_sha256: token_sha256(name),
+        ..TenantConfig::default()
+    };
+    let server = start_with(|c| {
+        c.tenants = vec![tenant("acme"), tenant("globex")];
+        c.tenants[0].requests_per_s = 1;
+        c.tenants[0].requests_burst_max = 2;
+    })
+    .await;
+    let body = json!({"namespace": "live", "key": "shared-name"});
+    let unauthenticated = post(&server, "/v1/reserve", None, &body).await;
+    problem(&unauthenticated, 401, "unauthenticated");
+    assert_eq!(unauthenticated.header("www-authenticate"), Some("Bearer"));
+    problem(&post(&server, "/v1/reserve", Some("wrong"), &body).await, 401, "unauthenticated");
+    // Tenants never see each other's keys.
+    assert!(ok(&post(&server, "/v1/reserve", Some("acme"), &body).await)["granted"].is_object());
+    assert!(ok(&post(&server, "/v1/reserve", Some("globex"), &body).await)["granted"].is_object());
+    // acme's rate (1/s, burst 2) is the same limiter the gRPC front uses.
+    assert!(ok(&post(&server, "/v1/reserve", Some("acme"), &body).await)["in_progress"].is_object());
+    let limited = post(&server, "/v1/reserve", Some("acme"), &body).await;
+    problem(&limited, 429, "resource_exhausted");
+    assert_eq!(limited.body["limit"], json!("tenants[].requests_per_s"));
+    assert_eq!(limited.header("retry-after"), Some("1"));
+    server.stop().await;
+}
+
+/// The request examples of the OpenAPI document, sent in the order the protocol runs
+/// them (the token of each grant put in the calls that follow): each is answered `200`,
+/// with the members its documented `200` example has.
+#[tokio::test]
+async fn the_openapi_examples_run_against_the_server() {
+    let server = start_with(|_| {}).await;
+    let document = http(server.addr, "GET", "/v1/openapi.json", None, None).await;
+    let document = ok(&document).clone();
+    assert_eq!(document["openapi"], json!("3.1.0"));
+    assert_eq!(document["components"]["securitySchemes"]["bearer"]["scheme"], json!("bearer"));
+    let example = |path: &str| {
+        document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["example"].clone()
+    };
+    let documented = |path: &str, method: &str| {
+        document["paths"][path][method]["responses"]["200"]["content"]["application/json"]["example"].clone()
+    };
+    let same_members = |answer: &Value, documented: &Value| {
+        let names =
+            |v: &Value| v.as_object().map(|o| o.keys().cloned().collect::<Vec<_>>()).unwrap_or_default();
+        assert_eq!(names(answer), names(documented), "answer {answer} documented {documented}");
+    };
+    let with_token = |mut body: Value, token: &Value| {
+        body["token"] = token.clone();
+        body
+    };
+
+    let first = post(&server, "/v1/reserve", None, &example("/v1/reserve")).await;
+    same_members(ok(&first), &documented("/v1/reserve", "post"));
+    same_members(&first.body["granted"], &documented("/v1/reserve", "post")["granted"]);
+    let token = first.body["granted"]["token"].clone();
+    for path in ["/v1/heartbeat", "/v1/release"] {
+        let answer = post(&server, path, None, &with_token(example(path), &token)).await;
+        same_members(ok(&answer), &documented(path, "post"));
+    }
+    let second = post(&server, "/v1/reserve", None, &example("/v1/reserve")).await;
+    let token = ok(&second)["granted"]["token"].clone();
+    let committed = post(&server, "/v1/commit", None, &with_token(example("/v1/commit"), &token)).await;
+    same_members(ok(&committed), &documented("/v1/commit", "post"));
+
+    let get = "/v1/namespaces/{namespace}/keys/{key}";
+    let params = &document["paths"][get]["get"]["parameters"];
+    let param = |i: usize| params[i]["example"].as_str().unwrap().to_owned();
+    let path = format!("/v1/namespaces/{}/keys/{}", param(0), param(1));
+    let view = http(server.addr, "GET", &path, None, None).await;
+    same_members(ok(&view), &documented(get, "get"));
+    assert_eq!(view.body["state"], json!("STATE_COMPLETED"));
+    assert_eq!(view.body["response"], example("/v1/commit")["response"]);
+    server.stop().await;
+}
