@@ -327,3 +327,22 @@ fn admin_add_shards_spreads_the_slots_of_a_running_server() {
     assert_replayed(&server, &tokens);
     assert!(server.terminate());
 }
+
+/// `oncegate proxy --config` reads the `[proxy]` section and refuses it whole, naming
+/// every bad key, before it binds or opens anything; `serve` ignores that section.
+#[test]
+fn the_proxy_section_of_a_config_file_is_checked_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("oncegate.toml");
+    let section = "[proxy]\nupstream = \"http://127.0.0.1:9\"\nkey_bytes_max = 0\nstored_statuses = [\"2xx\", \"6xx\"]\n";
+    std::fs::write(&config, section).unwrap();
+    let out = Command::new(BIN)
+        .args(["proxy", "--config", config.to_str().unwrap(), "--listen", "127.0.0.1:0"])
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("proxy.key_bytes_max") && stderr.contains("proxy.stored_statuses"), "{stderr}");
+    assert!(!dir.path().join("data").exists(), "nothing was opened");
+}

@@ -1,6 +1,6 @@
 //! The bucket grace of derived keys (`bucket_grace_ms`): a retry that crosses a bucket
-//! boundary is answered from the earlier bucket's key while that key is pending or
-//! completed, and reserves the current bucket's key otherwise. Both stores, four shards,
+//! boundary is answered from the earlier bucket's key while that key holds a live record
+//! (pending, abandoned or completed), and reserves the current bucket's key otherwise. Both stores, four shards,
 //! so both buckets must be decided together on the shard their base routes to.
 
 mod common;

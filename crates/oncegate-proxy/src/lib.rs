@@ -17,6 +17,7 @@
 //! | a timeout or a connection lost after sending | `504`/`502` "outcome unknown"; the key held until its lease ends |
 //! | a body, key or stored answer over its limit | `413`/`400` problem, or passed on unstored with a `Warning` |
 
+mod config;
 mod problem;
 mod stored;
 
@@ -25,7 +26,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::{Request, State};
-use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri, header};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use hyper_util::client::legacy::Client as HttpClient;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -34,63 +35,9 @@ use oncegate_client::{Gate, Lease, OnCancel, OnceError, Ran, ReserveRequest, Wor
 use oncegate_core::Fingerprint;
 use sha2::{Digest, Sha256};
 
+pub use config::{ProxyConfig, ProxyFile, StoredStatuses};
 pub use problem::Problem;
 pub use stored::Stored;
-
-/// How the proxy guards, forwards and stores (`[proxy]` in the server's file).
-#[derive(Clone, Debug, PartialEq)]
-pub struct ProxyConfig {
-    /// The service behind the proxy, `http://host:port`.
-    pub upstream: String,
-    /// The gate's namespace for the proxy's keys.
-    pub namespace: String,
-    /// Methods whose requests are guarded.
-    pub guarded_methods: Vec<Method>,
-    /// The header that carries the key.
-    pub key_header: HeaderName,
-    /// Path prefixes whose guarded requests must carry a key (`400` without one).
-    pub key_required_prefixes: Vec<String>,
-    /// The longest key accepted, in bytes.
-    pub key_bytes_max: usize,
-    /// The largest request body, in bytes (the fingerprint needs all of it).
-    pub body_bytes_max: usize,
-    /// The largest answer that is stored; a larger one is passed on unstored.
-    pub stored_bytes_max: usize,
-    /// How long a retry waits for the first request's answer before `409`.
-    pub wait_ms: u64,
-    /// How long the upstream may take; the key's lease is renewed meanwhile.
-    pub upstream_timeout_ms: u64,
-    /// How long an answer is kept for replays.
-    pub ttl_ms: u64,
-    /// Request headers that are part of the payload (its fingerprint).
-    pub fingerprint_headers: Vec<HeaderName>,
-    /// Response headers stored and replayed with the body.
-    pub stored_headers: Vec<HeaderName>,
-    /// A `2xx` whose JSON body has this value at this pointer failed (a trading gateway's
-    /// `{"success": false}`): released like a `5xx`.
-    pub soft_failure: Option<(String, serde_json::Value)>,
-}
-
-impl Default for ProxyConfig {
-    fn default() -> Self {
-        ProxyConfig {
-            upstream: "http://127.0.0.1:9000".to_owned(),
-            namespace: "proxy".to_owned(),
-            guarded_methods: vec![Method::POST, Method::PATCH],
-            key_header: HeaderName::from_static("idempotency-key"),
-            key_required_prefixes: Vec::new(),
-            key_bytes_max: 255,
-            body_bytes_max: 1 << 20,
-            stored_bytes_max: 60 * 1024,
-            wait_ms: 5_000,
-            upstream_timeout_ms: 25_000,
-            ttl_ms: 86_400_000,
-            fingerprint_headers: vec![header::CONTENT_TYPE],
-            stored_headers: vec![header::CONTENT_TYPE, header::LOCATION],
-            soft_failure: None,
-        }
-    }
-}
 
 /// The proxy: a gate, the upstream's client and the configuration.
 pub struct Proxy<G> {
@@ -119,11 +66,16 @@ async fn handle<G: Gate + Clone + 'static>(State(proxy): State<Arc<Proxy<G>>>, r
         // upstream may already be running, or its retry would run it again. The answer is
         // stored whether or not anyone waits for it, and the retry is replayed.
         (true, Some(key)) => {
+            let policy = proxy.config.key_policy_url.clone();
             let guarded = tokio::spawn(async move { proxy.guard(request, key).await });
-            match guarded.await {
+            let mut answer = match guarded.await {
                 Ok(answer) => answer.unwrap_or_else(IntoResponse::into_response),
                 Err(_) => bad_gateway("the request's task failed".to_owned()).into_response(),
+            };
+            if let Some(policy) = policy {
+                answer.headers_mut().append(header::LINK, policy);
             }
+            answer
         }
         (true, None) if proxy.requires_key(request.uri()) => Problem::new(
             StatusCode::BAD_REQUEST,
@@ -143,6 +95,7 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
 
     /// A guarded request with its key: at most once upstream.
     async fn guard(&self, request: Request, key: HeaderValue) -> Result<Response, Problem> {
+        self.check_headers(request.headers())?;
         let key = self.record_key(&request, &key)?;
         let (parts, body) = request.into_parts();
         let body = axum::body::to_bytes(body, self.config.body_bytes_max).await.map_err(|_| {
@@ -187,9 +140,24 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
         }
     }
 
-    /// The gate's key for a request: the method, the path, the caller's credentials (a
-    /// hash of `Authorization`, so that one caller's key never answers another's request)
-    /// and the caller's key.
+    /// Refuses a request whose headers are over `headers_bytes_max`: they are forwarded
+    /// and some are fingerprinted, so they are bounded like the body.
+    fn check_headers(&self, headers: &HeaderMap) -> Result<(), Problem> {
+        let bytes: usize = headers.iter().map(|(name, value)| name.as_str().len() + value.len()).sum();
+        if bytes <= self.config.headers_bytes_max {
+            return Ok(());
+        }
+        Err(Problem::new(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            "Request headers too large",
+            "invalid_argument",
+            format!("the headers are {bytes} bytes; headers_bytes_max is {}", self.config.headers_bytes_max),
+        ))
+    }
+
+    /// The gate's key for a request: the method, the path, the caller (the configured
+    /// tenant header's value, or else a hash of `Authorization`, so that one caller's key
+    /// never answers another's request) and the caller's key.
     fn record_key(&self, request: &Request, key: &HeaderValue) -> Result<String, Problem> {
         let invalid = |detail: String| {
             Problem::new(StatusCode::BAD_REQUEST, "Invalid Idempotency-Key", "invalid_argument", detail)
@@ -202,14 +170,31 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
                 self.config.key_bytes_max
             )));
         }
-        let caller = match request.headers().get(header::AUTHORIZATION) {
+        let caller = self.caller(request.headers())?;
+        Ok(format!("{} {} {caller} {key}", request.method(), request.uri().path()))
+    }
+
+    /// Who is calling, as the record key names it: `t:<tenant>` from the tenant header
+    /// (required when one is configured), else `c:<hash of Authorization>`, else `-`.
+    fn caller(&self, headers: &HeaderMap) -> Result<String, Problem> {
+        if let Some(name) = &self.config.tenant_header {
+            let tenant = headers
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .filter(|t| !t.is_empty() && t.len() <= 64 && !t.contains(' '));
+            return tenant.map(|t| format!("t:{t}")).ok_or_else(|| {
+                let detail =
+                    format!("a guarded request needs a {name} header: 1 to 64 visible ASCII characters");
+                Problem::new(StatusCode::BAD_REQUEST, "Tenant required", "invalid_argument", detail)
+            });
+        }
+        Ok(match headers.get(header::AUTHORIZATION) {
             Some(credential) => {
                 let hash = Sha256::digest(credential.as_bytes());
                 format!("c:{}", hash[..8].iter().map(|b| format!("{b:02x}")).collect::<String>())
             }
             None => "-".to_owned(),
-        };
-        Ok(format!("{} {} {caller} {key}", request.method(), request.uri().path()))
+        })
     }
 
     /// The payload's fingerprint: method, path and query, the configured headers, and the
@@ -298,7 +283,7 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
                         .into_response(),
                 ))
             })?;
-        let storable = stores(parts.status) && !self.soft_failure(&body);
+        let storable = self.config.stored_statuses.stores(parts.status) && !self.soft_failure(&body);
         let headers = self
             .config
             .stored_headers
@@ -412,15 +397,6 @@ fn attempt_headers(headers: &mut HeaderMap, lease: &Lease) {
     if lease.previous == oncegate_core::Previous::Abandoned {
         headers.insert(HeaderName::from_static("oncegate-previous"), HeaderValue::from_static("abandoned"));
     }
-}
-
-/// Stored by default: `2xx`, and `4xx` other than `408`, `409` and `429` (those say
-/// "try again", which a replay would contradict).
-fn stores(status: StatusCode) -> bool {
-    status.is_success()
-        || (status.is_client_error()
-            && ![StatusCode::REQUEST_TIMEOUT, StatusCode::CONFLICT, StatusCode::TOO_MANY_REQUESTS]
-                .contains(&status))
 }
 
 fn bad_gateway(detail: String) -> Problem {

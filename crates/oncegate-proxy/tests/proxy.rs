@@ -112,13 +112,26 @@ impl Setup {
     }
 
     async fn post_as(&self, path: &str, key: Option<&str>, body: &str, credential: Option<&str>) -> Answer {
+        let credential = credential.map(|c| ("authorization", c));
+        let (answer, _) = self.post_with(path, key, body, credential.as_slice()).await;
+        answer
+    }
+
+    /// A `POST` with more headers; the answer and its headers.
+    async fn post_with(
+        &self,
+        path: &str,
+        key: Option<&str>,
+        body: &str,
+        headers: &[(&str, &str)],
+    ) -> (Answer, axum::http::HeaderMap) {
         let mut request =
             Request::post(format!("{}{path}", self.proxy)).header(header::CONTENT_TYPE, "application/json");
         if let Some(key) = key {
             request = request.header("idempotency-key", key);
         }
-        if let Some(credential) = credential {
-            request = request.header(header::AUTHORIZATION, credential);
+        for (name, value) in headers {
+            request = request.header(*name, *value);
         }
         let response = self.http.request(request.body(Body::from(body.to_owned())).unwrap()).await.unwrap();
         let (parts, body) = response.into_parts();
@@ -127,7 +140,7 @@ impl Setup {
             .get(HeaderName::from_static("idempotent-replayed"))
             .map(|v| v.to_str().unwrap().to_owned());
         let body = axum::body::to_bytes(Body::new(body), 1 << 20).await.unwrap().to_vec();
-        (parts.status, replayed, body)
+        ((parts.status, replayed, body), parts.headers)
     }
 }
 
@@ -239,4 +252,47 @@ async fn one_callers_key_never_answers_another_caller() {
     assert_ne!(alice.2, bob.2);
     let again = setup.post_as("/orders", Some("same"), "{}", Some("Bearer alice")).await;
     assert_eq!(again, (StatusCode::CREATED, Some("true".to_owned()), alice.2));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_header_scopes_keys_and_is_required() {
+    let setup = setup(|c| c.tenant_header = Some(HeaderName::from_static("x-tenant"))).await;
+    let acme = setup.post_with("/orders", Some("same"), "{}", &[("x-tenant", "acme")]).await.0;
+    let globex = setup.post_with("/orders", Some("same"), "{}", &[("x-tenant", "globex")]).await.0;
+    assert_eq!((acme.1.as_deref(), globex.1.as_deref()), (None, None), "each tenant's key is its own");
+    let again = setup.post_with("/orders", Some("same"), "{}", &[("x-tenant", "acme")]).await.0;
+    assert_eq!(again, (StatusCode::CREATED, Some("true".to_owned()), acme.2));
+    let anonymous = setup.post("/orders", Some("same"), "{}").await;
+    assert_eq!(anonymous.0, StatusCode::BAD_REQUEST);
+    assert!(String::from_utf8_lossy(&anonymous.2).contains("x-tenant"), "{anonymous:?}");
+    assert_eq!(setup.counts.orders.load(Ordering::SeqCst), 2);
+}
+
+/// `stored_statuses` decides what is replayed (here a `503` too, as Stripe does), and
+/// every guarded answer links the published key policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stored_statuses_and_the_key_policy_link_are_configured() {
+    let setup = setup(|c| {
+        c.stored_statuses = oncegate_proxy::StoredStatuses::parse(&["2xx".into(), "503".into()]).unwrap();
+        c.key_policy_url = Some("<https://example.com/keys>; rel=\"describedby\"".parse().unwrap());
+    })
+    .await;
+    let (first, headers) = setup.post_with("/flaky", Some("f"), "{}", &[]).await;
+    assert_eq!(first.0, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(headers.get(header::LINK).unwrap(), "<https://example.com/keys>; rel=\"describedby\"");
+    let retry = setup.post("/flaky", Some("f"), "{}").await;
+    assert_eq!(retry, (StatusCode::SERVICE_UNAVAILABLE, Some("true".to_owned()), b"busy".to_vec()));
+    assert_eq!(setup.counts.flaky.load(Ordering::SeqCst), 1, "the stored 503 is replayed, not run again");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn headers_over_their_limit_give_a_problem_document() {
+    let setup = setup(|c| c.headers_bytes_max = 1_024).await;
+    let padding = "p".repeat(2_000);
+    let ((status, _, body), headers) =
+        setup.post_with("/orders", Some("k"), "{}", &[("x-padding", &padding)]).await;
+    assert_eq!(status, StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE);
+    assert_eq!(headers.get(header::CONTENT_TYPE).unwrap(), "application/problem+json");
+    assert!(String::from_utf8_lossy(&body).contains("headers_bytes_max"));
+    assert_eq!(setup.counts.orders.load(Ordering::SeqCst), 0);
 }

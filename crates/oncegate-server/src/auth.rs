@@ -34,17 +34,15 @@ impl Auth {
 
     /// The tenant whose token a gRPC call carries in `authorization: Bearer <token>`.
     pub fn tenant(&self, metadata: &MetadataMap) -> Result<Tenant, Refusal> {
-        self.tenant_of(metadata.get("authorization").map(|value| value.to_str().ok()))
+        self.tenant_of(Authorization::of(metadata.get("authorization").map(|v| v.to_str())))
     }
 
     /// The tenant whose token an HTTP request carries in `Authorization: Bearer <token>`.
     pub fn tenant_of_headers(&self, headers: &axum::http::HeaderMap) -> Result<Tenant, Refusal> {
-        self.tenant_of(headers.get(axum::http::header::AUTHORIZATION).map(|value| value.to_str().ok()))
+        self.tenant_of(Authorization::of(headers.get(axum::http::header::AUTHORIZATION).map(|v| v.to_str())))
     }
 
-    /// `authorization` is the header's value: `None` when absent, `Some(None)` when not
-    /// ASCII.
-    fn tenant_of(&self, authorization: Option<Option<&str>>) -> Result<Tenant, Refusal> {
+    fn tenant_of(&self, authorization: Authorization<'_>) -> Result<Tenant, Refusal> {
         if self.tenants.is_empty() {
             return Ok(Tenant::default_tenant());
         }
@@ -62,12 +60,30 @@ impl Auth {
     }
 }
 
-/// The token of `authorization: Bearer <token>` (the value of the gRPC metadata or the
-/// HTTP header, `Some(None)` when it is not ASCII), or why there is none.
-fn bearer(authorization: Option<Option<&str>>) -> Result<&str, &'static str> {
-    let value = authorization
-        .ok_or("missing authorization; send `authorization: Bearer <token>`")?
-        .ok_or("authorization is not ascii")?;
+/// The `authorization` a call carries, as gRPC metadata or an HTTP header.
+enum Authorization<'a> {
+    Missing,
+    NotAscii,
+    Value(&'a str),
+}
+
+impl<'a> Authorization<'a> {
+    fn of<E>(value: Option<Result<&'a str, E>>) -> Authorization<'a> {
+        match value {
+            None => Authorization::Missing,
+            Some(Err(_)) => Authorization::NotAscii,
+            Some(Ok(value)) => Authorization::Value(value),
+        }
+    }
+}
+
+/// The token of `authorization: Bearer <token>`, or why there is none.
+fn bearer(authorization: Authorization<'_>) -> Result<&str, &'static str> {
+    let value = match authorization {
+        Authorization::Missing => return Err("missing authorization; send `authorization: Bearer <token>`"),
+        Authorization::NotAscii => return Err("authorization is not ascii"),
+        Authorization::Value(value) => value,
+    };
     value
         .strip_prefix("Bearer ")
         .or_else(|| value.strip_prefix("bearer "))
@@ -109,7 +125,7 @@ impl AdminAuth {
                 "the admin service is disabled: set admin.token_sha256 in the configuration",
             )),
             AdminAuth::Token(hash) => {
-                let value = metadata.get("authorization").map(|value| value.to_str().ok());
+                let value = Authorization::of(metadata.get("authorization").map(|v| v.to_str()));
                 let token = bearer(value).map_err(unauthenticated)?;
                 let presented: [u8; 32] = Sha256::digest(token.trim().as_bytes()).into();
                 if bool::from(hash.ct_eq(&presented)) {

@@ -25,6 +25,10 @@ pub struct Config {
     /// Tenants and the SHA-256 of their bearer tokens. Empty: one `default` tenant, no
     /// authentication, loopback only.
     pub tenants: Vec<TenantConfig>,
+    /// The Idempotency-Key proxy's settings, read and checked by `oncegate proxy`
+    /// (`oncegate_proxy::ProxyFile`); the server does not use them.
+    #[serde(skip_serializing_if = "toml::Table::is_empty")]
+    pub proxy: toml::Table,
 }
 
 /// The SHA-256 of a bearer token, parsed once from its 64 hex digits when the file is
@@ -323,7 +327,10 @@ impl Config {
         sample.server.tls_key_path = Some(PathBuf::new());
         sample.server.tls_client_ca_path = Some(PathBuf::new());
         let known = toml::Table::try_from(sample).expect("the defaults serialise");
-        unknown_keys(&table, &known, "", &mut problems);
+        let mut checked = table.clone();
+        // `oncegate proxy` checks its own section.
+        checked.remove("proxy");
+        unknown_keys(&checked, &known, "", &mut problems);
         if let Some(toml::Value::Array(tenants)) = table.get("tenants") {
             let sample = toml::Table::try_from(TenantConfig::default()).expect("a tenant serialises");
             for (i, tenant) in tenants.iter().enumerate() {

@@ -227,7 +227,11 @@ async fn routes(engine: &Engine, config: &Config) -> Result<(Routes, HealthRepor
         AdminAuth::new(config),
     ));
     let service = GateService::new(engine.clone(), auth, admit, server.session_calls_in_flight_max);
-    let json = http::router(service.clone(), server.message_bytes_max);
+    let json = http::router(
+        service.clone(),
+        server.message_bytes_max,
+        Duration::from_millis(server.request_timeout_ms),
+    );
     let gate = GateServer::new(service)
         .max_decoding_message_size(server.message_bytes_max)
         .max_encoding_message_size(server.message_bytes_max);
@@ -252,7 +256,7 @@ async fn routes(engine: &Engine, config: &Config) -> Result<(Routes, HealthRepor
         .add_service(reflection_v1alpha);
     // The HTTP/JSON API shares the port: tonic's server takes HTTP/1.1 and hands every
     // request that is not gRPC to these routes.
-    let routes = Routes::from(routes.into_axum_router().merge(json));
+    let routes = Routes::from(routes.into_axum_router().merge(json).fallback(http::fallback));
     Ok((routes, reporter))
 }
 /// Keeps the health service in step with the shards: `SERVING` when every shard serves,

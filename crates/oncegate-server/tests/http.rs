@@ -102,7 +102,7 @@ async fn refusals_are_problem_documents_with_the_stable_code() {
     assert!(typo.body["detail"].as_str().unwrap().contains("unknown field `lease`"), "{}", typo.body);
     let not_json = http(server.addr, "POST", "/v1/reserve", None, Some("{not json")).await;
     problem(&not_json, 400, "invalid_argument");
-    let big = json!({"namespace": "live", "key": "k", "fingerprint": "A".repeat(80_000)});
+    let big = json!({"namespace": "live", "key": "k", "fingerprint": "A".repeat(120_000)});
     problem(&post(&server, "/v1/reserve", None, &big).await, 413, "invalid_argument");
     server.stop().await;
 }
@@ -185,4 +185,61 @@ async fn the_openapi_examples_run_against_the_server() {
     assert_eq!(view.body["state"], json!("STATE_COMPLETED"));
     assert_eq!(view.body["response"], example("/v1/commit")["response"]);
     server.stop().await;
+}
+
+/// The port is shared: a path no route serves answers an HTTP client with a `404` problem
+/// document and a gRPC client with `UNIMPLEMENTED`, each in its own terms.
+#[tokio::test]
+async fn unknown_routes_answer_each_protocol_in_its_own_terms() {
+    let server = start_with(|_| {}).await;
+    let missing = post(&server, "/v1/reserve/extra", None, &json!({})).await;
+    problem(&missing, 404, "invalid_argument");
+    let mut grpc = tonic::client::Grpc::new(server.channel().await);
+    grpc.ready().await.unwrap();
+    let codec = tonic_prost::ProstCodec::<(), ()>::default();
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static("/oncegate.v1.Gate/Nothing");
+    let status = grpc.unary(tonic::Request::new(()), path, codec).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Unimplemented);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn keys_holding_a_slash_are_read_percent_encoded_and_bodies_must_be_json() {
+    let server = start_with(|_| {}).await;
+    let body = json!({"namespace": "live", "key": "orders/77%"});
+    assert!(ok(&post(&server, "/v1/reserve", None, &body).await)["granted"].is_object());
+    let view = http(server.addr, "GET", "/v1/namespaces/live/keys/orders%2F77%25", None, None).await;
+    assert_eq!(ok(&view)["state"], json!("STATE_PENDING"));
+    let mut untyped = format!(
+        "POST /v1/reserve HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
+        body.to_string().len()
+    );
+    untyped.push_str(&body.to_string());
+    let answer = raw(server.addr, &untyped).await;
+    assert!(answer.starts_with("HTTP/1.1 415"), "{answer}");
+    assert!(answer.contains("application/problem+json"), "{answer}");
+    server.stop().await;
+}
+
+/// A caller without a valid token learns nothing of its request, not even that its body
+/// is malformed.
+#[tokio::test]
+async fn an_unauthenticated_caller_is_refused_before_its_body_is_judged() {
+    let tenant =
+        TenantConfig { name: "acme".into(), token_sha256: token_sha256("acme"), ..TenantConfig::default() };
+    let server = start_with(|c| c.tenants = vec![tenant]).await;
+    let malformed = json!({"namespace": "live", "nonsense": true});
+    problem(&post(&server, "/v1/reserve", None, &malformed).await, 401, "unauthenticated");
+    problem(&post(&server, "/v1/reserve", Some("acme"), &malformed).await, 400, "invalid_argument");
+    server.stop().await;
+}
+
+/// Sends `request` as written; the answer as text.
+async fn raw(addr: std::net::SocketAddr, request: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+    socket.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = String::new();
+    socket.read_to_string(&mut answer).await.unwrap();
+    answer
 }

@@ -134,8 +134,9 @@ async fn metrics_are_served_on_their_own_listener_never_on_the_grpc_port() {
     let (gate, metrics) = (server.addr, server.metrics_addr);
     for path in ["/metrics", "/healthz", "/readyz"] {
         let (status, body) = tokio::task::spawn_blocking(move || http_get(gate, path)).await.unwrap();
-        // The gRPC port answers an unknown path as gRPC does (`unimplemented`, no body).
-        assert!(body.trim().is_empty(), "{path} on the gRPC port answered {status}: {body}");
+        // The gRPC port knows no such path: a `404` problem document, never metrics.
+        assert_eq!(status, 404, "{path} on the gRPC port answered {status}: {body}");
+        assert!(!body.contains("oncegate_requests_total") && body.contains("no route"), "{body}");
         let (status, _) = tokio::task::spawn_blocking(move || http_get(metrics, path)).await.unwrap();
         assert_eq!(status, 200, "{path} on the metrics listener");
     }

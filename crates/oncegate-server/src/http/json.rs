@@ -36,7 +36,9 @@ pub(crate) struct ReserveBody {
     /// The idempotency key; leave it out to derive one from `key_parts`.
     #[serde(default)]
     key: String,
-    /// Parts of a derived key: `parts.join(":") + "::" + floor(now_ms / bucket_ms)`.
+    /// Parts of a derived key: `parts.join(":") + "::" + floor(now_ms / bucket_ms)` (a
+    /// single `:` before the bucket in stores made before bucket routing); the answer
+    /// names the key.
     #[serde(default)]
     key_parts: Vec<String>,
     /// The bucket width of a derived key, in ms; only with `key_parts`.
@@ -135,8 +137,8 @@ struct Granted {
     attempt: u32,
     lease_until_ms: Uint64,
     expires_at_ms: Uint64,
-    /// `PREVIOUS_NONE`, or `PREVIOUS_ABANDONED` when an earlier holder's lease ran out.
-    previous: &'static str,
+    /// `PREVIOUS_ABANDONED` when an earlier holder's lease ran out.
+    previous: PreviousName,
 }
 
 #[serde_as]
@@ -151,8 +153,7 @@ struct InProgress {
 #[derive(Debug, Serialize, ToSchema)]
 struct Completed {
     token: Uint64,
-    /// `OUTCOME_SUCCEEDED` or `OUTCOME_FAILED`.
-    outcome: &'static str,
+    outcome: OutcomeName,
     /// The stored response, base64.
     #[serde_as(as = "Base64")]
     #[schema(value_type = String, format = Byte)]
@@ -192,17 +193,59 @@ pub(crate) struct HeartbeatAnswer {
 #[serde_as]
 #[derive(Debug, Serialize, ToSchema)]
 pub(crate) struct GetAnswer {
-    /// `STATE_FREE`, `STATE_PENDING`, `STATE_ABANDONED` or `STATE_COMPLETED`.
-    state: &'static str,
+    state: StateName,
     token: Uint64,
     attempt: u32,
     lease_until_ms: Uint64,
     expires_at_ms: Uint64,
     /// `OUTCOME_UNSPECIFIED` unless completed.
-    outcome: &'static str,
+    outcome: OutcomeName,
     #[serde_as(as = "Base64")]
     #[schema(value_type = String, format = Byte)]
     response: Vec<u8>,
+}
+
+/// The proto's enums by their names, so that the OpenAPI document lists each one's values.
+#[derive(Debug, Serialize, ToSchema)]
+enum PreviousName {
+    #[serde(rename = "PREVIOUS_NONE")]
+    None,
+    #[serde(rename = "PREVIOUS_ABANDONED")]
+    Abandoned,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+enum OutcomeName {
+    #[serde(rename = "OUTCOME_UNSPECIFIED")]
+    Unspecified,
+    #[serde(rename = "OUTCOME_SUCCEEDED")]
+    Succeeded,
+    #[serde(rename = "OUTCOME_FAILED")]
+    Failed,
+}
+
+impl OutcomeName {
+    fn of(outcome: pb::Outcome) -> OutcomeName {
+        match outcome {
+            pb::Outcome::Unspecified => OutcomeName::Unspecified,
+            pb::Outcome::Succeeded => OutcomeName::Succeeded,
+            pb::Outcome::Failed => OutcomeName::Failed,
+        }
+    }
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+enum StateName {
+    #[serde(rename = "STATE_UNSPECIFIED")]
+    Unspecified,
+    #[serde(rename = "STATE_FREE")]
+    Free,
+    #[serde(rename = "STATE_PENDING")]
+    Pending,
+    #[serde(rename = "STATE_ABANDONED")]
+    Abandoned,
+    #[serde(rename = "STATE_COMPLETED")]
+    Completed,
 }
 
 /// An error, as RFC 9457 `application/problem+json`, with oncegate's stable code.
@@ -258,7 +301,10 @@ impl Body for ReserveBody {
                 attempt: g.attempt,
                 lease_until_ms: Uint64(g.lease_until_ms),
                 expires_at_ms: Uint64(g.expires_at_ms),
-                previous: g.previous().as_str_name(),
+                previous: match g.previous() {
+                    pb::Previous::None => PreviousName::None,
+                    pb::Previous::Abandoned => PreviousName::Abandoned,
+                },
             }),
             O::InProgress(p) => ReserveOutcome::InProgress(InProgress {
                 attempt: p.attempt,
@@ -267,7 +313,7 @@ impl Body for ReserveBody {
             }),
             O::Completed(c) => ReserveOutcome::Completed(Completed {
                 token: Uint64(c.token),
-                outcome: c.outcome().as_str_name(),
+                outcome: OutcomeName::of(c.outcome()),
                 response: c.response,
                 completed_at_ms: Uint64(c.completed_at_ms),
                 expires_at_ms: Uint64(c.expires_at_ms),
@@ -335,12 +381,18 @@ impl Body for HeartbeatBody {
 impl GetAnswer {
     pub(crate) fn from_wire(reply: pb::GetResponse) -> GetAnswer {
         GetAnswer {
-            state: reply.state().as_str_name(),
+            state: match reply.state() {
+                pb::State::Unspecified => StateName::Unspecified,
+                pb::State::Free => StateName::Free,
+                pb::State::Pending => StateName::Pending,
+                pb::State::Abandoned => StateName::Abandoned,
+                pb::State::Completed => StateName::Completed,
+            },
             token: Uint64(reply.token),
             attempt: reply.attempt,
             lease_until_ms: Uint64(reply.lease_until_ms),
             expires_at_ms: Uint64(reply.expires_at_ms),
-            outcome: reply.outcome().as_str_name(),
+            outcome: OutcomeName::of(reply.outcome()),
             response: reply.response,
         }
     }

@@ -12,6 +12,7 @@
 mod json;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::Json;
 use axum::extract::rejection::{JsonRejection, PathRejection};
@@ -34,41 +35,90 @@ use json::{
 /// Where the OpenAPI document is served.
 pub const OPENAPI_PATH: &str = "/v1/openapi.json";
 
-/// The routes of the HTTP API, bodies limited to `body_bytes_max` (the gRPC message
-/// limit, `server.message_bytes_max`).
-pub(crate) fn router(gate: GateService, body_bytes_max: usize) -> axum::Router {
+/// What every HTTP call needs: the gRPC front's call path, and how long to wait for it.
+#[derive(Clone)]
+pub(crate) struct Http {
+    gate: GateService,
+    /// Nine tenths of `server.request_timeout_ms`: the call answers with a problem
+    /// document before tonic's own timeout, which would answer in gRPC's terms.
+    answer_within: Duration,
+}
+
+/// The routes of the HTTP API. Bodies are limited to `message_bytes_max` (the gRPC
+/// message limit) plus a third, since base64 makes bytes a third longer.
+pub(crate) fn router(gate: GateService, message_bytes_max: usize, request_timeout: Duration) -> axum::Router {
     let document: Arc<str> = openapi_json().into();
+    let http = Http { gate, answer_within: request_timeout * 9 / 10 };
     axum::Router::new()
         .route("/v1/reserve", post(reserve))
         .route("/v1/commit", post(commit))
         .route("/v1/release", post(release))
         .route("/v1/heartbeat", post(heartbeat))
         .route("/v1/namespaces/{namespace}/keys/{key}", get(key))
-        .with_state(gate)
+        .with_state(http)
         .route(OPENAPI_PATH, get(move || openapi(Arc::clone(&document))))
-        .layer(DefaultBodyLimit::max(body_bytes_max))
+        .layer(DefaultBodyLimit::max(message_bytes_max + message_bytes_max / 3 + 1_024))
+}
+
+/// What the shared port answers when no route matches: gRPC's `unimplemented` to a gRPC
+/// call, a `404` problem document to anything else (tonic's fallback would answer an
+/// HTTP client `200` with a gRPC status in its headers).
+pub(crate) async fn fallback(request: axum::extract::Request) -> Response {
+    let grpc = request
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"));
+    if grpc {
+        return tonic::Status::unimplemented("").into_http::<axum::body::Body>().into_response();
+    }
+    let detail = format!(
+        "no route {} {}; the API is described at {OPENAPI_PATH}",
+        request.method(),
+        request.uri().path()
+    );
+    problem_document(StatusCode::NOT_FOUND, Code::InvalidArgument, detail, None, None, None)
 }
 
 async fn openapi(document: Arc<str>) -> Response {
     ([(header::CONTENT_TYPE, "application/json")], document.to_string()).into_response()
 }
 
-/// The one path of every HTTP call: authenticate, translate, then the gRPC front's path;
-/// the answer as JSON or a problem document.
+/// The one path of every HTTP call: authenticate, then the gRPC front's path for the
+/// translated message; the answer as JSON or a problem document. `message` is the
+/// request's message, or the answer to a request that has none (a malformed body).
 async fn call<M: Call, A: Serialize>(
-    gate: &GateService,
+    http: &Http,
     headers: &HeaderMap,
-    message: Result<M, Refusal>,
+    message: Result<M, Unread>,
     answer: impl FnOnce(M::Reply) -> A,
 ) -> Response {
-    let tenant = gate.auth().tenant_of_headers(headers);
-    let message = match message {
-        Ok(message) => message,
-        Err(refusal) => return problem(&refusal),
+    let tenant = http.gate.auth().tenant_of_headers(headers);
+    let message = match (message, &tenant) {
+        (Ok(message), _) => message,
+        // An unauthenticated caller learns nothing of its request, not even that it is
+        // malformed.
+        (Err(_), Err(refusal)) => return problem(refusal),
+        (Err(Unread(malformed)), Ok(_)) => return *malformed,
     };
-    match gate.begin(tenant, message).await {
-        Ok((reply, _)) => Json(answer(reply)).into_response(),
-        Err(refusal) => problem(&refusal),
+    match tokio::time::timeout(http.answer_within, http.gate.begin(tenant, message)).await {
+        Ok(Ok((reply, _))) => Json(answer(reply)).into_response(),
+        Ok(Err(refusal)) => problem(&refusal),
+        Err(_) => {
+            let detail = format!(
+                "no answer within {} ms (server.request_timeout_ms, less a tenth); the call may still take effect, and a retried reserve is answered from its record",
+                http.answer_within.as_millis()
+            );
+            problem_document(StatusCode::SERVICE_UNAVAILABLE, Code::Unavailable, detail, None, None, None)
+        }
+    }
+}
+
+/// The answer to a request whose message could not be read (boxed: it is the rare path).
+struct Unread(Box<Response>);
+
+impl From<Response> for Unread {
+    fn from(response: Response) -> Unread {
+        Unread(Box::new(response))
     }
 }
 
@@ -76,11 +126,10 @@ async fn call<M: Call, A: Serialize>(
 type BodyOf<B> = Result<Json<B>, JsonRejection>;
 
 /// The four `POST` operations: the body, then [`call`].
-async fn handle<B: Body>(State(gate): State<GateService>, headers: HeaderMap, body: BodyOf<B>) -> Response {
-    match body {
-        Ok(Json(body)) => call(&gate, &headers, body.into_wire(), B::answer).await,
-        Err(rejection) => bad_body(&rejection),
-    }
+async fn handle<B: Body>(State(http): State<Http>, headers: HeaderMap, body: BodyOf<B>) -> Response {
+    let message = body.map_err(|rejection| Unread::from(bad_body(&rejection)));
+    let message = message.and_then(|Json(body)| body.into_wire().map_err(|refusal| problem(&refusal).into()));
+    call(&http, &headers, message, B::answer).await
 }
 
 /// A body that is not the operation's JSON: `400` as every invalid argument (axum says
@@ -117,8 +166,8 @@ fn bad_body(rejection: &JsonRejection) -> Response {
     ),
     security((), ("bearer" = [])),
 )]
-async fn reserve(gate: State<GateService>, headers: HeaderMap, body: BodyOf<ReserveBody>) -> Response {
-    handle(gate, headers, body).await
+async fn reserve(http: State<Http>, headers: HeaderMap, body: BodyOf<ReserveBody>) -> Response {
+    handle(http, headers, body).await
 }
 
 /// Stores the holder's outcome and response; later reserves replay them.
@@ -136,8 +185,8 @@ async fn reserve(gate: State<GateService>, headers: HeaderMap, body: BodyOf<Rese
     ),
     security((), ("bearer" = [])),
 )]
-async fn commit(gate: State<GateService>, headers: HeaderMap, body: BodyOf<CommitBody>) -> Response {
-    handle(gate, headers, body).await
+async fn commit(http: State<Http>, headers: HeaderMap, body: BodyOf<CommitBody>) -> Response {
+    handle(http, headers, body).await
 }
 
 /// Gives the key up so that a retry may proceed.
@@ -153,8 +202,8 @@ async fn commit(gate: State<GateService>, headers: HeaderMap, body: BodyOf<Commi
     ),
     security((), ("bearer" = [])),
 )]
-async fn release(gate: State<GateService>, headers: HeaderMap, body: BodyOf<ReleaseBody>) -> Response {
-    handle(gate, headers, body).await
+async fn release(http: State<Http>, headers: HeaderMap, body: BodyOf<ReleaseBody>) -> Response {
+    handle(http, headers, body).await
 }
 
 /// Renews the holder's lease while it works.
@@ -170,8 +219,8 @@ async fn release(gate: State<GateService>, headers: HeaderMap, body: BodyOf<Rele
     ),
     security((), ("bearer" = [])),
 )]
-async fn heartbeat(gate: State<GateService>, headers: HeaderMap, body: BodyOf<HeartbeatBody>) -> Response {
-    handle(gate, headers, body).await
+async fn heartbeat(http: State<Http>, headers: HeaderMap, body: BodyOf<HeartbeatBody>) -> Response {
+    handle(http, headers, body).await
 }
 
 /// What a key holds now (a read: no write, no fsync).
@@ -191,18 +240,15 @@ async fn heartbeat(gate: State<GateService>, headers: HeaderMap, body: BodyOf<He
     security((), ("bearer" = [])),
 )]
 async fn key(
-    State(gate): State<GateService>,
+    State(http): State<Http>,
     headers: HeaderMap,
     path: Result<Path<(String, String)>, PathRejection>,
 ) -> Response {
-    let Path((namespace, key)) = match path {
-        Ok(path) => path,
-        Err(rejection) => {
-            let detail = rejection.body_text();
-            return problem_document(rejection.status(), Code::InvalidArgument, detail, None, None, None);
-        }
-    };
-    call(&gate, &headers, Ok(pb::GetRequest { namespace, key }), GetAnswer::from_wire).await
+    let message = path.map(|Path((namespace, key))| pb::GetRequest { namespace, key }).map_err(|rejection| {
+        let detail = rejection.body_text();
+        problem_document(StatusCode::BAD_REQUEST, Code::InvalidArgument, detail, None, None, None).into()
+    });
+    call(&http, &headers, message, GetAnswer::from_wire).await
 }
 
 /// This front's one mapping from a refusal to its HTTP answer (the HTTP column of the

@@ -1,0 +1,410 @@
+//! The proxy's settings: [`ProxyConfig`] as the library takes it, and [`ProxyFile`], the
+//! `[proxy]` section of the configuration file, checked as a whole so that an operator
+//! sees every problem at once, each naming its key.
+
+use axum::http::{HeaderName, HeaderValue, Method, StatusCode, header};
+use oncegate_core::{Problem, Problems, Unit};
+use serde::Deserialize;
+
+/// How the proxy guards, forwards and stores.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ProxyConfig {
+    /// The service behind the proxy, `http://host:port`.
+    pub upstream: String,
+    /// The gate's namespace for the proxy's keys.
+    pub namespace: String,
+    /// Methods whose requests are guarded.
+    pub guarded_methods: Vec<Method>,
+    /// The header that carries the key.
+    pub key_header: HeaderName,
+    /// Path prefixes whose guarded requests must carry a key (`400` without one).
+    pub key_required_prefixes: Vec<String>,
+    /// The header naming the caller's tenant; `None` scopes keys by a hash of the
+    /// caller's `Authorization` (its bearer token) instead.
+    pub tenant_header: Option<HeaderName>,
+    /// The longest key accepted, in bytes.
+    pub key_bytes_max: usize,
+    /// The most bytes of request headers (names and values) a guarded request may carry.
+    pub headers_bytes_max: usize,
+    /// The largest request body, in bytes (the fingerprint needs all of it).
+    pub body_bytes_max: usize,
+    /// The largest answer that is stored; a larger one is passed on unstored.
+    pub stored_bytes_max: usize,
+    /// How long a retry waits for the first request's answer before `409`.
+    pub wait_ms: u64,
+    /// How long the upstream may take; the key's lease is renewed meanwhile.
+    pub upstream_timeout_ms: u64,
+    /// How long an answer is kept for replays.
+    pub ttl_ms: u64,
+    /// Request headers that are part of the payload (its fingerprint).
+    pub fingerprint_headers: Vec<HeaderName>,
+    /// Response headers stored and replayed with the body.
+    pub stored_headers: Vec<HeaderName>,
+    /// Which upstream statuses are stored (and replayed); the others release the key.
+    pub stored_statuses: StoredStatuses,
+    /// A `2xx` whose JSON body has this value at this pointer failed (a trading gateway's
+    /// `{"success": false}`): released like a `5xx`.
+    pub soft_failure: Option<(String, serde_json::Value)>,
+    /// Where the key policy (retention, scope) is published: sent on every guarded
+    /// answer as `Link: <...>; rel="describedby"`, as the draft asks resources to
+    /// publish their expiry policy.
+    pub key_policy_url: Option<HeaderValue>,
+}
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        ProxyConfig {
+            upstream: "http://127.0.0.1:9000".to_owned(),
+            namespace: "proxy".to_owned(),
+            guarded_methods: vec![Method::POST, Method::PATCH],
+            key_header: HeaderName::from_static("idempotency-key"),
+            key_required_prefixes: Vec::new(),
+            tenant_header: None,
+            key_bytes_max: 255,
+            headers_bytes_max: 16 * 1024,
+            body_bytes_max: 1 << 20,
+            stored_bytes_max: 60 * 1024,
+            wait_ms: 5_000,
+            upstream_timeout_ms: 25_000,
+            ttl_ms: 86_400_000,
+            fingerprint_headers: vec![header::CONTENT_TYPE],
+            stored_headers: vec![header::CONTENT_TYPE, header::LOCATION],
+            stored_statuses: StoredStatuses::default(),
+            soft_failure: None,
+            key_policy_url: None,
+        }
+    }
+}
+
+/// Which statuses are stored: whole classes (`2xx`), single statuses (`503`), and
+/// exclusions (`!409`), which win.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredStatuses {
+    classes: Vec<u16>,
+    statuses: Vec<u16>,
+    excluded: Vec<u16>,
+}
+
+impl Default for StoredStatuses {
+    /// `2xx`, and `4xx` other than `408`, `409` and `429`: those say "try again", which a
+    /// replay would contradict.
+    fn default() -> Self {
+        StoredStatuses { classes: vec![2, 4], statuses: Vec::new(), excluded: vec![408, 409, 429] }
+    }
+}
+
+impl StoredStatuses {
+    /// Reads `["2xx", "4xx", "!409", "503"]`; `Err` names the entry that is none of these.
+    pub fn parse(entries: &[String]) -> Result<StoredStatuses, String> {
+        let mut rule = StoredStatuses { classes: Vec::new(), statuses: Vec::new(), excluded: Vec::new() };
+        for entry in entries {
+            let bad =
+                || format!("{entry:?} is not a status (`503`), a class (`5xx`) or an exclusion (`!409`)");
+            let status = |text: &str| {
+                let status: u16 = text.parse().map_err(|_| bad())?;
+                StatusCode::from_u16(status).map(|_| status).map_err(|_| bad())
+            };
+            match entry.as_bytes() {
+                [class @ b'1'..=b'5', b'x', b'x'] => rule.classes.push(u16::from(class - b'0')),
+                [b'!', ..] => rule.excluded.push(status(&entry[1..])?),
+                _ => rule.statuses.push(status(entry)?),
+            }
+        }
+        Ok(rule)
+    }
+
+    /// Whether an answer with `status` is stored.
+    pub fn stores(&self, status: StatusCode) -> bool {
+        let status = status.as_u16();
+        !self.excluded.contains(&status)
+            && (self.statuses.contains(&status) || self.classes.contains(&(status / 100)))
+    }
+}
+
+/// The `[proxy]` section of the configuration file: every key optional, defaults as
+/// [`ProxyConfig::default`].
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ProxyFile {
+    upstream: Option<String>,
+    namespace: Option<String>,
+    guarded_methods: Option<Vec<String>>,
+    key_header: Option<String>,
+    key_required_prefixes: Vec<String>,
+    tenant_header: Option<String>,
+    key_bytes_max: Option<u64>,
+    headers_bytes_max: Option<u64>,
+    body_bytes_max: Option<u64>,
+    stored_bytes_max: Option<u64>,
+    wait_ms: Option<u64>,
+    upstream_timeout_ms: Option<u64>,
+    ttl_ms: Option<u64>,
+    fingerprint_headers: Option<Vec<String>>,
+    stored_headers: Option<Vec<String>>,
+    stored_statuses: Option<Vec<String>>,
+    soft_failure: Option<SoftFailure>,
+    key_policy_url: Option<String>,
+}
+
+/// `[proxy.soft_failure]`: `pointer = "/success"`, `equals = false`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SoftFailure {
+    pointer: String,
+    equals: serde_json::Value,
+}
+
+/// Bounds the file may set; the stored answer travels in one gate record.
+const BYTES_CEILING: u64 = 64 << 20;
+const MS_CEILING: u64 = 7 * 86_400_000;
+
+impl ProxyFile {
+    /// Reads the section from the file's `[proxy]` table.
+    pub fn from_table(table: toml::Table) -> Result<ProxyFile, Vec<Problem>> {
+        table.try_into().map_err(|e: toml::de::Error| vec![Problem::new("proxy", e.message().to_owned())])
+    }
+
+    /// The checked configuration, or every problem, each naming its `proxy.` key.
+    pub fn into_config(self) -> Result<ProxyConfig, Vec<Problem>> {
+        let defaults = ProxyConfig::default();
+        let mut problems = Problems::default();
+        let mut within = |field: &str, value: Option<u64>, default: u64, min: u64, max: u64, unit| {
+            let value = value.unwrap_or(default);
+            problems.within(&format!("proxy.{field}"), value, min, max, unit);
+            value
+        };
+        let key_bytes_max =
+            within("key_bytes_max", self.key_bytes_max, defaults.key_bytes_max as u64, 1, 4_096, Unit::Bytes);
+        let headers_bytes_max = within(
+            "headers_bytes_max",
+            self.headers_bytes_max,
+            defaults.headers_bytes_max as u64,
+            1_024,
+            1 << 20,
+            Unit::Bytes,
+        );
+        let body_bytes_max = within(
+            "body_bytes_max",
+            self.body_bytes_max,
+            defaults.body_bytes_max as u64,
+            1,
+            BYTES_CEILING,
+            Unit::Bytes,
+        );
+        let stored_bytes_max = within(
+            "stored_bytes_max",
+            self.stored_bytes_max,
+            defaults.stored_bytes_max as u64,
+            1,
+            BYTES_CEILING,
+            Unit::Bytes,
+        );
+        let wait_ms = within("wait_ms", self.wait_ms, defaults.wait_ms, 0, 30_000, Unit::Ms);
+        let upstream_timeout_ms = within(
+            "upstream_timeout_ms",
+            self.upstream_timeout_ms,
+            defaults.upstream_timeout_ms,
+            1,
+            3_600_000,
+            Unit::Ms,
+        );
+        let ttl_ms = within("ttl_ms", self.ttl_ms, defaults.ttl_ms, 1_000, MS_CEILING, Unit::Ms);
+        let mut parse = Parse { problems };
+        let config = ProxyConfig {
+            upstream: parse.upstream(self.upstream.unwrap_or(defaults.upstream)),
+            namespace: self.namespace.unwrap_or(defaults.namespace),
+            guarded_methods: match self.guarded_methods {
+                Some(methods) => {
+                    parse.all("guarded_methods", &methods, |m| Method::from_bytes(m.as_bytes()).ok())
+                }
+                None => defaults.guarded_methods,
+            },
+            key_header: match self.key_header {
+                Some(name) => parse.one("key_header", &name, header_name).unwrap_or(defaults.key_header),
+                None => defaults.key_header,
+            },
+            key_required_prefixes: self.key_required_prefixes,
+            tenant_header: self.tenant_header.and_then(|name| parse.one("tenant_header", &name, header_name)),
+            key_bytes_max: key_bytes_max as usize,
+            headers_bytes_max: headers_bytes_max as usize,
+            body_bytes_max: body_bytes_max as usize,
+            stored_bytes_max: stored_bytes_max as usize,
+            wait_ms,
+            upstream_timeout_ms,
+            ttl_ms,
+            fingerprint_headers: match self.fingerprint_headers {
+                Some(names) => parse.all("fingerprint_headers", &names, header_name),
+                None => defaults.fingerprint_headers,
+            },
+            stored_headers: match self.stored_headers {
+                Some(names) => parse.all("stored_headers", &names, header_name),
+                None => defaults.stored_headers,
+            },
+            stored_statuses: match self.stored_statuses {
+                Some(entries) => StoredStatuses::parse(&entries).unwrap_or_else(|problem| {
+                    parse.problems.push(Problem::new("proxy.stored_statuses", problem));
+                    StoredStatuses::default()
+                }),
+                None => defaults.stored_statuses,
+            },
+            soft_failure: self.soft_failure.and_then(|soft| {
+                let pointer = parse.one("soft_failure.pointer", &soft.pointer, |p| {
+                    (p.is_empty() || p.starts_with('/')).then(|| p.to_owned())
+                })?;
+                Some((pointer, soft.equals))
+            }),
+            key_policy_url: self.key_policy_url.and_then(|url| {
+                parse.one("key_policy_url", &url, |u| {
+                    HeaderValue::from_str(&format!("<{u}>; rel=\"describedby\"")).ok()
+                })
+            }),
+        };
+        parse.problems.into_result().map(|()| config)
+    }
+}
+
+fn header_name(name: &str) -> Option<HeaderName> {
+    HeaderName::from_bytes(name.as_bytes()).ok()
+}
+
+/// Parses fields, keeping every problem.
+struct Parse {
+    problems: Problems,
+}
+
+impl Parse {
+    fn one<T>(&mut self, field: &str, value: &str, parse: impl Fn(&str) -> Option<T>) -> Option<T> {
+        let parsed = parse(value);
+        if parsed.is_none() {
+            self.problems.push(Problem::new(format!("proxy.{field}"), format!("{value:?} does not parse")));
+        }
+        parsed
+    }
+
+    fn all<T>(&mut self, field: &str, values: &[String], parse: impl Fn(&str) -> Option<T>) -> Vec<T> {
+        values.iter().filter_map(|value| self.one(field, value, &parse)).collect()
+    }
+
+    /// The upstream must be `http://host[:port]`, with no path: the request's own path
+    /// and query are appended to it.
+    fn upstream(&mut self, url: String) -> String {
+        let url = url.trim_end_matches('/').to_owned();
+        let fine = url.parse::<axum::http::Uri>().is_ok_and(|uri| {
+            uri.scheme_str() == Some("http") && uri.authority().is_some() && uri.path() == "/"
+        });
+        if !fine {
+            let detail = format!("{url:?} must be http://HOST[:PORT], without a path");
+            self.problems.push(Problem::new("proxy.upstream", detail));
+        }
+        url
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(text: &str) -> Result<ProxyConfig, Vec<Problem>> {
+        ProxyFile::from_table(toml::from_str(text).unwrap())?.into_config()
+    }
+
+    #[test]
+    fn an_empty_section_is_the_defaults() {
+        assert_eq!(file("").unwrap(), ProxyConfig::default());
+    }
+
+    #[test]
+    fn every_key_is_read() {
+        let config = file(
+            r#"
+            upstream = "http://10.0.0.5:8000/"
+            guarded_methods = ["POST", "PUT"]
+            tenant_header = "X-Tenant"
+            stored_statuses = ["2xx", "503", "!204"]
+            wait_ms = 1000
+            key_policy_url = "https://example.com/idempotency"
+            [soft_failure]
+            pointer = "/success"
+            equals = false
+            "#,
+        )
+        .unwrap();
+        assert_eq!(config.upstream, "http://10.0.0.5:8000");
+        assert_eq!(config.guarded_methods, vec![Method::POST, Method::PUT]);
+        assert_eq!(config.tenant_header, Some(HeaderName::from_static("x-tenant")));
+        assert!(config.stored_statuses.stores(StatusCode::SERVICE_UNAVAILABLE));
+        assert!(!config.stored_statuses.stores(StatusCode::NO_CONTENT));
+        assert!(!config.stored_statuses.stores(StatusCode::NOT_FOUND));
+        assert_eq!(config.soft_failure, Some(("/success".to_owned(), serde_json::json!(false))));
+        assert_eq!(config.key_policy_url.unwrap(), "<https://example.com/idempotency>; rel=\"describedby\"");
+    }
+
+    #[test]
+    fn every_problem_is_reported_at_once_naming_its_key() {
+        let problems = file(
+            r#"
+            upstream = "https://x/y"
+            key_bytes_max = 0
+            guarded_methods = ["PO ST"]
+            stored_statuses = ["2xx", "6xx"]
+            [soft_failure]
+            pointer = "success"
+            equals = false
+            "#,
+        )
+        .unwrap_err();
+        let fields: Vec<&str> = problems.iter().map(|p| p.field.as_str()).collect();
+        assert_eq!(
+            fields,
+            [
+                "proxy.key_bytes_max",
+                "proxy.upstream",
+                "proxy.guarded_methods",
+                "proxy.stored_statuses",
+                "proxy.soft_failure.pointer"
+            ]
+        );
+        assert!(file("retries = 3").unwrap_err()[0].detail.contains("unknown field `retries`"));
+    }
+
+    /// config/oncegate.toml's `[proxy]` section, uncommented, is the defaults (and so
+    /// documents every key truly).
+    #[test]
+    fn the_documented_section_is_the_defaults() {
+        let text =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../config/oncegate.toml"))
+                .unwrap();
+        let section: String = text
+            .lines()
+            .skip_while(|line| *line != "# [proxy]")
+            .skip(1)
+            .filter_map(|line| line.strip_prefix("# "))
+            .filter(|line| !line.starts_with('#') && !line.starts_with('['))
+            .map(|line| format!("{line}\n"))
+            .collect();
+        assert!(section.contains("upstream ="), "{section}");
+        assert_eq!(file(&section).unwrap(), ProxyConfig::default());
+    }
+
+    #[test]
+    fn the_default_statuses_store_2xx_and_4xx_but_the_try_again_ones() {
+        let rule = StoredStatuses::default();
+        for (status, stored) in [
+            (200, true),
+            (201, true),
+            (404, true),
+            (408, false),
+            (409, false),
+            (429, false),
+            (500, false),
+            (503, false),
+            (302, false),
+        ] {
+            assert_eq!(rule.stores(StatusCode::from_u16(status).unwrap()), stored, "{status}");
+        }
+        let parsed =
+            StoredStatuses::parse(&["2xx".into(), "4xx".into(), "!408".into(), "!409".into(), "!429".into()])
+                .unwrap();
+        assert_eq!(parsed, rule);
+    }
+}
