@@ -115,6 +115,14 @@ async fn serve(args: ProxyArgs) -> anyhow::Result<()> {
     let data_dir = file.engine.data_dir.clone();
     let engine = Engine::open(file.engine_config())
         .with_context(|| format!("opening data directory {}", data_dir.display()))?;
+    let response_bytes_max = engine.limits().response_bytes_max;
+    if config.stored_bytes_max > response_bytes_max {
+        anyhow::bail!(
+            "proxy.stored_bytes_max is {} bytes; the engine stores at most {response_bytes_max} \
+             (engine.limits.response_bytes_max), and a stored answer is one record's response",
+            config.stored_bytes_max
+        );
+    }
     let router = oncegate_proxy::router(engine.gate(oncegate_core::Tenant::default_tenant()), config.clone());
     eprintln!(
         "oncegate proxy: listening on {addr}, forwarding to {}, keys in {}",

@@ -95,14 +95,18 @@ impl Default for StoredStatuses {
 
 impl StoredStatuses {
     /// Reads `["2xx", "4xx", "!409", "503"]`; `Err` names the entry that is none of these.
+    /// An empty list is refused: nothing would ever be replayed.
     pub fn parse(entries: &[String]) -> Result<StoredStatuses, String> {
+        if entries.is_empty() {
+            return Err("is empty: no answer would be stored, and every retry would run again".to_owned());
+        }
         let mut rule = StoredStatuses { classes: Vec::new(), statuses: Vec::new(), excluded: Vec::new() };
         for entry in entries {
             let bad =
                 || format!("{entry:?} is not a status (`503`), a class (`5xx`) or an exclusion (`!409`)");
-            let status = |text: &str| {
-                let status: u16 = text.parse().map_err(|_| bad())?;
-                StatusCode::from_u16(status).map(|_| status).map_err(|_| bad())
+            let status = |text: &str| match text.as_bytes() {
+                [b'1'..=b'5', b'0'..=b'9', b'0'..=b'9'] => text.parse::<u16>().map_err(|_| bad()),
+                _ => Err(bad()),
             };
             match entry.as_bytes() {
                 [class @ b'1'..=b'5', b'x', b'x'] => rule.classes.push(u16::from(class - b'0')),
@@ -154,9 +158,13 @@ struct SoftFailure {
     equals: serde_json::Value,
 }
 
-/// Bounds the file may set; the stored answer travels in one gate record.
+/// Bounds the file may set. A request body is held in memory while it runs.
 const BYTES_CEILING: u64 = 64 << 20;
 const MS_CEILING: u64 = 7 * 86_400_000;
+/// What the key's lease adds to the upstream timeout: the time to store the answer.
+pub(crate) const LEASE_MARGIN_MS: u64 = 5_000;
+/// The lease (timeout plus margin) must fit a gate's default longest lease, an hour.
+const UPSTREAM_TIMEOUT_MS_MAX: u64 = 3_600_000 - LEASE_MARGIN_MS;
 
 impl ProxyFile {
     /// Reads the section from the file's `[proxy]` table.
@@ -191,12 +199,13 @@ impl ProxyFile {
             BYTES_CEILING,
             Unit::Bytes,
         );
+        // A stored answer is one gate record's response: it must fit the gate's limit.
         let stored_bytes_max = within(
             "stored_bytes_max",
             self.stored_bytes_max,
             defaults.stored_bytes_max as u64,
             1,
-            BYTES_CEILING,
+            oncegate_core::RESPONSE_BYTES_CEILING as u64,
             Unit::Bytes,
         );
         let wait_ms = within("wait_ms", self.wait_ms, defaults.wait_ms, 0, 30_000, Unit::Ms);
@@ -205,7 +214,7 @@ impl ProxyFile {
             self.upstream_timeout_ms,
             defaults.upstream_timeout_ms,
             1,
-            3_600_000,
+            UPSTREAM_TIMEOUT_MS_MAX,
             Unit::Ms,
         );
         let ttl_ms = within("ttl_ms", self.ttl_ms, defaults.ttl_ms, 1_000, MS_CEILING, Unit::Ms);
@@ -223,7 +232,9 @@ impl ProxyFile {
                 Some(name) => parse.one("key_header", &name, header_name).unwrap_or(defaults.key_header),
                 None => defaults.key_header,
             },
-            key_required_prefixes: self.key_required_prefixes,
+            key_required_prefixes: parse.all("key_required_prefixes", &self.key_required_prefixes, |p| {
+                p.starts_with('/').then(|| p.to_owned())
+            }),
             tenant_header: self.tenant_header.and_then(|name| parse.one("tenant_header", &name, header_name)),
             key_bytes_max: key_bytes_max as usize,
             headers_bytes_max: headers_bytes_max as usize,
@@ -255,7 +266,10 @@ impl ProxyFile {
             }),
             key_policy_url: self.key_policy_url.and_then(|url| {
                 parse.one("key_policy_url", &url, |u| {
-                    HeaderValue::from_str(&format!("<{u}>; rel=\"describedby\"")).ok()
+                    let absolute = u.parse::<axum::http::Uri>().is_ok_and(|uri| uri.scheme().is_some());
+                    absolute
+                        .then(|| HeaderValue::from_str(&format!("<{u}>; rel=\"describedby\"")).ok())
+                        .flatten()
                 })
             }),
         };
@@ -347,6 +361,7 @@ mod tests {
             key_bytes_max = 0
             guarded_methods = ["PO ST"]
             stored_statuses = ["2xx", "6xx"]
+            key_required_prefixes = ["orders"]
             [soft_failure]
             pointer = "success"
             equals = false
@@ -360,6 +375,7 @@ mod tests {
                 "proxy.key_bytes_max",
                 "proxy.upstream",
                 "proxy.guarded_methods",
+                "proxy.key_required_prefixes",
                 "proxy.stored_statuses",
                 "proxy.soft_failure.pointer"
             ]
@@ -406,5 +422,10 @@ mod tests {
             StoredStatuses::parse(&["2xx".into(), "4xx".into(), "!408".into(), "!409".into(), "!429".into()])
                 .unwrap();
         assert_eq!(parsed, rule);
+        for bad in
+            [&[][..], &["+200".to_owned()], &["0200".to_owned()], &["999".to_owned()], &["!5xx".to_owned()]]
+        {
+            assert!(StoredStatuses::parse(bad).is_err(), "{bad:?}");
+        }
     }
 }

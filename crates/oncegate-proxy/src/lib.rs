@@ -58,7 +58,15 @@ pub fn router<G: Gate + Clone + 'static>(gate: G, config: ProxyConfig) -> axum::
 #[derive(Debug)]
 struct Unstored(Response);
 
-async fn handle<G: Gate + Clone + 'static>(State(proxy): State<Arc<Proxy<G>>>, request: Request) -> Response {
+async fn handle<G: Gate + Clone + 'static>(
+    State(proxy): State<Arc<Proxy<G>>>,
+    mut request: Request,
+) -> Response {
+    // Only the proxy says which attempt runs: a client's own `oncegate-*` headers could
+    // push the upstream's fence past real attempts or fake an abandoned one.
+    for name in ATTEMPT_HEADERS {
+        request.headers_mut().remove(name);
+    }
     let guarded = proxy.config.guarded_methods.contains(request.method());
     let key = request.headers().get(&proxy.config.key_header).cloned();
     match (guarded, key) {
@@ -110,7 +118,7 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
             namespace: self.config.namespace.clone(),
             key,
             ttl_ms: self.config.ttl_ms,
-            lease_ms: self.config.upstream_timeout_ms.saturating_add(5_000),
+            lease_ms: self.config.upstream_timeout_ms.saturating_add(config::LEASE_MARGIN_MS),
             wait_ms: self.config.wait_ms,
             fingerprint: self.fingerprint(&parts, &body),
             ..ReserveRequest::default()
@@ -210,7 +218,14 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
             })
             .collect();
         let body = match serde_json::from_slice::<serde_json::Value>(body) {
-            Ok(json) => serde_json::json!({ "json": json }),
+            // The parsed value makes key order and spacing not count; its strings and
+            // numbers as written keep what parsing loses (digits past a double's
+            // precision, a repeated member) counting, so two payloads the upstream could
+            // tell apart never share a fingerprint.
+            Ok(json) => {
+                let text = std::str::from_utf8(body).unwrap_or_default();
+                serde_json::json!({ "json": json, "scalars": scalars_as_written(text) })
+            }
             Err(_) => {
                 serde_json::json!({ "bytes": body.iter().map(|b| format!("{b:02x}")).collect::<String>() })
             }
@@ -274,15 +289,19 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
             Upstream::Unknown(problem) => WorkError::Unknown(Unstored(problem.into_response())),
         })?;
         let (parts, body) = response.into_parts();
-        let body = axum::body::to_bytes(body, self.config.body_bytes_max.max(self.config.stored_bytes_max))
-            .await
-            .map_err(|_| {
-                // The upstream ran; its answer cannot be kept: hold the key.
-                WorkError::Unknown(Unstored(
-                    bad_gateway("the upstream's answer was too large or cut short".to_owned())
-                        .into_response(),
-                ))
-            })?;
+        // The body gets the upstream timeout too: a stalled one would hold the key (its
+        // lease renewed by heartbeats) for as long as the upstream stalls.
+        let limit = Duration::from_millis(self.config.upstream_timeout_ms);
+        let read = axum::body::to_bytes(body, self.config.body_bytes_max.max(self.config.stored_bytes_max));
+        let body = match tokio::time::timeout(limit, read).await {
+            Ok(Ok(body)) => body,
+            // The upstream ran; its answer cannot be kept: hold the key.
+            _ => {
+                let problem =
+                    bad_gateway("the upstream's answer was too large, cut short or too slow".to_owned());
+                return Err(WorkError::Unknown(Unstored(problem.into_response())));
+            }
+        };
         let storable = self.config.stored_statuses.stores(parts.status) && !self.soft_failure(&body);
         let headers = self
             .config
@@ -389,13 +408,54 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
+/// The strings and numbers of a JSON text as written (escapes and digits untouched),
+/// sorted, so that their order in the document does not count.
+fn scalars_as_written(json: &str) -> Vec<&str> {
+    let bytes = json.as_bytes();
+    let mut scalars = Vec::new();
+    let mut at = 0;
+    while at < bytes.len() {
+        let start = at;
+        match bytes[at] {
+            b'"' => {
+                at += 1;
+                while at < bytes.len() && bytes[at] != b'"' {
+                    at += if bytes[at] == b'\\' { 2 } else { 1 };
+                }
+                at += 1;
+            }
+            b'-' | b'0'..=b'9' => {
+                while at < bytes.len() && matches!(bytes[at], b'0'..=b'9' | b'-' | b'+' | b'.' | b'e' | b'E')
+                {
+                    at += 1;
+                }
+            }
+            _ => {
+                at += 1;
+                continue;
+            }
+        }
+        scalars.push(&json[start..at.min(json.len())]);
+    }
+    scalars.sort_unstable();
+    scalars
+}
+
+/// The headers that tell the upstream which attempt runs; only the proxy sets them.
+const ATTEMPT_HEADERS: [HeaderName; 3] = [
+    HeaderName::from_static("oncegate-token"),
+    HeaderName::from_static("oncegate-attempt"),
+    HeaderName::from_static("oncegate-previous"),
+];
+
 /// Tells the upstream which attempt this is, with the fencing token, so that it can refuse
 /// a stale attempt's writes and check for a partial one after an abandoned attempt.
 fn attempt_headers(headers: &mut HeaderMap, lease: &Lease) {
-    headers.insert(HeaderName::from_static("oncegate-token"), HeaderValue::from(lease.token));
-    headers.insert(HeaderName::from_static("oncegate-attempt"), HeaderValue::from(lease.attempt));
+    let [token, attempt, previous] = ATTEMPT_HEADERS;
+    headers.insert(token, HeaderValue::from(lease.token));
+    headers.insert(attempt, HeaderValue::from(lease.attempt));
     if lease.previous == oncegate_core::Previous::Abandoned {
-        headers.insert(HeaderName::from_static("oncegate-previous"), HeaderValue::from_static("abandoned"));
+        headers.insert(previous, HeaderValue::from_static("abandoned"));
     }
 }
 
@@ -414,4 +474,23 @@ fn replay(bytes: &[u8], replayed: bool) -> Response {
         headers.insert(HeaderName::from_static("idempotent-replayed"), HeaderValue::from_static("true"));
     }
     (stored.status, headers, stored.body).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::scalars_as_written;
+
+    #[test]
+    fn scalars_are_read_as_written_whatever_their_order() {
+        assert_eq!(
+            scalars_as_written(r#"{"b": -1.50e3, "a": ["x\"y", true]}"#),
+            [r#""a""#, r#""b""#, r#""x\"y""#, "-1.50e3"]
+        );
+        // What serde_json reads as one value stays two payloads here.
+        assert_ne!(
+            scalars_as_written(r#"{"q":10000000000000000001}"#),
+            scalars_as_written(r#"{"q":10000000000000000000}"#)
+        );
+        assert_ne!(scalars_as_written(r#"{"q":1,"q":2}"#), scalars_as_written(r#"{"q":2}"#));
+    }
 }

@@ -23,6 +23,7 @@ struct Counts {
     slow: AtomicUsize,
     slow_started: tokio::sync::Notify,
     hang: AtomicUsize,
+    big: AtomicUsize,
 }
 
 async fn serve(router: axum::Router) -> String {
@@ -37,7 +38,22 @@ async fn upstream(counts: Arc<Counts>) -> String {
     let (orders, flaky, soft) = (Arc::clone(&counts), Arc::clone(&counts), Arc::clone(&counts));
     let slow = Arc::clone(&counts);
     let hang = Arc::clone(&counts);
+    let big = Arc::clone(&counts);
     let router = axum::Router::new()
+        .route(
+            "/echo",
+            post(|headers: axum::http::HeaderMap| async move {
+                let seen = |name: &str| headers.get(name).map(|v| v.to_str().unwrap().to_owned());
+                format!("token={:?} previous={:?}", seen("oncegate-token"), seen("oncegate-previous"))
+            }),
+        )
+        .route(
+            "/big",
+            post(move || async move {
+                big.big.fetch_add(1, Ordering::SeqCst);
+                "b".repeat(4_000)
+            }),
+        )
         .route(
             "/orders",
             post(move || async move {
@@ -295,4 +311,37 @@ async fn headers_over_their_limit_give_a_problem_document() {
     assert_eq!(headers.get(header::CONTENT_TYPE).unwrap(), "application/problem+json");
     assert!(String::from_utf8_lossy(&body).contains("headers_bytes_max"));
     assert_eq!(setup.counts.orders.load(Ordering::SeqCst), 0);
+}
+
+/// A client cannot speak for the proxy: `oncegate-*` headers it sends are dropped, and the
+/// upstream sees only the proxy's own attempt headers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attempt_headers_come_from_the_proxy_only() {
+    let setup = setup(|_| {}).await;
+    let forged = [("oncegate-token", "999999999"), ("oncegate-previous", "abandoned")];
+    let ((status, _, body), _) = setup.post_with("/echo", Some("e"), "{}", &forged).await;
+    assert_eq!(status, StatusCode::OK);
+    let body = String::from_utf8(body).unwrap();
+    assert!(!body.contains("999999999") && body.contains("previous=None"), "{body}");
+    assert!(body.starts_with("token=Some("), "the proxy's own token goes upstream: {body}");
+    let ((_, _, unguarded), _) = setup.post_with("/echo", None, "{}", &forged).await;
+    assert_eq!(String::from_utf8(unguarded).unwrap(), "token=None previous=None");
+}
+
+/// An answer larger than `stored_bytes_max` is passed on with a `Warning` and the key
+/// released (the retry runs again), and a stored answer's chosen headers are replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn too_large_answers_are_passed_on_unstored_and_stored_headers_replay() {
+    let setup = setup(|c| c.stored_bytes_max = 1_024).await;
+    let ((status, _, body), headers) = setup.post_with("/big", Some("b"), "{}", &[]).await;
+    assert_eq!((status, body.len()), (StatusCode::OK, 4_000));
+    assert!(headers.get(header::WARNING).is_some_and(|w| w.to_str().unwrap().contains("too large to store")));
+    setup.post("/big", Some("b"), "{}").await;
+    assert_eq!(setup.counts.big.load(Ordering::SeqCst), 2, "released: the retry ran again");
+
+    setup.post("/orders", Some("o"), "{}").await;
+    let (replay, headers) = setup.post_with("/orders", Some("o"), "{}", &[]).await;
+    assert_eq!(replay.1.as_deref(), Some("true"));
+    assert_eq!(headers.get(header::LOCATION).unwrap(), "/orders/77");
+    assert_eq!(headers.get(header::CONTENT_TYPE).unwrap(), "application/json");
 }
