@@ -17,7 +17,6 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity
 
 use crate::retry::RetryPolicy;
 use crate::session::{self, Sessions};
-use crate::wire;
 
 /// What a remote call fails with.
 #[derive(Debug, thiserror::Error)]
@@ -349,23 +348,28 @@ fn mismatched(expected: &str) -> ClientError {
     ClientError::Protocol(format!("a {expected} was answered with another call's reply"))
 }
 
+/// An answer this client cannot read (a newer server's enum, a missing oneof).
+fn protocol(invalid: oncegate_core::Invalid) -> ClientError {
+    ClientError::Protocol(format!("the server's answer: {invalid}"))
+}
+
 impl Gate for Client {
     type Error = ClientError;
 
     fn reserve(&self, request: ReserveRequest) -> impl Future<Output = Result<Reserved, ClientError>> + Send {
         let wait = Duration::from_millis(request.wait_ms);
         self.retry.run(move || {
-            let call = self.call(Call::Reserve(wire::reserve_request(request.clone())), wait);
+            let call = self.call(Call::Reserve(request.clone().into()), wait);
             async move {
                 let Out::Reserve(reply) = call.await? else { return Err(mismatched("reserve")) };
-                wire::reserved(reply)
+                Reserved::try_from(reply).map_err(protocol)
             }
         })
     }
 
     fn commit(&self, request: CommitRequest) -> impl Future<Output = Result<u64, ClientError>> + Send {
         self.retry.run(move || {
-            let call = self.call(Call::Commit(wire::commit_request(request.clone())), Duration::ZERO);
+            let call = self.call(Call::Commit(request.clone().into()), Duration::ZERO);
             async move {
                 let Out::Commit(reply) = call.await? else { return Err(mismatched("commit")) };
                 Ok(reply.expires_at_ms)
@@ -375,7 +379,7 @@ impl Gate for Client {
 
     fn release(&self, request: KeyRequest) -> impl Future<Output = Result<(), ClientError>> + Send {
         self.retry.run(move || {
-            let call = self.call(Call::Release(wire::release_request(request.clone())), Duration::ZERO);
+            let call = self.call(Call::Release(request.clone().into()), Duration::ZERO);
             async move {
                 let Out::Release(_) = call.await? else { return Err(mismatched("release")) };
                 Ok(())
@@ -385,20 +389,20 @@ impl Gate for Client {
 
     fn heartbeat(&self, request: KeyRequest) -> impl Future<Output = Result<Renewed, ClientError>> + Send {
         self.retry.run(move || {
-            let call = self.call(Call::Heartbeat(wire::heartbeat_request(request.clone())), Duration::ZERO);
+            let call = self.call(Call::Heartbeat(request.clone().into()), Duration::ZERO);
             async move {
                 let Out::Heartbeat(reply) = call.await? else { return Err(mismatched("heartbeat")) };
-                Ok(wire::renewed(reply))
+                Ok(reply.into())
             }
         })
     }
 
     fn get(&self, request: KeyRequest) -> impl Future<Output = Result<View, ClientError>> + Send {
         self.retry.run(move || {
-            let call = self.call(Call::Get(wire::get_request(request.clone())), Duration::ZERO);
+            let call = self.call(Call::Get(request.clone().into()), Duration::ZERO);
             async move {
                 let Out::Get(reply) = call.await? else { return Err(mismatched("get")) };
-                wire::view(reply)
+                View::try_from(reply).map_err(protocol)
             }
         })
     }

@@ -41,7 +41,6 @@ pub mod keys;
 mod once;
 mod retry;
 mod session;
-mod wire;
 
 pub use client::{Client, ClientBuilder, ClientError, Refusal, Transport};
 pub use once::{GateExt, Lease, OnCancel, OnceError, OnceOptions, Ran, WorkError, once};

@@ -2,6 +2,7 @@
 //! at build time, with the encoded file descriptor set for gRPC reflection.
 
 pub mod codec;
+pub mod convert;
 pub mod status;
 
 /// Package `oncegate.v1`: the `Gate` and `Admin` services, their messages, clients and

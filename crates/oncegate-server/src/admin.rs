@@ -12,7 +12,9 @@ use tonic::{Request, Response, Status};
 const PROGRESS_QUEUE_LEN: usize = 64;
 
 use crate::auth::AdminAuth;
-use crate::gate::{key_digest, state_to_wire};
+use oncegate_proto::convert::state_to_wire;
+
+use crate::gate::key_digest;
 use crate::status::{Refusal, invalid, status};
 
 /// The two ways an operator removes a key's record.

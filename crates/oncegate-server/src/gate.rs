@@ -6,7 +6,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Instant;
 
-use oncegate_core::{Invalid, Outcome, Previous, ReserveReply, State, Tenant};
+use oncegate_core::Tenant;
 use oncegate_engine::{CommitRequest, Engine, KeyRequest, ReserveRequest};
 use oncegate_proto::v1 as pb;
 use tonic::{Request, Response, Status};
@@ -29,65 +29,6 @@ pub struct GateService {
 /// key is never logged.
 pub fn key_digest(key: &str) -> String {
     format!("{:08x}", xxhash_rust::xxh3::xxh3_64(key.as_bytes()) as u32)
-}
-
-fn outcome_from_wire(value: i32) -> Result<Outcome, Invalid> {
-    match pb::Outcome::try_from(value) {
-        Ok(pb::Outcome::Succeeded) => Ok(Outcome::Succeeded),
-        Ok(pb::Outcome::Failed) => Ok(Outcome::Failed),
-        Ok(pb::Outcome::Unspecified) => {
-            Err(Invalid::Rule { field: "outcome", rule: "must be OUTCOME_SUCCEEDED or OUTCOME_FAILED" })
-        }
-        Err(_) => Err(Invalid::UnknownEnum { field: "outcome", value: i64::from(value) }),
-    }
-}
-
-fn outcome_to_wire(outcome: Outcome) -> i32 {
-    match outcome {
-        Outcome::Succeeded => pb::Outcome::Succeeded as i32,
-        Outcome::Failed => pb::Outcome::Failed as i32,
-    }
-}
-
-/// The wire number of a state.
-pub(crate) fn state_to_wire(state: State) -> i32 {
-    (match state {
-        State::Free => pb::State::Free,
-        State::Pending => pb::State::Pending,
-        State::Abandoned => pb::State::Abandoned,
-        State::Completed => pb::State::Completed,
-    }) as i32
-}
-
-fn reserve_to_wire(reply: ReserveReply) -> pb::reserve_response::Outcome {
-    use pb::reserve_response::Outcome as O;
-    match reply {
-        ReserveReply::Granted { token, attempt, lease_until_ms, expires_at_ms, previous } => {
-            O::Granted(pb::Granted {
-                token,
-                attempt,
-                lease_until_ms,
-                expires_at_ms,
-                previous: match previous {
-                    Previous::None => pb::Previous::None as i32,
-                    Previous::Abandoned => pb::Previous::Abandoned as i32,
-                },
-            })
-        }
-        ReserveReply::InProgress { attempt, lease_until_ms, retry_after_ms } => {
-            O::InProgress(pb::InProgress { attempt, lease_until_ms, retry_after_ms })
-        }
-        ReserveReply::Completed { token, outcome, response, completed_at_ms, expires_at_ms } => {
-            O::Completed(pb::Completed {
-                token,
-                outcome: outcome_to_wire(outcome),
-                response,
-                completed_at_ms,
-                expires_at_ms,
-            })
-        }
-        ReserveReply::Mismatch { expires_at_ms } => O::Mismatch(pb::Mismatch { expires_at_ms }),
-    }
 }
 
 fn outcome_name(outcome: &pb::reserve_response::Outcome) -> &'static str {
@@ -217,24 +158,11 @@ impl Call for pb::ReserveRequest {
         engine: &Engine,
         tenant: &Tenant,
     ) -> impl Future<Output = Answer<Self::Reply>> + Send + 'static + use<> {
-        let r = self;
-        let call = ReserveRequest {
-            namespace: r.namespace,
-            key: r.key,
-            key_parts: r.key_parts,
-            bucket_ms: r.bucket_ms,
-            bucket_grace_ms: r.bucket_grace_ms,
-            ttl_ms: r.ttl_ms,
-            lease_ms: r.lease_ms,
-            fingerprint: r.fingerprint,
-            wait_ms: r.wait_ms,
-        };
-        let pending = engine.reserve(tenant, call);
+        let pending = engine.reserve(tenant, ReserveRequest::from(self));
         async move {
-            let reserved = pending.await?;
-            let outcome = reserve_to_wire(reserved.reply);
-            let label = outcome_name(&outcome);
-            Ok((pb::ReserveResponse { key: reserved.key.as_str().to_owned(), outcome: Some(outcome) }, label))
+            let reply = pb::ReserveResponse::from(pending.await?);
+            let label = outcome_name(reply.outcome.as_ref().expect("a reserve answers with an outcome"));
+            Ok((reply, label))
         }
     }
 }
@@ -244,16 +172,7 @@ fn start_commit(
     engine: &Engine,
     tenant: &Tenant,
 ) -> impl Future<Output = Answer<pb::CommitResponse>> + Send + 'static + use<> {
-    let pending = outcome_from_wire(r.outcome).map(|outcome| {
-        let call = CommitRequest {
-            namespace: r.namespace,
-            key: r.key,
-            token: r.token,
-            outcome,
-            response: r.response,
-        };
-        engine.commit(tenant, call)
-    });
+    let pending = CommitRequest::try_from(r).map(|call| engine.commit(tenant, call));
     async move {
         let expires_at_ms = pending?.await?;
         Ok((pb::CommitResponse { expires_at_ms }, "ok"))
@@ -265,8 +184,7 @@ fn start_release(
     engine: &Engine,
     tenant: &Tenant,
 ) -> impl Future<Output = Answer<pb::ReleaseResponse>> + Send + 'static + use<> {
-    let pending = engine
-        .release(tenant, KeyRequest { namespace: r.namespace, key: r.key, token: r.token, lease_ms: 0 });
+    let pending = engine.release(tenant, KeyRequest::from(r));
     async move {
         pending.await?;
         Ok((pb::ReleaseResponse {}, "ok"))
@@ -278,16 +196,8 @@ fn start_heartbeat(
     engine: &Engine,
     tenant: &Tenant,
 ) -> impl Future<Output = Answer<pb::HeartbeatResponse>> + Send + 'static + use<> {
-    let call = KeyRequest { namespace: r.namespace, key: r.key, token: r.token, lease_ms: r.lease_ms };
-    let pending = engine.heartbeat(tenant, call);
-    async move {
-        let renewed = pending.await?;
-        let reply = pb::HeartbeatResponse {
-            lease_until_ms: renewed.lease_until_ms,
-            expires_at_ms: renewed.expires_at_ms,
-        };
-        Ok((reply, "ok"))
-    }
+    let pending = engine.heartbeat(tenant, KeyRequest::from(r));
+    async move { Ok((pb::HeartbeatResponse::from(pending.await?), "ok")) }
 }
 
 fn start_get(
@@ -295,21 +205,8 @@ fn start_get(
     engine: &Engine,
     tenant: &Tenant,
 ) -> impl Future<Output = Answer<pb::GetResponse>> + Send + 'static + use<> {
-    let pending =
-        engine.get(tenant, KeyRequest { namespace: r.namespace, key: r.key, token: 0, lease_ms: 0 });
-    async move {
-        let view = pending.await?;
-        let reply = pb::GetResponse {
-            state: state_to_wire(view.state),
-            token: view.token,
-            attempt: view.attempt,
-            lease_until_ms: view.lease_until_ms,
-            expires_at_ms: view.expires_at_ms,
-            outcome: view.outcome.map_or(pb::Outcome::Unspecified as i32, outcome_to_wire),
-            response: view.response,
-        };
-        Ok((reply, "ok"))
-    }
+    let pending = engine.get(tenant, KeyRequest::from(r));
+    async move { Ok((pb::GetResponse::from(pending.await?), "ok")) }
 }
 
 /// A call's answer and its metric label (`granted`, `ok`, ...).
