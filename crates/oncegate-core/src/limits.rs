@@ -309,6 +309,12 @@ pub struct DerivedKey {
 }
 
 impl DerivedKey {
+    /// The parts joined: what every bucket's key starts with, and, routed by bucket base,
+    /// what they route by.
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
     /// The bucket that `now_ms` falls in.
     pub fn bucket_of(&self, now_ms: u64) -> u64 {
         now_ms / self.bucket_ms

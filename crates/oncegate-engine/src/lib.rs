@@ -30,7 +30,7 @@ mod store;
 pub mod token;
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{Sender, TrySendError};
@@ -55,7 +55,7 @@ pub fn configure_sqlite(conn: &rusqlite::Connection, config: &EngineConfig) -> R
     store::configure(conn, config.durability, config.wal_checkpoint_pages, config.page_cache_bytes_max)
 }
 
-use shard::{Control, Earlier, FrameFloor, Mail, Parts, Request, Shard, Shared, Start};
+use shard::{Control, Derive, FrameFloor, Mail, Parts, Request, Shard, Shared, Start};
 
 pub use oncegate_core::gate::{CommitRequest, Gate, KeyRequest, Renewed, ReserveRequest, Reserved};
 
@@ -227,24 +227,29 @@ impl Drop for Pending {
     }
 }
 
-/// A reserve on its way: the key it was sent under and, within a bucket grace, the
-/// earlier bucket's key with the flag the shard sets when that key answered.
+/// A reserve on its way, and the key its answer will come from.
 struct StartedReserve {
     keys: ReserveKeys,
     pending: Pending,
 }
 
-struct ReserveKeys {
-    key: Key,
-    earlier: Option<(Key, Arc<AtomicBool>)>,
+enum ReserveKeys {
+    /// Named by the caller, or derived before it was sent (a directory routed by whole
+    /// keys).
+    Known(Key),
+    /// Derived by the shard, which names it here before it answers.
+    Derived(Arc<OnceLock<Key>>),
 }
 
 impl ReserveKeys {
     /// The key the answer came from; read only after the answer arrived.
-    fn answered(self) -> Key {
-        match self.earlier {
-            Some((earlier, answered)) if answered.load(Ordering::Acquire) => earlier,
-            _ => self.key,
+    fn answered(self) -> Result<Key, Error> {
+        match self {
+            ReserveKeys::Known(key) => Ok(key),
+            ReserveKeys::Derived(named) => named.get().cloned().ok_or_else(|| Error::Unavailable {
+                shard: 0,
+                reason: "the shard answered a derived reserve without naming its key (a bug)".to_owned(),
+            }),
         }
     }
 }
@@ -414,22 +419,32 @@ impl Engine {
         self.inner.table().map.owner(self.inner.live.routing.slot_of(scope))
     }
 
-    /// The frame for deriving keys, raised to every shard's persisted mark, and the
-    /// format derived keys take. Until every shard has opened once the marks are not all
-    /// known, and a key bucketed by a clock that may be behind could land in another
-    /// bucket than its first attempt: derived keys are refused until then.
-    fn derive_frame(&self) -> Result<(MutexGuard<'_, ClockGuard>, route::Routing), Error> {
+    /// The format derived keys take: the directory's routing, or a shared store's as its
+    /// schema records it (known once a shard has opened).
+    fn derived_format(&self) -> Result<route::Routing, Error> {
+        self.inner.floor.format.get().copied().ok_or_else(|| self.not_yet_opened())
+    }
+
+    fn not_yet_opened(&self) -> Error {
+        let shard = self.shard_states().iter().position(|s| *s != ShardState::Serving).unwrap_or(0) as u32;
+        let reason = "derived keys wait until every shard has opened once (its clock mark is unknown)";
+        Error::Unavailable { shard, reason: reason.to_owned() }
+    }
+
+    /// `now` for deriving keys in a directory routed by whole keys: the process's frame,
+    /// never below any shard's persisted mark. Until every shard has opened once the
+    /// marks are not all known, and a key bucketed by a clock that may be behind could
+    /// land in another bucket than its first attempt (and so on another shard): derived
+    /// keys are refused until then.
+    fn derive_now_ms(&self) -> Result<u64, Error> {
         let floor = &self.inner.floor;
-        let format = floor.format.get().copied().filter(|_| floor.unopened.load(Ordering::SeqCst) == 0);
-        let Some(format) = format else {
-            let shard =
-                self.shard_states().iter().position(|s| *s != ShardState::Serving).unwrap_or(0) as u32;
-            let reason = "derived keys wait until every shard has opened once (its clock mark is unknown)";
-            return Err(Error::Unavailable { shard, reason: reason.to_owned() });
-        };
+        if floor.unopened.load(Ordering::SeqCst) > 0 {
+            return Err(self.not_yet_opened());
+        }
+        let monotonic = self.inner.clock.monotonic_ms();
         let mut frame = self.inner.frame.lock().unwrap_or_else(|p| p.into_inner());
         frame.raise(floor.high_water_ms.load(Ordering::SeqCst));
-        Ok((frame, format))
+        Ok(frame.read(monotonic))
     }
 
     /// Queues a request on its slot's shard, or holds it while the slot moves; either
@@ -438,7 +453,7 @@ impl Engine {
         self.send(scope, command, None)
     }
 
-    fn send(&self, scope: Scope, command: Command, earlier: Option<Box<Earlier>>) -> Result<Pending, Error> {
+    fn send(&self, scope: Scope, command: Command, derive: Option<Box<Derive>>) -> Result<Pending, Error> {
         let slot = self.inner.live.routing.slot_of(&scope);
         let table = self.inner.table();
         let shard = table.map.owner(slot);
@@ -449,7 +464,7 @@ impl Engine {
         let handle = &table.shards[shard as usize];
         let span = tracing::Span::current();
         span.record("shard", shard);
-        let request = Request { scope, command, reply, span, earlier };
+        let request = Request { scope, command, reply, span, derive };
         let sent = match table.moving.as_ref().filter(|moving| moving.step.slot == slot) {
             Some(moving) => moving.hold(request, self.inner.config.mailbox_depth_max),
             None => handle.data.try_send(Mail::Call(request)).map_err(|error| match error {
@@ -488,7 +503,7 @@ impl Engine {
                 let key = limits.key(&request.key)?;
                 let scope = Scope { tenant: tenant.clone(), namespace, key: key.clone() };
                 let pending = self.submit(scope, Command::Reserve(reserve))?;
-                Ok(StartedReserve { keys: ReserveKeys { key, earlier: None }, pending })
+                Ok(StartedReserve { keys: ReserveKeys::Known(key), pending })
             }
             (true, false) => self.start_derived(tenant, namespace, &request, reserve),
             (false, false) => Err(rule("key_parts", "send either key or key_parts, not both")),
@@ -496,11 +511,12 @@ impl Engine {
         }
     }
 
-    /// A reserve sent as parts: the key of the frame's bucket and, within
-    /// `bucket_grace_ms` after a boundary, the previous bucket's, which answers while it
-    /// holds a record. The frame stays locked until the reserve is queued, so this node's
-    /// reserves reach their shard in the order their buckets were read: a retry read just
-    /// after a boundary never overtakes a first attempt read just before it.
+    /// A reserve sent as parts. Routed by bucket base, every bucket of the key lives on
+    /// one shard, which names the key from its batch's time (and, within the grace, looks
+    /// at the previous bucket's first): time and decision come from one transaction, so a
+    /// retry read after a boundary can never be decided before a first attempt read
+    /// before it, on one node or, on a shared database, across nodes. Routed by whole
+    /// keys (older directories), the key is derived here and sent as a named one.
     fn start_derived(
         &self,
         tenant: &Tenant,
@@ -509,7 +525,7 @@ impl Engine {
         reserve: Reserve,
     ) -> Result<StartedReserve, Error> {
         let limits = self.limits();
-        let (mut frame, format) = self.derive_frame()?;
+        let format = self.derived_format()?;
         if request.bucket_grace_ms > 0 && format == route::Routing::WholeKey {
             return Err(rule(
                 "bucket_grace_ms",
@@ -518,17 +534,18 @@ impl Engine {
         }
         let derived =
             limits.derived(&request.key_parts, request.bucket_ms, request.bucket_grace_ms, format)?;
-        let now_ms = frame.read(self.inner.clock.monotonic_ms());
-        let key = limits.key(&derived.key(derived.bucket_of(now_ms)))?;
-        let earlier =
-            derived.earlier_bucket(now_ms).map(|bucket| limits.key(&derived.key(bucket))).transpose()?;
-        let scope = |key: Key| Scope { tenant: tenant.clone(), namespace: namespace.clone(), key };
-        let answered = Arc::new(AtomicBool::new(false));
-        let flag = earlier.clone().map(|key| (key, Arc::clone(&answered)));
-        let earlier = earlier.map(|key| Box::new(Earlier { scope: scope(key), answered }));
-        let pending = self.send(scope(key.clone()), Command::Reserve(reserve), earlier)?;
-        drop(frame);
-        Ok(StartedReserve { keys: ReserveKeys { key, earlier: flag }, pending })
+        if format == route::Routing::WholeKey {
+            let key = limits.key(&derived.key(derived.bucket_of(self.derive_now_ms()?)))?;
+            let scope = Scope { tenant: tenant.clone(), namespace, key: key.clone() };
+            let pending = self.submit(scope, Command::Reserve(reserve))?;
+            return Ok(StartedReserve { keys: ReserveKeys::Known(key), pending });
+        }
+        // Routed by its base, as every bucket's key is.
+        let base = Scope { tenant: tenant.clone(), namespace, key: limits.key(derived.base())? };
+        let named = Arc::new(OnceLock::new());
+        let derive = Box::new(Derive { derived, named: Arc::clone(&named) });
+        let pending = self.send(base, Command::Reserve(reserve), Some(derive))?;
+        Ok(StartedReserve { keys: ReserveKeys::Derived(named), pending })
     }
 
     fn start_commit(&self, tenant: &Tenant, request: CommitRequest) -> Result<Pending, Error> {
@@ -571,7 +588,7 @@ impl Engine {
         async move {
             let StartedReserve { keys, pending } = started?;
             let reply = expect_reserve(pending.wait().await?);
-            Ok(Reserved { key: keys.answered(), reply })
+            Ok(Reserved { key: keys.answered()?, reply })
         }
     }
 
@@ -665,7 +682,7 @@ impl Engine {
     pub fn reserve_blocking(&self, tenant: &Tenant, request: ReserveRequest) -> Result<Reserved, Error> {
         let StartedReserve { keys, pending } = self.start_reserve(tenant, request)?;
         let reply = expect_reserve(pending.wait_blocking()?);
-        Ok(Reserved { key: keys.answered(), reply })
+        Ok(Reserved { key: keys.answered()?, reply })
     }
 
     /// [`Engine::commit`] for synchronous callers.

@@ -363,3 +363,30 @@ fn a_database_from_schema_version_1_keeps_its_derived_key_format() {
     assert_eq!(refused.code(), Code::InvalidArgument);
     assert!(refused.to_string().contains("bucket_grace_ms"), "{refused}");
 }
+
+/// Nodes whose clocks sit either side of a bucket boundary derive one key for one trade:
+/// the bucket comes from the transaction's time, which never runs below a time another
+/// node decided by. Node B (just past the boundary) places the trade; node A (just before
+/// it, by its own clock) is told it is in progress on B's key, not granted a key of its
+/// own bucket. (Deriving by each node's clock before the transaction gave two grants.)
+#[test]
+fn nodes_either_side_of_a_bucket_boundary_derive_one_key() {
+    const BUCKET_MS: u64 = 60_000;
+    let boundary = (T0 / BUCKET_MS + 1) * BUCKET_MS;
+    let (time_a, time_b) = (ManualClock::new(boundary - 100), ManualClock::new(boundary + 100));
+    let Some(nodes) = pair("boundary", PgClock::Engine, Arc::new(time_a), Arc::new(time_b)) else { return };
+    let trade = oncegate_engine::ReserveRequest {
+        namespace: "live".into(),
+        key_parts: vec!["trade".into(), "BTCUSDT".into(), "buy".into()],
+        bucket_ms: BUCKET_MS,
+        bucket_grace_ms: 2_000,
+        lease_ms: 30_000,
+        ..Default::default()
+    };
+    let on_b = nodes.b.reserve_blocking(&tenant(), trade.clone()).unwrap();
+    assert_eq!(on_b.key.as_str(), format!("trade:BTCUSDT:buy::{}", boundary / BUCKET_MS));
+    granted(&on_b.reply);
+    let on_a = nodes.a.reserve_blocking(&tenant(), trade).unwrap();
+    assert_eq!(on_a.key, on_b.key);
+    assert!(matches!(on_a.reply, ReserveReply::InProgress { .. }), "{:?}", on_a.reply);
+}

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use oncegate_core::{Command, Reply, ReserveReply, Scope, answers_from_earlier_bucket, decide};
 
-use super::{Earlier, Request, Shard, ShardState};
+use super::{Derive, Request, Shard, ShardState};
 use crate::book::{Book, Outbox, file_full};
 use crate::store::{Meta, Store, StoreError, Txn};
 use crate::{EngineConfig, Error};
@@ -38,6 +38,7 @@ impl Shard {
             book: &mut self.book,
             config: &self.config,
             shard: self.id,
+            local_now,
             now: local_now,
             outbox: &mut outbox,
         };
@@ -201,6 +202,9 @@ struct Batch<'a> {
     book: &'a mut Book,
     config: &'a EngineConfig,
     shard: u32,
+    /// The shard's own reading before the transaction, by which derived keys' buckets
+    /// are locked (a shared store's time comes from the transaction, within a bucket).
+    local_now: u64,
     now: u64,
     outbox: &'a mut Outbox,
 }
@@ -211,10 +215,13 @@ impl Batch<'_> {
     /// and syncs nothing. Returns whether it wrote.
     fn write(&mut self, store: &mut Store, requests: Vec<Request>) -> Result<bool, StoreError> {
         let writes = requests.iter().any(|r| !r.command.is_read_only());
-        let keys: Vec<&Scope> = requests
+        let candidates: Vec<Scope> = requests
             .iter()
-            .flat_map(|r| std::iter::once(&r.scope).chain(r.earlier.as_ref().map(|e| &e.scope)))
+            .filter_map(|r| r.derive.as_ref().map(|d| (&r.scope, d)))
+            .flat_map(|(base, derive)| self.candidates(base, derive))
             .collect();
+        let named = requests.iter().filter(|r| r.derive.is_none()).map(|r| &r.scope);
+        let keys: Vec<&Scope> = named.chain(&candidates).collect();
         let began = if writes { store.begin(&keys, self.now) } else { store.begin_read(&keys, self.now) };
         drop(keys);
         let txn = match began {
@@ -265,13 +272,18 @@ impl Batch<'_> {
     /// Decides one request. A reserve or read whose caller has gone is skipped: never
     /// granted, never parked. A write that does not fit is refused alone.
     fn step(&mut self, txn: &Txn<'_>, request: Request, touched: &mut Vec<Scope>) -> Result<(), StoreError> {
-        let Request { scope, command, reply, earlier, .. } = request;
+        let Request { scope, command, reply, derive, .. } = request;
         if reply.is_closed() && matches!(command, Command::Reserve(_) | Command::Get | Command::Inspect) {
             return Ok(());
         }
-        let scope = match self.bucket_of(txn, scope, earlier) {
-            Ok(scope) => scope,
-            Err(error) => {
+        let scope = match derive.map(|derive| self.derive(txn, &scope, &derive)) {
+            None => scope,
+            Some(Ok(Ok(scope))) => scope,
+            Some(Ok(Err(refusal))) => {
+                self.outbox.push((reply, Err(refusal)));
+                return Ok(());
+            }
+            Some(Err(error)) => {
                 self.outbox
                     .push((reply, Err(Error::Unavailable { shard: self.shard, reason: String::new() })));
                 return Err(error);
@@ -324,20 +336,50 @@ impl Batch<'_> {
         Ok(())
     }
 
-    /// The key that decides a reserve within a bucket grace: the earlier bucket's while
-    /// it holds a live record (flagged for the caller before any answer goes out),
-    /// else the one it was sent under.
-    fn bucket_of(
+    /// The buckets a derived reserve may fall in, as scopes to lock before the
+    /// transaction reads its time: the shard's own bucket and one on either side (a
+    /// shared store's time may differ from the shard's by less than a bucket).
+    fn candidates(&self, base: &Scope, derive: &Derive) -> Vec<Scope> {
+        let bucket = derive.derived.bucket_of(self.local_now);
+        (bucket.saturating_sub(1)..=bucket.saturating_add(1))
+            .filter_map(|n| self.config.limits.key(&derive.derived.key(n)).ok())
+            .map(|key| Scope { key, ..base.clone() })
+            .collect()
+    }
+
+    /// The key of a derived reserve, by the transaction's time: its bucket's, or within
+    /// the grace after a boundary the previous bucket's while that one holds a record
+    /// (`answers_from_earlier_bucket`). The caller learns it before any answer goes out.
+    /// A refusal (a key past its length limit, a time outside the locked buckets) is the
+    /// request's alone.
+    fn derive(
         &self,
         txn: &Txn<'_>,
-        scope: Scope,
-        earlier: Option<Box<Earlier>>,
-    ) -> Result<Scope, StoreError> {
-        let Some(earlier) = earlier else { return Ok(scope) };
-        if !answers_from_earlier_bucket(txn.get(&earlier.scope)?.as_ref(), self.now) {
-            return Ok(scope);
+        base: &Scope,
+        derive: &Derive,
+    ) -> Result<Result<Scope, Error>, StoreError> {
+        let derived = &derive.derived;
+        let local = derived.bucket_of(self.local_now);
+        let locked = local.saturating_sub(1)..=local.saturating_add(1);
+        let (bucket, earlier) = (derived.bucket_of(self.now), derived.earlier_bucket(self.now));
+        if !locked.contains(&bucket) || earlier.is_some_and(|e| !locked.contains(&e)) {
+            let reason = "the store's clock and this node's differ by more than a bucket".to_owned();
+            return Ok(Err(Error::Unavailable { shard: self.shard, reason }));
         }
-        earlier.answered.store(true, Ordering::Release);
-        Ok(earlier.scope)
+        let scope = |n: u64| -> Result<Scope, Error> {
+            Ok(Scope { key: self.config.limits.key(&derived.key(n))?, ..base.clone() })
+        };
+        let chosen = match earlier.map(scope) {
+            None => scope(bucket),
+            Some(Err(refusal)) => Err(refusal),
+            Some(Ok(earlier)) if answers_from_earlier_bucket(txn.get(&earlier)?.as_ref(), self.now) => {
+                Ok(earlier)
+            }
+            Some(Ok(_)) => scope(bucket),
+        };
+        if let Ok(chosen) = &chosen {
+            let _ = derive.named.set(chosen.key.clone());
+        }
+        Ok(chosen)
     }
 }

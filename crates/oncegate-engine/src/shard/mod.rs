@@ -28,7 +28,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, at, never, select};
@@ -59,18 +59,16 @@ pub(crate) struct Request {
     /// The caller's span (disabled unless a subscriber wants it), so the batch that
     /// serves the request can link to it.
     pub span: tracing::Span,
-    /// A reserve within a bucket grace: the earlier bucket's key, which answers instead
-    /// while it holds a live record (`answers_from_earlier_bucket`). It routes with
-    /// `scope`, so the same batch decides both. Boxed: most requests have none.
-    pub earlier: Option<Box<Earlier>>,
+    /// A reserve sent as key parts in a store routed by bucket base (`scope` then names
+    /// the base, which every bucket's key routes by): the batch derives its key.
+    pub derive: Option<Box<Derive>>,
 }
 
-/// The earlier bucket of a reserve within a bucket grace.
-pub(crate) struct Earlier {
-    pub scope: Scope,
-    /// Set by the shard, before it answers, when the earlier key answered: the caller
-    /// reads it after the answer arrives to report the key the record lives under.
-    pub answered: Arc<AtomicBool>,
+/// What a shard needs to derive a reserve's key from its batch's time.
+pub(crate) struct Derive {
+    pub derived: oncegate_core::DerivedKey,
+    /// Set by the shard, before it answers, to the key that answered.
+    pub named: Arc<std::sync::OnceLock<oncegate_core::Key>>,
 }
 
 /// What arrives on a shard's data channel, in the order it was sent.
