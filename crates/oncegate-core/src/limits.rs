@@ -315,6 +315,11 @@ impl DerivedKey {
         &self.base
     }
 
+    /// Whether a reserve may be answered from the bucket before its own.
+    pub fn has_grace(&self) -> bool {
+        self.bucket_grace_ms > 0
+    }
+
     /// The bucket that `now_ms` falls in.
     pub fn bucket_of(&self, now_ms: u64) -> u64 {
         now_ms / self.bucket_ms

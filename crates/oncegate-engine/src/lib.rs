@@ -243,11 +243,11 @@ enum ReserveKeys {
 
 impl ReserveKeys {
     /// The key the answer came from; read only after the answer arrived.
-    fn answered(self) -> Result<Key, Error> {
+    fn answered(self, shard: u32) -> Result<Key, Error> {
         match self {
             ReserveKeys::Known(key) => Ok(key),
             ReserveKeys::Derived(named) => named.get().cloned().ok_or_else(|| Error::Unavailable {
-                shard: 0,
+                shard,
                 reason: "the shard answered a derived reserve without naming its key (a bug)".to_owned(),
             }),
         }
@@ -587,8 +587,9 @@ impl Engine {
         let started = self.start_reserve(tenant, request);
         async move {
             let StartedReserve { keys, pending } = started?;
+            let shard = pending.shard;
             let reply = expect_reserve(pending.wait().await?);
-            Ok(Reserved { key: keys.answered()?, reply })
+            Ok(Reserved { key: keys.answered(shard)?, reply })
         }
     }
 
@@ -681,8 +682,9 @@ impl Engine {
     /// [`Engine::reserve`] for synchronous callers (not from inside an async task).
     pub fn reserve_blocking(&self, tenant: &Tenant, request: ReserveRequest) -> Result<Reserved, Error> {
         let StartedReserve { keys, pending } = self.start_reserve(tenant, request)?;
+        let shard = pending.shard;
         let reply = expect_reserve(pending.wait_blocking()?);
-        Ok(Reserved { key: keys.answered()?, reply })
+        Ok(Reserved { key: keys.answered(shard)?, reply })
     }
 
     /// [`Engine::commit`] for synchronous callers.

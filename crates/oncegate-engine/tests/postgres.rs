@@ -390,3 +390,43 @@ fn nodes_either_side_of_a_bucket_boundary_derive_one_key() {
     assert_eq!(on_a.key, on_b.key);
     assert!(matches!(on_a.reply, ReserveReply::InProgress { .. }), "{:?}", on_a.reply);
 }
+
+/// The same, raced: in each round (a fresh database, so no mark is left from the one
+/// before) a node just before a boundary and a node just after it reserve one trade at
+/// once. Whichever order the database serialises them in, exactly one is granted and
+/// both name the same key.
+#[test]
+fn a_trade_raced_across_a_bucket_boundary_on_two_nodes_is_granted_once() {
+    const BUCKET_MS: u64 = 60_000;
+    let boundary = (T0 / BUCKET_MS + 1) * BUCKET_MS;
+    let trade = oncegate_engine::ReserveRequest {
+        namespace: "live".into(),
+        key_parts: vec!["trade".into(), "ETHUSDT".into(), "sell".into()],
+        bucket_ms: BUCKET_MS,
+        bucket_grace_ms: 2_000,
+        lease_ms: 30_000,
+        ..Default::default()
+    };
+    for round in 0..8 {
+        let (before, after) = (ManualClock::new(boundary - 100), ManualClock::new(boundary + 100));
+        let name = format!("straddle{round}");
+        let Some(nodes) = pair(&name, PgClock::Engine, Arc::new(before), Arc::new(after)) else { return };
+        let barrier = std::sync::Barrier::new(2);
+        let answers: Vec<_> = std::thread::scope(|s| {
+            let racers: Vec<_> = [&nodes.a, &nodes.b]
+                .into_iter()
+                .map(|node| {
+                    let (barrier, trade) = (&barrier, trade.clone());
+                    s.spawn(move || {
+                        barrier.wait();
+                        node.reserve_blocking(&tenant(), trade).unwrap()
+                    })
+                })
+                .collect();
+            racers.into_iter().map(|r| r.join().unwrap()).collect()
+        });
+        let grants = answers.iter().filter(|a| matches!(a.reply, ReserveReply::Granted { .. })).count();
+        assert_eq!(grants, 1, "round {round}: {answers:?}");
+        assert_eq!(answers[0].key, answers[1].key, "round {round}");
+    }
+}

@@ -38,7 +38,7 @@ impl Shard {
             book: &mut self.book,
             config: &self.config,
             shard: self.id,
-            local_now,
+            store_estimate_ms: local_now.saturating_add_signed(self.store_ahead_ms),
             now: local_now,
             outbox: &mut outbox,
         };
@@ -202,9 +202,10 @@ struct Batch<'a> {
     book: &'a mut Book,
     config: &'a EngineConfig,
     shard: u32,
-    /// The shard's own reading before the transaction, by which derived keys' buckets
-    /// are locked (a shared store's time comes from the transaction, within a bucket).
-    local_now: u64,
+    /// The store's time as the shard expects it before the transaction (its own reading,
+    /// moved by how far ahead the store's time was last), by which derived keys' buckets
+    /// are locked: a shared store's time comes from the transaction itself.
+    store_estimate_ms: u64,
     now: u64,
     outbox: &'a mut Outbox,
 }
@@ -336,15 +337,21 @@ impl Batch<'_> {
         Ok(())
     }
 
-    /// The buckets a derived reserve may fall in, as scopes to lock before the
-    /// transaction reads its time: the shard's own bucket and one on either side (a
-    /// shared store's time may differ from the shard's by less than a bucket).
+    /// The buckets a derived reserve may be decided in, as scopes to lock before the
+    /// transaction reads its time: the expected bucket and one on either side (the
+    /// store's time may differ from the estimate by less than a bucket), and with a grace
+    /// the one before those (the earlier bucket of the lowest).
     fn candidates(&self, base: &Scope, derive: &Derive) -> Vec<Scope> {
-        let bucket = derive.derived.bucket_of(self.local_now);
-        (bucket.saturating_sub(1)..=bucket.saturating_add(1))
+        self.lockable(&derive.derived)
             .filter_map(|n| self.config.limits.key(&derive.derived.key(n)).ok())
             .map(|key| Scope { key, ..base.clone() })
             .collect()
+    }
+
+    fn lockable(&self, derived: &oncegate_core::DerivedKey) -> std::ops::RangeInclusive<u64> {
+        let expected = derived.bucket_of(self.store_estimate_ms);
+        let below = if derived.has_grace() { 2 } else { 1 };
+        expected.saturating_sub(below)..=expected.saturating_add(1)
     }
 
     /// The key of a derived reserve, by the transaction's time: its bucket's, or within
@@ -359,8 +366,7 @@ impl Batch<'_> {
         derive: &Derive,
     ) -> Result<Result<Scope, Error>, StoreError> {
         let derived = &derive.derived;
-        let local = derived.bucket_of(self.local_now);
-        let locked = local.saturating_sub(1)..=local.saturating_add(1);
+        let locked = self.lockable(derived);
         let (bucket, earlier) = (derived.bucket_of(self.now), derived.earlier_bucket(self.now));
         if !locked.contains(&bucket) || earlier.is_some_and(|e| !locked.contains(&e)) {
             let reason = "the store's clock and this node's differ by more than a bucket".to_owned();

@@ -626,7 +626,10 @@ impl Statements {
     async fn prepare(client: &Object) -> Result<Statements, StoreError> {
         let prepare = |sql: String| async move { client.prepare(&sql).await.map_err(pg_error) };
         Ok(Statements {
-            begin: prepare("BEGIN".to_owned()).await?,
+            // Read committed, whatever the database's default: the time and the rows are
+            // read after the locks are held, and must see what the lock's last holder
+            // committed (a repeatable-read snapshot taken before the wait would not).
+            begin: prepare("BEGIN ISOLATION LEVEL READ COMMITTED".to_owned()).await?,
             commit: prepare("COMMIT".to_owned()).await?,
             rollback: prepare("ROLLBACK".to_owned()).await?,
             lock: prepare("SELECT pg_advisory_xact_lock(h) FROM unnest($1::bigint[]) AS h".to_owned())
