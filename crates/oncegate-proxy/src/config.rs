@@ -174,106 +174,107 @@ impl ProxyFile {
 
     /// The checked configuration, or every problem, each naming its `proxy.` key.
     pub fn into_config(self) -> Result<ProxyConfig, Vec<Problem>> {
-        let defaults = ProxyConfig::default();
+        let mut config = ProxyConfig::default();
         let mut problems = Problems::default();
+        self.check_sizes(&mut config, &mut problems);
+        let mut parse = Parse { problems };
+        self.parse_names(&mut config, &mut parse);
+        parse.problems.into_result().map(|()| config)
+    }
+
+    /// The sizes and times, each within its bounds (a value out of them is reported and
+    /// the default kept, so the other checks still run).
+    fn check_sizes(&self, config: &mut ProxyConfig, problems: &mut Problems) {
         let mut within = |field: &str, value: Option<u64>, default: u64, min: u64, max: u64, unit| {
             let value = value.unwrap_or(default);
             problems.within(&format!("proxy.{field}"), value, min, max, unit);
             value
         };
-        let key_bytes_max =
-            within("key_bytes_max", self.key_bytes_max, defaults.key_bytes_max as u64, 1, 4_096, Unit::Bytes);
-        let headers_bytes_max = within(
+        let bytes = |value: usize| value as u64;
+        config.key_bytes_max =
+            within("key_bytes_max", self.key_bytes_max, bytes(config.key_bytes_max), 1, 4_096, Unit::Bytes)
+                as usize;
+        config.headers_bytes_max = within(
             "headers_bytes_max",
             self.headers_bytes_max,
-            defaults.headers_bytes_max as u64,
+            bytes(config.headers_bytes_max),
             1_024,
             1 << 20,
             Unit::Bytes,
-        );
-        let body_bytes_max = within(
+        ) as usize;
+        config.body_bytes_max = within(
             "body_bytes_max",
             self.body_bytes_max,
-            defaults.body_bytes_max as u64,
+            bytes(config.body_bytes_max),
             1,
             BYTES_CEILING,
             Unit::Bytes,
-        );
+        ) as usize;
         // A stored answer is one gate record's response: it must fit the gate's limit.
-        let stored_bytes_max = within(
+        let stored_ceiling = oncegate_core::RESPONSE_BYTES_CEILING as u64;
+        config.stored_bytes_max = within(
             "stored_bytes_max",
             self.stored_bytes_max,
-            defaults.stored_bytes_max as u64,
+            bytes(config.stored_bytes_max),
             1,
-            oncegate_core::RESPONSE_BYTES_CEILING as u64,
+            stored_ceiling,
             Unit::Bytes,
-        );
-        let wait_ms = within("wait_ms", self.wait_ms, defaults.wait_ms, 0, 30_000, Unit::Ms);
-        let upstream_timeout_ms = within(
+        ) as usize;
+        config.wait_ms = within("wait_ms", self.wait_ms, config.wait_ms, 0, 30_000, Unit::Ms);
+        config.upstream_timeout_ms = within(
             "upstream_timeout_ms",
             self.upstream_timeout_ms,
-            defaults.upstream_timeout_ms,
+            config.upstream_timeout_ms,
             1,
             UPSTREAM_TIMEOUT_MS_MAX,
             Unit::Ms,
         );
-        let ttl_ms = within("ttl_ms", self.ttl_ms, defaults.ttl_ms, 1_000, MS_CEILING, Unit::Ms);
-        let mut parse = Parse { problems };
-        let config = ProxyConfig {
-            upstream: parse.upstream(self.upstream.unwrap_or(defaults.upstream)),
-            namespace: self.namespace.unwrap_or(defaults.namespace),
-            guarded_methods: match self.guarded_methods {
-                Some(methods) => {
-                    parse.all("guarded_methods", &methods, |m| Method::from_bytes(m.as_bytes()).ok())
-                }
-                None => defaults.guarded_methods,
-            },
-            key_header: match self.key_header {
-                Some(name) => parse.one("key_header", &name, header_name).unwrap_or(defaults.key_header),
-                None => defaults.key_header,
-            },
-            key_required_prefixes: parse.all("key_required_prefixes", &self.key_required_prefixes, |p| {
-                p.starts_with('/').then(|| p.to_owned())
-            }),
-            tenant_header: self.tenant_header.and_then(|name| parse.one("tenant_header", &name, header_name)),
-            key_bytes_max: key_bytes_max as usize,
-            headers_bytes_max: headers_bytes_max as usize,
-            body_bytes_max: body_bytes_max as usize,
-            stored_bytes_max: stored_bytes_max as usize,
-            wait_ms,
-            upstream_timeout_ms,
-            ttl_ms,
-            fingerprint_headers: match self.fingerprint_headers {
-                Some(names) => parse.all("fingerprint_headers", &names, header_name),
-                None => defaults.fingerprint_headers,
-            },
-            stored_headers: match self.stored_headers {
-                Some(names) => parse.all("stored_headers", &names, header_name),
-                None => defaults.stored_headers,
-            },
-            stored_statuses: match self.stored_statuses {
-                Some(entries) => StoredStatuses::parse(&entries).unwrap_or_else(|problem| {
-                    parse.problems.push(Problem::new("proxy.stored_statuses", problem));
-                    StoredStatuses::default()
-                }),
-                None => defaults.stored_statuses,
-            },
-            soft_failure: self.soft_failure.and_then(|soft| {
-                let pointer = parse.one("soft_failure.pointer", &soft.pointer, |p| {
-                    (p.is_empty() || p.starts_with('/')).then(|| p.to_owned())
-                })?;
-                Some((pointer, soft.equals))
-            }),
-            key_policy_url: self.key_policy_url.and_then(|url| {
-                parse.one("key_policy_url", &url, |u| {
-                    let absolute = u.parse::<axum::http::Uri>().is_ok_and(|uri| uri.scheme().is_some());
-                    absolute
-                        .then(|| HeaderValue::from_str(&format!("<{u}>; rel=\"describedby\"")).ok())
-                        .flatten()
-                })
-            }),
-        };
-        parse.problems.into_result().map(|()| config)
+        config.ttl_ms = within("ttl_ms", self.ttl_ms, config.ttl_ms, 1_000, MS_CEILING, Unit::Ms);
+    }
+
+    /// Everything written as text: the upstream, methods, header names, statuses, the
+    /// soft-failure pointer and the policy link.
+    fn parse_names(self, config: &mut ProxyConfig, parse: &mut Parse) {
+        config.upstream = parse.upstream(self.upstream.unwrap_or_else(|| config.upstream.clone()));
+        if let Some(namespace) = self.namespace {
+            config.namespace = namespace;
+        }
+        if let Some(methods) = self.guarded_methods {
+            config.guarded_methods =
+                parse.all("guarded_methods", &methods, |m| Method::from_bytes(m.as_bytes()).ok());
+        }
+        if let Some(name) = self.key_header.and_then(|name| parse.one("key_header", &name, header_name)) {
+            config.key_header = name;
+        }
+        config.key_required_prefixes = parse.all("key_required_prefixes", &self.key_required_prefixes, |p| {
+            p.starts_with('/').then(|| p.to_owned())
+        });
+        config.tenant_header =
+            self.tenant_header.and_then(|name| parse.one("tenant_header", &name, header_name));
+        if let Some(names) = self.fingerprint_headers {
+            config.fingerprint_headers = parse.all("fingerprint_headers", &names, header_name);
+        }
+        if let Some(names) = self.stored_headers {
+            config.stored_headers = parse.all("stored_headers", &names, header_name);
+        }
+        if let Some(entries) = self.stored_statuses {
+            match StoredStatuses::parse(&entries) {
+                Ok(rule) => config.stored_statuses = rule,
+                Err(problem) => parse.problems.push(Problem::new("proxy.stored_statuses", problem)),
+            }
+        }
+        config.soft_failure = self.soft_failure.and_then(|soft| {
+            let pointer = parse.one("soft_failure.pointer", &soft.pointer, |p| {
+                (p.is_empty() || p.starts_with('/')).then(|| p.to_owned())
+            })?;
+            Some((pointer, soft.equals))
+        });
+        config.key_policy_url = self.key_policy_url.and_then(|url| {
+            parse.one("key_policy_url", &url, |u| {
+                let absolute = u.parse::<axum::http::Uri>().is_ok_and(|uri| uri.scheme().is_some());
+                absolute.then(|| HeaderValue::from_str(&format!("<{u}>; rel=\"describedby\"")).ok()).flatten()
+            })
+        });
     }
 }
 
