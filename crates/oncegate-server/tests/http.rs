@@ -243,3 +243,25 @@ async fn raw(addr: std::net::SocketAddr, request: &str) -> String {
     socket.read_to_string(&mut answer).await.unwrap();
     answer
 }
+
+/// A key derived from parts over JSON: the answer names the key the shard derived (and,
+/// within the grace after a boundary, the previous bucket's that answered).
+#[tokio::test]
+async fn derived_keys_are_named_in_the_answer() {
+    let server = start_with(|_| {}).await;
+    let trade = json!({"namespace": "live", "key_parts": ["trade", "BTCUSDT", "buy"], "bucket_ms": "60000", "bucket_grace_ms": 2000});
+    let first = post(&server, "/v1/reserve", None, &trade).await;
+    let key = ok(&first)["key"].as_str().unwrap().to_owned();
+    assert_eq!(key, format!("trade:BTCUSDT:buy::{}", T0 / 60_000));
+    let token = first.body["granted"]["token"].clone();
+    let commit = json!({"namespace": "live", "key": key, "token": token, "outcome": "OUTCOME_SUCCEEDED", "response": "ZG9uZQ=="});
+    ok(&post(&server, "/v1/commit", None, &commit).await);
+    // Just past the next boundary, within the grace: the first bucket's key replays.
+    server.clock.advance((T0 / 60_000 + 1) * 60_000 - T0 + 500);
+    let retry = post(&server, "/v1/reserve", None, &trade).await;
+    assert_eq!(
+        (ok(&retry)["key"].as_str(), retry.body["completed"]["response"].as_str()),
+        (Some(key.as_str()), Some("ZG9uZQ=="))
+    );
+    server.stop().await;
+}
