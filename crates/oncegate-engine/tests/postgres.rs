@@ -364,6 +364,22 @@ fn a_database_from_schema_version_1_keeps_its_derived_key_format() {
     assert!(refused.to_string().contains("bucket_grace_ms"), "{refused}");
 }
 
+const BUCKET_MS: u64 = 60_000;
+/// The first bucket boundary after `T0`.
+const BOUNDARY: u64 = (T0 / BUCKET_MS + 1) * BUCKET_MS;
+
+/// A buy of `symbol` as a derived key of one-minute buckets with a two-second grace.
+fn trade(symbol: &str) -> oncegate_engine::ReserveRequest {
+    oncegate_engine::ReserveRequest {
+        namespace: "live".into(),
+        key_parts: vec!["trade".into(), symbol.into(), "buy".into()],
+        bucket_ms: BUCKET_MS,
+        bucket_grace_ms: 2_000,
+        lease_ms: 30_000,
+        ..Default::default()
+    }
+}
+
 /// Nodes whose clocks sit either side of a bucket boundary derive one key for one trade:
 /// the bucket comes from the transaction's time, which never runs below a time another
 /// node decided by. Node B (just past the boundary) places the trade; node A (just before
@@ -371,20 +387,11 @@ fn a_database_from_schema_version_1_keeps_its_derived_key_format() {
 /// own bucket. (Deriving by each node's clock before the transaction gave two grants.)
 #[test]
 fn nodes_either_side_of_a_bucket_boundary_derive_one_key() {
-    const BUCKET_MS: u64 = 60_000;
-    let boundary = (T0 / BUCKET_MS + 1) * BUCKET_MS;
-    let (time_a, time_b) = (ManualClock::new(boundary - 100), ManualClock::new(boundary + 100));
+    let (time_a, time_b) = (ManualClock::new(BOUNDARY - 100), ManualClock::new(BOUNDARY + 100));
     let Some(nodes) = pair("boundary", PgClock::Engine, Arc::new(time_a), Arc::new(time_b)) else { return };
-    let trade = oncegate_engine::ReserveRequest {
-        namespace: "live".into(),
-        key_parts: vec!["trade".into(), "BTCUSDT".into(), "buy".into()],
-        bucket_ms: BUCKET_MS,
-        bucket_grace_ms: 2_000,
-        lease_ms: 30_000,
-        ..Default::default()
-    };
+    let trade = trade("BTCUSDT");
     let on_b = nodes.b.reserve_blocking(&tenant(), trade.clone()).unwrap();
-    assert_eq!(on_b.key.as_str(), format!("trade:BTCUSDT:buy::{}", boundary / BUCKET_MS));
+    assert_eq!(on_b.key.as_str(), format!("trade:BTCUSDT:buy::{}", BOUNDARY / BUCKET_MS));
     granted(&on_b.reply);
     let on_a = nodes.a.reserve_blocking(&tenant(), trade).unwrap();
     assert_eq!(on_a.key, on_b.key);
@@ -397,18 +404,9 @@ fn nodes_either_side_of_a_bucket_boundary_derive_one_key() {
 /// both name the same key.
 #[test]
 fn a_trade_raced_across_a_bucket_boundary_on_two_nodes_is_granted_once() {
-    const BUCKET_MS: u64 = 60_000;
-    let boundary = (T0 / BUCKET_MS + 1) * BUCKET_MS;
-    let trade = oncegate_engine::ReserveRequest {
-        namespace: "live".into(),
-        key_parts: vec!["trade".into(), "ETHUSDT".into(), "sell".into()],
-        bucket_ms: BUCKET_MS,
-        bucket_grace_ms: 2_000,
-        lease_ms: 30_000,
-        ..Default::default()
-    };
+    let trade = trade("ETHUSDT");
     for round in 0..8 {
-        let (before, after) = (ManualClock::new(boundary - 100), ManualClock::new(boundary + 100));
+        let (before, after) = (ManualClock::new(BOUNDARY - 100), ManualClock::new(BOUNDARY + 100));
         let name = format!("straddle{round}");
         let Some(nodes) = pair(&name, PgClock::Engine, Arc::new(before), Arc::new(after)) else { return };
         let barrier = std::sync::Barrier::new(2);
