@@ -42,9 +42,10 @@ impl Routing {
     pub fn hash(self, scope: &Scope) -> u64 {
         let whole = scope_hash(scope);
         let Some(base) = self.bucket_base(scope.key.as_str()) else { return whole };
-        let base = Scope { key: crate::Key::from_stored(base.to_owned()), ..scope.clone() };
+        let base =
+            xxhash_rust::xxh3::xxh3_64(&encode([scope.tenant.as_str(), scope.namespace.as_str(), base]));
         let slot_bits = u64::from(SLOT_COUNT - 1);
-        (whole & !slot_bits) | (scope_hash(&base) & slot_bits)
+        (whole & !slot_bits) | (base & slot_bits)
     }
 
     /// The slot of a scope, in `0..SLOT_COUNT`.
@@ -80,7 +81,11 @@ pub const SLOT_COUNT: u32 = 16_384;
 
 /// The unambiguous byte encoding of a scope that routing hashes.
 pub fn scope_bytes(scope: &Scope) -> Vec<u8> {
-    let parts = [scope.tenant.as_str(), scope.namespace.as_str(), scope.key.as_str()];
+    encode([scope.tenant.as_str(), scope.namespace.as_str(), scope.key.as_str()])
+}
+
+/// Each part's length (a little-endian `u32`) and bytes, in order.
+fn encode(parts: [&str; 3]) -> Vec<u8> {
     let mut out = Vec::with_capacity(12 + parts.iter().map(|p| p.len()).sum::<usize>());
     for part in parts {
         let len = u32::try_from(part.len()).expect("validated fields are far below 4 GiB");

@@ -111,8 +111,10 @@ struct Inner {
     /// The map as shards read it when they open, with the slot moving now.
     live: Arc<slots::LiveMap>,
     closing: AtomicBool,
-    /// The time frame for deriving keys, anchored like the shards' (wall clock at open,
-    /// then monotonic time), so a clock step cannot move a derived key into another bucket.
+    /// The time frame for deriving keys in directories routed by whole keys (bucket
+    /// routing derives in the shard's transaction), anchored like the shards' (wall clock
+    /// at open, then monotonic time), so a clock step cannot move a derived key into
+    /// another bucket.
     frame: Mutex<ClockGuard>,
     /// The shards' persisted marks, which the frame never goes below.
     floor: Arc<FrameFloor>,

@@ -1,86 +1,36 @@
 //! oncegate over gRPC, every call multiplexed over `Session` streams (one per
-//! connection): the pipelining a gateway or the Rust client gets from one stream.
+//! connection): the pipelining a gateway gets from one stream, measured through the Rust
+//! client's own stream driver (`oncegate_client`, `Transport::Session`), without retries.
 
-use std::collections::HashMap;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-
-use anyhow::Context;
+use oncegate_client::{Client, CommitRequest, Gate, RetryPolicy, Transport};
+use oncegate_core::gate::ReserveRequest;
 use oncegate_proto::v1 as pb;
-use oncegate_proto::v1::gate_client::GateClient;
-use pb::session_request::Call;
-use pb::session_response::Result as Out;
-use tokio::sync::{mpsc, oneshot};
-use tonic::transport::Channel;
 
 use super::grpc::{commit_request, reserve_request, reserved};
 use super::{Reserved, Target};
 use crate::Work;
 
-/// A call waiting for its answer.
-type Waiting = (pb::SessionRequest, oneshot::Sender<Out>);
-
-/// One stream per connection, each driven by a task that matches answers to callers.
+/// One client, and so one stream, per connection.
 #[derive(Clone)]
 pub struct Session {
-    streams: Vec<mpsc::Sender<Waiting>>,
-    ids: Arc<AtomicU64>,
+    clients: Vec<Client>,
 }
 
 impl Session {
-    /// Opens one `Session` stream on each of `connections` HTTP/2 connections to `addr`.
+    /// Opens one client (one HTTP/2 connection, one `Session` stream) per connection,
+    /// going round `addrs` (several nodes on one database).
     pub async fn connect(addrs: &[String], connections: usize) -> anyhow::Result<Session> {
-        let mut streams = Vec::new();
+        let mut clients = Vec::new();
         for n in 0..connections.max(addrs.len()) {
-            // Connections go round the servers (several nodes on one database).
-            let channel = Channel::from_shared(addrs[n % addrs.len()].clone())?.connect().await?;
-            streams.push(open(GateClient::new(channel)).await?);
+            let builder = Client::builder(addrs[n % addrs.len()].clone());
+            clients.push(builder.transport(Transport::Session).retry(RetryPolicy::NONE).connect().await?);
         }
-        Ok(Session { streams, ids: Arc::new(AtomicU64::new(1)) })
+        Ok(Session { clients })
     }
 
-    async fn call(&self, worker: usize, call: Call) -> anyhow::Result<Out> {
-        let id = self.ids.fetch_add(1, Ordering::Relaxed);
-        let (answer, answered) = oneshot::channel();
-        let stream = &self.streams[worker % self.streams.len()];
-        stream
-            .send((pb::SessionRequest { id, call: Some(call) }, answer))
-            .await
-            .context("the stream ended")?;
-        match answered.await.context("the stream ended")? {
-            Out::Refusal(refusal) => anyhow::bail!("refused: {} ({})", refusal.message, refusal.code),
-            out => Ok(out),
-        }
+    fn client(&self, worker: usize) -> &Client {
+        &self.clients[worker % self.clients.len()]
     }
-}
-
-/// Starts a stream and the task that sends its calls and routes its answers by id.
-async fn open(mut client: GateClient<Channel>) -> anyhow::Result<mpsc::Sender<Waiting>> {
-    let (calls, mut queued) = mpsc::channel::<Waiting>(1024);
-    let (requests, outgoing) = mpsc::channel(1024);
-    let mut answers =
-        client.session(tokio_stream::wrappers::ReceiverStream::new(outgoing)).await?.into_inner();
-    tokio::spawn(async move {
-        let mut waiting: HashMap<u64, oneshot::Sender<Out>> = HashMap::new();
-        loop {
-            tokio::select! {
-                call = queued.recv() => {
-                    let Some((request, answer)) = call else { return };
-                    waiting.insert(request.id, answer);
-                    if requests.send(request).await.is_err() {
-                        return;
-                    }
-                }
-                answer = answers.message() => {
-                    let Ok(Some(answer)) = answer else { return };
-                    if let (Some(caller), Some(result)) = (waiting.remove(&answer.id), answer.result) {
-                        let _ = caller.send(result);
-                    }
-                }
-            }
-        }
-    });
-    Ok(calls)
 }
 
 impl Target for Session {
@@ -89,10 +39,9 @@ impl Target for Session {
     }
 
     async fn reserve(&self, worker: usize, key: &str, _token: u64, work: &Work) -> anyhow::Result<Reserved> {
-        let Out::Reserve(reply) = self.call(worker, Call::Reserve(reserve_request(key, work))).await? else {
-            anyhow::bail!("a reserve answered with another call's reply")
-        };
-        Ok(reserved(reply))
+        let request = ReserveRequest::from(reserve_request(key, work));
+        let answer = self.client(worker).reserve(request).await?;
+        Ok(reserved(pb::ReserveResponse::from(answer)))
     }
 
     async fn commit(
@@ -103,7 +52,8 @@ impl Target for Session {
         response: &[u8],
         _work: &Work,
     ) -> anyhow::Result<()> {
-        self.call(worker, Call::Commit(commit_request(key, token, response))).await?;
+        let request = CommitRequest::try_from(commit_request(key, token, response))?;
+        self.client(worker).commit(request).await?;
         Ok(())
     }
 }
