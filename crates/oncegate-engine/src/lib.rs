@@ -84,6 +84,8 @@ pub struct ShardStats {
     pub reclaimed: u64,
     /// Alarm ticks run (each reclaims at most `reclaim_batch_max` records).
     pub alarms: u64,
+    /// WAL checkpoints of the shard file (none on PostgreSQL).
+    pub checkpoints: u64,
     /// Reserves parked now.
     pub waiters: u64,
     /// Stored pending records (expired ones not yet reclaimed included).
@@ -808,6 +810,7 @@ impl ShardHandle {
             failures: shared.failures.load(Ordering::Relaxed),
             reclaimed: shared.reclaimed.load(Ordering::Relaxed),
             alarms: shared.alarms.load(Ordering::Relaxed),
+            checkpoints: shared.checkpoints.load(Ordering::Relaxed),
             waiters: shared.waiters.load(Ordering::Relaxed),
             records_pending: shared.records_pending.load(Ordering::Relaxed),
             records_completed: shared.records_completed.load(Ordering::Relaxed),

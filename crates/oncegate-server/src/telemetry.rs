@@ -93,6 +93,7 @@ fn refresh(engine: &Engine) {
         counter("oncegate_shard_batches_total", stats.batches);
         counter("oncegate_shard_commands_total", stats.commands);
         counter("oncegate_shard_failures_total", stats.failures);
+        counter("oncegate_shard_checkpoints_total", stats.checkpoints);
     }
     metrics::gauge!("oncegate_slot_moving").set(if engine.slot_moving().is_some() { 1.0 } else { 0.0 });
     if let Some(rss) = process_rss_bytes() {

@@ -61,8 +61,95 @@ pub(crate) struct Inode {
     dirty: BTreeSet<usize>,
     /// The WAL index, volatile by nature.
     pub shm: Shm,
-    /// Connections that have it open as a main database (at most one: see `vfs.rs`).
+    /// Connections that have it open as a main database (a shard's and its
+    /// checkpointer's at most: see `vfs.rs`).
     pub db_opens: u32,
+    /// The file locks and WAL-index locks its open handles hold, volatile like the index.
+    pub locks: Locks,
+}
+
+/// SQLite's file lock levels (`SQLITE_LOCK_*`).
+const LOCK_SHARED: i32 = 1;
+const LOCK_RESERVED: i32 = 2;
+const LOCK_PENDING: i32 = 3;
+
+/// The locks of one file, by handle, with the rules of SQLite's unix VFS: a handle's
+/// file lock (shared, reserved, pending, exclusive) and its shared and exclusive locks on
+/// the WAL index's eight lock slots. Two connections to one file (a shard's and its
+/// checkpointer's) then exclude each other exactly as they would on a real disk.
+#[derive(Default)]
+pub(crate) struct Locks {
+    file: HashMap<u64, i32>,
+    /// (shared, exclusive) bits over the WAL index's lock slots.
+    shm: HashMap<u64, (u8, u8)>,
+}
+
+impl Locks {
+    /// Raises `handle`'s file lock to `level`; false (busy) if another handle's lock
+    /// forbids it.
+    pub fn lock_file(&mut self, handle: u64, level: i32) -> bool {
+        let others = self.file.iter().filter(|(h, _)| **h != handle).map(|(_, l)| *l).max().unwrap_or(0);
+        let granted = match level {
+            LOCK_SHARED => others < LOCK_PENDING,
+            LOCK_RESERVED => others < LOCK_RESERVED,
+            _ => others < LOCK_SHARED,
+        };
+        if granted {
+            let held = self.file.entry(handle).or_default();
+            *held = (*held).max(level);
+        }
+        granted
+    }
+
+    /// Lowers `handle`'s file lock to `level` (shared or none).
+    pub fn unlock_file(&mut self, handle: u64, level: i32) {
+        if level < LOCK_SHARED {
+            self.file.remove(&handle);
+        } else if let Some(held) = self.file.get_mut(&handle) {
+            *held = (*held).min(level);
+        }
+    }
+
+    /// Whether any handle holds a reserved lock or more.
+    pub fn reserved(&self) -> bool {
+        self.file.values().any(|l| *l >= LOCK_RESERVED)
+    }
+
+    /// Takes or releases `handle`'s locks on the slots in `mask`; false (busy) if another
+    /// handle's locks forbid it.
+    pub fn lock_shm(&mut self, handle: u64, mask: u8, unlock: bool, exclusive: bool) -> bool {
+        let (others_shared, others_exclusive) = self
+            .shm
+            .iter()
+            .filter(|(h, _)| **h != handle)
+            .fold((0u8, 0u8), |(s, e), (_, (hs, he))| (s | hs, e | he));
+        let held = self.shm.entry(handle).or_default();
+        if unlock {
+            *held = (held.0 & !mask, held.1 & !mask);
+        } else if exclusive {
+            if (others_shared | others_exclusive) & mask != 0 {
+                return false;
+            }
+            held.1 |= mask;
+        } else {
+            if others_exclusive & mask != 0 {
+                return false;
+            }
+            held.0 |= mask;
+        }
+        true
+    }
+
+    /// Releases every lock `handle` holds on the WAL index.
+    pub fn release_shm(&mut self, handle: u64) {
+        self.shm.remove(&handle);
+    }
+
+    /// Releases every lock `handle` holds.
+    pub fn release(&mut self, handle: u64) {
+        self.file.remove(&handle);
+        self.shm.remove(&handle);
+    }
 }
 
 impl Inode {
@@ -135,6 +222,7 @@ impl Inode {
         self.dirty.clear();
         self.shm = Shm::default();
         self.db_opens = 0;
+        self.locks = Locks::default();
     }
 
     /// Whether it holds writes not yet synced.
@@ -609,6 +697,37 @@ mod tests {
 
     fn rng() -> rand::rngs::StdRng {
         rand::rngs::StdRng::seed_from_u64(7)
+    }
+
+    /// Two connections to one file (a shard's and its checkpointer's) exclude each other
+    /// as on a real disk: one writer at a time, and a connection that closes while the
+    /// other is open neither checkpoints nor deletes the WAL under it.
+    #[test]
+    fn two_connections_to_one_file_take_turns() {
+        use rusqlite::{Connection, OpenFlags};
+        let disk = Disk::new();
+        let files = disk.boot();
+        files.create_dir_all(Path::new("/d")).unwrap();
+        let vfs = files.sqlite_vfs().unwrap().to_owned();
+        let open = || {
+            Connection::open_with_flags_and_vfs("/d/f.sqlite", OpenFlags::default(), vfs.as_str()).unwrap()
+        };
+        let first = open();
+        let _: String = first.query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0)).unwrap();
+        first.execute_batch("CREATE TABLE t (n INTEGER); INSERT INTO t VALUES (1);").unwrap();
+        let second = open();
+        second.busy_timeout(std::time::Duration::ZERO).unwrap();
+        first.execute_batch("BEGIN IMMEDIATE; INSERT INTO t VALUES (2);").unwrap();
+        let busy = second.execute_batch("BEGIN IMMEDIATE").unwrap_err();
+        assert_eq!(busy.sqlite_error_code(), Some(rusqlite::ErrorCode::DatabaseBusy), "{busy}");
+        first.execute_batch("COMMIT").unwrap();
+        let rows: i64 = second.query_row("SELECT count(*) FROM t", [], |row| row.get(0)).unwrap();
+        assert_eq!(rows, 2, "the second connection reads the first's commit from the WAL");
+        drop(second);
+        let rows: i64 = first.query_row("SELECT count(*) FROM t", [], |row| row.get(0)).unwrap();
+        assert_eq!(rows, 2);
+        assert!(files.read(Path::new("/d/f.sqlite-wal")).is_ok(), "the WAL outlives the first close");
+        assert!(open().execute_batch("PRAGMA wal_checkpoint(PASSIVE)").is_ok());
     }
 
     #[test]

@@ -5,8 +5,10 @@
 //! the database file's name never (whoever creates the file must sync its directory), and
 //! sectors are reported as 4 KiB with power-safe overwrite.
 //!
-//! Locking is single-process: the engine's directory lock guarantees one connection per
-//! shard file, so file locks and WAL-index locks are granted at once.
+//! Locking is single-process (the engine's directory lock keeps other processes out) and
+//! follows SQLite's unix VFS between the connections of this one (`disk::Locks`): a shard
+//! file has two, the shard's and its checkpointer's, which must exclude each other on the
+//! WAL index as they would on a real disk.
 //!
 //! This is the workspace's only `unsafe` code: the C ABI of `sqlite3_vfs` and
 //! `sqlite3_io_methods`. Every function takes the pointers SQLite hands it, checks them,
@@ -16,6 +18,7 @@
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::path::{Path, PathBuf};
 use std::ptr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use rusqlite::ffi;
@@ -36,8 +39,13 @@ impl VfsContext {
     }
 }
 
+/// Numbers the handles, so that locks know whose they are.
+static NEXT_HANDLE: AtomicU64 = AtomicU64::new(1);
+
 /// The state of one open file.
 struct Handle {
+    /// Whose locks these are.
+    id: u64,
     state: Arc<Mutex<State>>,
     /// Its file, or `None` once deleted on close.
     inode: u64,
@@ -48,7 +56,7 @@ struct Handle {
     /// Whether the first sync also makes the name durable (a new WAL or journal).
     sync_dir_pending: bool,
     delete_on_close: bool,
-    /// Whether it is a main database (one connection per file at most).
+    /// Whether it is a main database (two connections per file at most).
     main_db: bool,
     /// The WAL index this handle mapped.
     shm: Option<Shm>,
@@ -70,7 +78,7 @@ static IO_METHODS: ffi::sqlite3_io_methods = ffi::sqlite3_io_methods {
     xSync: Some(x_sync),
     xFileSize: Some(x_file_size),
     xLock: Some(x_lock),
-    xUnlock: Some(x_lock),
+    xUnlock: Some(x_unlock),
     xCheckReservedLock: Some(x_check_reserved_lock),
     xFileControl: Some(x_file_control),
     xSectorSize: Some(x_sector_size),
@@ -167,6 +175,7 @@ unsafe extern "C" fn x_open(
                 & (ffi::SQLITE_OPEN_WAL | ffi::SQLITE_OPEN_MAIN_JOURNAL | ffi::SQLITE_OPEN_SUPER_JOURNAL)
                 != 0;
         let handle = Box::new(Handle {
+            id: NEXT_HANDLE.fetch_add(1, Ordering::Relaxed),
             state,
             inode,
             path,
@@ -187,9 +196,9 @@ unsafe extern "C" fn x_open(
     }
 }
 
-/// Opens (or creates) the file; returns its inode and the disk's generation. A second
-/// connection to one database is refused: the locks below are granted at once, which is
-/// sound only for one connection per file (the engine's directory lock gives that).
+/// Opens (or creates) the file; returns its inode and the disk's generation. A third
+/// connection to one database is refused: the engine opens a shard file twice (the shard
+/// and its checkpointer), and more would mean two live stores on one file.
 fn open(state: &Mutex<State>, path: Option<&Path>, flags: c_int) -> std::io::Result<(u64, u64)> {
     let mut state = lock(state);
     let generation = state.generation;
@@ -204,8 +213,8 @@ fn open(state: &Mutex<State>, path: Option<&Path>, flags: c_int) -> std::io::Res
     };
     if flags & ffi::SQLITE_OPEN_MAIN_DB != 0 {
         let file = state.inodes.get_mut(&inode).ok_or_else(|| std::io::Error::other("no such file"))?;
-        if file.db_opens > 0 {
-            return Err(std::io::Error::other("a second connection to one database"));
+        if file.db_opens > 1 {
+            return Err(std::io::Error::other("a third connection to one database"));
         }
         file.db_opens += 1;
     }
@@ -325,11 +334,13 @@ unsafe extern "C" fn x_close(file: *mut ffi::sqlite3_file) -> c_int {
         (*file).pMethods = ptr::null();
         // Even without power: a closed connection no longer holds its database.
         let mut state = lock(&handle.state);
-        if handle.main_db
-            && handle.generation == state.generation
+        if handle.generation == state.generation
             && let Some(inode) = state.inodes.get_mut(&handle.inode)
         {
-            inode.db_opens = inode.db_opens.saturating_sub(1);
+            inode.locks.release(handle.id);
+            if handle.main_db {
+                inode.db_opens = inode.db_opens.saturating_sub(1);
+            }
         }
         if handle.delete_on_close && state.check(handle.generation).is_ok() {
             match &handle.path {
@@ -431,16 +442,46 @@ unsafe extern "C" fn x_file_size(file: *mut ffi::sqlite3_file, out: *mut ffi::sq
     }
 }
 
-unsafe extern "C" fn x_lock(file: *mut ffi::sqlite3_file, _level: c_int) -> c_int {
-    // SAFETY: a file this VFS opened.
-    let handle = unsafe { handle(file) };
-    with_file(handle, ffi::SQLITE_IOERR_LOCK, |_, _| ()).err().unwrap_or(ffi::SQLITE_OK)
+/// Runs `op` on the locks of `handle`'s file.
+fn with_locks<T>(
+    handle: &Handle,
+    error: c_int,
+    op: impl FnOnce(&mut crate::disk::Locks) -> T,
+) -> Result<T, c_int> {
+    with_file(handle, error, |state, inode| state.inodes.get_mut(&inode).map(|i| op(&mut i.locks)))?
+        .ok_or(error)
 }
 
-unsafe extern "C" fn x_check_reserved_lock(_file: *mut ffi::sqlite3_file, out: *mut c_int) -> c_int {
-    // SAFETY: an output slot.
-    unsafe { *out = 0 };
-    ffi::SQLITE_OK
+unsafe extern "C" fn x_lock(file: *mut ffi::sqlite3_file, level: c_int) -> c_int {
+    // SAFETY: a file this VFS opened.
+    let handle = unsafe { handle(file) };
+    let id = handle.id;
+    match with_locks(handle, ffi::SQLITE_IOERR_LOCK, |locks| locks.lock_file(id, level)) {
+        Ok(true) => ffi::SQLITE_OK,
+        Ok(false) => ffi::SQLITE_BUSY,
+        Err(code) => code,
+    }
+}
+
+unsafe extern "C" fn x_unlock(file: *mut ffi::sqlite3_file, level: c_int) -> c_int {
+    // SAFETY: a file this VFS opened.
+    let handle = unsafe { handle(file) };
+    let id = handle.id;
+    with_locks(handle, ffi::SQLITE_IOERR_UNLOCK, |locks| locks.unlock_file(id, level))
+        .err()
+        .unwrap_or(ffi::SQLITE_OK)
+}
+
+unsafe extern "C" fn x_check_reserved_lock(file: *mut ffi::sqlite3_file, out: *mut c_int) -> c_int {
+    // SAFETY: a file this VFS opened and an output slot.
+    let (handle, out) = unsafe { (handle(file), &mut *out) };
+    match with_locks(handle, ffi::SQLITE_IOERR_CHECKRESERVEDLOCK, |locks| locks.reserved()) {
+        Ok(reserved) => {
+            *out = c_int::from(reserved);
+            ffi::SQLITE_OK
+        }
+        Err(code) => code,
+    }
 }
 
 unsafe extern "C" fn x_file_control(_file: *mut ffi::sqlite3_file, _op: c_int, _arg: *mut c_void) -> c_int {
@@ -492,13 +533,24 @@ unsafe extern "C" fn x_shm_map(
 
 unsafe extern "C" fn x_shm_lock(
     file: *mut ffi::sqlite3_file,
-    _offset: c_int,
-    _n: c_int,
-    _flags: c_int,
+    offset: c_int,
+    n: c_int,
+    flags: c_int,
 ) -> c_int {
     // SAFETY: a file this VFS opened.
     let handle = unsafe { handle(file) };
-    with_file(handle, ffi::SQLITE_IOERR_SHMLOCK, |_, _| ()).err().unwrap_or(ffi::SQLITE_OK)
+    let id = handle.id;
+    if !(0..8).contains(&offset) || !(1..=8 - offset).contains(&n) {
+        return ffi::SQLITE_IOERR_SHMLOCK;
+    }
+    let mask = (((1u16 << n) - 1) << offset) as u8;
+    let unlock = flags & ffi::SQLITE_SHM_UNLOCK != 0;
+    let exclusive = flags & ffi::SQLITE_SHM_EXCLUSIVE != 0;
+    match with_locks(handle, ffi::SQLITE_IOERR_SHMLOCK, |locks| locks.lock_shm(id, mask, unlock, exclusive)) {
+        Ok(true) => ffi::SQLITE_OK,
+        Ok(false) => ffi::SQLITE_BUSY,
+        Err(code) => code,
+    }
 }
 
 unsafe extern "C" fn x_shm_barrier(_file: *mut ffi::sqlite3_file) {
@@ -508,6 +560,8 @@ unsafe extern "C" fn x_shm_barrier(_file: *mut ffi::sqlite3_file) {
 unsafe extern "C" fn x_shm_unmap(file: *mut ffi::sqlite3_file, delete: c_int) -> c_int {
     // SAFETY: a file this VFS opened.
     let handle = unsafe { handle(file) };
+    let id = handle.id;
+    let _ = with_locks(handle, ffi::SQLITE_IOERR_SHMLOCK, |locks| locks.release_shm(id));
     if let (Some(shm), true) = (handle.shm.take(), delete != 0) {
         shm.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clear();
     }

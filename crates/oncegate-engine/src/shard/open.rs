@@ -77,7 +77,10 @@ impl Shard {
         if let Some(moving) = owned.moving.filter(|m| m.to == self.id) {
             self.received.insert(moving.slot);
         }
-        let tuning = Tuning::of(&self.config, Arc::clone(&self.files), Some(owned), self.slots.routing);
+        let tuning = Tuning {
+            checkpoints: Arc::clone(&self.shared.checkpoints),
+            ..Tuning::of(&self.config, Arc::clone(&self.files), Some(owned), self.slots.routing)
+        };
         // Only the first open of the process checks the file and re-anchors the clock;
         // an in-process reopen keeps the frame, so a wall-clock step cannot age records.
         let process_start = !self.opened;

@@ -3,7 +3,7 @@
 //! all shards share.
 
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
-use std::sync::{Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 /// A shard's lifecycle state, visible to health checks.
@@ -63,6 +63,9 @@ pub(crate) struct Shared {
     pub failures: AtomicU64,
     pub reclaimed: AtomicU64,
     pub alarms: AtomicU64,
+    /// WAL checkpoints of the shard's file, its checkpointer's and its own (shared with
+    /// the store, whose checkpointer thread counts).
+    pub checkpoints: Arc<AtomicU64>,
     /// Stored records by state, published after each commit.
     pub records_pending: AtomicU64,
     pub records_completed: AtomicU64,

@@ -16,6 +16,7 @@
 //! takes the keys and the shard's own reading of time, and [`Txn::now`] answers the time
 //! the decisions use. Everything else is the same calls on either side.
 
+mod checkpointer;
 pub(crate) mod postgres;
 pub(crate) mod sqlite;
 

@@ -8,11 +8,13 @@
 use std::cell::{Cell, RefCell};
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 
 use oncegate_core::route::{self, Routing};
 use oncegate_core::{Completion, Fingerprint, Outcome, Record, Scope};
 use rusqlite::{Connection, OpenFlags, OptionalExtension, Transaction, TransactionBehavior, params};
 
+use super::checkpointer::{self, Checkpointer};
 use super::{Meta, StoreError, decode_history, encode_history, stored_scope, stored_tenant};
 use crate::files::Files;
 use crate::index::{Index, Undo};
@@ -160,9 +162,14 @@ pub(crate) struct Tuning {
     pub files: Arc<dyn Files>,
     /// How the directory routes keys: the hash stored beside each record is its.
     pub routing: Routing,
+    /// Where the file's WAL checkpoints are counted.
+    pub checkpoints: Arc<AtomicU64>,
 }
 
 pub(crate) struct Store {
+    /// Declared before `conn`, so that its thread has stopped (and closed its connection)
+    /// before the shard's connection, the file's last, closes.
+    checkpointer: Checkpointer,
     conn: Connection,
     faults: Faults,
     index: Index,
@@ -207,6 +214,7 @@ impl Tuning {
             owned,
             files,
             routing,
+            checkpoints: Arc::default(),
         }
     }
 }
@@ -234,11 +242,7 @@ pub fn configure(
     if !mode.eq_ignore_ascii_case("wal") {
         return Err(StoreError::Corrupt(format!("journal_mode is {mode}, not wal")));
     }
-    let synchronous = match durability {
-        Durability::Full => "FULL",
-        Durability::Normal => "NORMAL",
-    };
-    conn.pragma_update(None, "synchronous", synchronous)?;
+    conn.pragma_update(None, "synchronous", synchronous(durability))?;
     // A larger checkpoint interval lets a hot page be rewritten many times in the WAL
     // before it is copied once into the database file (measured: about 1.5x the
     // throughput of SQLite's default of 1,000 pages, see docs/benchmarks.md).
@@ -250,6 +254,14 @@ pub fn configure(
     // Negative cache_size is in KiB.
     conn.pragma_update(None, "cache_size", -((page_cache_bytes_max / 1024) as i64))?;
     Ok(())
+}
+
+/// SQLite's `synchronous` for a durability.
+fn synchronous(durability: Durability) -> &'static str {
+    match durability {
+        Durability::Full => "FULL",
+        Durability::Normal => "NORMAL",
+    }
 }
 
 /// Brings a file of schema `version` to [`SCHEMA_VERSION`], each step in one transaction
@@ -341,7 +353,16 @@ impl Store {
         // Room for the largest batch: every write at its largest, plus the splits it may
         // cause up a tree of several levels.
         let write_pages = tuning.write_bytes_max / from_sql(page_bytes).saturating_sub(64).max(64) + 1 + 8;
+        let checkpointer = Checkpointer::start(
+            &conn,
+            path,
+            tuning.files.sqlite_vfs(),
+            synchronous(tuning.durability),
+            checkpoint_pages,
+            Arc::clone(&tuning.checkpoints),
+        )?;
         let store = Store {
+            checkpointer,
             conn,
             faults: faults.clone(),
             index,
@@ -375,6 +396,10 @@ impl Store {
     /// Starts the batch's write transaction, with every write keeping a statement
     /// journal when the batch could reach the file's size limit.
     pub fn begin(&mut self, now_ms: u64) -> Result<Txn<'_>, StoreError> {
+        if self.checkpointer.shard_must_checkpoint() {
+            checkpointer::checkpoint(&self.conn)?;
+            self.checkpointer.count();
+        }
         let near_full = self.pages_left()? < self.batch_pages_max;
         if near_full != self.journaled {
             self.conn.execute_batch(if near_full { STATEMENT_JOURNAL_ON } else { STATEMENT_JOURNAL_OFF })?;
@@ -410,6 +435,7 @@ impl Store {
             wrote: Cell::new(false),
             located: RefCell::default(),
             routing: self.routing,
+            checkpointer: &self.checkpointer,
         })
     }
 
@@ -448,6 +474,7 @@ pub(crate) struct Txn<'s> {
     /// that the write after a read neither looks the row up again nor schedules it twice.
     located: RefCell<Option<Located>>,
     routing: Routing,
+    checkpointer: &'s Checkpointer,
 }
 
 /// A row found by scope.
@@ -889,6 +916,7 @@ impl Txn<'_> {
         }
         self.undo.borrow_mut().clear();
         self.unscheduled.borrow_mut().clear();
+        self.checkpointer.committed();
         Ok(())
     }
 }
@@ -1012,6 +1040,7 @@ mod tests {
             owned: None,
             files: Arc::new(crate::files::OsFiles),
             routing: Routing::BucketBase,
+            checkpoints: Arc::default(),
         }
     }
 
@@ -1036,6 +1065,30 @@ mod tests {
         };
         record.push_event(Transition::Granted, at_ms, token);
         record
+    }
+
+    /// The shard's own connection does not checkpoint: its checkpointer thread does, and
+    /// the WAL still restarts from its beginning (the tail the thread leaves is copied by
+    /// the shard before its next write), so the WAL file stays a few intervals long.
+    #[test]
+    fn the_checkpointer_copies_the_wal_and_the_wal_restarts() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("shard.sqlite");
+        let tuning = Tuning { wal_checkpoint_pages: 16, ..tuning() };
+        let (mut store, _, _) = Store::open(&path, &tuning, &Faults::default(), true).unwrap();
+        let mut record = granted(1, 0);
+        record.fingerprint = Fingerprint::from_stored(vec![7; 1500]);
+        for n in 0..1_000u64 {
+            let txn = store.begin(n).unwrap();
+            txn.put(&scope(&format!("k{n}")), &record).unwrap();
+            txn.commit(Meta { next_token: n + 2, high_water_ms: n }).unwrap();
+        }
+        let wal_bytes = std::fs::metadata(dir.path().join("shard.sqlite-wal")).unwrap().len();
+        drop(store);
+        // Each commit appends at least one 2 KiB page: without checkpoints, or without
+        // restarts, the WAL would pass 2 MB.
+        assert!(wal_bytes < 1_000_000, "the WAL grew to {wal_bytes} bytes");
+        assert!(tuning.checkpoints.load(std::sync::atomic::Ordering::Relaxed) > 0, "nothing checkpointed");
     }
 
     /// Batches that delete nothing leave `meta` as it was; the next open reads the

@@ -1,0 +1,168 @@
+//! A shard file's checkpointer: a thread with its own connection to the file that copies
+//! the WAL into the database file, so that the shard's traffic never stops for it.
+//!
+//! By default SQLite checkpoints on the committing connection, inside the commit that
+//! crosses `wal_autocheckpoint`: the shard thread then copies thousands of pages and syncs
+//! the file while its mailbox fills, which was most of the tail at 64 in flight (p99.9
+//! ~23 ms against p99 ~3 ms, docs/benchmarks.md). Here the shard's connection carries a
+//! WAL hook instead, which notes the WAL's length after each commit; past
+//! `wal_checkpoint_pages` the shard pokes this thread, which runs a `PASSIVE` checkpoint:
+//! it copies the frames no reader still needs, never waits for the writer, and syncs the
+//! WAL before and the database file after (the connection's `synchronous` is the
+//! shard's).
+//!
+//! The writer restarts the WAL from its beginning only when a transaction of its begins
+//! with every frame copied, and the shard commits while the thread copies: left alone, the
+//! thread would chase the frames committed during its last run, run after run, each with
+//! its two syncs, and the WAL would not restart (measured: thousands of runs in 8 s, 10%
+//! fewer pairs/s). So after each run the thread leaves the tail (those few frames) to the
+//! shard, which copies them on its own connection before its next write; that write then
+//! restarts the WAL. The shard's pause is the tail's, a fraction of a millisecond.
+//!
+//! Durability does not depend on this thread: a commit is durable once the WAL is synced,
+//! and a checkpoint only moves durable frames. If the thread falls behind (the WAL at four
+//! times the interval), the shard checkpoints on its own connection before its next
+//! batch, as SQLite would have, so the WAL stays bounded whatever the thread does.
+
+use std::cell::Cell;
+use std::ffi::c_int;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{Receiver, Sender};
+use rusqlite::hooks::Wal;
+use rusqlite::{Connection, OpenFlags};
+
+use super::StoreError;
+
+/// How far past the interval the WAL may grow before the shard checkpoints itself.
+const BEHIND_FACTOR: u64 = 4;
+
+/// How long either connection waits for a lock the other holds before giving up. Neither
+/// holds one for long (a checkpoint never takes the writer's lock), so reaching it means
+/// something is wrong with the file.
+pub(crate) const BUSY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+thread_local! {
+    /// The WAL's length in pages after the last commit on this thread's shard connection
+    /// (the hook runs inside `COMMIT`, on the committing thread).
+    static WAL_PAGES: Cell<u64> = const { Cell::new(0) };
+}
+
+fn on_commit(_wal: &Wal, pages: c_int) -> rusqlite::Result<()> {
+    WAL_PAGES.set(u64::try_from(pages).unwrap_or(0));
+    Ok(())
+}
+
+/// The thread and what the shard tells it.
+pub(crate) struct Checkpointer {
+    /// Dropped to stop the thread.
+    poke: Option<Sender<()>>,
+    thread: Option<JoinHandle<()>>,
+    interval_pages: u64,
+    /// Whether the last commit left the WAL past [`BEHIND_FACTOR`] times the interval.
+    behind: Cell<bool>,
+    /// Set by the thread after each run: the frames committed during it are left for the
+    /// shard to copy before its next write, which then restarts the WAL.
+    tail_due: Arc<AtomicBool>,
+    /// Checkpoints run, the thread's and the shard's own.
+    runs: Arc<AtomicU64>,
+}
+
+impl Checkpointer {
+    /// Hooks `shard`'s commits (which also turns its own automatic checkpoints off) and
+    /// starts the thread on a second connection to the file at `path`.
+    pub fn start(
+        shard: &Connection,
+        path: &Path,
+        vfs: Option<&str>,
+        synchronous: &str,
+        interval_pages: u64,
+        runs: Arc<AtomicU64>,
+    ) -> Result<Checkpointer, StoreError> {
+        let conn = match vfs {
+            Some(vfs) => Connection::open_with_flags_and_vfs(path, OpenFlags::default(), vfs)?,
+            None => Connection::open(path)?,
+        };
+        conn.busy_timeout(BUSY_TIMEOUT)?;
+        conn.pragma_update(None, "synchronous", synchronous)?;
+        // A checkpoint copies frames through its own buffer; the cache only holds the
+        // schema.
+        conn.pragma_update(None, "cache_size", -256)?;
+        shard.busy_timeout(BUSY_TIMEOUT)?;
+        shard.wal_hook(Some(on_commit));
+        let (poke, pokes) = crossbeam_channel::bounded(1);
+        let counted = Arc::clone(&runs);
+        let tail_due = Arc::new(AtomicBool::new(false));
+        let due = Arc::clone(&tail_due);
+        let thread = std::thread::Builder::new()
+            .name("oncegate-ckpt".to_owned())
+            .spawn(move || run(&conn, &pokes, &counted, &due))
+            .map_err(|source| StoreError::Io { path: path.to_owned(), source })?;
+        Ok(Checkpointer {
+            poke: Some(poke),
+            thread: Some(thread),
+            interval_pages: interval_pages.max(1),
+            behind: Cell::new(false),
+            tail_due,
+            runs,
+        })
+    }
+
+    /// After a commit on the shard's connection: wakes the thread once the WAL passed
+    /// the interval (a poke already waiting covers this one too).
+    pub fn committed(&self) {
+        let pages = WAL_PAGES.take();
+        self.behind.set(pages >= self.interval_pages.saturating_mul(BEHIND_FACTOR));
+        if pages >= self.interval_pages
+            && let Some(poke) = &self.poke
+        {
+            let _ = poke.try_send(());
+        }
+    }
+
+    /// Whether the shard must checkpoint on its own connection before its next write:
+    /// the thread left it a tail, or is behind.
+    pub fn shard_must_checkpoint(&self) -> bool {
+        self.tail_due.swap(false, Ordering::Relaxed) || self.behind.get()
+    }
+
+    /// Counts a checkpoint the shard ran on its own connection.
+    pub fn count(&self) {
+        self.runs.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+impl Drop for Checkpointer {
+    /// Stops the thread and waits for it, so that no checkpoint runs on a file the shard
+    /// has closed (the shard's connection, closed after, is then the file's last).
+    fn drop(&mut self) {
+        self.poke = None;
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Checkpoints once per poke until the shard drops its end.
+fn run(conn: &Connection, pokes: &Receiver<()>, runs: &AtomicU64, tail_due: &AtomicBool) {
+    while pokes.recv().is_ok() {
+        match checkpoint(conn) {
+            Ok(()) => {
+                runs.fetch_add(1, Ordering::Relaxed);
+                tail_due.store(true, Ordering::Relaxed);
+            }
+            // The frames stay in the WAL, durable; the next poke tries again, and the
+            // shard checkpoints itself if this keeps failing.
+            Err(error) => tracing::warn!(%error, "a background checkpoint failed"),
+        }
+    }
+}
+
+/// Runs a `PASSIVE` checkpoint on `conn`.
+pub(crate) fn checkpoint(conn: &Connection) -> Result<(), StoreError> {
+    conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))?;
+    Ok(())
+}
