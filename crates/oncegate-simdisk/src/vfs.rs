@@ -562,7 +562,13 @@ unsafe extern "C" fn x_shm_unmap(file: *mut ffi::sqlite3_file, delete: c_int) ->
     let handle = unsafe { handle(file) };
     let id = handle.id;
     let _ = with_locks(handle, ffi::SQLITE_IOERR_SHMLOCK, |locks| locks.release_shm(id));
-    if let (Some(shm), true) = (handle.shm.take(), delete != 0) {
+    // SQLite asks to delete only when it holds the file's exclusive lock, that is, as its
+    // last connection; the count guards the index the other connection maps anyway.
+    let last = with_file(handle, ffi::SQLITE_IOERR_SHMLOCK, |state, inode| {
+        state.inodes.get(&inode).is_none_or(|i| i.db_opens <= 1)
+    })
+    .unwrap_or(true);
+    if let (Some(shm), true) = (handle.shm.take(), delete != 0 && last) {
         shm.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clear();
     }
     ffi::SQLITE_OK

@@ -19,8 +19,11 @@
 //! shard, which copies them on its own connection before its next write; that write then
 //! restarts the WAL. The shard's pause is the tail's, a fraction of a millisecond.
 //!
-//! Durability does not depend on this thread: a commit is durable once the WAL is synced,
-//! and a checkpoint only moves durable frames. If the thread falls behind (the WAL at four
+//! Durability does not depend on this thread: a checkpoint syncs the WAL before it copies
+//! anything, and copies only committed frames (with `durability = "full"` each commit had
+//! synced them already). Neither connection waits long for the other's locks (rusqlite's
+//! default busy timeout, 5 s, bounds it): a `PASSIVE` checkpoint never takes the writer's
+//! lock nor waits for one. If the thread falls behind (the WAL at four
 //! times the interval), the shard checkpoints on its own connection before its next
 //! batch, as SQLite would have, so the WAL stays bounded whatever the thread does.
 
@@ -39,11 +42,6 @@ use super::StoreError;
 
 /// How far past the interval the WAL may grow before the shard checkpoints itself.
 const BEHIND_FACTOR: u64 = 4;
-
-/// How long either connection waits for a lock the other holds before giving up. Neither
-/// holds one for long (a checkpoint never takes the writer's lock), so reaching it means
-/// something is wrong with the file.
-pub(crate) const BUSY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
 thread_local! {
     /// The WAL's length in pages after the last commit on this thread's shard connection
@@ -86,12 +84,10 @@ impl Checkpointer {
             Some(vfs) => Connection::open_with_flags_and_vfs(path, OpenFlags::default(), vfs)?,
             None => Connection::open(path)?,
         };
-        conn.busy_timeout(BUSY_TIMEOUT)?;
         conn.pragma_update(None, "synchronous", synchronous)?;
         // A checkpoint copies frames through its own buffer; the cache only holds the
         // schema.
         conn.pragma_update(None, "cache_size", -256)?;
-        shard.busy_timeout(BUSY_TIMEOUT)?;
         shard.wal_hook(Some(on_commit));
         let (poke, pokes) = crossbeam_channel::bounded(1);
         let counted = Arc::clone(&runs);
@@ -112,11 +108,13 @@ impl Checkpointer {
     }
 
     /// After a commit on the shard's connection: wakes the thread once the WAL passed
-    /// the interval (a poke already waiting covers this one too).
+    /// the interval, unless the thread has just run and left the tail to the shard (the
+    /// WAL keeps its length until the shard's next write restarts it).
     pub fn committed(&self) {
         let pages = WAL_PAGES.take();
         self.behind.set(pages >= self.interval_pages.saturating_mul(BEHIND_FACTOR));
         if pages >= self.interval_pages
+            && !self.tail_due.load(Ordering::Relaxed)
             && let Some(poke) = &self.poke
         {
             let _ = poke.try_send(());
@@ -150,8 +148,13 @@ impl Drop for Checkpointer {
 fn run(conn: &Connection, pokes: &Receiver<()>, runs: &AtomicU64, tail_due: &AtomicBool) {
     while pokes.recv().is_ok() {
         match checkpoint(conn) {
-            Ok(()) => {
-                runs.fetch_add(1, Ordering::Relaxed);
+            Ok(copied) => {
+                // Pokes from the commits during this run would only chase their frames:
+                // those are the tail, the shard's to copy.
+                while pokes.try_recv().is_ok() {}
+                if copied {
+                    runs.fetch_add(1, Ordering::Relaxed);
+                }
                 tail_due.store(true, Ordering::Relaxed);
             }
             // The frames stay in the WAL, durable; the next poke tries again, and the
@@ -161,8 +164,9 @@ fn run(conn: &Connection, pokes: &Receiver<()>, runs: &AtomicU64, tail_due: &Ato
     }
 }
 
-/// Runs a `PASSIVE` checkpoint on `conn`.
-pub(crate) fn checkpoint(conn: &Connection) -> Result<(), StoreError> {
-    conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))?;
-    Ok(())
+/// Runs a `PASSIVE` checkpoint on `conn`; returns false if the other connection's
+/// checkpoint was running (SQLite's busy flag), which then copied nothing.
+pub(crate) fn checkpoint(conn: &Connection) -> Result<bool, StoreError> {
+    let busy: i64 = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |row| row.get(0))?;
+    Ok(busy == 0)
 }

@@ -231,7 +231,8 @@ fn from_sql(value: i64) -> u64 {
 
 /// The settings every shard file's connection runs with: WAL, the durability's
 /// `synchronous`, the checkpoint interval, temporary tables in memory and the page cache.
-/// The benchmark's raw-SQLite ceiling applies exactly these.
+/// The benchmark's raw-SQLite ceiling applies exactly these (and so checkpoints inline, as
+/// SQLite does by default; a shard's file hands its checkpoints to `checkpointer.rs`).
 pub fn configure(
     conn: &Connection,
     durability: Durability,
@@ -396,8 +397,7 @@ impl Store {
     /// Starts the batch's write transaction, with every write keeping a statement
     /// journal when the batch could reach the file's size limit.
     pub fn begin(&mut self, now_ms: u64) -> Result<Txn<'_>, StoreError> {
-        if self.checkpointer.shard_must_checkpoint() {
-            checkpointer::checkpoint(&self.conn)?;
+        if self.checkpointer.shard_must_checkpoint() && checkpointer::checkpoint(&self.conn)? {
             self.checkpointer.count();
         }
         let near_full = self.pages_left()? < self.batch_pages_max;
