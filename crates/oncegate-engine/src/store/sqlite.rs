@@ -1083,7 +1083,7 @@ mod tests {
             txn.put(&scope(&format!("k{n}")), &record).unwrap();
             txn.commit(Meta { next_token: n + 2, high_water_ms: n }).unwrap();
         }
-        let wal_bytes = std::fs::metadata(dir.path().join("shard.sqlite-wal")).unwrap().len();
+        let wal_bytes = tuning.files.read(&dir.path().join("shard.sqlite-wal")).unwrap().len();
         drop(store);
         // Each commit appends at least one 2 KiB page: without checkpoints, or without
         // restarts, the WAL would pass 2 MB.
