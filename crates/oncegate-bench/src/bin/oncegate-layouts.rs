@@ -7,7 +7,7 @@
 //! ```
 
 use clap::Parser;
-use oncegate_bench::layouts::{Layout, measure};
+use oncegate_bench::layouts::{Layout, measure, measure_log};
 
 #[derive(Parser)]
 struct Cli {
@@ -34,22 +34,42 @@ struct Cli {
     /// the engine's do at moderate load (otherwise a batch of reserves, then their commits).
     #[arg(long)]
     interleaved: bool,
+    /// Also measure a log file of our own (appended frames, `fdatasync`, an in-memory
+    /// index), plain and preallocated.
+    #[arg(long)]
+    log: bool,
 }
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let scratch = tempfile::tempdir_in(cli.dir.clone().unwrap_or_else(std::env::temp_dir))?;
     println!(
-        "| layout | pairs/s | CPU µs/pair | disk bytes/pair | file MiB |\n| --- | --- | --- | --- | --- |"
+        "| layout | pairs/s | CPU µs/pair | disk bytes/pair | device bytes/pair | file MiB |\n| --- | --- | --- | --- | --- | --- |"
     );
+    let mut measured = Vec::new();
     for layout in cli.layouts {
-        let m = measure(scratch.path(), layout, cli.preload, cli.pairs, cli.batch, cli.interleaved)?;
+        measured.push(measure(scratch.path(), layout, cli.preload, cli.pairs, cli.batch, cli.interleaved)?);
+    }
+    if cli.log {
+        for preallocated in [false, true] {
+            measured.push(measure_log(
+                scratch.path(),
+                cli.preload,
+                cli.pairs,
+                cli.batch,
+                cli.interleaved,
+                preallocated,
+            )?);
+        }
+    }
+    for m in measured {
         println!(
-            "| {} | {:.0} | {:.1} | {:.0} | {:.1} |",
+            "| {} | {:.0} | {:.1} | {:.0} | {:.0} | {:.1} |",
             m.layout,
             m.pairs_per_s,
             m.cpu_us_per_pair,
             m.disk_bytes_per_pair,
+            m.device_bytes_per_pair,
             m.file_bytes as f64 / 1048576.0
         );
     }
