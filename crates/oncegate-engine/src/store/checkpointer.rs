@@ -58,6 +58,8 @@ fn on_commit(_wal: &Wal, pages: c_int) -> rusqlite::Result<()> {
 pub(crate) struct Checkpointer {
     /// Dropped to stop the thread.
     poke: Option<Sender<()>>,
+    /// Cuts a running checkpoint short when the shard closes the file.
+    interrupt: rusqlite::InterruptHandle,
     thread: Option<JoinHandle<()>>,
     interval_pages: u64,
     /// Whether the last commit left the WAL past [`BEHIND_FACTOR`] times the interval.
@@ -89,6 +91,7 @@ impl Checkpointer {
         // schema.
         conn.pragma_update(None, "cache_size", -256)?;
         shard.wal_hook(Some(on_commit));
+        let interrupt = conn.get_interrupt_handle();
         let (poke, pokes) = crossbeam_channel::bounded(1);
         let counted = Arc::clone(&runs);
         let tail_due = Arc::new(AtomicBool::new(false));
@@ -99,6 +102,7 @@ impl Checkpointer {
             .map_err(|source| StoreError::Io { path: path.to_owned(), source })?;
         Ok(Checkpointer {
             poke: Some(poke),
+            interrupt,
             thread: Some(thread),
             interval_pages: interval_pages.max(1),
             behind: Cell::new(false),
@@ -135,9 +139,14 @@ impl Checkpointer {
 
 impl Drop for Checkpointer {
     /// Stops the thread and waits for it, so that no checkpoint runs on a file the shard
-    /// has closed (the shard's connection, closed after, is then the file's last).
+    /// has closed (the shard's connection, closed after, is then the file's last). A
+    /// checkpoint under way is interrupted rather than awaited: a failing shard reopens,
+    /// and a stopping one stops, without waiting for tens of megabytes to be copied. An
+    /// interrupted checkpoint leaves the frames it did not copy in the WAL, where the
+    /// shard's own close (or the next open) finds them.
     fn drop(&mut self) {
         self.poke = None;
+        self.interrupt.interrupt();
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
@@ -158,7 +167,10 @@ fn run(conn: &Connection, pokes: &Receiver<()>, runs: &AtomicU64, tail_due: &Ato
                 tail_due.store(true, Ordering::Relaxed);
             }
             // The frames stay in the WAL, durable; the next poke tries again, and the
-            // shard checkpoints itself if this keeps failing.
+            // shard checkpoints itself if this keeps failing. An interrupt means the
+            // shard is closing the file: the loop ends at the next `recv`.
+            Err(StoreError::Sqlite(error))
+                if error.sqlite_error_code() == Some(rusqlite::ErrorCode::OperationInterrupted) => {}
             Err(error) => tracing::warn!(%error, "a background checkpoint failed"),
         }
     }
