@@ -58,6 +58,9 @@ pub struct StoreConfig {
     /// The longest a PostgreSQL statement (or a connect) may take before the shard
     /// fails, answers `unavailable` and reconnects.
     pub postgres_statement_timeout_ms: u64,
+    /// The longest the count of a shard's records may take when the node starts (one
+    /// pass over the table; it grows with the table, so it has its own bound).
+    pub postgres_count_timeout_ms: u64,
     /// How often a parked reserve's key is read again while another node may hold it.
     pub postgres_waiters_poll_ms: u64,
     /// Whose clock decides: the database's (default) or the engine's.
@@ -72,6 +75,7 @@ impl Default for StoreConfig {
             postgres_pool_size: 16,
             postgres_tls_ca_path: None,
             postgres_statement_timeout_ms: 10_000,
+            postgres_count_timeout_ms: 600_000,
             postgres_waiters_poll_ms: 50,
             postgres_clock: PgClock::Database,
         }
@@ -87,6 +91,7 @@ impl std::fmt::Debug for StoreConfig {
             .field("postgres_pool_size", &self.postgres_pool_size)
             .field("postgres_tls_ca_path", &self.postgres_tls_ca_path)
             .field("postgres_statement_timeout_ms", &self.postgres_statement_timeout_ms)
+            .field("postgres_count_timeout_ms", &self.postgres_count_timeout_ms)
             .field("postgres_waiters_poll_ms", &self.postgres_waiters_poll_ms)
             .field("postgres_clock", &self.postgres_clock)
             .finish()
@@ -308,6 +313,13 @@ impl StoreConfig {
             self.postgres_statement_timeout_ms,
             100,
             600_000,
+            Unit::Ms,
+        );
+        problems.within(
+            "postgres_count_timeout_ms",
+            self.postgres_count_timeout_ms,
+            100,
+            86_400_000,
             Unit::Ms,
         );
         problems.within("postgres_waiters_poll_ms", self.postgres_waiters_poll_ms, 1, 60_000, Unit::Ms);

@@ -218,6 +218,39 @@ fn a_database_that_goes_away_answers_unavailable_and_the_node_recovers() {
     }
 }
 
+/// The records a node's shards count, completed ones, in all.
+fn completed(engine: &Engine) -> u64 {
+    engine.stats().iter().map(|s| s.records_completed).sum()
+}
+
+/// A node counts the table's records when it starts (each shard its slots'); a shard
+/// that reopens keeps its own counts instead of scanning the table again, so a database
+/// that comes back is not met by every shard of every node counting at once.
+#[test]
+fn a_node_counts_the_records_when_it_starts_and_a_reopen_does_not_count_again() {
+    let Some(p) = pair("counts", PgClock::Database, Arc::new(SystemClock), Arc::new(SystemClock)) else {
+        return;
+    };
+    let t = tenant();
+    for n in 0..40 {
+        let key = format!("k{n}");
+        let token = granted(&p.a.reserve_blocking(&t, reserve(&key)).unwrap().reply);
+        p.a.commit_blocking(&t, commit(&key, token, b"r")).unwrap();
+    }
+    assert_eq!(completed(&p.a), 40, "the writer counts its own");
+    assert_eq!(completed(&p.b), 0, "b opened before the writes");
+    for shard in 0..p.b.shard_states().len() as u32 {
+        assert!(p.b.reopen_shard(shard));
+    }
+    assert_eq!(completed(&p.b), 0, "a reopen keeps the shard's counts: {:?}", p.b.stats());
+
+    let dir = tempfile::tempdir().unwrap();
+    let url = shared().unwrap().url("counts");
+    let c = node(dir.path(), &url, PgClock::Database, Arc::new(SystemClock));
+    assert_eq!(completed(&c), 40, "a node that starts counts the table: {:?}", c.stats());
+    assert!(c.stats().iter().all(|s| s.records_completed < 40), "each shard counts its own slots");
+}
+
 #[test]
 fn a_read_only_database_is_refused_and_a_newer_schema_too() {
     let Some(cluster) = shared() else { return };

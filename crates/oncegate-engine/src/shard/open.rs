@@ -65,7 +65,10 @@ impl Shard {
         // Other nodes' records come due without this shard hearing of them: it looks for
         // them once a reclaim window after it opens, and after each reclaim from then on.
         self.book.next_reclaim_ms = Some(now + self.config.reclaim_granularity_ms);
-        self.book.reset_records(store.take_count());
+        // Counted when the node starts; a reopen keeps the shard's own counts.
+        if let Some(counted) = store.take_count() {
+            self.book.reset_records(counted);
+        }
         self.book.settle(&self.shared);
         Ok(Store::Postgres(store))
     }

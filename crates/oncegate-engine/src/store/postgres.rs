@@ -372,14 +372,21 @@ impl Postgres {
 
     /// [`Postgres::run`] for a future with an error of its own.
     fn run_bounded<T>(&self, future: impl Future<Output = T>) -> Result<T, StoreError> {
-        let limit = Duration::from_millis(self.config.postgres_statement_timeout_ms);
+        self.run_within("postgres_statement_timeout_ms", self.config.postgres_statement_timeout_ms, future)
+    }
+
+    /// Runs `future` bounded by the limit `field` (`limit_ms`).
+    fn run_within<T>(
+        &self,
+        field: &'static str,
+        limit_ms: u64,
+        future: impl Future<Output = T>,
+    ) -> Result<T, StoreError> {
+        let limit = Duration::from_millis(limit_ms);
         let runtime = self.runtime.as_ref().expect("the runtime lives as long as the store");
-        runtime.block_on(async { tokio::time::timeout(limit, future).await }).map_err(|_| {
-            StoreError::Postgres(format!(
-                "no answer within postgres_statement_timeout_ms ({} ms)",
-                limit.as_millis()
-            ))
-        })
+        runtime
+            .block_on(async { tokio::time::timeout(limit, future).await })
+            .map_err(|_| StoreError::Postgres(format!("no answer within {field} ({limit_ms} ms)")))
     }
 }
 
@@ -415,9 +422,16 @@ impl Drop for Store {
 }
 
 impl Store {
-    /// Connects, creates or checks the schema, refuses a read-only database, and counts
-    /// the records of the shard's slots. Returns the greatest persisted clock mark and
-    /// the derived keys' format the database records.
+    /// Connects, creates or checks the schema, refuses a read-only database, and, when
+    /// the node starts (`first`), counts the records of the shard's slots. Returns the
+    /// greatest persisted clock mark and the derived keys' format the database records.
+    ///
+    /// The count is one pass over the table, so it runs once per process, under its own
+    /// bound (`postgres_count_timeout_ms`, the statement timeout lifted for it): a shard
+    /// that reopens after the database came back keeps the counts it had, rather than
+    /// every shard of every node scanning the table at once on a freshly promoted
+    /// primary, and a table too large to count within a statement's timeout no longer
+    /// keeps a node from ever opening.
     pub fn open(
         pg: &Arc<Postgres>,
         shard: u32,
@@ -430,17 +444,32 @@ impl Store {
             return Err(StoreError::Injected("open"));
         }
         let owned: Vec<i32> = (0..route::SLOT_COUNT).filter(|s| owned.owns(*s)).map(|s| s as i32).collect();
-        let (client, statements) = pg.connect(first && shard == 0)?;
+        let (mut client, statements) = pg.connect(first && shard == 0)?;
+        let tally = if first {
+            let counted = pg.run_within(
+                "postgres_count_timeout_ms",
+                pg.config.postgres_count_timeout_ms,
+                count(&mut client, &owned, pg.config.postgres_count_timeout_ms),
+            );
+            match counted.and_then(|c| c) {
+                Ok(tally) => Some(tally),
+                Err(error) => {
+                    drop(Object::take(client));
+                    return Err(error);
+                }
+            }
+        } else {
+            None
+        };
         let counted = pg.run(async {
-            let tally = count(&client, &owned).await?;
             let mark: i64 = client
                 .query_one("SELECT coalesce(max(high_water_ms), 0) FROM oncegate_clock", &[])
                 .await
                 .map_err(pg_error)?
                 .get(0);
-            Ok((tally, mark, derived_format(&client).await?))
+            Ok((mark, derived_format(&client).await?))
         });
-        let (tally, mark, format) = match counted {
+        let (mark, format) = match counted {
             Ok(counted) => counted,
             Err(error) => {
                 drop(Object::take(client));
@@ -453,7 +482,7 @@ impl Store {
             statements: Some(statements),
             lane: format!("{}/{shard}", pg.node),
             owned,
-            tally: Some(tally),
+            tally,
             next_reclaim_ms: Cell::new(None),
             reclaim_every_ms,
             faults: faults.clone(),
@@ -482,8 +511,10 @@ impl Store {
         self.client.as_ref().expect("a store keeps its connection until dropped")
     }
 
-    pub fn take_count(&mut self) -> Tally {
-        self.tally.take().unwrap_or_default()
+    /// The records of the shard's slots as counted when the node started; `None` after a
+    /// reopen, which does not count again (the shard keeps its own counts).
+    pub fn take_count(&mut self) -> Option<Tally> {
+        self.tally.take()
     }
 
     pub fn next_reclaim_ms(&self) -> Option<u64> {
@@ -759,15 +790,21 @@ async fn current_version(client: &Object) -> Result<Option<i64>, StoreError> {
     }
 }
 
-/// The records of `owned` slots by state and tenant.
-async fn count(client: &Object, owned: &[i32]) -> Result<Tally, StoreError> {
-    let rows = client
+/// The records of `owned` slots by state and tenant, in a transaction whose statement
+/// timeout is `limit_ms` instead of the connection's.
+async fn count(client: &mut Object, owned: &[i32], limit_ms: u64) -> Result<Tally, StoreError> {
+    let tx = client.transaction().await.map_err(pg_error)?;
+    tx.query_one("SELECT set_config('statement_timeout', $1, true)", &[&limit_ms.to_string()])
+        .await
+        .map_err(pg_error)?;
+    let rows = tx
         .query(
             "SELECT tenant, outcome IS NULL, count(*) FROM oncegate_records WHERE slot = ANY($1) GROUP BY 1, 2",
             &[&owned],
         )
         .await
         .map_err(pg_error)?;
+    tx.commit().await.map_err(pg_error)?;
     let mut tally = Tally::default();
     for row in rows {
         let tenant = stored_tenant(row.get(0))?;
