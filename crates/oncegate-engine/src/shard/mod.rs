@@ -135,6 +135,9 @@ pub(crate) struct Shard {
     /// Whether a clean open has completed in this process (the first one anchors the
     /// clock, runs the integrity check and the restart grace).
     opened: bool,
+    /// Set by an operator's reopen: a shared store's next open counts its records again
+    /// (a reconnect after a failure keeps the shard's counts).
+    recount: bool,
     faults: Faults,
     shared: Arc<Shared>,
     data: Receiver<Mail>,
@@ -192,6 +195,7 @@ impl Shard {
             start,
             floor,
             opened: false,
+            recount: false,
             faults,
             shared,
             data,
@@ -292,7 +296,9 @@ impl Shard {
                 }
                 self.shared.waiters.store(0, Ordering::Relaxed);
                 self.store = None;
+                self.recount = true;
                 let ok = self.open();
+                self.recount = false;
                 let _ = done.send(ok);
                 false
             }

@@ -56,7 +56,7 @@ impl Shard {
             self.id,
             &owned,
             &self.faults,
-            process_start,
+            postgres::Opening { first: process_start, count: process_start || self.recount },
             self.config.reclaim_granularity_ms,
         )?;
         // Every shard reads the same row; the first to open tells the engine.
@@ -65,7 +65,8 @@ impl Shard {
         // Other nodes' records come due without this shard hearing of them: it looks for
         // them once a reclaim window after it opens, and after each reclaim from then on.
         self.book.next_reclaim_ms = Some(now + self.config.reclaim_granularity_ms);
-        // Counted when the node starts; a reopen keeps the shard's own counts.
+        // Counted when the node starts and when an operator reopens the shard; a reconnect
+        // after a failure keeps the shard's own counts.
         if let Some(counted) = store.take_count() {
             self.book.reset_records(counted);
         }

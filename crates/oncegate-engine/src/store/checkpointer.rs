@@ -58,6 +58,8 @@ fn on_commit(_wal: &Wal, pages: c_int) -> rusqlite::Result<()> {
 pub(crate) struct Checkpointer {
     /// Dropped to stop the thread.
     poke: Option<Sender<()>>,
+    /// Set when the shard closes the file: the thread runs no further checkpoint.
+    stopping: Arc<AtomicBool>,
     /// Cuts a running checkpoint short when the shard closes the file.
     interrupt: rusqlite::InterruptHandle,
     thread: Option<JoinHandle<()>>,
@@ -96,12 +98,15 @@ impl Checkpointer {
         let counted = Arc::clone(&runs);
         let tail_due = Arc::new(AtomicBool::new(false));
         let due = Arc::clone(&tail_due);
+        let stopping = Arc::new(AtomicBool::new(false));
+        let stop = Arc::clone(&stopping);
         let thread = std::thread::Builder::new()
             .name("oncegate-ckpt".to_owned())
-            .spawn(move || run(&conn, &pokes, &counted, &due))
+            .spawn(move || run(&conn, &pokes, &Signals { runs: &counted, tail_due: &due, stopping: &stop }))
             .map_err(|source| StoreError::Io { path: path.to_owned(), source })?;
         Ok(Checkpointer {
             poke: Some(poke),
+            stopping,
             interrupt,
             thread: Some(thread),
             interval_pages: interval_pages.max(1),
@@ -140,11 +145,14 @@ impl Checkpointer {
 impl Drop for Checkpointer {
     /// Stops the thread and waits for it, so that no checkpoint runs on a file the shard
     /// has closed (the shard's connection, closed after, is then the file's last). A
-    /// checkpoint under way is interrupted rather than awaited: a failing shard reopens,
-    /// and a stopping one stops, without waiting for tens of megabytes to be copied. An
-    /// interrupted checkpoint leaves the frames it did not copy in the WAL, where the
-    /// shard's own close (or the next open) finds them.
+    /// checkpoint under way is interrupted rather than awaited, and none starts after
+    /// (a poke may still be queued). The frames it did not copy stay in the WAL: the
+    /// shard's connection copies them as it closes, as SQLite does for its last
+    /// connection, so the close still costs what is left to copy; what the interrupt saves
+    /// is the thread's own run starting over. (An interrupt that lands just before the
+    /// thread's statement starts is lost, and that run completes: one run at most.)
     fn drop(&mut self) {
+        self.stopping.store(true, Ordering::SeqCst);
         self.poke = None;
         self.interrupt.interrupt();
         if let Some(thread) = self.thread.take() {
@@ -153,9 +161,17 @@ impl Drop for Checkpointer {
     }
 }
 
-/// Checkpoints once per poke until the shard drops its end.
-fn run(conn: &Connection, pokes: &Receiver<()>, runs: &AtomicU64, tail_due: &AtomicBool) {
-    while pokes.recv().is_ok() {
+/// What the thread shares with the shard.
+struct Signals<'a> {
+    runs: &'a AtomicU64,
+    tail_due: &'a AtomicBool,
+    stopping: &'a AtomicBool,
+}
+
+/// Checkpoints once per poke until the shard drops its end or stops it.
+fn run(conn: &Connection, pokes: &Receiver<()>, signals: &Signals<'_>) {
+    let Signals { runs, tail_due, stopping } = *signals;
+    while pokes.recv().is_ok() && !stopping.load(Ordering::SeqCst) {
         match checkpoint(conn) {
             Ok(copied) => {
                 // Pokes from the commits during this run would only chase their frames:
@@ -166,11 +182,14 @@ fn run(conn: &Connection, pokes: &Receiver<()>, runs: &AtomicU64, tail_due: &Ato
                 }
                 tail_due.store(true, Ordering::Relaxed);
             }
-            // The frames stay in the WAL, durable; the next poke tries again, and the
-            // shard checkpoints itself if this keeps failing. An interrupt means the
-            // shard is closing the file: the loop ends at the next `recv`.
+            // An interrupt means the shard is closing the file.
             Err(StoreError::Sqlite(error))
-                if error.sqlite_error_code() == Some(rusqlite::ErrorCode::OperationInterrupted) => {}
+                if error.sqlite_error_code() == Some(rusqlite::ErrorCode::OperationInterrupted) =>
+            {
+                break;
+            }
+            // The frames stay in the WAL, durable; the next poke tries again, and the
+            // shard checkpoints itself if this keeps failing.
             Err(error) => tracing::warn!(%error, "a background checkpoint failed"),
         }
     }

@@ -390,6 +390,15 @@ impl Postgres {
     }
 }
 
+/// What kind of open a shard's is.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Opening {
+    /// The shard's first open in this process.
+    pub first: bool,
+    /// Whether to count the shard's records (at the first open and an operator's reopen).
+    pub count: bool,
+}
+
 /// One shard's connection to the shared table.
 pub(crate) struct Store {
     pg: Arc<Postgres>,
@@ -423,29 +432,30 @@ impl Drop for Store {
 
 impl Store {
     /// Connects, creates or checks the schema, refuses a read-only database, and, when
-    /// the node starts (`first`), counts the records of the shard's slots. Returns the
-    /// greatest persisted clock mark and the derived keys' format the database records.
+    /// `opening.count` (the node's start, an operator's reopen), counts the records of
+    /// the shard's slots. Returns the greatest persisted clock mark and the derived keys'
+    /// format the database records.
     ///
-    /// The count is one pass over the table, so it runs once per process, under its own
-    /// bound (`postgres_count_timeout_ms`, the statement timeout lifted for it): a shard
-    /// that reopens after the database came back keeps the counts it had, rather than
+    /// The count is one pass over the table, so it runs under its own bound
+    /// (`postgres_count_timeout_ms`, the statement timeout lifted for it), and a shard
+    /// that reconnects after the database came back keeps the counts it had, rather than
     /// every shard of every node scanning the table at once on a freshly promoted
-    /// primary, and a table too large to count within a statement's timeout no longer
-    /// keeps a node from ever opening.
+    /// primary; a table too large to count within a statement's timeout no longer keeps a
+    /// node from ever opening.
     pub fn open(
         pg: &Arc<Postgres>,
         shard: u32,
         owned: &slots::Owned,
         faults: &Faults,
-        first: bool,
+        opening: Opening,
         reclaim_every_ms: u64,
     ) -> Result<(Store, Meta, Routing), StoreError> {
         if faults.open_should_fail() {
             return Err(StoreError::Injected("open"));
         }
         let owned: Vec<i32> = (0..route::SLOT_COUNT).filter(|s| owned.owns(*s)).map(|s| s as i32).collect();
-        let (mut client, statements) = pg.connect(first && shard == 0)?;
-        let tally = if first {
+        let (mut client, statements) = pg.connect(opening.first && shard == 0)?;
+        let tally = if opening.count {
             let counted = pg.run_within(
                 "postgres_count_timeout_ms",
                 pg.config.postgres_count_timeout_ms,
