@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use oncegate_core::{Command, Reply, ReserveReply, Scope, answers_from_earlier_bucket, decide};
 
-use super::{Derive, Request, Shard, ShardState};
+use super::{Asked, Derive, Request, Shard, ShardState};
 use crate::book::{Book, Outbox, file_full};
 use crate::store::{Meta, Store, StoreError, Txn};
 use crate::{EngineConfig, Error};
@@ -58,7 +58,7 @@ impl Shard {
         self.ensure_token_room();
         let Some(store) = self.store.as_mut() else {
             if self.reopen_at.is_some_and(|at| at <= Instant::now()) {
-                self.open();
+                self.open(Asked::ByShard);
             }
             return;
         };

@@ -46,6 +46,8 @@ mod moves;
 mod open;
 mod state;
 
+use open::Asked;
+
 pub(crate) use crate::book::Parked;
 pub(crate) use moves::{Handover, MoveOut};
 pub use state::ShardState;
@@ -135,9 +137,6 @@ pub(crate) struct Shard {
     /// Whether a clean open has completed in this process (the first one anchors the
     /// clock, runs the integrity check and the restart grace).
     opened: bool,
-    /// Set by an operator's reopen: a shared store's next open counts its records again
-    /// (a reconnect after a failure keeps the shard's counts).
-    recount: bool,
     faults: Faults,
     shared: Arc<Shared>,
     data: Receiver<Mail>,
@@ -195,7 +194,6 @@ impl Shard {
             start,
             floor,
             opened: false,
-            recount: false,
             faults,
             shared,
             data,
@@ -240,7 +238,7 @@ impl Shard {
     /// The actor's loop; returns when shut down or when the engine is dropped. `started`
     /// is taken (and sent on) once the first open attempt is over.
     pub fn run(mut self, started: &mut Option<Started>) {
-        self.open();
+        self.open(Asked::ByShard);
         if let Some(started) = started.take() {
             let _ = started.send(self.id);
         }
@@ -296,9 +294,7 @@ impl Shard {
                 }
                 self.shared.waiters.store(0, Ordering::Relaxed);
                 self.store = None;
-                self.recount = true;
-                let ok = self.open();
-                self.recount = false;
+                let ok = self.open(Asked::ByOperator);
                 let _ = done.send(ok);
                 false
             }

@@ -10,12 +10,21 @@ use super::{Shard, ShardState};
 use crate::store::{Meta, Store, StoreError, Tuning, postgres, sqlite};
 use crate::{manifest, token};
 
+/// Who asks for an open.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Asked {
+    /// The shard: at start, or to reconnect after a failure.
+    ByShard,
+    /// An operator (`ReopenShard`): a shared store's records are counted again.
+    ByOperator,
+}
+
 impl Shard {
     /// Opens the file cleanly: integrity check (at process start only), token epoch,
     /// counters, restart grace. On failure the shard stays failed and schedules the next
     /// attempt.
-    pub(super) fn open(&mut self) -> bool {
-        match self.try_open() {
+    pub(super) fn open(&mut self, asked: Asked) -> bool {
+        match self.try_open(asked) {
             Ok(store) => {
                 self.store = Some(store);
                 if !self.opened {
@@ -36,9 +45,9 @@ impl Shard {
         }
     }
 
-    pub(super) fn try_open(&mut self) -> Result<Store, StoreError> {
+    fn try_open(&mut self, asked: Asked) -> Result<Store, StoreError> {
         match self.postgres.clone() {
-            Some(pg) => self.open_postgres(&pg),
+            Some(pg) => self.open_postgres(&pg, asked),
             None => self.open_sqlite(),
         }
     }
@@ -48,7 +57,11 @@ impl Shard {
     /// any node persisted) only schedules its alarms, and decides when the engine's clock
     /// is configured to. No restart grace: other nodes go on serving the keys while this
     /// one is down, so its downtime is not a pause of anyone's lease.
-    fn open_postgres(&mut self, pg: &std::sync::Arc<postgres::Postgres>) -> Result<Store, StoreError> {
+    fn open_postgres(
+        &mut self,
+        pg: &std::sync::Arc<postgres::Postgres>,
+        asked: Asked,
+    ) -> Result<Store, StoreError> {
         let owned = self.slots.owned(self.id);
         let process_start = !self.opened;
         let (mut store, meta, format) = postgres::Store::open(
@@ -56,7 +69,7 @@ impl Shard {
             self.id,
             &owned,
             &self.faults,
-            postgres::Opening { first: process_start, count: process_start || self.recount },
+            postgres::Opening { first: process_start, count: process_start || asked == Asked::ByOperator },
             self.config.reclaim_granularity_ms,
         )?;
         // Every shard reads the same row; the first to open tells the engine.

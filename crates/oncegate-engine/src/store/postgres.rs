@@ -521,8 +521,8 @@ impl Store {
         self.client.as_ref().expect("a store keeps its connection until dropped")
     }
 
-    /// The records of the shard's slots as counted when the node started; `None` after a
-    /// reopen, which does not count again (the shard keeps its own counts).
+    /// The records of the shard's slots as counted by this open; `None` when it did not
+    /// count (a reconnect: the shard keeps its own counts).
     pub fn take_count(&mut self) -> Option<Tally> {
         self.tally.take()
     }
