@@ -27,6 +27,22 @@ pub enum StoreKind {
     Sqlite,
     /// One table in a PostgreSQL database, shared by every node pointed at it.
     Postgres,
+    /// One log of fixed-size segment files per shard in the data directory (a store of
+    /// oncegate's own; slot moves are not supported on it yet).
+    Log,
+}
+
+impl std::str::FromStr for StoreKind {
+    type Err = String;
+
+    fn from_str(name: &str) -> Result<StoreKind, String> {
+        match name {
+            "sqlite" => Ok(StoreKind::Sqlite),
+            "postgres" => Ok(StoreKind::Postgres),
+            "log" => Ok(StoreKind::Log),
+            other => Err(format!("unknown store kind {other:?}; sqlite, postgres or log")),
+        }
+    }
 }
 
 /// Whose clock the PostgreSQL store decides by.
@@ -65,6 +81,8 @@ pub struct StoreConfig {
     pub postgres_waiters_poll_ms: u64,
     /// Whose clock decides: the database's (default) or the engine's.
     pub postgres_clock: PgClock,
+    /// The size of each segment file of a shard's log (`kind = "log"`).
+    pub log_segment_bytes: u64,
 }
 
 impl Default for StoreConfig {
@@ -78,6 +96,7 @@ impl Default for StoreConfig {
             postgres_count_timeout_ms: 600_000,
             postgres_waiters_poll_ms: 50,
             postgres_clock: PgClock::Database,
+            log_segment_bytes: 64 << 20,
         }
     }
 }
@@ -94,6 +113,7 @@ impl std::fmt::Debug for StoreConfig {
             .field("postgres_count_timeout_ms", &self.postgres_count_timeout_ms)
             .field("postgres_waiters_poll_ms", &self.postgres_waiters_poll_ms)
             .field("postgres_clock", &self.postgres_clock)
+            .field("log_segment_bytes", &self.log_segment_bytes)
             .finish()
     }
 }
@@ -265,6 +285,28 @@ impl EngineConfig {
         self.check_files(&mut problems);
         if let Err(store) = self.store.check(self.shards) {
             problems.extend_under("store", store);
+        }
+        if self.store.kind == StoreKind::Log {
+            // A segment holds at least two of the largest records with their frames (one
+            // record never spans segments), and the log at least two segments.
+            let record_bytes_max =
+                (self.limits.response_bytes_max + self.limits.key_bytes_max) as u64 + (64 << 10);
+            problems.within_because(
+                "store.log_segment_bytes",
+                self.store.log_segment_bytes,
+                (2 * record_bytes_max).max(1 << 20),
+                1 << 30,
+                Unit::Bytes,
+                " (twice the largest record: response_bytes_max and key_bytes_max with 64 KiB for the rest)",
+            );
+            problems.within_because(
+                "shard_file_bytes_max",
+                self.shard_file_bytes_max,
+                2 * self.store.log_segment_bytes,
+                u64::MAX,
+                Unit::Bytes,
+                " (two log segments)",
+            );
         }
         problems.into_result()
     }

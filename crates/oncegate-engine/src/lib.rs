@@ -336,7 +336,7 @@ impl Engine {
         config.check().map_err(OpenError::Config)?;
         let lock = manifest::lock(&*files, &config.data_dir)?;
         let (map, shards, routing, postgres) = match config.store.kind {
-            StoreKind::Sqlite => {
+            StoreKind::Sqlite | StoreKind::Log => {
                 let (map, shards, routing) =
                     manifest::open_or_create(&*files, &config.data_dir, config.shards)?;
                 (map, shards, routing, None)

@@ -64,6 +64,11 @@ impl Manifest {
     }
 }
 
+/// The directory of a shard's log (`store.kind = "log"`): `shard-NNNN.log`.
+pub fn shard_log_dir(data_dir: &Path, shard: u32) -> PathBuf {
+    data_dir.join(format!("shard-{shard:04}.log"))
+}
+
 /// The shard file name for a shard number: `shard-NNNN.sqlite`.
 pub fn shard_file(data_dir: &Path, shard: u32) -> PathBuf {
     data_dir.join(format!("shard-{shard:04}.sqlite"))

@@ -330,6 +330,12 @@ impl oncegate_engine::files::Files for MapWritesFail {
     fn lock(&self, dir: &std::path::Path) -> std::io::Result<Option<oncegate_engine::files::LockGuard>> {
         oncegate_engine::files::OsFiles.lock(dir)
     }
+    fn open_segment(
+        &self,
+        path: &std::path::Path,
+    ) -> std::io::Result<Box<dyn oncegate_engine::files::SegmentFile>> {
+        oncegate_engine::files::OsFiles.open_segment(path)
+    }
     fn restrict(&self, path: &std::path::Path) -> std::io::Result<()> {
         oncegate_engine::files::OsFiles.restrict(path)
     }

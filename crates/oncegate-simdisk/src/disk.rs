@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use oncegate_engine::files::{Files, LockGuard};
+use oncegate_engine::files::{Files, LockGuard, SegmentFile};
 use rand::Rng;
 
 /// The unit of atomicity of the simulated disk.
@@ -401,7 +401,7 @@ impl State {
     fn shard_file_unsynced(&self) -> bool {
         self.entries.iter().any(|(path, node)| match node {
             Node::File(inode) => {
-                path.extension().is_some_and(|e| e == "sqlite")
+                path.extension().is_some_and(|e| e == "sqlite" || e == "seg")
                     && self.inodes.get(inode).is_some_and(Inode::unsynced)
             }
             Node::Dir => false,
@@ -573,6 +573,38 @@ impl Boot {
     }
 }
 
+/// A segment file of the log store on the simulated disk: its inode, through one boot
+/// (after a restart every operation of it fails, as the old process's would).
+#[derive(Debug)]
+struct SimSegment {
+    boot: Boot,
+    inode: u64,
+}
+
+impl SegmentFile for SimSegment {
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<usize> {
+        self.boot.with(|state| Ok(state.inodes.get(&self.inode).map_or(0, |i| i.read(offset as usize, buf))))
+    }
+
+    fn write_at(&self, offset: u64, bytes: &[u8]) -> io::Result<()> {
+        self.boot.with(|state| {
+            state.write(self.inode, offset as usize, bytes);
+            Ok(())
+        })
+    }
+
+    fn sync_data(&self) -> io::Result<()> {
+        self.boot.with(|state| {
+            state.sync_inode(self.inode);
+            Ok(())
+        })
+    }
+
+    fn size(&self) -> io::Result<u64> {
+        self.boot.with(|state| Ok(state.inodes.get(&self.inode).map_or(0, |i| i.len() as u64)))
+    }
+}
+
 /// The directory lock of a simulated disk: released when dropped.
 struct SimLock {
     disk: Disk,
@@ -683,6 +715,15 @@ impl Files for Boot {
 
     fn restrict(&self, _path: &Path) -> io::Result<()> {
         Ok(())
+    }
+
+    fn open_segment(&self, path: &Path) -> io::Result<Box<dyn SegmentFile>> {
+        let inode = self.with(|state| match state.inode_of(path) {
+            Ok(inode) => Ok(inode),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => state.create_file(path, Inode::default()),
+            Err(e) => Err(e),
+        })?;
+        Ok(Box::new(SimSegment { boot: self.clone(), inode }))
     }
 
     fn sqlite_vfs(&self) -> Option<&str> {

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use oncegate_core::{Outcome, ReserveReply, State, Tenant, View};
 use oncegate_engine::{
     CommitRequest, Durability, Engine, EngineConfig, Error, Faults, KeyRequest, ManualClock, ReserveRequest,
-    ShardState,
+    ShardState, StoreConfig, StoreKind,
 };
 use rand::rngs::StdRng;
 use rand::seq::IndexedRandom;
@@ -57,6 +57,10 @@ pub struct Plan {
     pub ack_before_commit: bool,
     /// WAL pages between checkpoints (small, so that cuts land around checkpoints).
     pub checkpoint_pages: u64,
+    /// Which of the engine's own stores keeps the records: its SQLite files or its log
+    /// (whose segments are then the smallest allowed, so that cuts land around segment
+    /// changes and compaction).
+    pub store: StoreKind,
     /// Stop after this many violations.
     pub violations_max: usize,
     /// The seed of every random choice.
@@ -75,6 +79,7 @@ impl Default for Plan {
             durability: Durability::Full,
             ack_before_commit: false,
             checkpoint_pages: 4,
+            store: StoreKind::Sqlite,
             violations_max: 20,
             seed: 1,
         }
@@ -422,6 +427,11 @@ impl Run<'_> {
             shards: self.plan.shards,
             durability: self.plan.durability,
             batch_len_max: [1, 4, 64, 256][self.rng.random_range(0..4)],
+            store: StoreConfig {
+                kind: self.plan.store,
+                log_segment_bytes: 1 << 20,
+                ..StoreConfig::default()
+            },
             ..EngineConfig::default()
         };
         let clock = Arc::new(self.clock.clone());

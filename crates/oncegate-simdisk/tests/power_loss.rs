@@ -3,7 +3,7 @@
 //! `durability = "normal"` and of a deliberate ack-before-commit bug as lost
 //! acknowledgements, while the same plan without them passes, or it proves nothing.
 
-use oncegate_engine::Durability;
+use oncegate_engine::{Durability, StoreKind};
 use oncegate_simdisk::harness::{Plan, Report, run};
 
 fn summary(report: &Report) -> String {
@@ -35,6 +35,19 @@ fn every_acknowledged_call_survives_500_plain_and_torn_power_cuts() {
     assert!(report.cut_mid_checkpoint > 10, "{}", summary(&report));
 }
 
+/// The same on the log store: a transaction is one frame appended and synced, cut
+/// anywhere (a torn frame, a segment half zero-filled, a segment being recycled).
+#[test]
+fn every_acknowledged_call_survives_500_plain_and_torn_power_cuts_on_the_log() {
+    let report = run(&Plan { cuts: 500, torn_every: 2, seed: 14, store: StoreKind::Log, ..Plan::default() });
+    assert!(report.violations.is_empty(), "{}", summary(&report));
+    assert_eq!((report.cuts, report.torn), (500, 250), "{}", summary(&report));
+    assert!(report.acknowledged > 10_000, "{}", summary(&report));
+    assert!(report.grants_checked > 1_000, "{}", summary(&report));
+    assert!(report.keys_checked > 10_000, "{}", summary(&report));
+    assert!(report.cut_while_opening > 10, "{}", summary(&report));
+}
+
 /// Runs `plan` with a flaw and without: the flawed run must lose an acknowledged write (a
 /// grant, commit or release, or a heartbeat, whichever the cut happens to catch), and
 /// the same plan without the flaw must not, so the failure is the flaw's.
@@ -53,4 +66,10 @@ fn the_harness_sees_the_losses_of_durability_normal() {
 #[test]
 fn the_harness_sees_an_acknowledgement_sent_before_its_commit() {
     sees(Plan { cuts: 150, ack_before_commit: true, violations_max: 1, seed: 13, ..Plan::default() });
+}
+
+#[test]
+fn the_harness_sees_the_log_store_without_its_syncs() {
+    let plan = Plan { cuts: 150, violations_max: 1, seed: 15, store: StoreKind::Log, ..Plan::default() };
+    sees(Plan { durability: Durability::Normal, ..plan });
 }

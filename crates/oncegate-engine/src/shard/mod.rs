@@ -186,7 +186,10 @@ impl Shard {
         } = parts;
         Shard {
             id,
-            path: manifest::shard_file(&config.data_dir, id),
+            path: match config.store.kind {
+                crate::StoreKind::Log => manifest::shard_log_dir(&config.data_dir, id),
+                _ => manifest::shard_file(&config.data_dir, id),
+            },
             epoch_path: manifest::epoch_file(&config.data_dir, id),
             backoff_ms: config.reopen_backoff_ms_min,
             config,

@@ -7,8 +7,8 @@ use std::sync::atomic::Ordering;
 use oncegate_core::ClockGuard;
 
 use super::{Shard, ShardState};
-use crate::store::{Meta, Store, StoreError, Tuning, postgres, sqlite};
-use crate::{manifest, token};
+use crate::store::{Meta, Store, StoreError, Tuning, Txn, log, postgres, sqlite};
+use crate::{StoreKind, manifest, token};
 
 /// Who asks for an open.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -48,7 +48,7 @@ impl Shard {
     fn try_open(&mut self, asked: Asked) -> Result<Store, StoreError> {
         match self.postgres.clone() {
             Some(pg) => self.open_postgres(&pg, asked),
-            None => self.open_sqlite(),
+            None => self.open_own(),
         }
     }
 
@@ -87,22 +87,34 @@ impl Shard {
         Ok(Store::Postgres(store))
     }
 
-    fn open_sqlite(&mut self) -> Result<Store, StoreError> {
+    /// Opens the shard's own store (its SQLite file or its log): the token epoch, the
+    /// clock frame, the restart grace, and the counters written before the first grant.
+    fn open_own(&mut self) -> Result<Store, StoreError> {
         let owned = self.slots.owned(self.id);
         // Opened as a moving slot's destination, the file keeps that slot's rows: they
         // are copies of an earlier attempt, which the move's copy must replace.
         if let Some(moving) = owned.moving.filter(|m| m.to == self.id) {
             self.received.insert(moving.slot);
         }
-        let tuning = Tuning {
-            checkpoints: Arc::clone(&self.shared.checkpoints),
-            ..Tuning::of(&self.config, Arc::clone(&self.files), Some(owned), self.slots.routing)
-        };
         // Only the first open of the process checks the file and re-anchors the clock;
         // an in-process reopen keeps the frame, so a wall-clock step cannot age records.
         let process_start = !self.opened;
-        let (mut store, meta, created) =
-            sqlite::Store::open(&self.path, &tuning, &self.faults, process_start)?;
+        let (mut store, meta, created) = match self.config.store.kind {
+            StoreKind::Log => {
+                let tuning = log::Tuning::of(&self.config, Arc::clone(&self.files), self.slots.routing);
+                let (store, meta, created) = log::Store::open(&self.path, &tuning, &self.faults)?;
+                (Store::Log(store), meta, created)
+            }
+            _ => {
+                let tuning = Tuning {
+                    checkpoints: Arc::clone(&self.shared.checkpoints),
+                    ..Tuning::of(&self.config, Arc::clone(&self.files), Some(owned), self.slots.routing)
+                };
+                let (store, meta, created) =
+                    sqlite::Store::open(&self.path, &tuning, &self.faults, process_start)?;
+                (Store::Sqlite(store), meta, created)
+            }
+        };
         let stored_epoch =
             manifest::read_epoch(&*self.files, &self.epoch_path).map_err(|e| self.epoch_error(e))?;
         let epoch = token::epoch_at_open(stored_epoch, meta.next_token, created);
@@ -115,7 +127,7 @@ impl Shard {
         // Durable before the first grant of this open, so no later open can reuse it.
         self.write_epoch(epoch)?;
         let now = if process_start { self.anchor(meta.high_water_ms) } else { self.keep_frame(meta) };
-        let txn = store.begin(now)?;
+        let txn = store.begin(&[], now)?;
         if process_start {
             self.restart_grace(&txn, meta.high_water_ms, now)?;
         }
@@ -129,9 +141,9 @@ impl Shard {
         self.leaving.clear();
         self.handed = None;
         self.book.next_reclaim_ms = store.next_reclaim_ms();
-        self.book.reset_records(store.take_count());
+        self.book.reset_records(store.take_own_count());
         self.book.settle(&self.shared);
-        Ok(Store::Sqlite(store))
+        Ok(store)
     }
 
     /// The process's first open: anchors the frame at the engine's start, lifted to the
@@ -166,7 +178,7 @@ impl Shard {
     /// the downtime.
     pub(super) fn restart_grace(
         &self,
-        txn: &sqlite::Txn<'_>,
+        txn: &Txn<'_>,
         high_water_ms: u64,
         now: u64,
     ) -> Result<(), StoreError> {
@@ -196,7 +208,7 @@ impl Shard {
     /// A failure to write it fails the shard like any I/O error.
     pub(super) fn ensure_token_room(&mut self) {
         let room = (self.config.batch_len_max + self.config.waiters_per_shard_max + 1) as u64;
-        let on_file = self.store.as_ref().is_some_and(Store::is_sqlite);
+        let on_file = self.store.as_ref().is_some_and(Store::is_own);
         if !on_file || !token::needs_new_epoch(self.book.next_token, room) {
             return;
         }

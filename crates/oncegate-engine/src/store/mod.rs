@@ -17,6 +17,7 @@
 //! the decisions use. Everything else is the same calls on either side.
 
 mod checkpointer;
+pub(crate) mod log;
 pub(crate) mod postgres;
 pub(crate) mod sqlite;
 
@@ -47,6 +48,10 @@ pub enum StoreError {
         /// The version this binary reads and writes.
         supported: i64,
     },
+    /// The log store is at its size limit (`shard_file_bytes_max`): the write that would
+    /// pass it is refused alone.
+    #[error("the shard's log reached its size limit")]
+    Full,
     /// A fault the tests injected.
     #[error("injected fault: {0}")]
     Injected(&'static str),
@@ -73,7 +78,11 @@ impl StoreError {
     /// Whether the error is SQLite's `SQLITE_FULL`: the file reached
     /// `shard_file_bytes_max` (SQLite's `max_page_count`) or the disk is full.
     pub fn is_full(&self) -> bool {
-        matches!(self, StoreError::Sqlite(e) if e.sqlite_error_code() == Some(rusqlite::ErrorCode::DiskFull))
+        match self {
+            StoreError::Full => true,
+            StoreError::Sqlite(e) => e.sqlite_error_code() == Some(rusqlite::ErrorCode::DiskFull),
+            _ => false,
+        }
     }
 }
 
@@ -86,6 +95,13 @@ pub(crate) struct Meta {
     pub high_water_ms: u64,
 }
 
+impl Default for Meta {
+    /// The counters of a store nothing was written to.
+    fn default() -> Meta {
+        Meta { next_token: 1, high_water_ms: 0 }
+    }
+}
+
 impl Meta {
     /// Counters covering both.
     pub fn max(self, other: Meta) -> Meta {
@@ -96,9 +112,10 @@ impl Meta {
     }
 }
 
-/// An open store: the shard's SQLite file or its connection to PostgreSQL.
+/// An open store: the shard's SQLite file, its log, or its connection to PostgreSQL.
 pub(crate) enum Store {
     Sqlite(sqlite::Store),
+    Log(log::Store),
     Postgres(postgres::Store),
 }
 
@@ -106,6 +123,7 @@ pub(crate) enum Store {
 /// rolls it back.
 pub(crate) enum Txn<'s> {
     Sqlite(sqlite::Txn<'s>),
+    Log(log::Txn<'s>),
     Postgres(postgres::Txn<'s>),
 }
 
@@ -114,6 +132,7 @@ macro_rules! dispatch {
     ($self:expr, $kind:ident, $s:ident => $body:expr) => {
         match $self {
             $kind::Sqlite($s) => $body,
+            $kind::Log($s) => $body,
             $kind::Postgres($s) => $body,
         }
     };
@@ -125,6 +144,7 @@ impl Store {
     pub fn begin(&mut self, keys: &[&Scope], local_now_ms: u64) -> Result<Txn<'_>, StoreError> {
         match self {
             Store::Sqlite(store) => store.begin(local_now_ms).map(Txn::Sqlite),
+            Store::Log(store) => store.begin(local_now_ms).map(Txn::Log),
             Store::Postgres(store) => store.begin(keys, local_now_ms, true).map(Txn::Postgres),
         }
     }
@@ -133,6 +153,7 @@ impl Store {
     pub fn begin_read(&mut self, keys: &[&Scope], local_now_ms: u64) -> Result<Txn<'_>, StoreError> {
         match self {
             Store::Sqlite(store) => store.begin_read(local_now_ms).map(Txn::Sqlite),
+            Store::Log(store) => store.begin_read(local_now_ms).map(Txn::Log),
             Store::Postgres(store) => store.begin(keys, local_now_ms, false).map(Txn::Postgres),
         }
     }
@@ -147,15 +168,15 @@ impl Store {
     /// (another node may commit or release the key).
     pub fn waiters_poll_ms(&self) -> Option<u64> {
         match self {
-            Store::Sqlite(_) => None,
+            Store::Sqlite(_) | Store::Log(_) => None,
             Store::Postgres(store) => Some(store.waiters_poll_ms()),
         }
     }
 
-    /// Whether this is the shard's own SQLite file (token epochs, restart grace and slot
-    /// moves belong to it).
-    pub fn is_sqlite(&self) -> bool {
-        matches!(self, Store::Sqlite(_))
+    /// Whether the store is the shard's own (its SQLite file or its log): token epochs
+    /// and the restart grace belong to those.
+    pub fn is_own(&self) -> bool {
+        !matches!(self, Store::Postgres(_))
     }
 
     /// The (hash, row id) of every row of `slot` in the shard's file (none in a shared
@@ -163,7 +184,18 @@ impl Store {
     pub fn slot_rows(&self, slot: u32) -> Vec<(u64, i64)> {
         match self {
             Store::Sqlite(store) => store.slot_rows(slot),
+            Store::Log(store) => store.slot_rows(slot),
             Store::Postgres(_) => Vec::new(),
+        }
+    }
+
+    /// The record counts an own store read at open (a shared table counts its own way,
+    /// in `open_postgres`).
+    pub fn take_own_count(&mut self) -> crate::quota::Tally {
+        match self {
+            Store::Sqlite(store) => store.take_count(),
+            Store::Log(store) => store.take_count(),
+            Store::Postgres(_) => crate::quota::Tally::default(),
         }
     }
 
@@ -171,6 +203,7 @@ impl Store {
     pub fn sqlite(&mut self) -> Result<&mut sqlite::Store, StoreError> {
         match self {
             Store::Sqlite(store) => Ok(store),
+            Store::Log(_) => Err(StoreError::Unsupported { store: "log", what: "slot moves" }),
             Store::Postgres(_) => Err(StoreError::Unsupported { store: "postgres", what: "slot moves" }),
         }
     }
@@ -187,7 +220,7 @@ impl<'s> Txn<'s> {
     /// PostgreSQL hands out tokens drawn from its sequence after the keys were locked.
     pub fn next_token(&self, counter: u64) -> Result<u64, StoreError> {
         match self {
-            Txn::Sqlite(_) => Ok(counter),
+            Txn::Sqlite(_) | Txn::Log(_) => Ok(counter),
             Txn::Postgres(txn) => txn.next_token(counter),
         }
     }
@@ -213,11 +246,22 @@ impl<'s> Txn<'s> {
         dispatch!(self, Txn, t => t.reclaim(now_ms, limit))
     }
 
-    /// Writes the counters (SQLite's `meta`; PostgreSQL keeps none of its own).
+    /// Writes the counters (SQLite's `meta`; every frame of the log carries them, and
+    /// PostgreSQL keeps none of its own).
     pub fn set_meta(&self, meta: Meta) -> Result<(), StoreError> {
         match self {
             Txn::Sqlite(txn) => txn.set_meta(meta),
-            Txn::Postgres(_) => Ok(()),
+            Txn::Log(_) | Txn::Postgres(_) => Ok(()),
+        }
+    }
+
+    /// Pending records whose lease runs past `after_ms`: those the restart grace extends
+    /// (none in a shared table, whose keys other nodes go on serving).
+    pub fn pending_leased_after(&self, after_ms: u64) -> Result<Vec<(Scope, Record)>, StoreError> {
+        match self {
+            Txn::Sqlite(txn) => txn.pending_leased_after(after_ms),
+            Txn::Log(txn) => txn.pending_leased_after(after_ms),
+            Txn::Postgres(_) => Ok(Vec::new()),
         }
     }
 
@@ -226,6 +270,7 @@ impl<'s> Txn<'s> {
     pub fn failed_alone(&self, error: &StoreError) -> bool {
         match self {
             Txn::Sqlite(txn) => txn.failed_alone(error),
+            Txn::Log(txn) => txn.failed_alone(error),
             Txn::Postgres(_) => false,
         }
     }
@@ -234,6 +279,7 @@ impl<'s> Txn<'s> {
     pub fn acks_early(&self) -> bool {
         match self {
             Txn::Sqlite(txn) => txn.acks_early(),
+            Txn::Log(txn) => txn.acks_early(),
             Txn::Postgres(_) => false,
         }
     }
@@ -252,6 +298,7 @@ impl<'s> Txn<'s> {
     pub fn sqlite(&self) -> Result<&sqlite::Txn<'s>, StoreError> {
         match self {
             Txn::Sqlite(txn) => Ok(txn),
+            Txn::Log(_) => Err(StoreError::Unsupported { store: "log", what: "slot moves" }),
             Txn::Postgres(_) => Err(StoreError::Unsupported { store: "postgres", what: "slot moves" }),
         }
     }

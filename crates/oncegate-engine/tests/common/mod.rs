@@ -27,6 +27,7 @@ pub fn tenant() -> Tenant {
 pub enum Backend {
     Sqlite,
     Postgres,
+    Log,
 }
 
 thread_local! {
@@ -48,6 +49,10 @@ pub fn with_backend(backend: Backend, test: impl FnOnce()) {
 pub fn store_for(dir: &Path) -> StoreConfig {
     match BACKEND.with(Cell::get) {
         Backend::Sqlite => StoreConfig::default(),
+        // Small segments, so that the tests' traffic crosses from one to the next.
+        Backend::Log => {
+            StoreConfig { kind: StoreKind::Log, log_segment_bytes: 1 << 20, ..StoreConfig::default() }
+        }
         Backend::Postgres => StoreConfig {
             kind: StoreKind::Postgres,
             postgres_url: pg::database_for(dir).expect("the cluster was started by with_backend"),
@@ -57,7 +62,7 @@ pub fn store_for(dir: &Path) -> StoreConfig {
     }
 }
 
-/// Generates, for each test function, a module with two tests: `sqlite` and `postgres`,
+/// Generates, for each test function, a module with three tests: `sqlite`, `postgres` and `log`,
 /// each running the same body against that store.
 #[macro_export]
 macro_rules! on_both {
@@ -74,6 +79,10 @@ macro_rules! on_both {
             #[test]
             fn postgres() {
                 $crate::common::with_backend($crate::common::Backend::Postgres, body)
+            }
+            #[test]
+            fn log() {
+                $crate::common::with_backend($crate::common::Backend::Log, body)
             }
         }
     )*};
