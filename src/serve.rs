@@ -27,9 +27,9 @@ pub struct ServeArgs {
     /// Shards for a new data directory (`engine.shards`).
     #[arg(long, env = "ONCEGATE_SHARDS")]
     shards: Option<u32>,
-    /// Where the records live: `sqlite` or `postgres` (`store.kind`).
-    #[arg(long, env = "ONCEGATE_STORE", value_parser = ["sqlite", "postgres"])]
-    store: Option<String>,
+    /// Where the records live: `sqlite`, `postgres` or `log` (`store.kind`).
+    #[arg(long, env = "ONCEGATE_STORE", value_parser = clap::value_parser!(StoreKind))]
+    store: Option<StoreKind>,
     /// The PostgreSQL connection string (`store.postgres_url`); `sslmode=require` asks
     /// for TLS.
     #[arg(long, env = "ONCEGATE_POSTGRES_URL", hide_env_values = true)]
@@ -56,8 +56,8 @@ fn load(args: &ServeArgs) -> anyhow::Result<Config> {
     if let Some(shards) = args.shards {
         config.engine.shards = shards;
     }
-    if let Some(kind) = &args.store {
-        config.store.kind = if kind == "postgres" { StoreKind::Postgres } else { StoreKind::Sqlite };
+    if let Some(kind) = args.store {
+        config.store.kind = kind;
     }
     if let Some(url) = &args.postgres_url {
         config.store.postgres_url = url.clone();

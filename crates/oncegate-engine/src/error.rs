@@ -164,6 +164,21 @@ pub enum OpenError {
         /// What, and what to do instead.
         what: &'static str,
     },
+    /// The data directory holds another store's shards than the one configured: opened
+    /// as configured, its records would be invisible and their keys granted again.
+    #[error(
+        "{dir} holds {found} shards ({example}) but store.kind is {configured:?}; set store.kind to the store that wrote them"
+    )]
+    OtherStore {
+        /// The data directory.
+        dir: std::path::PathBuf,
+        /// The kind its shards are.
+        found: &'static str,
+        /// One of them.
+        example: String,
+        /// The configured kind.
+        configured: crate::StoreKind,
+    },
     /// The slot map cannot be read or is damaged.
     #[error(transparent)]
     SlotMap(#[from] crate::slots::SlotMapError),

@@ -337,6 +337,7 @@ impl Engine {
         let lock = manifest::lock(&*files, &config.data_dir)?;
         let (map, shards, routing, postgres) = match config.store.kind {
             StoreKind::Sqlite | StoreKind::Log => {
+                manifest::check_store_kind(&*files, &config.data_dir, config.store.kind)?;
                 let (map, shards, routing) =
                     manifest::open_or_create(&*files, &config.data_dir, config.shards)?;
                 (map, shards, routing, None)

@@ -122,10 +122,34 @@ pub fn node_name(files: &dyn Files, data_dir: &Path) -> Result<String, OpenError
     Ok(name)
 }
 
-/// How many shard files (`shard-*.sqlite`) a data directory holds.
+/// Refuses a data directory whose shards another store kind wrote (`shard-*.sqlite`
+/// files under the log store, `shard-*.log` directories under SQLite).
+pub fn check_store_kind(
+    files: &dyn Files,
+    data_dir: &Path,
+    configured: crate::StoreKind,
+) -> Result<(), OpenError> {
+    let (found, suffix) = match configured {
+        crate::StoreKind::Log => ("sqlite", ".sqlite"),
+        _ => ("log", ".log"),
+    };
+    let names = match files.list(data_dir) {
+        Ok(names) => names,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(io(data_dir)(e)),
+    };
+    match names.into_iter().find(|name| name.starts_with("shard-") && name.ends_with(suffix)) {
+        Some(example) => Err(OpenError::OtherStore { dir: data_dir.to_owned(), found, example, configured }),
+        None => Ok(()),
+    }
+}
+
+/// How many shards (`shard-*.sqlite` files, `shard-*.log` directories) a data directory holds.
 fn shard_file_count(files: &dyn Files, data_dir: &Path) -> Result<usize, OpenError> {
     let names = files.list(data_dir).map_err(io(data_dir))?;
-    Ok(names.iter().filter(|name| name.starts_with("shard-") && name.ends_with(".sqlite")).count())
+    let shard =
+        |name: &&String| name.starts_with("shard-") && (name.ends_with(".sqlite") || name.ends_with(".log"));
+    Ok(names.iter().filter(shard).count())
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> OpenError + '_ {

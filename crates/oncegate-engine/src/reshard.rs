@@ -83,6 +83,9 @@ pub fn add_shards_on(
     faults: &Faults,
     progress: Progress<'_>,
 ) -> Result<Resharded, OpenError> {
+    if config.store.kind == crate::StoreKind::Log {
+        return Err(OpenError::Unsupported { what: crate::grow::LOG_MOVES });
+    }
     let dir = &config.data_dir;
     let _lock = manifest::lock(&*files, dir)?;
     let manifest = manifest::read(&*files, dir)?.ok_or_else(|| OpenError::Manifest {

@@ -17,11 +17,15 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 
 use oncegate_core::{Outcome, ReserveReply, State, Tenant};
-use oncegate_engine::{CommitRequest, Engine, EngineConfig, KeyRequest, ReserveRequest};
+use oncegate_engine::{
+    CommitRequest, Engine, EngineConfig, KeyRequest, ReserveRequest, StoreConfig, StoreKind,
+};
 
 const CHILD_ENV: &str = "ONCEGATE_CRASH_CHILD";
 /// Set in the child of the second run: it adds shards up to this count under the load.
 const GROW_ENV: &str = "ONCEGATE_CRASH_GROW";
+/// Which store the child runs on (`sqlite` or `log`); the parent's config says the same.
+const STORE_ENV: &str = "ONCEGATE_CRASH_STORE";
 const GROW_TO: u32 = 8;
 /// The parent kills a growing child after a number of slot moves below this.
 const MOVES_BEFORE_KILL_SPREAD: usize = 300;
@@ -32,17 +36,18 @@ const THREADS: usize = 8;
 const COMMITS_BEFORE_KILL_MIN: usize = 100;
 const COMMITS_BEFORE_KILL_SPREAD: usize = 500;
 
-fn config(dir: &Path) -> EngineConfig {
+fn config(dir: &Path, kind: StoreKind) -> EngineConfig {
     EngineConfig {
         data_dir: dir.to_owned(),
+        store: StoreConfig { kind, log_segment_bytes: 1 << 20, ..StoreConfig::default() },
         shards: 2,
         slot_moves_per_second_max: 0,
         ..EngineConfig::default()
     }
 }
 
-fn child(dir: &Path, cycle: &str, grow: bool) {
-    let engine = Engine::open(config(dir)).expect("child opens the engine");
+fn child(dir: &Path, cycle: &str, grow: bool, kind: StoreKind) {
+    let engine = Engine::open(config(dir, kind)).expect("child opens the engine");
     let tenant = Tenant::default_tenant();
     std::thread::scope(|s| {
         if grow {
@@ -91,9 +96,10 @@ fn child(dir: &Path, cycle: &str, grow: bool) {
 /// Acknowledgements the child printed: key -> (token, committed).
 type Acks = HashMap<String, (u64, bool)>;
 
-fn run_cycle(dir: &Path, cycle: usize, acks: &mut Acks, grow: bool) {
+fn run_cycle(dir: &Path, cycle: usize, acks: &mut Acks, grow: bool, kind: StoreKind) {
     let exe = std::env::current_exe().expect("own path");
     let mut command = Command::new(exe);
+    command.env(STORE_ENV, if kind == StoreKind::Log { "log" } else { "sqlite" });
     if grow {
         command.env(GROW_ENV, "1");
     }
@@ -148,8 +154,8 @@ fn run_cycle(dir: &Path, cycle: usize, acks: &mut Acks, grow: bool) {
     assert!(killed, "the child exited by itself: {status}");
 }
 
-fn verify(dir: &Path, acks: &Acks) -> Engine {
-    let engine = Engine::open(config(dir)).expect("reopen after the crash");
+fn verify(dir: &Path, acks: &Acks, kind: StoreKind) -> Engine {
+    let engine = Engine::open(config(dir, kind)).expect("reopen after the crash");
     let tenant = Tenant::default_tenant();
     for (key, (token, committed)) in acks {
         let request = KeyRequest { namespace: "live".into(), key: key.clone(), ..Default::default() };
@@ -172,22 +178,25 @@ fn verify(dir: &Path, acks: &Acks) -> Engine {
 fn main() {
     if let Ok(dir) = std::env::var(CHILD_ENV) {
         let cycle = std::env::var("ONCEGATE_CRASH_CYCLE").expect("cycle name");
-        child(Path::new(&dir), &cycle, std::env::var_os(GROW_ENV).is_some());
+        let kind = std::env::var(STORE_ENV).expect("store kind").parse().expect("a store kind");
+        child(Path::new(&dir), &cycle, std::env::var_os(GROW_ENV).is_some(), kind);
         return;
     }
-    let dir = tempfile::tempdir().expect("temp dir");
-    let mut acks = Acks::new();
-    for cycle in 0..CYCLES {
-        run_cycle(dir.path(), cycle, &mut acks, false);
-        verify(dir.path(), &acks);
-        let committed = acks.values().filter(|(_, c)| *c).count();
-        println!(
-            "crash cycle {cycle}: {} grants and {committed} commits acknowledged, all found after SIGKILL",
-            acks.len()
-        );
+    for kind in [StoreKind::Sqlite, StoreKind::Log] {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mut acks = Acks::new();
+        for cycle in 0..CYCLES {
+            run_cycle(dir.path(), cycle, &mut acks, false, kind);
+            verify(dir.path(), &acks, kind);
+            let committed = acks.values().filter(|(_, c)| *c).count();
+            println!(
+                "crash cycle {cycle} ({kind:?}): {} grants and {committed} commits acknowledged, all found after SIGKILL",
+                acks.len()
+            );
+        }
+        std::io::stdout().flush().expect("flush");
+        println!("crash_durability ({kind:?}): 1 passed, 0 failed");
     }
-    std::io::stdout().flush().expect("flush");
-    println!("crash_durability: 1 passed, 0 failed");
     grow_under_kills();
     println!("crash_during_add_shards: 1 passed, 0 failed");
 }
@@ -198,16 +207,16 @@ fn grow_under_kills() {
     let dir = tempfile::tempdir().expect("temp dir");
     let mut acks = Acks::new();
     for cycle in 0..CYCLES {
-        run_cycle(dir.path(), cycle, &mut acks, true);
-        let engine = verify(dir.path(), &acks);
+        run_cycle(dir.path(), cycle, &mut acks, true, StoreKind::Sqlite);
+        let engine = verify(dir.path(), &acks, StoreKind::Sqlite);
         let shards = engine.stats().len();
         println!("add-shards kill {cycle}: {} acknowledgements found on {shards} shards", acks.len());
     }
-    let engine = verify(dir.path(), &acks);
+    let engine = verify(dir.path(), &acks, StoreKind::Sqlite);
     engine.add_shards(GROW_TO, &mut |_, _| {}).expect("the add resumes and finishes");
     let slots: Vec<u32> = engine.stats().iter().map(|s| s.slots).collect();
     assert_eq!(slots, vec![16_384 / GROW_TO; GROW_TO as usize]);
     engine.shutdown();
     drop(engine);
-    verify(dir.path(), &acks);
+    verify(dir.path(), &acks, StoreKind::Sqlite);
 }

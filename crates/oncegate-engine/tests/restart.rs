@@ -102,3 +102,44 @@ fn files_an_older_version_left_readable_by_others_are_made_owner_only_at_open() 
         assert_eq!(mode(name), 0o600, "{name}");
     }
 }
+
+/// A data directory written by one of the engine's own stores is refused under the
+/// other: opened as configured, its records would be invisible and every key granted
+/// again.
+#[test]
+fn a_data_directory_of_the_other_store_is_refused() {
+    use oncegate_engine::{OpenError, StoreConfig, StoreKind};
+    let clock = ManualClock::new(T0);
+    let faults = Faults::default();
+    let t = tenant();
+    for (wrote, configured) in [(StoreKind::Sqlite, StoreKind::Log), (StoreKind::Log, StoreKind::Sqlite)] {
+        let dir = tempfile::tempdir().unwrap();
+        let store = |kind| StoreConfig { kind, log_segment_bytes: 1 << 20, ..StoreConfig::default() };
+        let engine = open(EngineConfig { store: store(wrote), ..config(dir.path()) }, &clock, &faults);
+        granted(&engine.reserve_blocking(&t, reserve("k")).unwrap().reply);
+        drop(engine);
+        let opened = oncegate_engine::Engine::open_with(
+            EngineConfig { store: store(configured), ..config(dir.path()) },
+            std::sync::Arc::new(clock.clone()),
+            faults.clone(),
+        );
+        assert!(matches!(opened, Err(OpenError::OtherStore { .. })), "{wrote:?} opened as {configured:?}");
+    }
+}
+
+/// Slot moves read and delete a slot's records in SQLite; the log store refuses to add
+/// shards, with the reason, instead of starting a move it cannot finish.
+#[test]
+fn adding_shards_on_the_log_store_is_refused() {
+    use oncegate_engine::{OpenError, StoreConfig, StoreKind};
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let store = StoreConfig { kind: StoreKind::Log, log_segment_bytes: 1 << 20, ..StoreConfig::default() };
+    let config = EngineConfig { store, ..config(dir.path()) };
+    let engine = open(config.clone(), &clock, &Faults::default());
+    let added = engine.add_shards(4, &mut |_, _| {});
+    assert!(matches!(added, Err(OpenError::Unsupported { .. })));
+    drop(engine);
+    let offline = oncegate_engine::reshard::add_shards(&config, 4, &mut |_, _| {});
+    assert!(matches!(offline, Err(OpenError::Unsupported { .. })));
+}
