@@ -15,7 +15,10 @@ pub enum ChildMode {
         /// Shards, for a new directory.
         #[arg(long)]
         shards: u32,
-        /// Keep the records in this PostgreSQL database instead of the directory.
+        /// Where the records live (`sqlite`, `log`, or `postgres` with `--postgres-url`).
+        #[arg(long, default_value = "sqlite", value_parser = clap::value_parser!(oncegate_engine::StoreKind))]
+        store: oncegate_engine::StoreKind,
+        /// The PostgreSQL database of `--store postgres`.
         #[arg(long)]
         postgres_url: Option<String>,
     },
@@ -24,16 +27,13 @@ pub enum ChildMode {
 /// Runs an oncegate server for a load tool's child process: opens `data_dir` with
 /// `shards`, listens on a free loopback port, prints `addr=...` on standard output, and
 /// serves until killed.
-pub fn serve_child(
-    data_dir: std::path::PathBuf,
-    shards: u32,
-    postgres_url: Option<String>,
-) -> anyhow::Result<()> {
+pub fn serve_child(mode: ChildMode) -> anyhow::Result<()> {
+    let ChildMode::Serve { data_dir, shards, store, postgres_url } = mode;
     let mut config = oncegate_server::Config::default();
     config.engine.data_dir = data_dir;
     config.engine.shards = shards;
+    config.store.kind = store;
     if let Some(url) = postgres_url {
-        config.store.kind = oncegate_engine::StoreKind::Postgres;
         config.store.postgres_url = url;
     }
     config.server.listen = "127.0.0.1:0".parse()?;
@@ -48,18 +48,20 @@ pub fn serve_child(
     })
 }
 
-/// Starts this executable's `serve` mode as a child process (on `postgres_url` when given);
-/// returns it and its address.
+/// Starts this executable's `serve` mode as a child process on `store` (`postgres_url`
+/// names the database of `StoreKind::Postgres`); returns it and its address.
 pub fn start_child(
     data_dir: &std::path::Path,
     shards: u32,
-    postgres_url: Option<&str>,
+    store: oncegate_engine::StoreKind,
+    postgres_url: &str,
 ) -> anyhow::Result<(std::process::Child, String)> {
     use std::io::BufRead;
     let mut command = std::process::Command::new(std::env::current_exe()?);
     command.args(["serve", "--data-dir"]).arg(data_dir).args(["--shards", &shards.to_string()]);
-    if let Some(url) = postgres_url {
-        command.args(["--postgres-url", url]);
+    command.arg("--store").arg(store.name());
+    if store == oncegate_engine::StoreKind::Postgres {
+        command.args(["--postgres-url", postgres_url]);
     }
     let mut child =
         command.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::null()).spawn()?;

@@ -32,6 +32,17 @@ pub enum StoreKind {
     Log,
 }
 
+impl StoreKind {
+    /// The name configuration and flags use.
+    pub fn name(self) -> &'static str {
+        match self {
+            StoreKind::Sqlite => "sqlite",
+            StoreKind::Postgres => "postgres",
+            StoreKind::Log => "log",
+        }
+    }
+}
+
 impl std::str::FromStr for StoreKind {
     type Err = String;
 

@@ -54,9 +54,9 @@ struct Cli {
     #[arg(long, default_value_t = 4)]
     connections: usize,
     /// Where the oncegate the tool starts (and the embedded target) keeps its records:
-    /// `sqlite`, or `postgres` (the database of `--postgres`).
-    #[arg(long, default_value = "sqlite", value_parser = ["sqlite", "postgres"])]
-    store: String,
+    /// `sqlite`, `log`, or `postgres` (the database of `--postgres`).
+    #[arg(long, default_value = "sqlite", value_parser = clap::value_parser!(oncegate_engine::StoreKind))]
+    store: oncegate_engine::StoreKind,
     /// oncegate servers the tool starts (on `--store postgres`, several nodes of one
     /// database); the gRPC targets spread their connections over them.
     #[arg(long, default_value_t = 1)]
@@ -106,8 +106,8 @@ struct Bench {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    if let Some(ChildMode::Serve { data_dir, shards, postgres_url }) = cli.mode {
-        return oncegate_bench::serve_child(data_dir, shards, postgres_url);
+    if let Some(mode) = cli.mode {
+        return oncegate_bench::serve_child(mode);
     }
     let scratch = tempfile::tempdir_in(cli.dir.clone().unwrap_or_else(std::env::temp_dir))?;
     if cli.preload > 0 {
@@ -193,13 +193,10 @@ impl Bench {
 
     /// The store of the oncegate the tool runs.
     fn store(&self) -> oncegate_engine::StoreConfig {
-        match self.cli.store.as_str() {
-            "postgres" => oncegate_engine::StoreConfig {
-                kind: oncegate_engine::StoreKind::Postgres,
-                postgres_url: self.cli.postgres.clone(),
-                ..Default::default()
-            },
-            _ => oncegate_engine::StoreConfig::default(),
+        oncegate_engine::StoreConfig {
+            kind: self.cli.store,
+            postgres_url: self.cli.postgres.clone(),
+            ..Default::default()
         }
     }
 
@@ -215,14 +212,14 @@ impl Bench {
             // that is the recovery time (integrity check, and the scan that rebuilds the
             // index and the reclaim schedule).
             let started = std::time::Instant::now();
-            let postgres = (self.cli.store == "postgres").then_some(self.cli.postgres.as_str());
             for node in 0..self.cli.nodes.max(1) {
                 let dir = self.scratch.path().join(if node == 0 {
                     "server".to_owned()
                 } else {
                     format!("server-{node}")
                 });
-                self.servers.push(oncegate_bench::start_child(&dir, self.cli.shards, postgres)?);
+                let (shards, store) = (self.cli.shards, self.cli.store);
+                self.servers.push(oncegate_bench::start_child(&dir, shards, store, &self.cli.postgres)?);
             }
             eprintln!("the server opened its store in {:.1} s", started.elapsed().as_secs_f64());
         }

@@ -55,7 +55,8 @@ struct Server {
 }
 
 fn start(data_dir: &Path, shards: u32) -> anyhow::Result<Server> {
-    let (child, addr) = oncegate_bench::start_child(data_dir, shards, None)?;
+    let (child, addr) =
+        oncegate_bench::start_child(data_dir, shards, oncegate_engine::StoreKind::Sqlite, "")?;
     Ok(Server { child, addr })
 }
 
@@ -146,8 +147,8 @@ async fn client(id: u64, ttl_ms: u64, shared: Arc<Shared>) {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    if let Some(ChildMode::Serve { data_dir, shards, postgres_url }) = cli.mode {
-        return oncegate_bench::serve_child(data_dir, shards, postgres_url);
+    if let Some(mode) = cli.mode {
+        return oncegate_bench::serve_child(mode);
     }
     let base = cli.dir.clone().unwrap_or_else(std::env::temp_dir);
     let data_dir = base.join(format!("oncegate-soak-{}", std::process::id()));

@@ -25,26 +25,27 @@
 //!   dropped with it: no older segment is left for them to hide anything in.
 
 mod format;
+mod recover;
+mod txn;
 
-use std::cell::{Cell, RefCell};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::hash::{BuildHasher, Hasher};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use oncegate_core::route::Routing;
-use oncegate_core::{Record, Scope, Tenant};
 
 use self::format::{Entry, FRAME_HEADER_BYTES};
+pub(crate) use self::txn::Txn;
 use super::{Meta, StoreError};
 use crate::files::{Files, SegmentFile};
-use crate::index::{Index, Undo};
+use crate::index::Index;
 use crate::quota::Tally;
 use crate::schedule::Schedule;
 use crate::{Durability, Faults};
 
-/// The most bytes of live records one commit copies out of the oldest segment.
+/// The most bytes of the oldest segment one commit reads to copy its live records.
 const COMPACT_BYTES_PER_COMMIT: usize = 256 * 1024;
 /// The chunk a spare segment is zero-filled with.
 const ZERO_CHUNK_BYTES: usize = 1 << 20;
@@ -74,7 +75,7 @@ pub(crate) struct Tuning {
     pub durability: Durability,
     /// Every segment's size.
     pub segment_bytes: u64,
-    /// The most bytes the log's segments take together (spares included).
+    /// The most bytes the log's segments take together (the spare being made aside).
     pub bytes_max: u64,
     pub reclaim_granularity_ms: u64,
     pub files: Arc<dyn Files>,
@@ -113,6 +114,15 @@ struct Compaction {
     frame_seq: Option<u64>,
 }
 
+/// Whose write asks for room: a request's record may not take the log's last segment,
+/// which is kept for the writes that free room (tombstones, compaction's copies), so
+/// that a log full of live records still reclaims and compacts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Writer {
+    Request,
+    Upkeep,
+}
+
 pub(crate) struct Store {
     dir: PathBuf,
     files: Arc<dyn Files>,
@@ -123,6 +133,8 @@ pub(crate) struct Store {
     segments_max: u64,
     /// Every segment file by number: the live ones up to the head, then spares.
     segments: BTreeMap<u32, Box<dyn SegmentFile>>,
+    /// Where the frames of each segment before the head end (the writer moved on there).
+    ends: BTreeMap<u32, u64>,
     /// The thread zero-filling the next spare, if one is.
     preparing: Option<JoinHandle<std::io::Result<u32>>>,
     chain: Chain,
@@ -160,37 +172,31 @@ fn random_salt() -> u64 {
     hasher.finish()
 }
 
-/// What recovery keeps of each live record until the counts are taken.
-struct LiveRecord {
-    tenant: u32,
-    pending: bool,
-    len: u32,
-}
-
-/// The log read at open: the index, schedule, counts and chain it gives.
-struct Recovered {
-    chain: Option<Chain>,
-    meta: Meta,
-    live: HashMap<i64, LiveRecord>,
-    tenants: Vec<Tenant>,
-}
-
 impl Store {
     /// Opens (creating if needed) the log in `dir` and reads it whole. Returns the store,
-    /// the counters its last transaction left, and whether it was new.
+    /// the counters its last transaction left (raised over every record it holds), and
+    /// whether it was new.
     pub fn open(dir: &Path, tuning: &Tuning, faults: &Faults) -> Result<(Store, Meta, bool), StoreError> {
         if faults.open_should_fail() {
             return Err(StoreError::Injected("open"));
         }
         let files = Arc::clone(&tuning.files);
         files.create_dir_all(dir).map_err(io(dir))?;
-        let mut numbers: Vec<u32> =
-            files.list(dir).map_err(io(dir))?.iter().filter_map(|n| parse_segment_name(n)).collect();
-        numbers.sort_unstable();
         let mut segments = BTreeMap::new();
-        for seq in numbers {
+        for seq in files.list(dir).map_err(io(dir))?.iter().filter_map(|n| parse_segment_name(n)) {
             let path = dir.join(segment_name(seq));
-            segments.insert(seq, files.open_segment(&path).map_err(io(&path))?);
+            let file = files.open_segment(&path).map_err(io(&path))?;
+            // Offsets were chosen for the size the segments were made with: read with a
+            // smaller one, their ends would be cut off.
+            let size = file.size().map_err(io(&path))?;
+            if size > tuning.segment_bytes {
+                return Err(StoreError::Corrupt(format!(
+                    "{} is {size} bytes, more than store.log_segment_bytes ({}): set it back to the size the log was written with",
+                    path.display(),
+                    tuning.segment_bytes
+                )));
+            }
+            segments.insert(seq, file);
         }
         let mut store = Store {
             dir: dir.to_owned(),
@@ -201,6 +207,7 @@ impl Store {
             segment_bytes: tuning.segment_bytes,
             segments_max: (tuning.bytes_max / tuning.segment_bytes).max(2),
             segments,
+            ends: BTreeMap::new(),
             preparing: None,
             chain: Chain { seq: 0, checksum: 0, head: 1, tail: 0 },
             salt: random_salt(),
@@ -211,26 +218,13 @@ impl Store {
             recent: Vec::new(),
             tally: None,
         };
-        let recovered = store.recover()?;
-        let created = recovered.chain.is_none();
-        match recovered.chain {
-            Some(chain) => store.chain = chain,
-            None => {
-                let first = store.segments.keys().next().copied().unwrap_or(1);
-                store.chain.head = first;
-                store.segment(first)?;
-            }
+        let (meta, created) = store.recover()?;
+        if created {
+            let first = store.segments.keys().next().copied().unwrap_or(1);
+            store.chain.head = first;
+            store.segment(first)?;
         }
-        // Segments before the head that hold no frame of the chain (a recycled spare whose
-        // first frame was lost cannot be one: the chain starts at the oldest segment) and
-        // every one past the head are spares; numbers below the oldest are never reused.
-        let mut tally = Tally::default();
-        for record in recovered.live.values() {
-            tally.add_stored(&recovered.tenants[record.tenant as usize], record.pending);
-            store.live_bytes += u64::from(record.len);
-        }
-        store.tally = Some(tally);
-        Ok((store, recovered.meta, created))
+        Ok((store, meta, created))
     }
 
     /// The segment file `seq`, opened (and its name made durable) if it is new.
@@ -244,30 +238,23 @@ impl Store {
         Ok(&*self.segments[&seq])
     }
 
-    /// Reads every segment in order, applying each complete transaction of the chain.
-    fn recover(&mut self) -> Result<Recovered, StoreError> {
-        let mut walk = Walk::default();
-        let numbers: Vec<u32> = self.segments.keys().copied().collect();
-        for seq in numbers {
-            let file = &self.segments[&seq];
-            let len = file.size().map_err(io(&self.dir))?.min(self.segment_bytes) as usize;
-            let mut bytes = vec![0; len];
-            let read = file.read_at(0, &mut bytes).map_err(io(&self.dir))?;
-            bytes.truncate(read);
-            if !walk.segment(self, seq, &bytes)? {
-                break;
-            }
-        }
-        Ok(Recovered { chain: walk.committed, meta: walk.meta, live: walk.live, tenants: walk.tenants })
+    /// The whole contents of segment `seq` (at open, and for the corruption check).
+    fn read_segment(&self, seq: u32) -> Result<Vec<u8>, StoreError> {
+        let file = &self.segments[&seq];
+        let mut bytes = vec![0; file.size().map_err(io(&self.dir))? as usize];
+        let read = file.read_at(0, &mut bytes).map_err(io(&self.dir))?;
+        bytes.truncate(read);
+        Ok(bytes)
     }
 
     /// Starts a write transaction at the shard's time `now_ms`. Its first frame starts
     /// where the chain ends, or in the next segment when not even a frame's header would
-    /// fit there.
+    /// fit there (a log written by this code always leaves room for one).
     pub fn begin(&mut self, now_ms: u64) -> Result<Txn<'_>, StoreError> {
         let (mut head, mut tail) = (self.chain.head, self.chain.tail);
         if tail + FRAME_HEADER_BYTES as u64 > self.segment_bytes {
             self.take_prepared(true)?;
+            self.ends.insert(head, tail);
             head += 1;
             tail = 0;
             self.segment(head)?;
@@ -275,9 +262,10 @@ impl Store {
         Ok(Txn::new(self, now_ms, head, tail))
     }
 
-    /// A read transaction: the same, never committed.
+    /// A read transaction: never committed, so it never moves to a new segment.
     pub fn begin_read(&mut self, now_ms: u64) -> Result<Txn<'_>, StoreError> {
-        self.begin(now_ms)
+        let (head, tail) = (self.chain.head, self.chain.tail);
+        Ok(Txn::new(self, now_ms, head, tail))
     }
 
     /// How many stored records are pending and how many completed, by tenant, as read at
@@ -297,7 +285,7 @@ impl Store {
     }
 
     /// Reads the entry at `position` from the committed log; `None` when its segment is
-    /// gone (retired: nothing in it is live).
+    /// gone (retired: nothing in it is live, so only a stale hint names it).
     fn read_entry(&self, position: i64) -> Result<Option<(Entry, usize)>, StoreError> {
         let (seq, offset) = split(position);
         for (frame_seq, start, bytes) in &self.recent {
@@ -321,22 +309,29 @@ impl Store {
         decode_at(&buf).map(Some)
     }
 
+    /// Segments from the oldest to the head.
+    fn used_segments(&self) -> u64 {
+        let oldest = self.segments.keys().next().copied().unwrap_or(self.chain.head);
+        u64::from(self.chain.head.saturating_sub(oldest)) + 1
+    }
+
     /// Whether compaction should copy more: the log holds more than twice its live
     /// bytes and at least three segments, or it is one segment short of its limit.
     fn compaction_due(&self) -> bool {
-        let Some(oldest) = self.segments.keys().next().copied() else { return false };
-        let used_segments = u64::from(self.chain.head - oldest) + 1;
+        let used_segments = self.used_segments();
         let used_bytes = (used_segments - 1) * self.segment_bytes + self.chain.tail;
         used_segments >= 3 && used_bytes > 2 * self.live_bytes + self.segment_bytes
             || used_segments + 1 >= self.segments_max && used_segments >= 2
     }
 
-    /// Retires the oldest segment, copied whole: kept as the next spare when none is
-    /// ready or being made, removed otherwise. Its name changes durably before anything
-    /// else is written, so a crash leaves it either old (read again, harmlessly: every
-    /// live record of it has a newer copy) or a spare.
+    /// Retires the oldest segment, copied whole (the copies are durable: the caller
+    /// synced them): kept as the next spare when none is ready or being made, removed
+    /// otherwise. Its name changes durably before anything else is written, so a crash
+    /// leaves it either old (read again, harmlessly: every live record of it has a newer
+    /// copy) or a spare.
     fn retire(&mut self, seq: u32) -> Result<(), StoreError> {
         let Some(file) = self.segments.remove(&seq) else { return Ok(()) };
+        self.ends.remove(&seq);
         let path = self.dir.join(segment_name(seq));
         let spare = self.chain.head + 1;
         if self.preparing.is_none() && !self.segments.contains_key(&spare) {
@@ -409,466 +404,10 @@ fn decode_at(bytes: &[u8]) -> Result<(Entry, usize), StoreError> {
     Ok((format::read_entry(&bytes[..len])?, len))
 }
 
-/// Recovery's pass over the segments.
-#[derive(Default)]
-struct Walk {
-    /// The last accepted frame (seq, checksum), and where the chain stands after it.
-    last: Option<(u64, u64)>,
-    /// The chain after the last complete transaction: where writing resumes.
-    committed: Option<Chain>,
-    meta: Meta,
-    /// The entries of a transaction whose last frame is not read yet, with positions.
-    open: Vec<(i64, Entry, usize)>,
-    live: HashMap<i64, LiveRecord>,
-    tenants: Vec<Tenant>,
-    tenant_ids: HashMap<Tenant, u32>,
-}
-
-impl Walk {
-    /// Applies the frames of one segment; returns whether the chain may go on in the next.
-    fn segment(&mut self, store: &mut Store, seq: u32, bytes: &[u8]) -> Result<bool, StoreError> {
-        let mut offset = 0usize;
-        let mut any = false;
-        while let Some(header) = format::read_header(&bytes[offset..], bytes.len() - offset) {
-            let end = offset + FRAME_HEADER_BYTES + header.payload_len as usize;
-            let continues = match self.last {
-                None => offset == 0,
-                Some((last_seq, checksum)) => header.seq == last_seq + 1 && header.prev == checksum,
-            };
-            if !continues || !format::frame_intact(&bytes[offset..end], &header) {
-                break;
-            }
-            any = true;
-            let mut at = offset + FRAME_HEADER_BYTES;
-            while at < end {
-                let (entry, len) = decode_at(&bytes[at..end])?;
-                self.open.push((position(seq, at as u64), entry, len));
-                at += len;
-            }
-            self.last = Some((header.seq, header.checksum));
-            if header.last {
-                for (position, entry, len) in std::mem::take(&mut self.open) {
-                    self.apply(store, position, entry, len)?;
-                }
-                self.meta = header.meta;
-                self.committed =
-                    Some(Chain { seq: header.seq, checksum: header.checksum, head: seq, tail: end as u64 });
-            }
-            offset = end;
-        }
-        // A segment the chain did not reach is where it ended (or a spare).
-        Ok(any)
-    }
-
-    fn apply(
-        &mut self,
-        store: &mut Store,
-        position: i64,
-        entry: Entry,
-        len: usize,
-    ) -> Result<(), StoreError> {
-        match entry {
-            Entry::Tombstone { hash, position: gone } => {
-                if store.index.ids(hash).any(|p| p == gone) {
-                    store.index.remove(hash, gone);
-                    self.live.remove(&gone);
-                }
-            }
-            Entry::Record { hash, scope, record } => {
-                let earlier: Vec<i64> = store.index.ids(hash).collect();
-                for candidate in earlier {
-                    if let Some((Entry::Record { scope: other, .. }, _)) = store.read_entry(candidate)?
-                        && other == scope
-                    {
-                        store.index.remove(hash, candidate);
-                        self.live.remove(&candidate);
-                    }
-                }
-                store.index.insert(hash, position);
-                store.schedule.add(record.reclaim_at_ms(), position);
-                let tenant = self.tenant_id(&scope.tenant);
-                self.live.insert(
-                    position,
-                    LiveRecord { tenant, pending: record.completion.is_none(), len: len as u32 },
-                );
-            }
-        }
-        Ok(())
-    }
-
-    fn tenant_id(&mut self, tenant: &Tenant) -> u32 {
-        if let Some(id) = self.tenant_ids.get(tenant) {
-            return *id;
-        }
-        let id = self.tenants.len() as u32;
-        self.tenants.push(tenant.clone());
-        self.tenant_ids.insert(tenant.clone(), id);
-        id
-    }
-}
-
-/// A record found by scope in this transaction.
-struct Located {
-    scope: Scope,
-    position: i64,
-    len: usize,
-    record: Record,
-}
-
-/// A frame being filled: its segment, its offset there, and its bytes (the header's
-/// room first).
-struct Pending {
-    seq: u32,
-    start: u64,
-    bytes: Vec<u8>,
-}
-
-/// One transaction: the frames it will append, and the index changes it made (undone
-/// if it does not commit).
-pub(crate) struct Txn<'s> {
-    store: RefCell<&'s mut Store>,
-    now_ms: u64,
-    frames: RefCell<Vec<Pending>>,
-    undo: RefCell<Vec<Undo>>,
-    unscheduled: RefCell<Vec<(u64, i64)>>,
-    live_delta: Cell<i64>,
-    located: RefCell<Option<Located>>,
-    committed: Cell<bool>,
-}
-
-impl Drop for Txn<'_> {
-    fn drop(&mut self) {
-        if !self.committed.get() {
-            let mut store = self.store.borrow_mut();
-            for undo in self.undo.borrow_mut().drain(..).rev() {
-                store.index.undo(undo);
-            }
-            let taken: Vec<_> = self.unscheduled.borrow_mut().drain(..).collect();
-            store.schedule.restore(taken);
-        }
-    }
-}
-
-impl<'s> Txn<'s> {
-    fn new(store: &'s mut Store, now_ms: u64, head: u32, tail: u64) -> Txn<'s> {
-        let frame = Pending { seq: head, start: tail, bytes: vec![0; FRAME_HEADER_BYTES] };
-        Txn {
-            store: RefCell::new(store),
-            now_ms,
-            frames: RefCell::new(vec![frame]),
-            undo: RefCell::default(),
-            unscheduled: RefCell::default(),
-            live_delta: Cell::new(0),
-            located: RefCell::default(),
-            committed: Cell::new(false),
-        }
-    }
-
-    pub fn now(&self) -> u64 {
-        self.now_ms
-    }
-
-    fn failpoint(&self) -> Result<(), StoreError> {
-        if self.store.borrow().faults.op_should_fail() {
-            return Err(StoreError::Injected("store operation"));
-        }
-        Ok(())
-    }
-
-    /// The entry at `position`: from this transaction's frames, or the log.
-    fn entry_at(&self, position: i64) -> Result<Option<(Entry, usize)>, StoreError> {
-        let (seq, offset) = split(position);
-        for frame in self.frames.borrow().iter() {
-            if frame.seq == seq && offset >= frame.start && offset < frame.start + frame.bytes.len() as u64 {
-                return decode_at(&frame.bytes[(offset - frame.start) as usize..]).map(Some);
-            }
-        }
-        self.store.borrow().read_entry(position)
-    }
-
-    /// The live record of a scope, if it has one: the index names the candidates, the
-    /// stored scope decides between them.
-    fn locate(&self, scope: &Scope) -> Result<Option<(i64, usize, Record)>, StoreError> {
-        if let Some(last) = &*self.located.borrow()
-            && last.scope == *scope
-        {
-            return Ok(Some((last.position, last.len, last.record.clone())));
-        }
-        let hash = self.store.borrow().routing.hash(scope);
-        let candidates: Vec<i64> = self.store.borrow().index.ids(hash).collect();
-        for position in candidates {
-            if let Some((Entry::Record { scope: stored, record, .. }, len)) = self.entry_at(position)?
-                && stored == *scope
-            {
-                *self.located.borrow_mut() =
-                    Some(Located { scope: scope.clone(), position, len, record: record.clone() });
-                return Ok(Some((position, len, record)));
-            }
-        }
-        Ok(None)
-    }
-
-    pub fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError> {
-        self.failpoint()?;
-        Ok(self.locate(scope)?.map(|(_, _, record)| record))
-    }
-
-    /// Room for an entry of `len` bytes: in the current frame, or in a new frame at the
-    /// start of the next segment. Refuses (`Full`, this write alone) when that segment
-    /// would pass the log's limit.
-    fn room(&self, len: usize) -> Result<(), StoreError> {
-        let mut frames = self.frames.borrow_mut();
-        let current = frames.last().expect("a transaction has a frame");
-        let segment_bytes = self.store.borrow().segment_bytes;
-        // A frame leaves room for the next one's header, so that a transaction always
-        // starts in the head segment.
-        if current.start + (current.bytes.len() + len + FRAME_HEADER_BYTES) as u64 <= segment_bytes {
-            return Ok(());
-        }
-        let mut store = self.store.borrow_mut();
-        let next = current.seq + 1;
-        let oldest = store.segments.keys().next().copied().unwrap_or(next);
-        if u64::from(next - oldest) + 1 > store.segments_max {
-            return Err(StoreError::Full);
-        }
-        store.take_prepared(true)?;
-        store.segment(next)?;
-        frames.push(Pending { seq: next, start: 0, bytes: vec![0; FRAME_HEADER_BYTES] });
-        Ok(())
-    }
-
-    /// Appends an entry (written by `write`, `len` bytes); returns its position.
-    fn append(&self, len: usize, write: impl FnOnce(&mut Vec<u8>)) -> Result<i64, StoreError> {
-        self.room(len)?;
-        let mut frames = self.frames.borrow_mut();
-        let frame = frames.last_mut().expect("a transaction has a frame");
-        let at = position(frame.seq, frame.start + frame.bytes.len() as u64);
-        write(&mut frame.bytes);
-        Ok(at)
-    }
-
-    /// Points the index at a new position for `hash` (the old one, if any, leaves it).
-    fn repoint(&self, hash: u64, old: Option<(i64, usize)>, new: Option<(i64, usize)>) {
-        let mut store = self.store.borrow_mut();
-        let mut undo = self.undo.borrow_mut();
-        let mut delta = self.live_delta.get();
-        if let Some((position, len)) = old {
-            store.index.remove(hash, position);
-            undo.push(Undo::Insert(hash, position));
-            delta -= len as i64;
-        }
-        if let Some((position, len)) = new {
-            store.index.insert(hash, position);
-            undo.push(Undo::Remove(hash, position));
-            delta += len as i64;
-        }
-        self.live_delta.set(delta);
-    }
-
-    /// Inserts or replaces a key's record; returns the instant from which reclaim may
-    /// take it.
-    pub fn put(&self, scope: &Scope, record: &Record) -> Result<u64, StoreError> {
-        self.failpoint()?;
-        let hash = self.store.borrow().routing.hash(scope);
-        let old = self.locate(scope)?.map(|(position, len, _)| (position, len));
-        let len = format::record_len(scope, record);
-        let at = self.append(len, |out| format::put_record(out, hash, scope, record))?;
-        self.repoint(hash, old, Some((at, len)));
-        *self.located.borrow_mut() =
-            Some(Located { scope: scope.clone(), position: at, len, record: record.clone() });
-        let mut store = self.store.borrow_mut();
-        store.schedule.add(record.reclaim_at_ms(), at);
-        Ok(store.schedule.due_ms(record.reclaim_at_ms()))
-    }
-
-    /// Deletes a key's record (a tombstone names the record it ends).
-    pub fn delete(&self, scope: &Scope) -> Result<(), StoreError> {
-        self.failpoint()?;
-        let Some((position, len, _)) = self.locate(scope)? else { return Ok(()) };
-        let hash = self.store.borrow().routing.hash(scope);
-        self.append(format::TOMBSTONE_BYTES, |out| format::put_tombstone(out, hash, position))?;
-        self.repoint(hash, Some((position, len)), None);
-        *self.located.borrow_mut() = None;
-        Ok(())
-    }
-
-    /// Takes at most `limit` entries from the reclaim schedule's ended windows and
-    /// deletes the records still there and reclaimable at `now_ms`.
-    pub fn reclaim(&self, now_ms: u64, limit: usize) -> Result<Tally, StoreError> {
-        self.failpoint()?;
-        let taken = self.store.borrow_mut().schedule.take_due(now_ms, limit);
-        self.unscheduled.borrow_mut().extend(taken.iter().copied());
-        let mut removed = Tally::default();
-        for (_, position) in taken {
-            let Some((Entry::Record { hash, scope, record }, len)) = self.entry_at(position)? else {
-                continue;
-            };
-            let live = self.store.borrow().index.ids(hash).any(|p| p == position);
-            if !live || record.reclaim_at_ms() > now_ms {
-                continue;
-            }
-            self.append(format::TOMBSTONE_BYTES, |out| format::put_tombstone(out, hash, position))?;
-            self.repoint(hash, Some((position, len)), None);
-            removed.add_stored(&scope.tenant, record.completion.is_none());
-            if self.located.borrow().as_ref().is_some_and(|l| l.position == position) {
-                *self.located.borrow_mut() = None;
-            }
-        }
-        Ok(removed)
-    }
-
-    /// Pending records whose lease runs past `after_ms` (the restart grace's), read from
-    /// the log: once, at the process's first open.
-    pub fn pending_leased_after(&self, after_ms: u64) -> Result<Vec<(Scope, Record)>, StoreError> {
-        let positions: Vec<i64> = self.store.borrow().index.iter().map(|(_, p)| p).collect();
-        let mut out = Vec::new();
-        for position in positions {
-            if let Some((Entry::Record { scope, record, .. }, _)) = self.entry_at(position)?
-                && record.completion.is_none()
-                && record.lease_until_ms > after_ms
-            {
-                out.push((scope, record));
-            }
-        }
-        Ok(out)
-    }
-
-    /// Whether `error` refused one write alone (the log at its size limit).
-    pub fn failed_alone(&self, error: &StoreError) -> bool {
-        matches!(error, StoreError::Full)
-    }
-
-    pub fn acks_early(&self) -> bool {
-        self.store.borrow().faults.acks_before_commit()
-    }
-
-    pub fn finish_read(self) {
-        drop(self);
-    }
-
-    /// Copies the live records of the oldest segment's next frames (at most
-    /// `COMPACT_BYTES_PER_COMMIT`) into this transaction; returns where the copy stopped
-    /// and whether it reached the segment's end.
-    fn compact(&self) -> Result<Option<(Compaction, bool)>, StoreError> {
-        let mut state = {
-            let store = self.store.borrow();
-            if !store.compaction_due() && store.compaction.is_none() {
-                return Ok(None);
-            }
-            let Some(oldest) = store.segments.keys().next().copied() else { return Ok(None) };
-            if oldest >= store.chain.head {
-                return Ok(None);
-            }
-            match store.compaction {
-                Some(c) if c.seq == oldest => c,
-                _ => Compaction { seq: oldest, offset: 0, frame_seq: None },
-            }
-        };
-        let mut copied = 0;
-        while copied < COMPACT_BYTES_PER_COMMIT {
-            let Some(frame) = self.read_frame(&state)? else { return Ok(Some((state, true))) };
-            let (header, bytes) = frame;
-            let mut at = FRAME_HEADER_BYTES;
-            while at < bytes.len() {
-                let (entry, len) = decode_at(&bytes[at..])?;
-                let from = position(state.seq, state.offset + at as u64);
-                if let Entry::Record { hash, record, .. } = entry
-                    && self.store.borrow().index.ids(hash).any(|p| p == from)
-                {
-                    // A log at its limit copies nothing more now: the frame is copied
-                    // again from its start later (what moved is no longer live here).
-                    let to = match self.append(len, |out| out.extend_from_slice(&bytes[at..at + len])) {
-                        Err(StoreError::Full) => return Ok(Some((state, false))),
-                        other => other?,
-                    };
-                    self.repoint(hash, Some((from, len)), Some((to, len)));
-                    self.store.borrow_mut().schedule.add(record.reclaim_at_ms(), to);
-                    copied += len;
-                }
-                at += len;
-            }
-            state = Compaction {
-                seq: state.seq,
-                offset: state.offset + bytes.len() as u64,
-                frame_seq: Some(header.seq + 1),
-            };
-        }
-        Ok(Some((state, false)))
-    }
-
-    /// The whole frame at the compaction's place in the oldest segment, if the chain
-    /// goes on there (the segment's frames end where the writer moved to the next).
-    fn read_frame(&self, state: &Compaction) -> Result<Option<(format::FrameHeader, Vec<u8>)>, StoreError> {
-        let store = self.store.borrow();
-        let Some(file) = store.segments.get(&state.seq) else { return Ok(None) };
-        let room = store.segment_bytes.saturating_sub(state.offset) as usize;
-        let mut head = [0; FRAME_HEADER_BYTES];
-        let read = file.read_at(state.offset, &mut head).map_err(io(&store.dir))?;
-        let Some(header) = format::read_header(&head[..read], room) else { return Ok(None) };
-        if state.frame_seq.is_some_and(|expected| header.seq != expected) {
-            return Ok(None);
-        }
-        let mut bytes = vec![0; FRAME_HEADER_BYTES + header.payload_len as usize];
-        let read = file.read_at(state.offset, &mut bytes).map_err(io(&store.dir))?;
-        if read < bytes.len() || !format::frame_intact(&bytes, &header) {
-            return Ok(None);
-        }
-        Ok(Some((header, bytes)))
-    }
-
-    /// Makes the transaction durable: seals its frames into the chain, writes them,
-    /// syncs every segment written, and only then lets the next transaction see it.
-    pub fn commit(self, meta: Meta) -> Result<(), StoreError> {
-        let compaction = self.compact()?;
-        self.failpoint()?;
-        if self.store.borrow().faults.commit_should_fail() {
-            return Err(StoreError::Injected("commit"));
-        }
-        let mut frames = std::mem::take(&mut *self.frames.borrow_mut());
-        let mut store = self.store.borrow_mut();
-        let mut chain = store.chain;
-        let count = frames.len();
-        for (n, frame) in frames.iter_mut().enumerate() {
-            let last = n + 1 == count;
-            chain.checksum =
-                format::seal_frame(&mut frame.bytes, last, chain.seq + 1, chain.checksum, meta, store.salt);
-            chain.seq += 1;
-            chain.head = frame.seq;
-            chain.tail = frame.start + frame.bytes.len() as u64;
-        }
-        for frame in &frames {
-            let file = &store.segments[&frame.seq];
-            file.write_at(frame.start, &frame.bytes).map_err(io(&store.dir))?;
-        }
-        if store.durability == Durability::Full {
-            for (n, frame) in frames.iter().enumerate() {
-                if n == 0 || frames[n - 1].seq != frame.seq {
-                    store.segments[&frame.seq].sync_data().map_err(io(&store.dir))?;
-                }
-            }
-        }
-        // Durable: from here the transaction is the log's state.
-        self.committed.set(true);
-        store.chain = chain;
-        store.live_bytes = store.live_bytes.saturating_add_signed(self.live_delta.get());
-        store.recent = frames.into_iter().map(|f| (f.seq, f.start, f.bytes)).collect();
-        match compaction {
-            Some((state, true)) => store.retire(state.seq)?,
-            Some((state, false)) => store.compaction = Some(state),
-            None => {}
-        }
-        store.take_prepared(false)?;
-        if chain.tail * 2 > store.segment_bytes {
-            store.prepare_spare();
-        }
-        Ok(())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use oncegate_core::{Fingerprint, Key, Namespace, Transition};
+    use oncegate_core::{Fingerprint, Key, Namespace, Record, Scope, Tenant, Transition};
 
     const SEGMENT_BYTES: u64 = 64 << 10;
 
@@ -1046,5 +585,88 @@ mod tests {
         drop(store);
         let (mut store, _, _) = open(dir.path(), 2 * SEGMENT_BYTES);
         assert_eq!(store.take_count().pending as u64, stored);
+    }
+
+    fn fill(store: &mut Store, batches: std::ops::Range<u64>, ttl_ms: u64) {
+        for batch in batches {
+            let txn = store.begin(batch).unwrap();
+            for n in 0..20 {
+                txn.put(&scope(&format!("k{batch}-{n}")), &granted(batch * 20 + n + 1, batch, ttl_ms))
+                    .unwrap();
+            }
+            txn.commit(Meta { next_token: batch * 20 + 21, high_water_ms: batch }).unwrap();
+        }
+    }
+
+    /// A frame damaged in acknowledged history (not a torn tail: later segments hold
+    /// later frames) makes the log refuse to open, instead of ending there and dropping
+    /// every transaction after it.
+    #[test]
+    fn a_damaged_frame_in_acknowledged_history_is_refused_not_cut() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut store, _, _) = open(dir.path(), 1 << 30);
+        fill(&mut store, 0..200, 60_000);
+        let first = *store.segments.keys().next().unwrap();
+        assert!(store.chain.head >= first + 2, "the writes crossed segments");
+        drop(store);
+        let file = crate::files::OsFiles.open_segment(&dir.path().join(segment_name(first))).unwrap();
+        file.write_at(5_000, &[0xa5; 8]).unwrap();
+        let opened =
+            Store::open(dir.path(), &tuning(Arc::new(crate::files::OsFiles), 1 << 30), &Faults::default());
+        assert!(matches!(opened, Err(StoreError::Corrupt(_))), "{:?}", opened.map(|_| ()));
+    }
+
+    /// Offsets were chosen for the segment size the log was written with: opened with a
+    /// smaller one, it is refused rather than read short.
+    #[test]
+    fn a_smaller_segment_size_than_the_log_was_written_with_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut store, _, _) = open(dir.path(), 1 << 30);
+        fill(&mut store, 0..100, 60_000);
+        drop(store);
+        let smaller =
+            Tuning { segment_bytes: SEGMENT_BYTES / 2, ..tuning(Arc::new(crate::files::OsFiles), 1 << 30) };
+        let opened = Store::open(dir.path(), &smaller, &Faults::default());
+        assert!(matches!(opened, Err(StoreError::Corrupt(_))), "{:?}", opened.map(|_| ()));
+    }
+
+    /// A log whose requests filled it still reclaims what expired and compacts: the last
+    /// segment is kept for tombstones and copies, so requests get room again.
+    #[test]
+    fn a_full_log_reclaims_and_compacts_its_way_back_to_room() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut store, _, _) = open(dir.path(), 4 * SEGMENT_BYTES);
+        let mut refused = false;
+        for batch in 0..400u64 {
+            let txn = store.begin(batch).unwrap();
+            let put = txn.put(&scope(&format!("k{batch}")), &granted(batch + 1, batch, 1_000));
+            if put.as_ref().is_err_and(|e| txn.failed_alone(e)) {
+                refused = true;
+                break;
+            }
+            put.unwrap();
+            txn.commit(Meta { next_token: batch + 2, high_water_ms: batch }).unwrap();
+            let mut big = granted(batch + 1, batch, 1_000);
+            big.fingerprint = Fingerprint::from_stored(vec![1; 64]);
+            let txn = store.begin(batch).unwrap();
+            for n in 0..40 {
+                if txn.put(&scope(&format!("k{batch}-{n}")), &big).is_err() {
+                    refused = true;
+                }
+            }
+            txn.commit(Meta { next_token: batch + 2, high_water_ms: batch }).unwrap();
+        }
+        assert!(refused, "the log reached its limit");
+        // Everything expires; reclaim and compaction free the log.
+        for round in 0..200u64 {
+            let now = 1_000_000 + round;
+            let txn = store.begin(now).unwrap();
+            txn.reclaim(now, 10_000).unwrap();
+            txn.commit(Meta { next_token: 1_000, high_water_ms: now }).unwrap();
+        }
+        let txn = store.begin(2_000_000).unwrap();
+        txn.put(&scope("after"), &granted(1_000, 2_000_000, 1_000)).unwrap();
+        txn.commit(Meta { next_token: 1_001, high_water_ms: 2_000_000 }).unwrap();
+        assert!(store.used_segments() < 4, "{} segments in use", store.used_segments());
     }
 }

@@ -1,0 +1,186 @@
+//! Reading the log at open: the chain of frames from the oldest segment, every complete
+//! transaction applied to the index, the schedule and the counts.
+//!
+//! The chain ends at the first frame that does not continue it: a torn or unsynced write
+//! (the transaction it belongs to was never acknowledged), zeros, or a stale frame of a
+//! recycled segment. With `durability = "full"` frames become durable in order, one
+//! transaction at a time, so nothing written after the end can have been acknowledged:
+//! a segment past the end that starts with a frame of the chain's future says the end is
+//! damage in acknowledged history, and the log is refused as corrupt instead of being
+//! cut there.
+
+use std::collections::HashMap;
+
+use oncegate_core::Tenant;
+
+use super::format::{self, Entry, FRAME_HEADER_BYTES};
+use super::{Chain, Store, decode_at, position, segment_name};
+use crate::Durability;
+use crate::quota::Tally;
+use crate::store::{Meta, StoreError};
+
+/// What recovery keeps of each live record until the counts are taken.
+struct LiveRecord {
+    tenant: u32,
+    pending: bool,
+    len: u32,
+}
+
+/// Recovery's pass over the segments.
+#[derive(Default)]
+struct Walk {
+    /// The last accepted frame: its number and checksum.
+    last: Option<(u64, u64)>,
+    /// The chain after the last complete transaction: where writing resumes.
+    committed: Option<Chain>,
+    /// The counters: the last complete transaction's, raised over every record applied.
+    meta: Meta,
+    /// The entries of a transaction whose last frame is not read yet, with positions.
+    open: Vec<(i64, Entry, usize)>,
+    live: HashMap<i64, LiveRecord>,
+    tenants: Vec<Tenant>,
+    tenant_ids: HashMap<Tenant, u32>,
+}
+
+impl Store {
+    /// Reads every segment in order, applying each complete transaction of the chain;
+    /// sets the chain, the index, the schedule, the counts and where each segment's
+    /// frames end. Returns the counters and whether the log is new.
+    pub(super) fn recover(&mut self) -> Result<(Meta, bool), StoreError> {
+        let mut walk = Walk::default();
+        let numbers: Vec<u32> = self.segments.keys().copied().collect();
+        let mut stopped = None;
+        for seq in &numbers {
+            let bytes = self.read_segment(*seq)?;
+            let end = walk.segment(self, *seq, &bytes)?;
+            if let Some(end) = end {
+                self.ends.insert(*seq, end);
+            } else {
+                stopped = Some(*seq);
+                break;
+            }
+        }
+        if self.durability == Durability::Full {
+            let past = numbers.iter().filter(|seq| stopped.is_some_and(|s| **seq > s));
+            self.refuse_frames_past_the_end(past.copied().collect(), walk.last.map_or(0, |(seq, _)| seq))?;
+        }
+        let Some(chain) = walk.committed else { return Ok((walk.meta, true)) };
+        self.chain = chain;
+        // Segments after the head (the walk went on into them only for frames of a
+        // transaction that did not complete) are spares: forget where their frames ended.
+        self.ends.retain(|seq, _| *seq < chain.head);
+        let mut tally = Tally::default();
+        for record in walk.live.values() {
+            tally.add_stored(&walk.tenants[record.tenant as usize], record.pending);
+            self.live_bytes += u64::from(record.len);
+        }
+        self.tally = Some(tally);
+        Ok((walk.meta, false))
+    }
+
+    /// With frames durable in order, a segment past the chain's end cannot start with a
+    /// frame numbered past the end's next one (which a torn transaction may have
+    /// continued): if one does, frames in between were damaged.
+    fn refuse_frames_past_the_end(&self, past: Vec<u32>, last_seq: u64) -> Result<(), StoreError> {
+        for seq in past {
+            let bytes = self.read_segment(seq)?;
+            let Some(header) = format::read_header(&bytes, bytes.len()) else { continue };
+            let end = FRAME_HEADER_BYTES + header.payload_len as usize;
+            if header.seq > last_seq + 2 && format::frame_intact(&bytes[..end], &header) {
+                return Err(StoreError::Corrupt(format!(
+                    "the log's frames end after frame {last_seq}, yet {} starts with frame {}: a frame in between is damaged",
+                    segment_name(seq),
+                    header.seq
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Walk {
+    /// Applies the frames of one segment; returns where its accepted frames end, or
+    /// `None` when it holds none (the chain ended before it).
+    fn segment(&mut self, store: &mut Store, seq: u32, bytes: &[u8]) -> Result<Option<u64>, StoreError> {
+        let mut offset = 0usize;
+        while let Some(header) = format::read_header(&bytes[offset..], bytes.len() - offset) {
+            let end = offset + FRAME_HEADER_BYTES + header.payload_len as usize;
+            let continues = match self.last {
+                None => offset == 0,
+                Some((last_seq, checksum)) => header.seq == last_seq + 1 && header.prev == checksum,
+            };
+            if !continues || !format::frame_intact(&bytes[offset..end], &header) {
+                break;
+            }
+            let mut at = offset + FRAME_HEADER_BYTES;
+            while at < end {
+                let (entry, len) = decode_at(&bytes[at..end])?;
+                self.open.push((position(seq, at as u64), entry, len));
+                at += len;
+            }
+            self.last = Some((header.seq, header.checksum));
+            if header.last {
+                for (position, entry, len) in std::mem::take(&mut self.open) {
+                    self.apply(store, position, entry, len)?;
+                }
+                self.meta = self.meta.max(header.meta);
+                self.committed =
+                    Some(Chain { seq: header.seq, checksum: header.checksum, head: seq, tail: end as u64 });
+            }
+            offset = end;
+        }
+        Ok((offset > 0).then_some(offset as u64))
+    }
+
+    fn apply(
+        &mut self,
+        store: &mut Store,
+        position: i64,
+        entry: Entry,
+        len: usize,
+    ) -> Result<(), StoreError> {
+        match entry {
+            Entry::Tombstone { hash, position: gone } => {
+                if store.index.ids(hash).any(|p| p == gone) {
+                    store.index.remove(hash, gone);
+                    self.live.remove(&gone);
+                }
+            }
+            Entry::Record { hash, scope, record } => {
+                let earlier: Vec<i64> = store.index.ids(hash).collect();
+                for candidate in earlier {
+                    if let Some((Entry::Record { scope: other, .. }, _)) = store.read_entry(candidate)?
+                        && other == scope
+                    {
+                        store.index.remove(hash, candidate);
+                        self.live.remove(&candidate);
+                    }
+                }
+                // The counters cover every record, as the SQLite file's rows do: a frame's
+                // counters are its transaction's, and no record may hold more.
+                self.meta.next_token = self.meta.next_token.max(record.token.saturating_add(1));
+                if let Some(event) = record.history.last() {
+                    self.meta.high_water_ms = self.meta.high_water_ms.max(event.at_ms);
+                }
+                store.index.insert(hash, position);
+                store.schedule.add(record.reclaim_at_ms(), position);
+                let tenant = self.tenant_id(&scope.tenant);
+                self.live.insert(
+                    position,
+                    LiveRecord { tenant, pending: record.completion.is_none(), len: len as u32 },
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn tenant_id(&mut self, tenant: &Tenant) -> u32 {
+        if let Some(id) = self.tenant_ids.get(tenant) {
+            return *id;
+        }
+        let id = self.tenants.len() as u32;
+        self.tenants.push(tenant.clone());
+        self.tenant_ids.insert(tenant.clone(), id);
+        id
+    }
+}

@@ -1,0 +1,422 @@
+//! One transaction of the log: the frames it appends, written and synced at commit.
+
+use std::cell::{Cell, RefCell};
+
+use oncegate_core::{Record, Scope};
+
+use super::format::{self, Entry, FRAME_HEADER_BYTES};
+use super::{
+    COMPACT_BYTES_PER_COMMIT, Compaction, Store, Writer, corrupt_at, decode_at, io, position, split,
+};
+use crate::Durability;
+use crate::index::Undo;
+use crate::quota::Tally;
+use crate::store::{Meta, StoreError};
+
+/// A record found by scope in this transaction.
+struct Located {
+    scope: Scope,
+    position: i64,
+    len: usize,
+    record: Record,
+}
+
+/// A frame being filled: its segment, its offset there, and its bytes (the header's
+/// room first).
+struct Pending {
+    seq: u32,
+    start: u64,
+    bytes: Vec<u8>,
+}
+
+/// One transaction: the frames it will append, and the index changes it made (undone
+/// if it does not commit).
+pub(crate) struct Txn<'s> {
+    store: RefCell<&'s mut Store>,
+    now_ms: u64,
+    frames: RefCell<Vec<Pending>>,
+    undo: RefCell<Vec<Undo>>,
+    unscheduled: RefCell<Vec<(u64, i64)>>,
+    live_delta: Cell<i64>,
+    located: RefCell<Option<Located>>,
+    committed: Cell<bool>,
+}
+
+impl Drop for Txn<'_> {
+    fn drop(&mut self) {
+        if !self.committed.get() {
+            let mut store = self.store.borrow_mut();
+            for undo in self.undo.borrow_mut().drain(..).rev() {
+                store.index.undo(undo);
+            }
+            let taken: Vec<_> = self.unscheduled.borrow_mut().drain(..).collect();
+            store.schedule.restore(taken);
+        }
+    }
+}
+
+impl<'s> Txn<'s> {
+    pub(super) fn new(store: &'s mut Store, now_ms: u64, head: u32, tail: u64) -> Txn<'s> {
+        let frame = Pending { seq: head, start: tail, bytes: vec![0; FRAME_HEADER_BYTES] };
+        Txn {
+            store: RefCell::new(store),
+            now_ms,
+            frames: RefCell::new(vec![frame]),
+            undo: RefCell::default(),
+            unscheduled: RefCell::default(),
+            live_delta: Cell::new(0),
+            located: RefCell::default(),
+            committed: Cell::new(false),
+        }
+    }
+
+    pub fn now(&self) -> u64 {
+        self.now_ms
+    }
+
+    fn failpoint(&self) -> Result<(), StoreError> {
+        if self.store.borrow().faults.op_should_fail() {
+            return Err(StoreError::Injected("store operation"));
+        }
+        Ok(())
+    }
+
+    /// The entry at `position`: from this transaction's frames, or the log.
+    fn entry_at(&self, position: i64) -> Result<Option<(Entry, usize)>, StoreError> {
+        let (seq, offset) = split(position);
+        for frame in self.frames.borrow().iter() {
+            if frame.seq == seq && offset >= frame.start && offset < frame.start + frame.bytes.len() as u64 {
+                return decode_at(&frame.bytes[(offset - frame.start) as usize..]).map(Some);
+            }
+        }
+        self.store.borrow().read_entry(position)
+    }
+
+    /// The live record of a scope, if it has one: the index names the candidates, the
+    /// stored scope decides between them.
+    fn locate(&self, scope: &Scope) -> Result<Option<(i64, usize, Record)>, StoreError> {
+        if let Some(last) = &*self.located.borrow()
+            && last.scope == *scope
+        {
+            return Ok(Some((last.position, last.len, last.record.clone())));
+        }
+        let hash = self.store.borrow().routing.hash(scope);
+        let candidates: Vec<i64> = self.store.borrow().index.ids(hash).collect();
+        for position in candidates {
+            // The index names only live records: one whose segment is gone was lost.
+            let found = self.entry_at(position)?.ok_or_else(|| corrupt_at(position))?;
+            if let (Entry::Record { scope: stored, record, .. }, len) = found
+                && stored == *scope
+            {
+                *self.located.borrow_mut() =
+                    Some(Located { scope: scope.clone(), position, len, record: record.clone() });
+                return Ok(Some((position, len, record)));
+            }
+        }
+        Ok(None)
+    }
+
+    pub fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError> {
+        self.failpoint()?;
+        Ok(self.locate(scope)?.map(|(_, _, record)| record))
+    }
+
+    /// Room for an entry of `len` bytes: in the current frame, or in a new frame at the
+    /// start of the next segment. Refuses (`Full`, this write alone) when that segment
+    /// would pass the log's limit (a request's write: the limit less one segment).
+    fn room(&self, len: usize, writer: Writer) -> Result<(), StoreError> {
+        let mut frames = self.frames.borrow_mut();
+        let current = frames.last().expect("a transaction has a frame");
+        let segment_bytes = self.store.borrow().segment_bytes;
+        // A frame leaves room for the next one's header, so that a transaction always
+        // starts in the head segment.
+        if current.start + (current.bytes.len() + len + FRAME_HEADER_BYTES) as u64 <= segment_bytes {
+            return Ok(());
+        }
+        let mut store = self.store.borrow_mut();
+        let next = current.seq + 1;
+        let oldest = store.segments.keys().next().copied().unwrap_or(next);
+        let allowed = match writer {
+            Writer::Request => store.segments_max - 1,
+            Writer::Upkeep => store.segments_max,
+        };
+        if u64::from(next - oldest) + 1 > allowed {
+            return Err(StoreError::Full);
+        }
+        store.take_prepared(true)?;
+        store.segment(next)?;
+        frames.push(Pending { seq: next, start: 0, bytes: vec![0; FRAME_HEADER_BYTES] });
+        Ok(())
+    }
+
+    /// Appends an entry (written by `write`, `len` bytes); returns its position.
+    fn append(
+        &self,
+        writer: Writer,
+        len: usize,
+        write: impl FnOnce(&mut Vec<u8>),
+    ) -> Result<i64, StoreError> {
+        self.room(len, writer)?;
+        let mut frames = self.frames.borrow_mut();
+        let frame = frames.last_mut().expect("a transaction has a frame");
+        let at = position(frame.seq, frame.start + frame.bytes.len() as u64);
+        write(&mut frame.bytes);
+        Ok(at)
+    }
+
+    /// Points the index at a new position for `hash` (the old one, if any, leaves it).
+    fn repoint(&self, hash: u64, old: Option<(i64, usize)>, new: Option<(i64, usize)>) {
+        let mut store = self.store.borrow_mut();
+        let mut undo = self.undo.borrow_mut();
+        let mut delta = self.live_delta.get();
+        if let Some((position, len)) = old {
+            store.index.remove(hash, position);
+            undo.push(Undo::Insert(hash, position));
+            delta -= len as i64;
+        }
+        if let Some((position, len)) = new {
+            store.index.insert(hash, position);
+            undo.push(Undo::Remove(hash, position));
+            delta += len as i64;
+        }
+        self.live_delta.set(delta);
+    }
+
+    /// Inserts or replaces a key's record; returns the instant from which reclaim may
+    /// take it.
+    pub fn put(&self, scope: &Scope, record: &Record) -> Result<u64, StoreError> {
+        self.failpoint()?;
+        let hash = self.store.borrow().routing.hash(scope);
+        let old = self.locate(scope)?.map(|(position, len, _)| (position, len));
+        let len = format::record_len(scope, record);
+        let at = self.append(Writer::Request, len, |out| format::put_record(out, hash, scope, record))?;
+        self.repoint(hash, old, Some((at, len)));
+        *self.located.borrow_mut() =
+            Some(Located { scope: scope.clone(), position: at, len, record: record.clone() });
+        let mut store = self.store.borrow_mut();
+        store.schedule.add(record.reclaim_at_ms(), at);
+        Ok(store.schedule.due_ms(record.reclaim_at_ms()))
+    }
+
+    /// Deletes a key's record (a tombstone names the record it ends).
+    pub fn delete(&self, scope: &Scope) -> Result<(), StoreError> {
+        self.failpoint()?;
+        let Some((position, len, _)) = self.locate(scope)? else { return Ok(()) };
+        let hash = self.store.borrow().routing.hash(scope);
+        let tombstone = |out: &mut Vec<u8>| format::put_tombstone(out, hash, position);
+        self.append(Writer::Upkeep, format::TOMBSTONE_BYTES, tombstone)?;
+        self.repoint(hash, Some((position, len)), None);
+        *self.located.borrow_mut() = None;
+        Ok(())
+    }
+
+    /// Takes at most `limit` entries from the reclaim schedule's ended windows and
+    /// deletes the records still there and reclaimable at `now_ms`. A log with no room
+    /// left even for tombstones stops early; the entries not reached go back.
+    pub fn reclaim(&self, now_ms: u64, limit: usize) -> Result<Tally, StoreError> {
+        self.failpoint()?;
+        let taken = self.store.borrow_mut().schedule.take_due(now_ms, limit);
+        let mut removed = Tally::default();
+        for (n, (due, position)) in taken.iter().copied().enumerate() {
+            // Entries are hints: one whose segment was retired, or whose record moved on,
+            // deletes nothing.
+            let Some((Entry::Record { hash, scope, record }, len)) = self.entry_at(position)? else {
+                self.unscheduled.borrow_mut().push((due, position));
+                continue;
+            };
+            let live = self.store.borrow().index.ids(hash).any(|p| p == position);
+            if !live || record.reclaim_at_ms() > now_ms {
+                self.unscheduled.borrow_mut().push((due, position));
+                continue;
+            }
+            let tombstone = |out: &mut Vec<u8>| format::put_tombstone(out, hash, position);
+            match self.append(Writer::Upkeep, format::TOMBSTONE_BYTES, tombstone) {
+                Err(StoreError::Full) => {
+                    self.store.borrow_mut().schedule.restore(taken[n..].iter().copied());
+                    return Ok(removed);
+                }
+                other => other?,
+            };
+            self.unscheduled.borrow_mut().push((due, position));
+            self.repoint(hash, Some((position, len)), None);
+            removed.add_stored(&scope.tenant, record.completion.is_none());
+            if self.located.borrow().as_ref().is_some_and(|l| l.position == position) {
+                *self.located.borrow_mut() = None;
+            }
+        }
+        Ok(removed)
+    }
+
+    /// Pending records whose lease runs past `after_ms` (the restart grace's), read from
+    /// the log: once, at the process's first open.
+    pub fn pending_leased_after(&self, after_ms: u64) -> Result<Vec<(Scope, Record)>, StoreError> {
+        let positions: Vec<i64> = self.store.borrow().index.iter().map(|(_, p)| p).collect();
+        let mut out = Vec::new();
+        for position in positions {
+            if let Some((Entry::Record { scope, record, .. }, _)) = self.entry_at(position)?
+                && record.completion.is_none()
+                && record.lease_until_ms > after_ms
+            {
+                out.push((scope, record));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Whether `error` refused one write alone (the log at its size limit).
+    pub fn failed_alone(&self, error: &StoreError) -> bool {
+        matches!(error, StoreError::Full)
+    }
+
+    pub fn acks_early(&self) -> bool {
+        self.store.borrow().faults.acks_before_commit()
+    }
+
+    pub fn finish_read(self) {
+        drop(self);
+    }
+
+    /// Copies the live records of the oldest segment's next frames into this transaction
+    /// (reading at most `COMPACT_BYTES_PER_COMMIT` of it); returns where the copy stopped
+    /// and whether it reached the segment's end.
+    fn compact(&self) -> Result<Option<(Compaction, bool)>, StoreError> {
+        let (mut state, end) = {
+            let store = self.store.borrow();
+            if !store.compaction_due() && store.compaction.is_none() {
+                return Ok(None);
+            }
+            let Some(oldest) = store.segments.keys().next().copied() else { return Ok(None) };
+            let Some(end) = store.ends.get(&oldest).copied() else { return Ok(None) };
+            let state = match store.compaction {
+                Some(c) if c.seq == oldest => c,
+                _ => Compaction { seq: oldest, offset: 0, frame_seq: None },
+            };
+            (state, end)
+        };
+        let mut read = 0;
+        while read < COMPACT_BYTES_PER_COMMIT {
+            if state.offset >= end {
+                return Ok(Some((state, true)));
+            }
+            let (header, bytes) = self.read_frame(&state)?;
+            read += bytes.len();
+            if !self.copy_live(&state, &bytes)? {
+                return Ok(Some((state, false)));
+            }
+            state = Compaction {
+                seq: state.seq,
+                offset: state.offset + bytes.len() as u64,
+                frame_seq: Some(header.seq + 1),
+            };
+        }
+        Ok(Some((state, false)))
+    }
+
+    /// Copies the live records of one frame of the segment being compacted to this
+    /// transaction; returns false when the log had no room for one (the frame is then
+    /// copied again from its start later: what moved is no longer live there).
+    fn copy_live(&self, state: &Compaction, bytes: &[u8]) -> Result<bool, StoreError> {
+        let mut at = FRAME_HEADER_BYTES;
+        while at < bytes.len() {
+            let (entry, len) = decode_at(&bytes[at..])?;
+            let from = position(state.seq, state.offset + at as u64);
+            if let Entry::Record { hash, record, .. } = entry
+                && self.store.borrow().index.ids(hash).any(|p| p == from)
+            {
+                let copy = |out: &mut Vec<u8>| out.extend_from_slice(&bytes[at..at + len]);
+                let to = match self.append(Writer::Upkeep, len, copy) {
+                    Err(StoreError::Full) => return Ok(false),
+                    other => other?,
+                };
+                self.repoint(hash, Some((from, len)), Some((to, len)));
+                self.store.borrow_mut().schedule.add(record.reclaim_at_ms(), to);
+            }
+            at += len;
+        }
+        Ok(true)
+    }
+
+    /// The whole frame at the compaction's place in the oldest segment: before the
+    /// segment's end every frame was accepted at open or written by this process, so one
+    /// that does not read back whole, or out of order, is damage.
+    fn read_frame(&self, state: &Compaction) -> Result<(format::FrameHeader, Vec<u8>), StoreError> {
+        let store = self.store.borrow();
+        let damaged = || {
+            StoreError::Corrupt(format!(
+                "log segment {} has no whole frame at offset {} before its end",
+                super::segment_name(state.seq),
+                state.offset
+            ))
+        };
+        let file = store.segments.get(&state.seq).ok_or_else(damaged)?;
+        let room = store.segment_bytes.saturating_sub(state.offset) as usize;
+        let mut head = [0; FRAME_HEADER_BYTES];
+        let read = file.read_at(state.offset, &mut head).map_err(io(&store.dir))?;
+        let header = format::read_header(&head[..read], room).ok_or_else(damaged)?;
+        if state.frame_seq.is_some_and(|expected| header.seq != expected) {
+            return Err(damaged());
+        }
+        let mut bytes = vec![0; FRAME_HEADER_BYTES + header.payload_len as usize];
+        let read = file.read_at(state.offset, &mut bytes).map_err(io(&store.dir))?;
+        if read < bytes.len() || !format::frame_intact(&bytes, &header) {
+            return Err(damaged());
+        }
+        Ok((header, bytes))
+    }
+
+    /// Makes the transaction durable: seals its frames into the chain, writes them,
+    /// syncs every segment written, and only then lets the next transaction see it.
+    pub fn commit(self, meta: Meta) -> Result<(), StoreError> {
+        let compaction = self.compact()?;
+        self.failpoint()?;
+        if self.store.borrow().faults.commit_should_fail() {
+            return Err(StoreError::Injected("commit"));
+        }
+        let mut frames = std::mem::take(&mut *self.frames.borrow_mut());
+        let mut store = self.store.borrow_mut();
+        let mut chain = store.chain;
+        let count = frames.len();
+        for (n, frame) in frames.iter_mut().enumerate() {
+            let last = n + 1 == count;
+            chain.checksum =
+                format::seal_frame(&mut frame.bytes, last, chain.seq + 1, chain.checksum, meta, store.salt);
+            chain.seq += 1;
+            chain.head = frame.seq;
+            chain.tail = frame.start + frame.bytes.len() as u64;
+        }
+        for frame in &frames {
+            let file = &store.segments[&frame.seq];
+            file.write_at(frame.start, &frame.bytes).map_err(io(&store.dir))?;
+        }
+        // A segment is retired only once the copies of its live records are durable,
+        // whatever the durability: otherwise a power cut could take records of any age.
+        let retiring = matches!(compaction, Some((_, true)));
+        if store.durability == Durability::Full || retiring {
+            for (n, frame) in frames.iter().enumerate() {
+                if n == 0 || frames[n - 1].seq != frame.seq {
+                    store.segments[&frame.seq].sync_data().map_err(io(&store.dir))?;
+                }
+            }
+        }
+        // Durable: from here the transaction is the log's state.
+        self.committed.set(true);
+        for pair in frames.windows(2) {
+            if pair[0].seq != pair[1].seq {
+                store.ends.insert(pair[0].seq, pair[0].start + pair[0].bytes.len() as u64);
+            }
+        }
+        store.chain = chain;
+        store.live_bytes = store.live_bytes.saturating_add_signed(self.live_delta.get());
+        store.recent = frames.into_iter().map(|f| (f.seq, f.start, f.bytes)).collect();
+        match compaction {
+            Some((state, true)) => store.retire(state.seq)?,
+            Some((state, false)) => store.compaction = Some(state),
+            None => {}
+        }
+        store.take_prepared(false)?;
+        if chain.tail * 2 > store.segment_bytes {
+            store.prepare_spare();
+        }
+        Ok(())
+    }
+}
