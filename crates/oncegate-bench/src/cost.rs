@@ -17,6 +17,9 @@ pub struct Probe {
     pub pid: u32,
     /// Whether its child processes count too.
     pub with_children: bool,
+    /// The block device (major, minor) whose own count of bytes written is read too
+    /// (see [`Probe::on_device_of`]).
+    pub device: Option<(u64, u64)>,
 }
 
 /// One reading.
@@ -28,6 +31,8 @@ pub struct Sample {
     pub shard_cpu_ticks: u64,
     /// Bytes the process caused to be written to storage (`write_bytes`).
     pub write_bytes: u64,
+    /// Bytes the block device wrote (every process's, the file system's journal too).
+    pub device_bytes: u64,
 }
 
 /// What a window cost, per pair.
@@ -37,14 +42,35 @@ pub struct Cost {
     pub cpu_us_per_pair: f64,
     /// CPU time of the shard threads per command, in microseconds.
     pub shard_cpu_us_per_command: f64,
-    /// Bytes written to disk per pair.
+    /// Bytes written to disk per pair, as the kernel counts them against the process
+    /// (`write_bytes`: pages as they are dirtied).
     pub disk_bytes_per_pair: f64,
+    /// Bytes the block device wrote per pair: what reached the disk, the file system's
+    /// journal included (and anything else written meanwhile). `write_bytes` counts a
+    /// page each time a write dirties it again, which overcounts a file overwritten in
+    /// place (a log's preallocated segments) many times over; the device does not.
+    pub device_bytes_per_pair: f64,
 }
 
 impl Probe {
     /// This process (the embedded target).
     pub fn this_process() -> Probe {
-        Probe { pid: std::process::id(), with_children: false }
+        Probe::of(std::process::id())
+    }
+
+    /// A process, without its children.
+    pub fn of(pid: u32) -> Probe {
+        Probe { pid, with_children: false, device: None }
+    }
+
+    /// Reads, beside the process, the block device that holds `dir`.
+    pub fn on_device_of(self, dir: &Path) -> Probe {
+        use std::os::unix::fs::MetadataExt;
+        let device = std::fs::metadata(dir).ok().map(|meta| {
+            let dev = meta.dev();
+            ((dev >> 8) & 0xfff, (dev & 0xff) | ((dev >> 12) & 0xfff00))
+        });
+        Probe { device, ..self }
     }
 
     /// Reads the process (and its children) now.
@@ -56,6 +82,9 @@ impl Probe {
                 sample.cpu_ticks += more.cpu_ticks;
                 sample.write_bytes += more.write_bytes;
             }
+        }
+        if let Some((major, minor)) = self.device {
+            sample.device_bytes = device_written_bytes(major, minor);
         }
         sample
     }
@@ -72,6 +101,7 @@ impl Sample {
             shard_cpu_us_per_command: us(after.shard_cpu_ticks - self.shard_cpu_ticks)
                 / commands.max(1) as f64,
             disk_bytes_per_pair: per(after.write_bytes - self.write_bytes, pairs),
+            device_bytes_per_pair: per(after.device_bytes - self.device_bytes, pairs),
         }
     }
 }
@@ -158,4 +188,13 @@ mod tests {
         let line = "42 (oncegate-shard 1) S 1 42 42 0 -1 4194368 10 0 0 0 150 25 0 0 20 0 1 0 100 0 0";
         assert_eq!(cpu_ticks(line), Some(("oncegate-shard 1".to_owned(), 175)));
     }
+}
+
+/// Bytes a block device has written since boot (sectors written, the seventh field of
+/// its `stat`, in 512-byte sectors whatever the device's own sector size).
+pub fn device_written_bytes(major: u64, minor: u64) -> u64 {
+    std::fs::read_to_string(format!("/sys/dev/block/{major}:{minor}/stat"))
+        .ok()
+        .and_then(|stat| stat.split_whitespace().nth(6)?.parse::<u64>().ok())
+        .map_or(0, |sectors| sectors * 512)
 }

@@ -581,12 +581,8 @@ impl Log {
 /// Bytes written by the block device holding `dir`, from its `stat` in sysfs (sectors of
 /// 512 bytes, the seventh field); 0 where that cannot be read.
 fn device_written_bytes(dir: &std::path::Path) -> u64 {
-    use std::os::unix::fs::MetadataExt;
-    let Ok(meta) = std::fs::metadata(dir) else { return 0 };
-    let dev = meta.dev();
-    let (major, minor) = ((dev >> 8) & 0xfff, (dev & 0xff) | ((dev >> 12) & 0xfff00));
-    std::fs::read_to_string(format!("/sys/dev/block/{major}:{minor}/stat"))
-        .ok()
-        .and_then(|stat| stat.split_whitespace().nth(6)?.parse::<u64>().ok())
-        .map_or(0, |sectors| sectors * 512)
+    match crate::cost::Probe::this_process().on_device_of(dir).device {
+        Some((major, minor)) => crate::cost::device_written_bytes(major, minor),
+        None => 0,
+    }
 }

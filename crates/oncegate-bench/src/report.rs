@@ -30,14 +30,14 @@ pub struct Report {
 /// Renders reports as a markdown table.
 pub fn markdown(reports: &[Report]) -> String {
     let mut out = String::from(
-        "| target | in flight | pairs/s | p50 (ms) | p99 (ms) | p99.9 (ms) | errors | replays | commands per batch | server CPU µs/pair | shard CPU µs/command | disk bytes/pair |\n\
-         | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
+        "| target | in flight | pairs/s | p50 (ms) | p99 (ms) | p99.9 (ms) | errors | replays | commands per batch | server CPU µs/pair | shard CPU µs/command | disk bytes/pair | device bytes/pair |\n\
+         | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
     );
     for r in reports {
         let cost =
             |f: fn(&Cost) -> f64| r.cost.as_ref().map_or_else(|| "-".to_owned(), |c| format!("{:.1}", f(c)));
         out.push_str(&format!(
-            "| {} | {} | {:.0} | {:.2} | {:.2} | {:.2} | {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {} | {:.0} | {:.2} | {:.2} | {:.2} | {} | {} | {} | {} | {} | {} | {} |\n",
             r.target,
             r.in_flight,
             r.pairs_per_s,
@@ -50,6 +50,7 @@ pub fn markdown(reports: &[Report]) -> String {
             cost(|c| c.cpu_us_per_pair),
             cost(|c| c.shard_cpu_us_per_command),
             cost(|c| c.disk_bytes_per_pair),
+            cost(|c| c.device_bytes_per_pair),
         ));
     }
     out

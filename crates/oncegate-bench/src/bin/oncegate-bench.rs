@@ -148,7 +148,7 @@ impl Bench {
             Kind::Grpc => {
                 let (addrs, pid) = self.server_addrs()?;
                 let target = self.runtime.block_on(Grpc::connect(&addrs, self.cli.connections))?;
-                let probe = pid.map(|pid| Probe { pid, with_children: false });
+                let probe = pid.map(Probe::of);
                 let report = self.run(target, in_flight, probe);
                 if let Some(pid) = pid {
                     println!(
@@ -161,7 +161,7 @@ impl Bench {
             Kind::GrpcSession => {
                 let (addrs, pid) = self.server_addrs()?;
                 let target = self.runtime.block_on(Session::connect(&addrs, self.cli.connections))?;
-                let probe = pid.map(|pid| Probe { pid, with_children: false });
+                let probe = pid.map(Probe::of);
                 Ok(self.run(target, in_flight, probe))
             }
             Kind::Embedded => {
@@ -179,13 +179,13 @@ impl Bench {
             }
             Kind::Redis => {
                 let target = self.runtime.block_on(Redis::connect(&self.cli.redis))?;
-                let probe = self.cli.redis_pid.map(|pid| Probe { pid, with_children: false });
+                let probe = self.cli.redis_pid.map(Probe::of);
                 Ok(self.run(target, in_flight, probe))
             }
             Kind::Postgres => {
                 let target =
                     self.runtime.block_on(Postgres::connect(&self.cli.postgres, in_flight.min(64)))?;
-                let probe = self.cli.postgres_pid.map(|pid| Probe { pid, with_children: true });
+                let probe = self.cli.postgres_pid.map(|pid| Probe { with_children: true, ..Probe::of(pid) });
                 Ok(self.run(target, in_flight, probe))
             }
         }
@@ -229,6 +229,7 @@ impl Bench {
     }
 
     fn run<T: Target + Clone>(&self, target: T, in_flight: usize, probe: Option<Probe>) -> Report {
+        let probe = probe.map(|p| p.on_device_of(self.scratch.path()));
         let bar = ProgressBar::new(self.cli.seconds.ceil() as u64);
         if let Ok(style) = ProgressStyle::with_template("{prefix:>28} [{bar:30}] {msg}") {
             bar.set_style(style.progress_chars("=> "));

@@ -378,7 +378,9 @@ impl Store {
     }
 }
 
-/// Creates segment `seq` full of zeros and makes it and its name durable.
+/// Creates segment `seq` full of zeros and makes it and its name durable. Each chunk is
+/// synced before the next is written: left to the end, the whole segment's writeback
+/// would queue ahead of the shards' commit syncs on the same disk.
 fn zero_fill(files: &dyn Files, dir: &Path, seq: u32, bytes: u64) -> std::io::Result<()> {
     let file = files.open_segment(&dir.join(segment_name(seq)))?;
     let zeros = vec![0; ZERO_CHUNK_BYTES];
@@ -386,9 +388,9 @@ fn zero_fill(files: &dyn Files, dir: &Path, seq: u32, bytes: u64) -> std::io::Re
     while offset < bytes {
         let n = (bytes - offset).min(ZERO_CHUNK_BYTES as u64) as usize;
         file.write_at(offset, &zeros[..n])?;
+        file.sync_data()?;
         offset += n as u64;
     }
-    file.sync_data()?;
     files.sync_dir(dir)
 }
 
