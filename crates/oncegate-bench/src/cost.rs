@@ -179,6 +179,15 @@ pub fn rss_bytes(pid: u32) -> u64 {
         .map_or(0, |kib: u64| kib * 1024)
 }
 
+/// Bytes a block device has written since boot (sectors written, the seventh field of
+/// its `stat`, in 512-byte sectors whatever the device's own sector size).
+pub fn device_written_bytes(major: u64, minor: u64) -> u64 {
+    std::fs::read_to_string(format!("/sys/dev/block/{major}:{minor}/stat"))
+        .ok()
+        .and_then(|stat| stat.split_whitespace().nth(6)?.parse::<u64>().ok())
+        .map_or(0, |sectors| sectors * 512)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -188,13 +197,4 @@ mod tests {
         let line = "42 (oncegate-shard 1) S 1 42 42 0 -1 4194368 10 0 0 0 150 25 0 0 20 0 1 0 100 0 0";
         assert_eq!(cpu_ticks(line), Some(("oncegate-shard 1".to_owned(), 175)));
     }
-}
-
-/// Bytes a block device has written since boot (sectors written, the seventh field of
-/// its `stat`, in 512-byte sectors whatever the device's own sector size).
-pub fn device_written_bytes(major: u64, minor: u64) -> u64 {
-    std::fs::read_to_string(format!("/sys/dev/block/{major}:{minor}/stat"))
-        .ok()
-        .and_then(|stat| stat.split_whitespace().nth(6)?.parse::<u64>().ok())
-        .map_or(0, |sectors| sectors * 512)
 }
