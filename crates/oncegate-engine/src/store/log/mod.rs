@@ -309,6 +309,32 @@ impl Store {
         decode_at(&buf).map(Some)
     }
 
+    /// Writes a transaction's frames, and syncs each segment written when `sync`.
+    fn write_frames(&self, frames: &[txn::Pending], sync: bool) -> Result<(), StoreError> {
+        for frame in frames {
+            self.segments[&frame.seq].write_at(frame.start, &frame.bytes).map_err(io(&self.dir))?;
+        }
+        if sync {
+            for (n, frame) in frames.iter().enumerate() {
+                if n == 0 || frames[n - 1].seq != frame.seq {
+                    self.segments[&frame.seq].sync_data().map_err(io(&self.dir))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// After a failed write or sync, overwrites the transaction's frames with zeros, as
+    /// far as the disk still lets it. A failed `fdatasync` leaves the frames in the page
+    /// cache while the disk may never get them: the shard's reopen in this process would
+    /// read them as the chain's continuation, and commits chained onto them would be lost
+    /// with them at the next power cut. Zeroed, the reopen ends the chain before them.
+    fn unwrite(&self, frames: &[txn::Pending]) {
+        for frame in frames {
+            let _ = self.segments[&frame.seq].write_at(frame.start, &vec![0; frame.bytes.len()]);
+        }
+    }
+
     /// Segments from the oldest to the head.
     fn used_segments(&self) -> u64 {
         let oldest = self.segments.keys().next().copied().unwrap_or(self.chain.head);
@@ -670,5 +696,105 @@ mod tests {
         txn.put(&scope("after"), &granted(1_000, 2_000_000, 1_000)).unwrap();
         txn.commit(Meta { next_token: 1_001, high_water_ms: 2_000_000 }).unwrap();
         assert!(store.used_segments() < 4, "{} segments in use", store.used_segments());
+    }
+
+    /// The OS's files, with segment syncs that fail while `failing` is set.
+    #[derive(Debug, Default)]
+    struct SyncFails {
+        failing: Arc<std::sync::atomic::AtomicBool>,
+    }
+
+    #[derive(Debug)]
+    struct FailingSegment {
+        file: Box<dyn SegmentFile>,
+        failing: Arc<std::sync::atomic::AtomicBool>,
+    }
+
+    impl SegmentFile for FailingSegment {
+        fn read_at(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<usize> {
+            self.file.read_at(offset, buf)
+        }
+        fn write_at(&self, offset: u64, bytes: &[u8]) -> std::io::Result<()> {
+            self.file.write_at(offset, bytes)
+        }
+        fn sync_data(&self) -> std::io::Result<()> {
+            if self.failing.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(std::io::Error::other("injected: fdatasync failed"));
+            }
+            self.file.sync_data()
+        }
+        fn size(&self) -> std::io::Result<u64> {
+            self.file.size()
+        }
+    }
+
+    impl Files for SyncFails {
+        fn create_dir_all(&self, dir: &Path) -> std::io::Result<()> {
+            crate::files::OsFiles.create_dir_all(dir)
+        }
+        fn read(&self, path: &Path) -> std::io::Result<Vec<u8>> {
+            crate::files::OsFiles.read(path)
+        }
+        fn write_new(&self, path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+            crate::files::OsFiles.write_new(path, bytes)
+        }
+        fn create(&self, path: &Path) -> std::io::Result<bool> {
+            crate::files::OsFiles.create(path)
+        }
+        fn sync_file(&self, path: &Path) -> std::io::Result<()> {
+            crate::files::OsFiles.sync_file(path)
+        }
+        fn rename(&self, from: &Path, to: &Path) -> std::io::Result<()> {
+            crate::files::OsFiles.rename(from, to)
+        }
+        fn remove(&self, path: &Path) -> std::io::Result<()> {
+            crate::files::OsFiles.remove(path)
+        }
+        fn sync_dir(&self, dir: &Path) -> std::io::Result<()> {
+            crate::files::OsFiles.sync_dir(dir)
+        }
+        fn list(&self, dir: &Path) -> std::io::Result<Vec<String>> {
+            crate::files::OsFiles.list(dir)
+        }
+        fn lock(&self, dir: &Path) -> std::io::Result<Option<crate::files::LockGuard>> {
+            crate::files::OsFiles.lock(dir)
+        }
+        fn restrict(&self, path: &Path) -> std::io::Result<()> {
+            crate::files::OsFiles.restrict(path)
+        }
+        fn open_segment(&self, path: &Path) -> std::io::Result<Box<dyn SegmentFile>> {
+            let file = crate::files::OsFiles.open_segment(path)?;
+            Ok(Box::new(FailingSegment { file, failing: Arc::clone(&self.failing) }))
+        }
+    }
+
+    /// A commit whose `fdatasync` failed is not read back by the shard's next open in the
+    /// same process, though its frames sit in the page cache: the disk may never have
+    /// them, and what the shard commits next must not chain onto them.
+    #[test]
+    fn a_commit_whose_sync_failed_is_not_read_back_by_the_next_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let files = Arc::new(SyncFails::default());
+        let failing = Arc::clone(&files.failing);
+        let tuning = tuning(files, 1 << 30);
+        let (mut store, _, _) = Store::open(dir.path(), &tuning, &Faults::default()).unwrap();
+        let txn = store.begin(1).unwrap();
+        txn.put(&scope("before"), &granted(1, 1, 60_000)).unwrap();
+        txn.commit(Meta { next_token: 2, high_water_ms: 1 }).unwrap();
+        failing.store(true, std::sync::atomic::Ordering::SeqCst);
+        let txn = store.begin(2).unwrap();
+        txn.put(&scope("unsynced"), &granted(2, 2, 60_000)).unwrap();
+        assert!(txn.commit(Meta { next_token: 3, high_water_ms: 2 }).is_err());
+        failing.store(false, std::sync::atomic::Ordering::SeqCst);
+        drop(store);
+        let (mut store, meta, _) = Store::open(dir.path(), &tuning, &Faults::default()).unwrap();
+        assert_eq!(
+            meta,
+            Meta { next_token: 2, high_water_ms: 1 },
+            "the failed commit's counters are not read"
+        );
+        let txn = store.begin(3).unwrap();
+        assert!(txn.get(&scope("before")).unwrap().is_some());
+        assert!(txn.get(&scope("unsynced")).unwrap().is_none(), "read back from the page cache");
     }
 }

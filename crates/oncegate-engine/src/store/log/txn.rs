@@ -23,10 +23,10 @@ struct Located {
 
 /// A frame being filled: its segment, its offset there, and its bytes (the header's
 /// room first).
-struct Pending {
-    seq: u32,
-    start: u64,
-    bytes: Vec<u8>,
+pub(super) struct Pending {
+    pub(super) seq: u32,
+    pub(super) start: u64,
+    pub(super) bytes: Vec<u8>,
 }
 
 /// One transaction: the frames it will append, and the index changes it made (undone
@@ -384,19 +384,12 @@ impl<'s> Txn<'s> {
             chain.head = frame.seq;
             chain.tail = frame.start + frame.bytes.len() as u64;
         }
-        for frame in &frames {
-            let file = &store.segments[&frame.seq];
-            file.write_at(frame.start, &frame.bytes).map_err(io(&store.dir))?;
-        }
         // A segment is retired only once the copies of its live records are durable,
         // whatever the durability: otherwise a power cut could take records of any age.
-        let retiring = matches!(compaction, Some((_, true)));
-        if store.durability == Durability::Full || retiring {
-            for (n, frame) in frames.iter().enumerate() {
-                if n == 0 || frames[n - 1].seq != frame.seq {
-                    store.segments[&frame.seq].sync_data().map_err(io(&store.dir))?;
-                }
-            }
+        let sync = store.durability == Durability::Full || matches!(compaction, Some((_, true)));
+        if let Err(error) = store.write_frames(&frames, sync) {
+            store.unwrite(&frames);
+            return Err(error);
         }
         // Durable: from here the transaction is the log's state.
         self.committed.set(true);
