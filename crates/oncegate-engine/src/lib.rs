@@ -84,7 +84,8 @@ pub struct ShardStats {
     pub reclaimed: u64,
     /// Alarm ticks run (each reclaims at most `reclaim_batch_max` records).
     pub alarms: u64,
-    /// WAL checkpoints of the shard file (none on PostgreSQL).
+    /// WAL checkpoints of the shard file, or segments of the shard's log retired by
+    /// compaction (none on PostgreSQL).
     pub checkpoints: u64,
     /// Reserves parked now.
     pub waiters: u64,

@@ -58,8 +58,8 @@ pub struct Plan {
     /// WAL pages between checkpoints (small, so that cuts land around checkpoints).
     pub checkpoint_pages: u64,
     /// Which of the engine's own stores keeps the records: its SQLite files or its log
-    /// (whose segments are then the smallest allowed, so that cuts land around segment
-    /// changes and compaction).
+    /// (whose segments are then the smallest allowed, 1 MiB, and at most three of them a
+    /// shard, so that cuts land around segment changes and compaction).
     pub store: StoreKind,
     /// Stop after this many violations.
     pub violations_max: usize,
@@ -136,6 +136,9 @@ pub struct Report {
     pub cut_mid_checkpoint: u64,
     /// Syncs of shard files: checkpoints, mostly.
     pub checkpoints: u64,
+    /// What the engine's shards counted as checkpoints: SQLite's WAL checkpoints, or log
+    /// segments retired by compaction.
+    pub engine_checkpoints: u64,
     /// Calls acknowledged before the cuts.
     pub acknowledged: u64,
     /// Key states compared after a restart with what was acknowledged.
@@ -165,6 +168,7 @@ impl Report {
         self.cut_while_opening += other.cut_while_opening;
         self.cut_mid_checkpoint += other.cut_mid_checkpoint;
         self.checkpoints += other.checkpoints;
+        self.engine_checkpoints += other.engine_checkpoints;
         self.acknowledged += other.acknowledged;
         self.keys_checked += other.keys_checked;
         self.grants_checked += other.grants_checked;
@@ -432,6 +436,7 @@ impl Run<'_> {
                 log_segment_bytes: 1 << 20,
                 ..StoreConfig::default()
             },
+            shard_file_bytes_max: if self.plan.store == StoreKind::Log { 3 << 20 } else { 64 << 30 },
             ..EngineConfig::default()
         };
         let clock = Arc::new(self.clock.clone());
@@ -577,6 +582,7 @@ impl Run<'_> {
         }
         cut_power(&cycle);
         self.report.acknowledged += cycle.calls.load(Ordering::SeqCst);
+        self.report.engine_checkpoints += cycle.engine.stats().iter().map(|s| s.checkpoints).sum::<u64>();
         let Ok(cycle) = Arc::try_unwrap(cycle) else { unreachable!("every client has returned") };
         cycle.engine.shutdown();
     }

@@ -101,7 +101,10 @@ impl Shard {
         let process_start = !self.opened;
         let (mut store, meta, created) = match self.config.store.kind {
             StoreKind::Log => {
-                let tuning = log::Tuning::of(&self.config, Arc::clone(&self.files), self.slots.routing);
+                let tuning = log::Tuning {
+                    retired: Arc::clone(&self.shared.checkpoints),
+                    ..log::Tuning::of(&self.config, Arc::clone(&self.files), self.slots.routing)
+                };
                 let (store, meta, created) = log::Store::open(&self.path, &tuning, &self.faults)?;
                 (Store::Log(store), meta, created)
             }

@@ -80,6 +80,8 @@ pub(crate) struct Tuning {
     pub reclaim_granularity_ms: u64,
     pub files: Arc<dyn Files>,
     pub routing: Routing,
+    /// Where segments retired by compaction are counted (the shard's checkpoints).
+    pub retired: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Tuning {
@@ -92,6 +94,7 @@ impl Tuning {
             reclaim_granularity_ms: config.reclaim_granularity_ms,
             files,
             routing,
+            retired: Arc::default(),
         }
     }
 }
@@ -151,6 +154,7 @@ pub(crate) struct Store {
     recent: Vec<(u32, u64, Vec<u8>)>,
     /// The record counts read at open, until the shard takes them.
     tally: Option<Tally>,
+    retired: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Drop for Store {
@@ -217,6 +221,7 @@ impl Store {
             compaction: None,
             recent: Vec::new(),
             tally: None,
+            retired: Arc::clone(&tuning.retired),
         };
         let (meta, created) = store.recover()?;
         if created {
@@ -370,6 +375,7 @@ impl Store {
         }
         self.files.sync_dir(&self.dir).map_err(io(&self.dir))?;
         self.compaction = None;
+        self.retired.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
 
@@ -447,6 +453,7 @@ mod tests {
             reclaim_granularity_ms: 1_000,
             files,
             routing: Routing::BucketBase,
+            retired: Arc::default(),
         }
     }
 
