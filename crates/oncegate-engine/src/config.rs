@@ -305,7 +305,7 @@ impl EngineConfig {
             problems.within_because(
                 "store.log_segment_bytes",
                 self.store.log_segment_bytes,
-                (2 * record_bytes_max).max(1 << 20),
+                (2 * record_bytes_max).max(256 << 10),
                 1 << 30,
                 Unit::Bytes,
                 " (twice the largest record: response_bytes_max and key_bytes_max with 64 KiB for the rest)",

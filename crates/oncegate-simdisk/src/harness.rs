@@ -58,7 +58,7 @@ pub struct Plan {
     /// WAL pages between checkpoints (small, so that cuts land around checkpoints).
     pub checkpoint_pages: u64,
     /// Which of the engine's own stores keeps the records: its SQLite files or its log
-    /// (whose segments are then the smallest allowed, 1 MiB, and at most three of them a
+    /// (whose segments are then 320 KiB, near the smallest allowed, and at most six of them a
     /// shard, so that cuts land around segment changes and compaction).
     pub store: StoreKind,
     /// Stop after this many violations.
@@ -433,10 +433,10 @@ impl Run<'_> {
             batch_len_max: [1, 4, 64, 256][self.rng.random_range(0..4)],
             store: StoreConfig {
                 kind: self.plan.store,
-                log_segment_bytes: 1 << 20,
+                log_segment_bytes: 320 << 10,
                 ..StoreConfig::default()
             },
-            shard_file_bytes_max: if self.plan.store == StoreKind::Log { 3 << 20 } else { 64 << 30 },
+            shard_file_bytes_max: if self.plan.store == StoreKind::Log { 6 * (320 << 10) } else { 64 << 30 },
             ..EngineConfig::default()
         };
         let clock = Arc::new(self.clock.clone());

@@ -38,17 +38,19 @@ fn every_acknowledged_call_survives_500_plain_and_torn_power_cuts() {
 
 /// The same on the log store: a transaction is one frame appended and synced, cut
 /// anywhere (a torn frame, a segment half zero-filled, a segment being recycled).
+/// One shard with a log of at most six 320 KiB segments, so that compaction copies and
+/// retires segments within the run (about a dozen times; the engine's count misses those
+/// of cycles cut short) and cuts also land inside it. The harness keeps every completed
+/// key live, so such a log is full (and refuses new keys) after about 480 cuts: the run
+/// stops at 400.
 #[test]
-fn every_acknowledged_call_survives_500_plain_and_torn_power_cuts_on_the_log() {
-    // One shard with a log of three 1 MiB segments: it wraps thousands of times within the
-    // run, so cuts also land inside compaction, retirement and recycling.
+fn every_acknowledged_call_survives_400_plain_and_torn_power_cuts_on_a_compacting_log() {
     let plan =
-        Plan { cuts: 500, torn_every: 2, seed: 14, shards: 1, store: StoreKind::Log, ..Plan::default() };
+        Plan { cuts: 400, torn_every: 2, seed: 14, shards: 1, store: StoreKind::Log, ..Plan::default() };
     let report = run(&plan);
     assert!(report.violations.is_empty(), "{}", summary(&report));
-    // The log wrapped: compaction retired segments between the cuts.
-    assert!(report.engine_checkpoints > 100, "{}", summary(&report));
-    assert_eq!((report.cuts, report.torn), (500, 250), "{}", summary(&report));
+    assert!(report.engine_checkpoints >= 5, "compaction retired few segments: {}", summary(&report));
+    assert_eq!((report.cuts, report.torn), (400, 200), "{}", summary(&report));
     assert!(report.acknowledged > 10_000, "{}", summary(&report));
     assert!(report.grants_checked > 1_000, "{}", summary(&report));
     assert!(report.keys_checked > 10_000, "{}", summary(&report));

@@ -30,6 +30,9 @@ use super::super::{Meta, StoreError, decode_history, encode_history, stored_scop
 pub(crate) const FRAME_HEADER_BYTES: usize = 56;
 /// The flag of a transaction's last frame.
 const LAST: u32 = 1;
+/// The flag of a frame written with `durability = "full"`: every frame before it was
+/// durable before it was written.
+const ORDERED: u32 = 2;
 
 const TAG_RECORD: u8 = 1;
 const TAG_TOMBSTONE: u8 = 2;
@@ -50,18 +53,29 @@ const COMPLETION_FIXED_BYTES: usize = 13;
 pub(crate) struct FrameHeader {
     pub payload_len: u32,
     pub last: bool,
+    pub ordered: bool,
     pub seq: u64,
     pub prev: u64,
     pub meta: Meta,
     pub checksum: u64,
 }
 
+/// A frame's flags.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Flags {
+    /// The transaction's last frame.
+    pub last: bool,
+    /// Written with every frame before it durable.
+    pub ordered: bool,
+}
+
 /// Fills in the header of a frame whose payload follows its first
 /// [`FRAME_HEADER_BYTES`] in `frame`; returns the frame's checksum.
-pub(crate) fn seal_frame(frame: &mut [u8], last: bool, seq: u64, prev: u64, meta: Meta, salt: u64) -> u64 {
+pub(crate) fn seal_frame(frame: &mut [u8], flags: Flags, seq: u64, prev: u64, meta: Meta, salt: u64) -> u64 {
     let payload_len = (frame.len() - FRAME_HEADER_BYTES) as u32;
     frame[0..4].copy_from_slice(&payload_len.to_le_bytes());
-    frame[4..8].copy_from_slice(&(if last { LAST } else { 0 }).to_le_bytes());
+    let bits = if flags.last { LAST } else { 0 } | if flags.ordered { ORDERED } else { 0 };
+    frame[4..8].copy_from_slice(&bits.to_le_bytes());
     frame[8..16].copy_from_slice(&seq.to_le_bytes());
     frame[16..24].copy_from_slice(&prev.to_le_bytes());
     frame[24..32].copy_from_slice(&salt.to_le_bytes());
@@ -93,6 +107,7 @@ pub(crate) fn read_header(bytes: &[u8], room: usize) -> Option<FrameHeader> {
     Some(FrameHeader {
         payload_len,
         last: flags & LAST != 0,
+        ordered: flags & ORDERED != 0,
         seq: u64_at(8),
         prev: u64_at(16),
         meta: Meta { next_token: u64_at(32), high_water_ms: u64_at(40) },
@@ -104,6 +119,24 @@ pub(crate) fn read_header(bytes: &[u8], room: usize) -> Option<FrameHeader> {
 pub(crate) fn frame_intact(frame: &[u8], header: &FrameHeader) -> bool {
     frame.len() == FRAME_HEADER_BYTES + header.payload_len as usize
         && frame_checksum(frame) == header.checksum
+}
+
+/// The number of the first frame at or after `from` in `bytes` that is whole, was written
+/// in order, and is numbered past `after + 1`: proof, when the chain ended at frame
+/// `after`, that frames the disk had made durable were lost (see `recover.rs`).
+/// Every offset is tried (frames are not aligned); most fail at the number.
+pub(crate) fn ordered_frame_past(bytes: &[u8], from: usize, after: u64) -> Option<u64> {
+    let u64_at = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"));
+    let last_start = bytes.len().checked_sub(FRAME_HEADER_BYTES)?;
+    (from..=last_start).find_map(|at| {
+        let seq = u64_at(at + 8);
+        if seq <= after + 1 || seq - after > u64::from(u32::MAX) {
+            return None;
+        }
+        let header = read_header(&bytes[at..], bytes.len() - at).filter(|h| h.ordered)?;
+        let end = at + FRAME_HEADER_BYTES + header.payload_len as usize;
+        frame_intact(&bytes[at..end], &header).then_some(seq)
+    })
 }
 
 /// Bytes a record's entry takes.
@@ -325,12 +358,19 @@ mod tests {
         let mut frame = vec![0; FRAME_HEADER_BYTES];
         put_record(&mut frame, 5, &scope("k"), &record(4, Some(vec![1, 2, 3]), 2));
         let meta = Meta { next_token: 11, high_water_ms: 2_000 };
-        let checksum = seal_frame(&mut frame, true, 3, 99, meta, 0x5a17);
+        let checksum = seal_frame(&mut frame, Flags { last: true, ordered: true }, 3, 99, meta, 0x5a17);
         let header = read_header(&frame, frame.len()).unwrap();
         assert_eq!(
             (header.seq, header.prev, header.meta, header.last, header.checksum),
             (3, 99, meta, true, checksum)
         );
+        assert!(header.ordered);
+        let mut bytes = vec![0; 100];
+        bytes.extend_from_slice(&frame);
+        bytes.extend_from_slice(&[0; 30]);
+        assert_eq!(ordered_frame_past(&bytes, 0, 1), Some(3), "found at an unaligned offset");
+        assert_eq!(ordered_frame_past(&bytes, 0, 2), None, "frame 3 may follow frame 2");
+        assert_eq!(ordered_frame_past(&bytes, 101, 1), None, "before `from`");
         assert!(frame_intact(&frame, &header));
         assert!(read_header(&frame, frame.len() - 1).is_none(), "runs past the segment");
         for bit in 0..frame.len() * 8 {

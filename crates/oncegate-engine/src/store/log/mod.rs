@@ -138,6 +138,8 @@ pub(crate) struct Store {
     segments: BTreeMap<u32, Box<dyn SegmentFile>>,
     /// Where the frames of each segment before the head end (the writer moved on there).
     ends: BTreeMap<u32, u64>,
+    /// Segments written since they were last synced (`durability = "normal"` only).
+    unsynced: std::collections::BTreeSet<u32>,
     /// The thread zero-filling the next spare, if one is.
     preparing: Option<JoinHandle<std::io::Result<u32>>>,
     chain: Chain,
@@ -212,6 +214,7 @@ impl Store {
             segments_max: (tuning.bytes_max / tuning.segment_bytes).max(2),
             segments,
             ends: BTreeMap::new(),
+            unsynced: std::collections::BTreeSet::new(),
             preparing: None,
             chain: Chain { seq: 0, checksum: 0, head: 1, tail: 0 },
             salt: random_salt(),
@@ -258,6 +261,9 @@ impl Store {
     pub fn begin(&mut self, now_ms: u64) -> Result<Txn<'_>, StoreError> {
         let (mut head, mut tail) = (self.chain.head, self.chain.tail);
         if tail + FRAME_HEADER_BYTES as u64 > self.segment_bytes {
+            if self.used_segments() + 1 > self.segments_max {
+                return Err(StoreError::Full);
+            }
             self.take_prepared(true)?;
             self.ends.insert(head, tail);
             head += 1;
@@ -314,15 +320,26 @@ impl Store {
         decode_at(&buf).map(Some)
     }
 
-    /// Writes a transaction's frames, and syncs each segment written when `sync`.
-    fn write_frames(&self, frames: &[txn::Pending], sync: bool) -> Result<(), StoreError> {
+    /// Writes a transaction's frames. With `durability = "full"` each segment's frame is
+    /// synced before the next segment's is written, so that frames become durable in
+    /// order (recovery relies on it to tell damage from a torn end). With `"normal"`
+    /// nothing is synced, unless `retiring`: then every segment written since its last
+    /// sync is, first, so that compaction's copies are durable before their source goes.
+    fn write_frames(&mut self, frames: &[txn::Pending], retiring: bool) -> Result<(), StoreError> {
+        let full = self.durability == Durability::Full;
         for frame in frames {
-            self.segments[&frame.seq].write_at(frame.start, &frame.bytes).map_err(io(&self.dir))?;
+            let file = &self.segments[&frame.seq];
+            file.write_at(frame.start, &frame.bytes).map_err(io(&self.dir))?;
+            if full {
+                file.sync_data().map_err(io(&self.dir))?;
+            } else {
+                self.unsynced.insert(frame.seq);
+            }
         }
-        if sync {
-            for (n, frame) in frames.iter().enumerate() {
-                if n == 0 || frames[n - 1].seq != frame.seq {
-                    self.segments[&frame.seq].sync_data().map_err(io(&self.dir))?;
+        if retiring {
+            for seq in std::mem::take(&mut self.unsynced) {
+                if let Some(file) = self.segments.get(&seq) {
+                    file.sync_data().map_err(io(&self.dir))?;
                 }
             }
         }
@@ -633,22 +650,30 @@ mod tests {
         }
     }
 
-    /// A frame damaged in acknowledged history (not a torn tail: later segments hold
-    /// later frames) makes the log refuse to open, instead of ending there and dropping
-    /// every transaction after it.
+    /// A frame damaged in acknowledged history (not a torn end: whole frames written after
+    /// it follow, in its own segment or later ones) makes the log refuse to open,
+    /// instead of ending there and dropping every transaction after it; in the oldest
+    /// segment, and in the middle of the head.
     #[test]
     fn a_damaged_frame_in_acknowledged_history_is_refused_not_cut() {
-        let dir = tempfile::tempdir().unwrap();
-        let (mut store, _, _) = open(dir.path(), 1 << 30);
-        fill(&mut store, 0..200, 60_000);
-        let first = *store.segments.keys().next().unwrap();
-        assert!(store.chain.head >= first + 2, "the writes crossed segments");
-        drop(store);
-        let file = crate::files::OsFiles.open_segment(&dir.path().join(segment_name(first))).unwrap();
-        file.write_at(5_000, &[0xa5; 8]).unwrap();
-        let opened =
-            Store::open(dir.path(), &tuning(Arc::new(crate::files::OsFiles), 1 << 30), &Faults::default());
-        assert!(matches!(opened, Err(StoreError::Corrupt(_))), "{:?}", opened.map(|_| ()));
+        for damaged in ["oldest", "head"] {
+            let dir = tempfile::tempdir().unwrap();
+            let (mut store, _, _) = open(dir.path(), 1 << 30);
+            fill(&mut store, 0..200, 60_000);
+            let (first, head, tail) =
+                (*store.segments.keys().next().unwrap(), store.chain.head, store.chain.tail);
+            assert!(head >= first + 2, "the writes crossed segments");
+            drop(store);
+            let (seq, offset) = if damaged == "oldest" { (first, 5_000) } else { (head, tail / 2) };
+            let file = crate::files::OsFiles.open_segment(&dir.path().join(segment_name(seq))).unwrap();
+            file.write_at(offset, &[0xa5; 8]).unwrap();
+            let opened = Store::open(
+                dir.path(),
+                &tuning(Arc::new(crate::files::OsFiles), 1 << 30),
+                &Faults::default(),
+            );
+            assert!(matches!(opened, Err(StoreError::Corrupt(_))), "{damaged}: {:?}", opened.map(|_| ()));
+        }
     }
 
     /// Offsets were chosen for the segment size the log was written with: opened with a
@@ -705,29 +730,38 @@ mod tests {
         assert!(store.used_segments() < 4, "{} segments in use", store.used_segments());
     }
 
-    /// The OS's files, with segment syncs that fail while `failing` is set.
+    /// The OS's files, watched: segment syncs fail while `failing` is set, and a segment
+    /// removed or renamed while another holds writes not yet synced is noted.
     #[derive(Debug, Default)]
-    struct SyncFails {
-        failing: Arc<std::sync::atomic::AtomicBool>,
+    struct Watched {
+        failing: std::sync::atomic::AtomicBool,
+        /// Segments written since their last sync (the spare thread's zero-filling aside).
+        dirty: std::sync::Mutex<std::collections::HashSet<PathBuf>>,
+        retired_over_unsynced: std::sync::atomic::AtomicBool,
     }
 
     #[derive(Debug)]
-    struct FailingSegment {
+    struct WatchedSegment {
         file: Box<dyn SegmentFile>,
-        failing: Arc<std::sync::atomic::AtomicBool>,
+        path: PathBuf,
+        watched: Arc<Watched>,
     }
 
-    impl SegmentFile for FailingSegment {
+    impl SegmentFile for WatchedSegment {
         fn read_at(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<usize> {
             self.file.read_at(offset, buf)
         }
         fn write_at(&self, offset: u64, bytes: &[u8]) -> std::io::Result<()> {
+            if std::thread::current().name() != Some("oncegate-log-spare") {
+                self.watched.dirty.lock().unwrap().insert(self.path.clone());
+            }
             self.file.write_at(offset, bytes)
         }
         fn sync_data(&self) -> std::io::Result<()> {
-            if self.failing.load(std::sync::atomic::Ordering::SeqCst) {
+            if self.watched.failing.load(std::sync::atomic::Ordering::SeqCst) {
                 return Err(std::io::Error::other("injected: fdatasync failed"));
             }
+            self.watched.dirty.lock().unwrap().remove(&self.path);
             self.file.sync_data()
         }
         fn size(&self) -> std::io::Result<u64> {
@@ -735,7 +769,20 @@ mod tests {
         }
     }
 
-    impl Files for SyncFails {
+    /// The files seam over [`Watched`] (an `Arc`, shared with its segments).
+    #[derive(Debug, Default)]
+    struct WatchedFiles(Arc<Watched>);
+
+    impl WatchedFiles {
+        fn retiring(&self, path: &Path) {
+            let dirty = self.0.dirty.lock().unwrap();
+            if dirty.iter().any(|p| p != path) {
+                self.0.retired_over_unsynced.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+    }
+
+    impl Files for WatchedFiles {
         fn create_dir_all(&self, dir: &Path) -> std::io::Result<()> {
             crate::files::OsFiles.create_dir_all(dir)
         }
@@ -752,9 +799,11 @@ mod tests {
             crate::files::OsFiles.sync_file(path)
         }
         fn rename(&self, from: &Path, to: &Path) -> std::io::Result<()> {
+            self.retiring(from);
             crate::files::OsFiles.rename(from, to)
         }
         fn remove(&self, path: &Path) -> std::io::Result<()> {
+            self.retiring(path);
             crate::files::OsFiles.remove(path)
         }
         fn sync_dir(&self, dir: &Path) -> std::io::Result<()> {
@@ -771,8 +820,32 @@ mod tests {
         }
         fn open_segment(&self, path: &Path) -> std::io::Result<Box<dyn SegmentFile>> {
             let file = crate::files::OsFiles.open_segment(path)?;
-            Ok(Box::new(FailingSegment { file, failing: Arc::clone(&self.failing) }))
+            Ok(Box::new(WatchedSegment { file, path: path.to_owned(), watched: Arc::clone(&self.0) }))
         }
+    }
+
+    /// With `durability = "normal"` commits are not synced, but a segment is retired only
+    /// once every segment written since its last sync is: compaction's copies of its live
+    /// records may be spread over several commits and segments.
+    #[test]
+    fn durability_normal_retires_a_segment_only_after_its_copies_are_synced() {
+        let dir = tempfile::tempdir().unwrap();
+        let files = Arc::new(WatchedFiles::default());
+        let watched = Arc::clone(&files.0);
+        let tuning = Tuning { durability: Durability::Normal, ..tuning(files, 1 << 30) };
+        let (mut store, _, _) = Store::open(dir.path(), &tuning, &Faults::default()).unwrap();
+        for batch in 0..2_000u64 {
+            let now = batch * 100;
+            let txn = store.begin(now).unwrap();
+            for n in 0..10 {
+                let ttl = if n < 3 { 10_000_000 } else { 1_000 };
+                txn.put(&scope(&format!("k{batch}-{n}")), &granted(batch * 10 + n + 1, now, ttl)).unwrap();
+            }
+            txn.reclaim(now, 1_000).unwrap();
+            txn.commit(Meta { next_token: batch * 10 + 11, high_water_ms: now }).unwrap();
+        }
+        assert!(store.retired.load(std::sync::atomic::Ordering::Relaxed) > 0, "compaction retired segments");
+        assert!(!watched.retired_over_unsynced.load(std::sync::atomic::Ordering::SeqCst));
     }
 
     /// A commit whose `fdatasync` failed is not read back by the shard's next open in the
@@ -781,8 +854,9 @@ mod tests {
     #[test]
     fn a_commit_whose_sync_failed_is_not_read_back_by_the_next_open() {
         let dir = tempfile::tempdir().unwrap();
-        let files = Arc::new(SyncFails::default());
-        let failing = Arc::clone(&files.failing);
+        let files = Arc::new(WatchedFiles::default());
+        let watched = Arc::clone(&files.0);
+        let failing = &watched.failing;
         let tuning = tuning(files, 1 << 30);
         let (mut store, _, _) = Store::open(dir.path(), &tuning, &Faults::default()).unwrap();
         let txn = store.begin(1).unwrap();
@@ -803,5 +877,38 @@ mod tests {
         let txn = store.begin(3).unwrap();
         assert!(txn.get(&scope("before")).unwrap().is_some());
         assert!(txn.get(&scope("unsynced")).unwrap().is_none(), "read back from the page cache");
+    }
+
+    /// The log's last segment is for the writes that free room: while the head is in it,
+    /// every request's write is refused, even where the segment has room; tombstones and
+    /// compaction still go there.
+    #[test]
+    fn requests_never_write_into_the_last_segment() {
+        let dir = tempfile::tempdir().unwrap();
+        // Segments larger than compaction reads per commit, so that copying one takes
+        // several commits and the head can reach the last segment meanwhile.
+        let segment_bytes = 4 * COMPACT_BYTES_PER_COMMIT as u64;
+        let tuning = Tuning { segment_bytes, ..tuning(Arc::new(crate::files::OsFiles), 3 * segment_bytes) };
+        let (mut store, _, _) = Store::open(dir.path(), &tuning, &Faults::default()).unwrap();
+        let mut in_last = 0;
+        for batch in 0..3_000u64 {
+            let last = store.used_segments() == store.segments_max;
+            in_last += u64::from(last);
+            if in_last > 20 {
+                break;
+            }
+            let txn = store.begin(batch).unwrap();
+            for n in 0..20 {
+                // Half of the records are replaced at once, so compaction has room to win.
+                let key = format!("k{batch}-{}", n % 10);
+                let put = txn.put(&scope(&key), &granted(batch * 20 + n + 1, batch, 10_000_000));
+                assert!(
+                    !last || matches!(put, Err(StoreError::Full)),
+                    "a request wrote into the last segment"
+                );
+            }
+            txn.commit(Meta { next_token: batch * 20 + 21, high_water_ms: batch }).unwrap();
+        }
+        assert!(in_last > 0, "the head never reached the last segment");
     }
 }

@@ -3,11 +3,13 @@
 //!
 //! The chain ends at the first frame that does not continue it: a torn or unsynced write
 //! (the transaction it belongs to was never acknowledged), zeros, or a stale frame of a
-//! recycled segment. With `durability = "full"` frames become durable in order, one
-//! transaction at a time, so nothing written after the end can have been acknowledged:
-//! a segment past the end that starts with a frame of the chain's future says the end is
-//! damage in acknowledged history, and the log is refused as corrupt instead of being
-//! cut there.
+//! recycled segment. With `durability = "full"` a frame is written only once every frame
+//! before it is durable (a transaction spanning segments syncs each before writing the
+//! next), and says so (its `ordered` flag): so past the chain's end, no whole ordered
+//! frame can be numbered beyond the end's next one. If one is, the end is damage in
+//! acknowledged history, and the log is refused as corrupt instead of being cut there
+//! (the transactions after the damage would be lost, and their keys granted again).
+//! Finding such a frame reads the rest of the log past the end, once, at open.
 
 use std::collections::HashMap;
 
@@ -15,7 +17,6 @@ use oncegate_core::Tenant;
 
 use super::format::{self, Entry, FRAME_HEADER_BYTES};
 use super::{Chain, Store, decode_at, position, segment_name};
-use crate::Durability;
 use crate::quota::Tally;
 use crate::store::{Meta, StoreError};
 
@@ -31,6 +32,8 @@ struct LiveRecord {
 struct Walk {
     /// The last accepted frame: its number and checksum.
     last: Option<(u64, u64)>,
+    /// Where the last accepted frame ends: its segment and the offset after it.
+    end: Option<(u32, usize)>,
     /// The chain after the last complete transaction: where writing resumes.
     committed: Option<Chain>,
     /// The counters: the last complete transaction's, raised over every record applied.
@@ -49,21 +52,19 @@ impl Store {
     pub(super) fn recover(&mut self) -> Result<(Meta, bool), StoreError> {
         let mut walk = Walk::default();
         let numbers: Vec<u32> = self.segments.keys().copied().collect();
-        let mut stopped = None;
         for seq in &numbers {
             let bytes = self.read_segment(*seq)?;
-            let end = walk.segment(self, *seq, &bytes)?;
-            if let Some(end) = end {
-                self.ends.insert(*seq, end);
-            } else {
-                stopped = Some(*seq);
-                break;
-            }
+            match walk.segment(self, *seq, &bytes)? {
+                Some(end) => self.ends.insert(*seq, end),
+                None => break,
+            };
         }
-        if self.durability == Durability::Full {
-            let past = numbers.iter().filter(|seq| stopped.is_some_and(|s| **seq > s));
-            self.refuse_frames_past_the_end(past.copied().collect(), walk.last.map_or(0, |(seq, _)| seq))?;
-        }
+        let (end_seq, end_offset) = walk.end.unwrap_or((numbers.first().copied().unwrap_or(0), 0));
+        let past = numbers
+            .iter()
+            .filter(|seq| **seq >= end_seq)
+            .map(|seq| (*seq, if *seq == end_seq { end_offset } else { 0 }));
+        self.refuse_ordered_frames_past(past.collect(), walk.last.map_or(0, |(seq, _)| seq))?;
         let Some(chain) = walk.committed else { return Ok((walk.meta, true)) };
         self.chain = chain;
         // Segments after the head (the walk went on into them only for frames of a
@@ -78,19 +79,15 @@ impl Store {
         Ok((walk.meta, false))
     }
 
-    /// With frames durable in order, a segment past the chain's end cannot start with a
-    /// frame numbered past the end's next one (which a torn transaction may have
-    /// continued): if one does, frames in between were damaged.
-    fn refuse_frames_past_the_end(&self, past: Vec<u32>, last_seq: u64) -> Result<(), StoreError> {
-        for seq in past {
+    /// Refuses the log when the bytes past the chain's end (`past`: segments from where
+    /// each is to be read) hold a whole ordered frame numbered beyond `last_seq + 1`.
+    fn refuse_ordered_frames_past(&self, past: Vec<(u32, usize)>, last_seq: u64) -> Result<(), StoreError> {
+        for (seq, from) in past {
             let bytes = self.read_segment(seq)?;
-            let Some(header) = format::read_header(&bytes, bytes.len()) else { continue };
-            let end = FRAME_HEADER_BYTES + header.payload_len as usize;
-            if header.seq > last_seq + 2 && format::frame_intact(&bytes[..end], &header) {
+            if let Some(found) = format::ordered_frame_past(&bytes, from, last_seq) {
                 return Err(StoreError::Corrupt(format!(
-                    "the log's frames end after frame {last_seq}, yet {} starts with frame {}: a frame in between is damaged",
-                    segment_name(seq),
-                    header.seq
+                    "the log's frames end after frame {last_seq}, yet {} holds frame {found}, written after it was durable: a frame in between is damaged",
+                    segment_name(seq)
                 )));
             }
         }
@@ -119,6 +116,7 @@ impl Walk {
                 at += len;
             }
             self.last = Some((header.seq, header.checksum));
+            self.end = Some((seq, end));
             if header.last {
                 for (position, entry, len) in std::mem::take(&mut self.open) {
                     self.apply(store, position, entry, len)?;

@@ -8,7 +8,6 @@ use super::format::{self, Entry, FRAME_HEADER_BYTES};
 use super::{
     COMPACT_BYTES_PER_COMMIT, Compaction, Store, Writer, corrupt_at, decode_at, io, position, split,
 };
-use crate::Durability;
 use crate::index::Undo;
 use crate::quota::Tally;
 use crate::store::{Meta, StoreError};
@@ -127,20 +126,22 @@ impl<'s> Txn<'s> {
     fn room(&self, len: usize, writer: Writer) -> Result<(), StoreError> {
         let mut frames = self.frames.borrow_mut();
         let current = frames.last().expect("a transaction has a frame");
-        let segment_bytes = self.store.borrow().segment_bytes;
-        // A frame leaves room for the next one's header, so that a transaction always
-        // starts in the head segment.
-        if current.start + (current.bytes.len() + len + FRAME_HEADER_BYTES) as u64 <= segment_bytes {
-            return Ok(());
-        }
         let mut store = self.store.borrow_mut();
-        let next = current.seq + 1;
-        let oldest = store.segments.keys().next().copied().unwrap_or(next);
+        let oldest = store.segments.keys().next().copied().unwrap_or(current.seq);
         let allowed = match writer {
             Writer::Request => store.segments_max - 1,
             Writer::Upkeep => store.segments_max,
         };
-        if u64::from(next - oldest) + 1 > allowed {
+        // The segment a write lands in counts, whether it is the current one or the next:
+        // a request's write may not use the last segment even when it is already open.
+        let within = |seq: u32| u64::from(seq.saturating_sub(oldest)) < allowed;
+        // A frame leaves room for the next one's header, so that a transaction always
+        // starts in the head segment.
+        if current.start + (current.bytes.len() + len + FRAME_HEADER_BYTES) as u64 <= store.segment_bytes {
+            return if within(current.seq) { Ok(()) } else { Err(StoreError::Full) };
+        }
+        let next = current.seq + 1;
+        if !within(next) {
             return Err(StoreError::Full);
         }
         store.take_prepared(true)?;
@@ -211,33 +212,26 @@ impl<'s> Txn<'s> {
     }
 
     /// Takes at most `limit` entries from the reclaim schedule's ended windows and
-    /// deletes the records still there and reclaimable at `now_ms`. A log with no room
-    /// left even for tombstones stops early; the entries not reached go back.
+    /// deletes the records still there and reclaimable at `now_ms`. Tombstones may use
+    /// the log's last segment; a log with no room even there fails the alarm (`Full`),
+    /// and the shard reopens with backoff rather than retrying at once.
     pub fn reclaim(&self, now_ms: u64, limit: usize) -> Result<Tally, StoreError> {
         self.failpoint()?;
         let taken = self.store.borrow_mut().schedule.take_due(now_ms, limit);
+        self.unscheduled.borrow_mut().extend(taken.iter().copied());
         let mut removed = Tally::default();
-        for (n, (due, position)) in taken.iter().copied().enumerate() {
+        for (_, position) in taken {
             // Entries are hints: one whose segment was retired, or whose record moved on,
             // deletes nothing.
             let Some((Entry::Record { hash, scope, record }, len)) = self.entry_at(position)? else {
-                self.unscheduled.borrow_mut().push((due, position));
                 continue;
             };
             let live = self.store.borrow().index.ids(hash).any(|p| p == position);
             if !live || record.reclaim_at_ms() > now_ms {
-                self.unscheduled.borrow_mut().push((due, position));
                 continue;
             }
             let tombstone = |out: &mut Vec<u8>| format::put_tombstone(out, hash, position);
-            match self.append(Writer::Upkeep, format::TOMBSTONE_BYTES, tombstone) {
-                Err(StoreError::Full) => {
-                    self.store.borrow_mut().schedule.restore(taken[n..].iter().copied());
-                    return Ok(removed);
-                }
-                other => other?,
-            };
-            self.unscheduled.borrow_mut().push((due, position));
+            self.append(Writer::Upkeep, format::TOMBSTONE_BYTES, tombstone)?;
             self.repoint(hash, Some((position, len)), None);
             removed.add_stored(&scope.tenant, record.completion.is_none());
             if self.located.borrow().as_ref().is_some_and(|l| l.position == position) {
@@ -376,18 +370,20 @@ impl<'s> Txn<'s> {
         let mut store = self.store.borrow_mut();
         let mut chain = store.chain;
         let count = frames.len();
+        let ordered = store.durability == crate::Durability::Full;
         for (n, frame) in frames.iter_mut().enumerate() {
-            let last = n + 1 == count;
+            let flags = format::Flags { last: n + 1 == count, ordered };
             chain.checksum =
-                format::seal_frame(&mut frame.bytes, last, chain.seq + 1, chain.checksum, meta, store.salt);
+                format::seal_frame(&mut frame.bytes, flags, chain.seq + 1, chain.checksum, meta, store.salt);
             chain.seq += 1;
             chain.head = frame.seq;
             chain.tail = frame.start + frame.bytes.len() as u64;
         }
         // A segment is retired only once the copies of its live records are durable,
         // whatever the durability: otherwise a power cut could take records of any age.
-        let sync = store.durability == Durability::Full || matches!(compaction, Some((_, true)));
-        if let Err(error) = store.write_frames(&frames, sync) {
+        // (`write_frames` then syncs every segment written since its last sync.)
+        let retiring = matches!(compaction, Some((_, true)));
+        if let Err(error) = store.write_frames(&frames, retiring) {
             store.unwrite(&frames);
             return Err(error);
         }
@@ -401,12 +397,24 @@ impl<'s> Txn<'s> {
         store.chain = chain;
         store.live_bytes = store.live_bytes.saturating_add_signed(self.live_delta.get());
         store.recent = frames.into_iter().map(|f| (f.seq, f.start, f.bytes)).collect();
+        // What follows tidies up after a durable commit: a failure there is logged, never
+        // reported as the commit's (its callers' changes are on disk). A segment whose
+        // retirement failed stays on disk, is read again at the next open (its live
+        // records have newer copies), and is left to the operator's disk.
         match compaction {
-            Some((state, true)) => store.retire(state.seq)?,
+            Some((state, true)) => {
+                if let Err(error) = store.retire(state.seq) {
+                    tracing::warn!(%error, segment = state.seq, "a compacted log segment could not be retired");
+                }
+            }
             Some((state, false)) => store.compaction = Some(state),
             None => {}
         }
-        store.take_prepared(false)?;
+        if let Err(error) = store.take_prepared(false) {
+            // The next segment change opens the segment itself (and fails then, before
+            // writing, if the disk still refuses).
+            tracing::warn!(%error, "the next log segment could not be prepared");
+        }
         if chain.tail * 2 > store.segment_bytes {
             store.prepare_spare();
         }
