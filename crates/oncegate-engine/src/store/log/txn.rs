@@ -91,15 +91,19 @@ impl<'s> Txn<'s> {
         self.store.borrow().read_entry(position)
     }
 
+    /// The routing hash of a scope (the index's key).
+    fn hash(&self, scope: &Scope) -> u64 {
+        self.store.borrow().routing.hash(scope)
+    }
+
     /// The live record of a scope, if it has one: the index names the candidates, the
     /// stored scope decides between them.
-    fn locate(&self, scope: &Scope) -> Result<Option<(i64, usize, Record)>, StoreError> {
+    fn locate(&self, scope: &Scope, hash: u64) -> Result<Option<(i64, usize, Record)>, StoreError> {
         if let Some(last) = &*self.located.borrow()
             && last.scope == *scope
         {
             return Ok(Some((last.position, last.len, last.record.clone())));
         }
-        let hash = self.store.borrow().routing.hash(scope);
         let candidates: Vec<i64> = self.store.borrow().index.ids(hash).collect();
         for position in candidates {
             // The index names only live records: one whose segment is gone was lost.
@@ -117,7 +121,7 @@ impl<'s> Txn<'s> {
 
     pub fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError> {
         self.failpoint()?;
-        Ok(self.locate(scope)?.map(|(_, _, record)| record))
+        Ok(self.locate(scope, self.hash(scope))?.map(|(_, _, record)| record))
     }
 
     /// Room for an entry of `len` bytes: in the current frame, or in a new frame at the
@@ -187,8 +191,8 @@ impl<'s> Txn<'s> {
     /// take it.
     pub fn put(&self, scope: &Scope, record: &Record) -> Result<u64, StoreError> {
         self.failpoint()?;
-        let hash = self.store.borrow().routing.hash(scope);
-        let old = self.locate(scope)?.map(|(position, len, _)| (position, len));
+        let hash = self.hash(scope);
+        let old = self.locate(scope, hash)?.map(|(position, len, _)| (position, len));
         let len = format::record_len(scope, record);
         let at = self.append(Writer::Request, len, |out| format::put_record(out, hash, scope, record))?;
         self.repoint(hash, old, Some((at, len)));
@@ -202,8 +206,8 @@ impl<'s> Txn<'s> {
     /// Deletes a key's record (a tombstone names the record it ends).
     pub fn delete(&self, scope: &Scope) -> Result<(), StoreError> {
         self.failpoint()?;
-        let Some((position, len, _)) = self.locate(scope)? else { return Ok(()) };
-        let hash = self.store.borrow().routing.hash(scope);
+        let hash = self.hash(scope);
+        let Some((position, len, _)) = self.locate(scope, hash)? else { return Ok(()) };
         let tombstone = |out: &mut Vec<u8>| format::put_tombstone(out, hash, position);
         self.append(Writer::Upkeep, format::TOMBSTONE_BYTES, tombstone)?;
         self.repoint(hash, Some((position, len)), None);
