@@ -106,7 +106,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         %metrics,
         data_dir = %config.engine.data_dir.display(),
         shards = engine.stats().len(),
-        store = ?config.store.kind,
+        store = config.store.kind.name(),
         durability = ?config.engine.durability,
         "listening"
     );

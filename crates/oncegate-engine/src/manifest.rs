@@ -139,7 +139,12 @@ pub fn check_store_kind(
         Err(e) => return Err(io(data_dir)(e)),
     };
     match names.into_iter().find(|name| name.starts_with("shard-") && name.ends_with(suffix)) {
-        Some(example) => Err(OpenError::OtherStore { dir: data_dir.to_owned(), found, example, configured }),
+        Some(example) => Err(OpenError::OtherStore {
+            dir: data_dir.to_owned(),
+            found,
+            example,
+            configured: configured.name(),
+        }),
         None => Ok(()),
     }
 }
