@@ -10,11 +10,12 @@ use std::time::{Duration, Instant};
 pub fn preload(
     data_dir: &std::path::Path,
     shards: u32,
+    store: oncegate_engine::StoreConfig,
     count: u64,
     in_flight: u64,
 ) -> anyhow::Result<Duration> {
     let config =
-        oncegate_engine::EngineConfig { data_dir: data_dir.to_owned(), shards, ..Default::default() };
+        oncegate_engine::EngineConfig { data_dir: data_dir.to_owned(), shards, store, ..Default::default() };
     let engine = oncegate_engine::Engine::open(config)?;
     let started = Instant::now();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;

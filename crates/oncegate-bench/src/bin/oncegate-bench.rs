@@ -104,6 +104,17 @@ struct Bench {
     work: Work,
 }
 
+impl Cli {
+    /// The store of the oncegate the tool runs (and preloads).
+    fn store_config(&self) -> oncegate_engine::StoreConfig {
+        oncegate_engine::StoreConfig {
+            kind: self.store,
+            postgres_url: self.postgres.clone(),
+            ..Default::default()
+        }
+    }
+}
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     if let Some(mode) = cli.mode {
@@ -112,8 +123,13 @@ fn main() -> anyhow::Result<()> {
     let scratch = tempfile::tempdir_in(cli.dir.clone().unwrap_or_else(std::env::temp_dir))?;
     if cli.preload > 0 {
         // Before any runtime exists here: the preload runs one of its own.
-        let took =
-            oncegate_bench::preload::preload(&scratch.path().join("server"), cli.shards, cli.preload, 512)?;
+        let took = oncegate_bench::preload::preload(
+            &scratch.path().join("server"),
+            cli.shards,
+            cli.store_config(),
+            cli.preload,
+            512,
+        )?;
         eprintln!("preloaded {} records in {:.0} s", cli.preload, took.as_secs_f64());
     }
     let work =
@@ -193,11 +209,7 @@ impl Bench {
 
     /// The store of the oncegate the tool runs.
     fn store(&self) -> oncegate_engine::StoreConfig {
-        oncegate_engine::StoreConfig {
-            kind: self.cli.store,
-            postgres_url: self.cli.postgres.clone(),
-            ..Default::default()
-        }
+        self.cli.store_config()
     }
 
     /// The addresses of the gRPC servers (the given one, or `--nodes` children started

@@ -49,7 +49,8 @@ fn main() -> anyhow::Result<()> {
     let scratch = tempfile::tempdir_in(cli.dir.clone().unwrap_or_else(std::env::temp_dir))?;
     let data_dir = scratch.path().join("store");
     if cli.preload > 0 {
-        let took = oncegate_bench::preload::preload(&data_dir, cli.shards, cli.preload, 512)?;
+        let store = oncegate_engine::StoreConfig::default();
+        let took = oncegate_bench::preload::preload(&data_dir, cli.shards, store, cli.preload, 512)?;
         eprintln!("preloaded {} records in {:.0} s", cli.preload, took.as_secs_f64());
     }
     let config = oncegate_engine::EngineConfig {
