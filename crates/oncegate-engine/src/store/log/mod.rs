@@ -377,23 +377,30 @@ impl Store {
     /// otherwise. Its name changes durably before anything else is written, so a crash
     /// leaves it either old (read again, harmlessly: every live record of it has a newer
     /// copy) or a spare.
+    ///
+    /// A segment whose name could not be changed stays the oldest (and is retired again
+    /// when compaction next reaches its end): retiring a later one first would break the
+    /// chain that recovery walks from the oldest segment.
     fn retire(&mut self, seq: u32) -> Result<(), StoreError> {
-        let Some(file) = self.segments.remove(&seq) else { return Ok(()) };
-        self.ends.remove(&seq);
+        if !self.segments.contains_key(&seq) {
+            return Ok(());
+        }
         let path = self.dir.join(segment_name(seq));
         let spare = self.chain.head + 1;
-        if self.preparing.is_none() && !self.segments.contains_key(&spare) {
-            let to = self.dir.join(segment_name(spare));
-            self.files.rename(&path, &to).map_err(io(&path))?;
-            self.segments.insert(spare, file);
+        let recycle = self.preparing.is_none() && !self.segments.contains_key(&spare);
+        if recycle {
+            self.files.rename(&path, &self.dir.join(segment_name(spare))).map_err(io(&path))?;
         } else {
-            drop(file);
             self.files.remove(&path).map_err(io(&path))?;
         }
-        self.files.sync_dir(&self.dir).map_err(io(&self.dir))?;
+        let file = self.segments.remove(&seq).expect("checked above");
+        if recycle {
+            self.segments.insert(spare, file);
+        }
+        self.ends.remove(&seq);
         self.compaction = None;
         self.retired.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(())
+        self.files.sync_dir(&self.dir).map_err(io(&self.dir))
     }
 
     /// Starts zero-filling the segment after the head, unless it exists or is under way.
@@ -735,6 +742,8 @@ mod tests {
     #[derive(Debug, Default)]
     struct Watched {
         failing: std::sync::atomic::AtomicBool,
+        /// Renames and removes of segments to refuse.
+        failing_retires: std::sync::atomic::AtomicU32,
         /// Segments written since their last sync (the spare thread's zero-filling aside).
         dirty: std::sync::Mutex<std::collections::HashSet<PathBuf>>,
         retired_over_unsynced: std::sync::atomic::AtomicBool,
@@ -774,11 +783,24 @@ mod tests {
     struct WatchedFiles(Arc<Watched>);
 
     impl WatchedFiles {
-        fn retiring(&self, path: &Path) {
+        fn retiring(&self, path: &Path) -> std::io::Result<()> {
+            let failing = &self.0.failing_retires;
+            let refuse = |n: u32| n.checked_sub(1);
+            if failing
+                .fetch_update(
+                    std::sync::atomic::Ordering::SeqCst,
+                    std::sync::atomic::Ordering::SeqCst,
+                    refuse,
+                )
+                .is_ok()
+            {
+                return Err(std::io::Error::other("injected: the segment cannot be renamed or removed"));
+            }
             let dirty = self.0.dirty.lock().unwrap();
             if dirty.iter().any(|p| p != path) {
                 self.0.retired_over_unsynced.store(true, std::sync::atomic::Ordering::SeqCst);
             }
+            Ok(())
         }
     }
 
@@ -799,11 +821,11 @@ mod tests {
             crate::files::OsFiles.sync_file(path)
         }
         fn rename(&self, from: &Path, to: &Path) -> std::io::Result<()> {
-            self.retiring(from);
+            self.retiring(from)?;
             crate::files::OsFiles.rename(from, to)
         }
         fn remove(&self, path: &Path) -> std::io::Result<()> {
-            self.retiring(path);
+            self.retiring(path)?;
             crate::files::OsFiles.remove(path)
         }
         fn sync_dir(&self, dir: &Path) -> std::io::Result<()> {
@@ -910,5 +932,34 @@ mod tests {
             txn.commit(Meta { next_token: batch * 20 + 21, high_water_ms: batch }).unwrap();
         }
         assert!(in_last > 0, "the head never reached the last segment");
+    }
+
+    /// A compacted segment that could not be renamed or removed stays the oldest, and no
+    /// later segment is retired before it: the log still opens whole afterwards (retiring
+    /// a later one would have broken the chain recovery walks from the oldest segment).
+    #[test]
+    fn a_segment_that_could_not_be_retired_stays_the_oldest() {
+        let dir = tempfile::tempdir().unwrap();
+        let files = Arc::new(WatchedFiles::default());
+        files.0.failing_retires.store(3, std::sync::atomic::Ordering::SeqCst);
+        let tuning = tuning(files, 1 << 30);
+        let (mut store, _, _) = Store::open(dir.path(), &tuning, &Faults::default()).unwrap();
+        for batch in 0..2_000u64 {
+            let now = batch * 100;
+            let txn = store.begin(now).unwrap();
+            for n in 0..10 {
+                let ttl = if n == 0 { 10_000_000 } else { 1_000 };
+                txn.put(&scope(&format!("k{batch}-{n}")), &granted(batch * 10 + n + 1, now, ttl)).unwrap();
+            }
+            txn.reclaim(now, 1_000).unwrap();
+            txn.commit(Meta { next_token: batch * 10 + 11, high_water_ms: now }).unwrap();
+        }
+        assert!(store.retired.load(std::sync::atomic::Ordering::Relaxed) > 3, "later retirements succeeded");
+        drop(store);
+        let (mut store, _, _) = Store::open(dir.path(), &tuning, &Faults::default()).unwrap();
+        let txn = store.begin(200_000).unwrap();
+        for batch in 0..2_000u64 {
+            assert!(txn.get(&scope(&format!("k{batch}-0"))).unwrap().is_some(), "k{batch}-0");
+        }
     }
 }

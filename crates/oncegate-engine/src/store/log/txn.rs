@@ -391,7 +391,8 @@ impl<'s> Txn<'s> {
             store.unwrite(&frames);
             return Err(error);
         }
-        // Durable: from here the transaction is the log's state.
+        // Written, and with durability full synced: from here the transaction is the
+        // log's state.
         self.committed.set(true);
         for pair in frames.windows(2) {
             if pair[0].seq != pair[1].seq {
