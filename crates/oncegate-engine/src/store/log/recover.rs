@@ -20,11 +20,13 @@ use super::{Chain, Store, decode_at, position, segment_name};
 use crate::quota::Tally;
 use crate::store::{Meta, StoreError};
 
-/// What recovery keeps of each live record until the counts are taken.
+/// What recovery keeps of each live record until the counts are taken and the reclaim
+/// schedule is filled.
 struct LiveRecord {
     tenant: u32,
     pending: bool,
     len: u32,
+    reclaim_at_ms: u64,
 }
 
 /// Recovery's pass over the segments.
@@ -70,10 +72,13 @@ impl Store {
         // Segments after the head (the walk went on into them only for frames of a
         // transaction that did not complete) are spares: forget where their frames ended.
         self.ends.retain(|seq, _| *seq < chain.head);
+        // Only live records are scheduled: an entry per record ever applied would be one
+        // per write (twice the keys for reserves and their commits).
         let mut tally = Tally::default();
-        for record in walk.live.values() {
+        for (position, record) in &walk.live {
             tally.add_stored(&walk.tenants[record.tenant as usize], record.pending);
             self.live_bytes += u64::from(record.len);
+            self.schedule.add(record.reclaim_at_ms, *position);
         }
         self.tally = Some(tally);
         Ok((walk.meta, false))
@@ -161,12 +166,10 @@ impl Walk {
                     self.meta.high_water_ms = self.meta.high_water_ms.max(event.at_ms);
                 }
                 store.index.insert(hash, position);
-                store.schedule.add(record.reclaim_at_ms(), position);
                 let tenant = self.tenant_id(&scope.tenant);
-                self.live.insert(
-                    position,
-                    LiveRecord { tenant, pending: record.completion.is_none(), len: len as u32 },
-                );
+                let (pending, len, reclaim_at_ms) =
+                    (record.completion.is_none(), len as u32, record.reclaim_at_ms());
+                self.live.insert(position, LiveRecord { tenant, pending, len, reclaim_at_ms });
             }
         }
         Ok(())
