@@ -298,28 +298,33 @@ impl EngineConfig {
             problems.extend_under("store", store);
         }
         if self.store.kind == StoreKind::Log {
-            // A segment holds at least two of the largest records with their frames (one
-            // record never spans segments), and the log at least two segments.
-            let record_bytes_max =
-                (self.limits.response_bytes_max + self.limits.key_bytes_max) as u64 + (64 << 10);
-            problems.within_because(
-                "store.log_segment_bytes",
-                self.store.log_segment_bytes,
-                (2 * record_bytes_max).max(256 << 10),
-                1 << 30,
-                Unit::Bytes,
-                " (twice the largest record: response_bytes_max and key_bytes_max with 64 KiB for the rest)",
-            );
-            problems.within_because(
-                "shard_file_bytes_max",
-                self.shard_file_bytes_max,
-                2 * self.store.log_segment_bytes,
-                u64::MAX,
-                Unit::Bytes,
-                " (two log segments)",
-            );
+            self.check_log(&mut problems);
         }
         problems.into_result()
+    }
+
+    /// The log store's sizes, which depend on the limits: a segment holds at least two of
+    /// the largest records with their frames (one record never spans segments), and the
+    /// log at least two segments.
+    fn check_log(&self, problems: &mut Problems) {
+        let record_bytes_max =
+            (self.limits.response_bytes_max + self.limits.key_bytes_max) as u64 + (64 << 10);
+        problems.within_because(
+            "store.log_segment_bytes",
+            self.store.log_segment_bytes,
+            (2 * record_bytes_max).max(256 << 10),
+            1 << 30,
+            Unit::Bytes,
+            " (twice the largest record: response_bytes_max and key_bytes_max with 64 KiB for the rest)",
+        );
+        problems.within_because(
+            "shard_file_bytes_max",
+            self.shard_file_bytes_max,
+            2 * self.store.log_segment_bytes,
+            u64::MAX,
+            Unit::Bytes,
+            " (two log segments)",
+        );
     }
 
     /// The shard files' settings: their size, cache, checkpoints and slot moves.

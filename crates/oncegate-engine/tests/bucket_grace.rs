@@ -40,7 +40,7 @@ fn engine_at(dir: &std::path::Path, at_ms: u64) -> (Engine, ManualClock) {
     (engine, clock)
 }
 
-on_both! {
+on_each_store! {
     fn a_retry_across_the_boundary_within_the_grace_replays_the_earlier_bucket() {
         let dir = tempfile::tempdir().unwrap();
         let (engine, clock) = engine_at(dir.path(), BOUNDARY - 100);

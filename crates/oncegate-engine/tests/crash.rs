@@ -99,7 +99,7 @@ type Acks = HashMap<String, (u64, bool)>;
 fn run_cycle(dir: &Path, cycle: usize, acks: &mut Acks, grow: bool, kind: StoreKind) {
     let exe = std::env::current_exe().expect("own path");
     let mut command = Command::new(exe);
-    command.env(STORE_ENV, if kind == StoreKind::Log { "log" } else { "sqlite" });
+    command.env(STORE_ENV, kind.name());
     if grow {
         command.env(GROW_ENV, "1");
     }

@@ -11,7 +11,7 @@ use oncegate_engine::{
     Engine, EngineConfig, Error, Faults, ManualClock, OpenError, ReserveRequest, ShardState,
 };
 
-on_both! {
+on_each_store! {
     fn double_fill_is_answered_with_the_first_response() {
         let dir = tempfile::tempdir().unwrap();
         let clock = ManualClock::new(T0);
@@ -39,7 +39,7 @@ on_both! {
     }
 }
 
-on_both! {
+on_each_store! {
     fn async_api_works_from_a_runtime() {
         let dir = tempfile::tempdir().unwrap();
         let clock = ManualClock::new(T0);
@@ -60,7 +60,7 @@ on_both! {
     }
 }
 
-on_both! {
+on_each_store! {
     fn tokens_increase_across_release_and_tenants_are_apart() {
         let dir = tempfile::tempdir().unwrap();
         let clock = ManualClock::new(T0);
@@ -130,7 +130,7 @@ fn derived_keys_collide_within_a_bucket() {
     granted(&later.reply);
 }
 
-on_both! {
+on_each_store! {
     fn expiry_abandonment_and_reclaim_follow_the_injected_clock() {
         let dir = tempfile::tempdir().unwrap();
         let clock = ManualClock::new(T0);
@@ -164,7 +164,7 @@ on_both! {
     }
 }
 
-on_both! {
+on_each_store! {
     fn a_live_lease_is_never_reclaimed_even_past_ttl() {
         let dir = tempfile::tempdir().unwrap();
         let clock = ManualClock::new(T0);
@@ -184,7 +184,7 @@ on_both! {
     }
 }
 
-on_both! {
+on_each_store! {
     fn reclaim_is_bounded_per_alarm_tick() {
         let dir = tempfile::tempdir().unwrap();
         let clock = ManualClock::new(T0);
@@ -288,7 +288,7 @@ fn a_full_mailbox_answers_resource_exhausted_at_once() {
     }
 }
 
-on_both! {
+on_each_store! {
     fn sixty_four_threads_race_and_exactly_one_is_granted() {
         let dir = tempfile::tempdir().unwrap();
         let engine = Engine::open(config(dir.path())).unwrap();
@@ -313,7 +313,7 @@ on_both! {
     }
 }
 
-on_both! {
+on_each_store! {
     fn wait_ends_in_a_replay_when_the_key_completes() {
         let dir = tempfile::tempdir().unwrap();
         let clock = ManualClock::new(T0);
@@ -334,7 +334,7 @@ on_both! {
     }
 }
 
-on_both! {
+on_each_store! {
     fn wait_ends_in_one_grant_on_release_and_in_progress_when_it_runs_out() {
         let dir = tempfile::tempdir().unwrap();
         let clock = ManualClock::new(T0);
@@ -355,7 +355,7 @@ on_both! {
     }
 }
 
-on_both! {
+on_each_store! {
     fn wait_ends_in_a_grant_with_previous_abandoned_when_the_lease_runs_out() {
         let dir = tempfile::tempdir().unwrap();
         let clock = ManualClock::new(T0);
@@ -382,7 +382,7 @@ on_both! {
     }
 }
 
-on_both! {
+on_each_store! {
     fn waiters_are_bounded_per_key() {
         let dir = tempfile::tempdir().unwrap();
         let clock = ManualClock::new(T0);
@@ -400,7 +400,7 @@ on_both! {
     }
 }
 
-on_both! {
+on_each_store! {
     fn shutdown_refuses_new_calls_and_keeps_what_was_acknowledged() {
         let dir = tempfile::tempdir().unwrap();
         let clock = ManualClock::new(T0);
@@ -418,7 +418,7 @@ on_both! {
     }
 }
 
-on_both! {
+on_each_store! {
     fn stats_report_batches() {
         let dir = tempfile::tempdir().unwrap();
         let engine = Engine::open(EngineConfig { shards: 1, ..config(dir.path()) }).unwrap();
@@ -438,7 +438,7 @@ on_both! {
     }
 }
 
-on_both! {
+on_each_store! {
     fn inspect_shows_the_history_of_a_record() {
         use oncegate_core::Transition;
         let dir = tempfile::tempdir().unwrap();
@@ -500,7 +500,7 @@ fn a_version_one_store_is_upgraded_in_place() {
     engine.commit_blocking(&t, commit("new", next, b"x")).unwrap();
 }
 
-on_both! {
+on_each_store! {
     fn a_tenant_at_its_records_quota_is_refused_new_keys_only() {
         use oncegate_core::Tenant;
         let dir = tempfile::tempdir().unwrap();

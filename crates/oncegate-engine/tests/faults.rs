@@ -25,7 +25,7 @@ fn key_on(engine: &Engine, shard: u32, prefix: &str) -> String {
         .unwrap()
 }
 
-on_both! {
+on_each_store! {
     fn an_injected_commit_failure_fails_the_batch_and_the_shard_only() {
         let dir = tempfile::tempdir().unwrap();
         let clock = ManualClock::new(T0);
@@ -57,7 +57,7 @@ on_both! {
     }
 }
 
-on_both! {
+on_each_store! {
     fn every_request_of_a_failed_batch_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         let clock = ManualClock::new(T0);
@@ -88,7 +88,7 @@ on_both! {
     }
 }
 
-on_both! {
+on_each_store! {
     fn parked_waiters_hear_unavailable_when_the_shard_fails() {
         let dir = tempfile::tempdir().unwrap();
         let clock = ManualClock::new(T0);
@@ -104,7 +104,7 @@ on_both! {
     }
 }
 
-on_both! {
+on_each_store! {
     fn reopen_retries_until_the_file_opens_cleanly() {
         let dir = tempfile::tempdir().unwrap();
         let clock = ManualClock::new(T0);
@@ -121,7 +121,7 @@ on_both! {
     }
 }
 
-on_both! {
+on_each_store! {
     fn a_failed_shard_reopens_by_itself_with_backoff() {
         let dir = tempfile::tempdir().unwrap();
         let faults = Faults::default();

@@ -17,7 +17,7 @@ fn fingerprinted(key: &str, fingerprint: &[u8], wait_ms: u64) -> ReserveRequest 
     ReserveRequest { fingerprint: fingerprint.to_vec(), ..reserve_for(key, 0, 0, wait_ms) }
 }
 
-on_both! {
+on_each_store! {
     fn a_waiter_whose_caller_has_gone_is_dropped_at_once_and_never_granted() {
         let dir = tempfile::tempdir().unwrap();
         let clock = ManualClock::new(T0);
@@ -38,7 +38,7 @@ on_both! {
     }
 }
 
-on_both! {
+on_each_store! {
     fn gone_waiters_stop_counting_against_the_waiter_limits() {
         let dir = tempfile::tempdir().unwrap();
         let clock = ManualClock::new(T0);
@@ -56,7 +56,7 @@ on_both! {
     }
 }
 
-on_both! {
+on_each_store! {
     fn timed_out_waiters_are_each_decided_on_their_own() {
         let dir = tempfile::tempdir().unwrap();
         let clock = ManualClock::new(T0);
@@ -81,7 +81,7 @@ on_both! {
     }
 }
 
-on_both! {
+on_each_store! {
     fn a_wall_clock_step_then_an_in_process_reopen_expires_nothing_early() {
         let dir = tempfile::tempdir().unwrap();
         let clock = ManualClock::new(T0);
@@ -179,7 +179,7 @@ fn tokens_stay_above_every_token_issued_before_a_file_restore() {
     assert_eq!(oncegate_engine::token::epoch_of(after_reopen), 3, "new, restart, reopen");
 }
 
-on_both! {
+on_each_store! {
     fn reads_take_no_write_transaction_and_no_fsync() {
         let dir = tempfile::tempdir().unwrap();
         let clock = ManualClock::new(T0);
@@ -213,7 +213,7 @@ fn the_integrity_check_runs_at_process_start_only() {
     assert!(engine.reopen_shard(0), "an in-process reopen does not re-read the whole file");
 }
 
-on_both! {
+on_each_store! {
     fn a_panicking_shard_is_reported_never_silently_dead() {
         let dir = tempfile::tempdir().unwrap();
         let clock = ManualClock::new(T0);

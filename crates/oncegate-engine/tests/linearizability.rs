@@ -191,7 +191,7 @@ fn key_req(key: &str, token: u64, lease_ms: u64) -> KeyRequest {
     KeyRequest { lease_ms, ..common::key(key, token) }
 }
 
-on_both! {
+on_each_store! {
     fn concurrent_single_key_histories_are_linearizable() {
         for round in 0..ROUNDS {
             for (key, calls) in run_round(round) {

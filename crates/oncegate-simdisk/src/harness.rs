@@ -436,7 +436,11 @@ impl Run<'_> {
                 log_segment_bytes: 320 << 10,
                 ..StoreConfig::default()
             },
-            shard_file_bytes_max: if self.plan.store == StoreKind::Log { 6 * (320 << 10) } else { 64 << 30 },
+            shard_file_bytes_max: if self.plan.store == StoreKind::Log {
+                6 * (320 << 10)
+            } else {
+                EngineConfig::default().shard_file_bytes_max
+            },
             ..EngineConfig::default()
         };
         let clock = Arc::new(self.clock.clone());

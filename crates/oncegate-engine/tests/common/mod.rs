@@ -22,7 +22,7 @@ pub fn tenant() -> Tenant {
     Tenant::default_tenant()
 }
 
-/// The store the running test uses (see [`on_both!`]).
+/// The store the running test uses (see [`on_each_store!`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backend {
     Sqlite,
@@ -65,7 +65,7 @@ pub fn store_for(dir: &Path) -> StoreConfig {
 /// Generates, for each test function, a module with three tests: `sqlite`, `postgres` and `log`,
 /// each running the same body against that store.
 #[macro_export]
-macro_rules! on_both {
+macro_rules! on_each_store {
     ($($(#[doc = $doc:expr])* fn $name:ident() $body:block)*) => {$(
         $(#[doc = $doc])*
         mod $name {

@@ -512,6 +512,23 @@ mod tests {
         crate::files::OsFiles.list(dir).unwrap().iter().filter(|n| parse_segment_name(n).is_some()).count()
     }
 
+    /// 2,000 batches 100 ms apart, each of ten keys `k{batch}-{n}` (token `batch * 10 + n +
+    /// 1`), of which the first `long_lived` live long and the others expire within a
+    /// second; each batch also reclaims what is due, so the log fills with dead records
+    /// for compaction to drop.
+    fn fill_expiring(store: &mut Store, long_lived: u64) {
+        for batch in 0..2_000u64 {
+            let now = batch * 100;
+            let txn = store.begin(now).unwrap();
+            for n in 0..10 {
+                let ttl = if n < long_lived { 10_000_000 } else { 1_000 };
+                txn.put(&scope(&format!("k{batch}-{n}")), &granted(batch * 10 + n + 1, now, ttl)).unwrap();
+            }
+            txn.reclaim(now, 1_000).unwrap();
+            txn.commit(Meta { next_token: batch * 10 + 11, high_water_ms: now }).unwrap();
+        }
+    }
+
     /// Records written over many segments, some replaced and some deleted, read back the
     /// same after a reopen, with the counters and the counts of the last transaction.
     #[test]
@@ -557,17 +574,7 @@ mod tests {
     fn compaction_keeps_the_log_short_and_the_live_records() {
         let dir = tempfile::tempdir().unwrap();
         let (mut store, _, _) = open(dir.path(), 1 << 30);
-        for batch in 0..2_000u64 {
-            let now = batch * 100;
-            let txn = store.begin(now).unwrap();
-            // One key of each batch lives long; the others expire within a second.
-            for n in 0..10 {
-                let ttl = if n == 0 { 10_000_000 } else { 1_000 };
-                txn.put(&scope(&format!("k{batch}-{n}")), &granted(batch * 10 + n + 1, now, ttl)).unwrap();
-            }
-            txn.reclaim(now, 1_000).unwrap();
-            txn.commit(Meta { next_token: batch * 10 + 11, high_water_ms: now }).unwrap();
-        }
+        fill_expiring(&mut store, 1);
         let written = 2_000 * 10 * format::record_len(&scope("k1000-1"), &granted(1, 0, 1_000)) as u64;
         assert!(written > 30 * SEGMENT_BYTES, "enough was written to need compaction");
         let segments = segment_count(dir.path());
@@ -856,16 +863,7 @@ mod tests {
         let watched = Arc::clone(&files.0);
         let tuning = Tuning { durability: Durability::Normal, ..tuning(files, 1 << 30) };
         let (mut store, _, _) = Store::open(dir.path(), &tuning, &Faults::default()).unwrap();
-        for batch in 0..2_000u64 {
-            let now = batch * 100;
-            let txn = store.begin(now).unwrap();
-            for n in 0..10 {
-                let ttl = if n < 3 { 10_000_000 } else { 1_000 };
-                txn.put(&scope(&format!("k{batch}-{n}")), &granted(batch * 10 + n + 1, now, ttl)).unwrap();
-            }
-            txn.reclaim(now, 1_000).unwrap();
-            txn.commit(Meta { next_token: batch * 10 + 11, high_water_ms: now }).unwrap();
-        }
+        fill_expiring(&mut store, 3);
         assert!(store.retired.load(std::sync::atomic::Ordering::Relaxed) > 0, "compaction retired segments");
         assert!(!watched.retired_over_unsynced.load(std::sync::atomic::Ordering::SeqCst));
     }
@@ -944,16 +942,7 @@ mod tests {
         files.0.failing_retires.store(3, std::sync::atomic::Ordering::SeqCst);
         let tuning = tuning(files, 1 << 30);
         let (mut store, _, _) = Store::open(dir.path(), &tuning, &Faults::default()).unwrap();
-        for batch in 0..2_000u64 {
-            let now = batch * 100;
-            let txn = store.begin(now).unwrap();
-            for n in 0..10 {
-                let ttl = if n == 0 { 10_000_000 } else { 1_000 };
-                txn.put(&scope(&format!("k{batch}-{n}")), &granted(batch * 10 + n + 1, now, ttl)).unwrap();
-            }
-            txn.reclaim(now, 1_000).unwrap();
-            txn.commit(Meta { next_token: batch * 10 + 11, high_water_ms: now }).unwrap();
-        }
+        fill_expiring(&mut store, 1);
         assert!(store.retired.load(std::sync::atomic::Ordering::Relaxed) > 3, "later retirements succeeded");
         drop(store);
         let (mut store, _, _) = Store::open(dir.path(), &tuning, &Faults::default()).unwrap();

@@ -96,13 +96,13 @@ impl<'s> Txn<'s> {
         self.store.borrow().routing.hash(scope)
     }
 
-    /// The live record of a scope, if it has one: the index names the candidates, the
-    /// stored scope decides between them.
-    fn locate(&self, scope: &Scope, hash: u64) -> Result<Option<(i64, usize, Record)>, StoreError> {
+    /// Where the live record of a scope is, if it has one (the record itself is left in
+    /// `located`): the index names the candidates, the stored scope decides between them.
+    fn locate(&self, scope: &Scope, hash: u64) -> Result<Option<(i64, usize)>, StoreError> {
         if let Some(last) = &*self.located.borrow()
             && last.scope == *scope
         {
-            return Ok(Some((last.position, last.len, last.record.clone())));
+            return Ok(Some((last.position, last.len)));
         }
         let candidates: Vec<i64> = self.store.borrow().index.ids(hash).collect();
         for position in candidates {
@@ -111,9 +111,8 @@ impl<'s> Txn<'s> {
             if let (Entry::Record { scope: stored, record, .. }, len) = found
                 && stored == *scope
             {
-                *self.located.borrow_mut() =
-                    Some(Located { scope: scope.clone(), position, len, record: record.clone() });
-                return Ok(Some((position, len, record)));
+                *self.located.borrow_mut() = Some(Located { scope: stored, position, len, record });
+                return Ok(Some((position, len)));
             }
         }
         Ok(None)
@@ -121,7 +120,10 @@ impl<'s> Txn<'s> {
 
     pub fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError> {
         self.failpoint()?;
-        Ok(self.locate(scope, self.hash(scope))?.map(|(_, _, record)| record))
+        if self.locate(scope, self.hash(scope))?.is_none() {
+            return Ok(None);
+        }
+        Ok(self.located.borrow().as_ref().map(|located| located.record.clone()))
     }
 
     /// Room for an entry of `len` bytes: in the current frame, or in a new frame at the
@@ -192,7 +194,7 @@ impl<'s> Txn<'s> {
     pub fn put(&self, scope: &Scope, record: &Record) -> Result<u64, StoreError> {
         self.failpoint()?;
         let hash = self.hash(scope);
-        let old = self.locate(scope, hash)?.map(|(position, len, _)| (position, len));
+        let old = self.locate(scope, hash)?;
         let len = format::record_len(scope, record);
         let at = self.append(Writer::Request, len, |out| format::put_record(out, hash, scope, record))?;
         self.repoint(hash, old, Some((at, len)));
@@ -207,7 +209,7 @@ impl<'s> Txn<'s> {
     pub fn delete(&self, scope: &Scope) -> Result<(), StoreError> {
         self.failpoint()?;
         let hash = self.hash(scope);
-        let Some((position, len, _)) = self.locate(scope, hash)? else { return Ok(()) };
+        let Some((position, len)) = self.locate(scope, hash)? else { return Ok(()) };
         let tombstone = |out: &mut Vec<u8>| format::put_tombstone(out, hash, position);
         self.append(Writer::Upkeep, format::TOMBSTONE_BYTES, tombstone)?;
         self.repoint(hash, Some((position, len)), None);
