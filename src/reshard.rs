@@ -6,6 +6,9 @@ use std::path::PathBuf;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use oncegate_engine::EngineConfig;
+use oncegate_engine::files::OsFiles;
+use oncegate_engine::manifest;
+use oncegate_server::Config;
 
 /// Flags of `oncegate reshard`.
 #[derive(clap::Args)]
@@ -16,10 +19,22 @@ pub struct ReshardArgs {
     /// The shard count to reach; shards are only ever added.
     #[arg(long)]
     to: u32,
+    /// The server's TOML configuration file, for its store settings (a log's
+    /// `store.log_segment_bytes` and `engine.shard_file_bytes_max`). The store kind is
+    /// always the directory's own.
+    #[arg(long, env = "ONCEGATE_CONFIG")]
+    config: Option<PathBuf>,
 }
 
 pub fn run(args: ReshardArgs) -> anyhow::Result<()> {
-    let config = EngineConfig { data_dir: args.data_dir, ..EngineConfig::default() };
+    let file = match &args.config {
+        Some(path) => Config::load(path)?,
+        None => Config::default(),
+    };
+    let mut config = EngineConfig { data_dir: args.data_dir, ..file.engine_config() };
+    if let Some(kind) = manifest::stored_kind(&OsFiles, &config.data_dir)? {
+        config.store.kind = kind;
+    }
     let bar = ProgressBar::new(0);
     if let Ok(style) = ProgressStyle::with_template("moving slots [{bar:40}] {pos}/{len}") {
         bar.set_style(style.progress_chars("=> "));

@@ -260,10 +260,12 @@ fn assert_replayed(server: &Server, tokens: &[(String, u64)]) {
     }
 }
 
-#[test]
-fn reshard_adds_shards_to_a_stopped_directory_and_keys_stay_answered() {
+/// `oncegate reshard` on a stopped directory of the server's store (`store` are its
+/// flags): refused while the server runs, then every key answers on the new count. The
+/// command finds the directory's store itself.
+fn reshard_keeps_keys_answered(store: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
-    let server = Server::start(dir.path(), &[]);
+    let server = Server::start(dir.path(), store);
     let tokens = commit_orders(&server);
     // The running server holds the directory's lock.
     let locked =
@@ -282,9 +284,19 @@ fn reshard_adds_shards_to_a_stopped_directory_and_keys_stay_answered() {
         "{summary}"
     );
 
-    let server = Server::start(dir.path(), &["--shards", "4"]);
+    let server = Server::start(dir.path(), &[&["--shards", "4"], store].concat());
     assert_replayed(&server, &tokens);
     assert!(server.terminate());
+}
+
+#[test]
+fn reshard_adds_shards_to_a_stopped_directory_and_keys_stay_answered() {
+    reshard_keeps_keys_answered(&[]);
+}
+
+#[test]
+fn reshard_adds_shards_to_a_stopped_log_directory_and_keys_stay_answered() {
+    reshard_keeps_keys_answered(&["--store", "log"]);
 }
 
 #[test]

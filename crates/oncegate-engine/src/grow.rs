@@ -30,10 +30,6 @@ use crate::shard::{Control, Mail, MoveOut, Parked};
 use crate::slots::{self, SlotMap, SlotMove};
 use crate::{Engine, Error, OpenError, ShardHandle, manifest};
 
-/// Why a data directory on the log store cannot grow yet.
-pub(crate) const LOG_MOVES: &str = "slot moves between shards are not supported on the log store yet: \
-    keep store.kind = \"sqlite\" for a data directory that must gain shards";
-
 impl Engine {
     /// Adds shards while the engine serves, until it has `to` (at most `SHARDS_MAX`),
     /// and spreads the slots evenly, moving one slot at a time from the shards over
@@ -47,9 +43,6 @@ impl Engine {
                 what: "shards on PostgreSQL share one table, so there is nothing to move: restart the node with \
                        more --shards (or add nodes)",
             });
-        }
-        if inner.config.store.kind == crate::StoreKind::Log {
-            return Err(OpenError::Unsupported { what: LOG_MOVES });
         }
         // A poisoned lock only says an earlier add panicked; the table says where it was.
         let _one_at_a_time = match inner.growing.try_lock() {

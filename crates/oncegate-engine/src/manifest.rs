@@ -149,6 +149,23 @@ pub fn check_store_kind(
     }
 }
 
+/// Which of the engine's own stores wrote the data directory (`None`: no shard in it
+/// yet, or no directory).
+pub fn stored_kind(files: &dyn Files, data_dir: &Path) -> Result<Option<crate::StoreKind>, OpenError> {
+    let names = match files.list(data_dir) {
+        Ok(names) => names,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(io(data_dir)(e)),
+    };
+    let shards = names.iter().filter(|name| name.starts_with("shard-"));
+    let kinds = shards.filter_map(|name| match name {
+        name if name.ends_with(".log") => Some(crate::StoreKind::Log),
+        name if name.ends_with(".sqlite") => Some(crate::StoreKind::Sqlite),
+        _ => None,
+    });
+    Ok(kinds.into_iter().next())
+}
+
 /// How many shards (`shard-*.sqlite` files, `shard-*.log` directories) a data directory holds.
 fn shard_file_count(files: &dyn Files, data_dir: &Path) -> Result<usize, OpenError> {
     let names = files.list(data_dir).map_err(io(data_dir))?;

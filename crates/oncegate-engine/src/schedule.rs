@@ -8,8 +8,9 @@
 //! alarm takes whole windows that have ended. A window holds runs of consecutive row ids:
 //! rows are appended in arrival order and most records of a window arrived together with
 //! the same ttl, so a window is usually a few runs whatever its size (10 million live
-//! records cost kilobytes here, not the 80 MB a list of ids would), and at worst one run
-//! (16 bytes) per row.
+//! records cost kilobytes here, not the 80 MB a list of ids would). An id that starts no
+//! run is kept alone, in 8 bytes: the log store's positions are never consecutive, so
+//! there every entry is one (a run of one would take 16).
 //!
 //! Entries are hints, never the truth: the row's own `reclaim_at_ms` decides, in the
 //! `DELETE` that reclaims it. A row whose deadline moved to another window gets a new
@@ -24,14 +25,61 @@ use std::collections::BTreeMap;
 #[derive(Debug)]
 pub(crate) struct Schedule {
     granularity_ms: u64,
-    windows: BTreeMap<u64, Vec<Run>>,
+    windows: BTreeMap<u64, Window>,
 }
 
-/// The ids `first ..= last`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Run {
-    first: i64,
-    last: i64,
+/// One window's ids, as items: an item `>= 0` is an id alone; an item `< 0` is `!first`,
+/// the start of the run `first ..= last` whose `last` is the next item. Ids are never
+/// negative (SQLite's row ids, the log's positions), so the two never mix up, and an
+/// entry is a run exactly when the item before its last is negative.
+#[derive(Debug, Default)]
+struct Window {
+    items: Vec<i64>,
+}
+
+impl Window {
+    /// The last entry: its first and last id, and how many items it takes.
+    fn last(&self) -> Option<(i64, i64, usize)> {
+        let n = self.items.len();
+        let last = *self.items.last()?;
+        match n.checked_sub(2).map(|at| self.items[at]) {
+            Some(start) if start < 0 => Some((!start, last, 2)),
+            _ => Some((last, last, 1)),
+        }
+    }
+
+    /// Replaces the last entry (of `items` items) by `first ..= last`.
+    fn set_last(&mut self, items: usize, first: i64, last: i64) {
+        self.items.truncate(self.items.len() - items);
+        self.push(first, last);
+    }
+
+    fn push(&mut self, first: i64, last: i64) {
+        if first == last {
+            self.items.push(first);
+        } else {
+            self.items.extend([!first, last]);
+        }
+    }
+
+    fn add(&mut self, id: i64) {
+        match self.last() {
+            Some((first, last, _)) if (first..=last).contains(&id) => {}
+            Some((first, last, items)) if last.checked_add(1) == Some(id) => self.set_last(items, first, id),
+            Some((first, last, items)) if id.checked_add(1) == Some(first) => self.set_last(items, id, last),
+            _ => self.items.push(id),
+        }
+    }
+
+    /// Takes the last id.
+    fn pop(&mut self) -> Option<i64> {
+        let (first, last, items) = self.last()?;
+        self.items.truncate(self.items.len() - items);
+        if first < last {
+            self.push(first, last - 1);
+        }
+        Some(last)
+    }
 }
 
 impl Schedule {
@@ -39,25 +87,26 @@ impl Schedule {
         Schedule { granularity_ms: granularity_ms.max(1), windows: BTreeMap::new() }
     }
 
-    /// The instant from which a row reclaimable at `reclaim_at_ms` is taken: the end of
-    /// its window, never earlier than the row's own deadline.
+    /// The end of the window in which `reclaim_at_ms` falls: the earliest instant at which
+    /// the window's alarm may take the row (never before its deadline). Saturates, so a
+    /// far deadline lands in the last window rather than wrapping to an early one.
     pub fn due_ms(&self, reclaim_at_ms: u64) -> u64 {
         reclaim_at_ms.div_ceil(self.granularity_ms).saturating_mul(self.granularity_ms)
     }
 
-    /// Schedules a row; a row already last in its window is not added twice, and a row
-    /// next to the window's last run extends it.
+    /// Files row `id` under the window of `reclaim_at_ms`.
     pub fn add(&mut self, reclaim_at_ms: u64, id: i64) {
-        let runs = self.windows.entry(self.due_ms(reclaim_at_ms)).or_default();
-        match runs.last_mut() {
-            Some(run) if (run.first..=run.last).contains(&id) => {}
-            Some(run) if run.last.checked_add(1) == Some(id) => run.last = id,
-            Some(run) if id.checked_add(1) == Some(run.first) => run.first = id,
-            _ => runs.push(Run { first: id, last: id }),
+        self.windows.entry(self.due_ms(reclaim_at_ms)).or_default().add(id);
+    }
+
+    /// Gives back the memory the windows hold beyond their entries (after an open has
+    /// filed every record, in no particular order).
+    pub fn shrink_to_fit(&mut self) {
+        for window in self.windows.values_mut() {
+            window.items.shrink_to_fit();
         }
     }
 
-    /// The end of the earliest window that holds an entry.
     pub fn next_ms(&self) -> Option<u64> {
         self.windows.first_key_value().map(|(due, _)| *due)
     }
@@ -72,17 +121,12 @@ impl Schedule {
             if due > now_ms {
                 break;
             }
-            let runs = window.get_mut();
+            let entries = window.get_mut();
             while taken.len() < limit {
-                let Some(run) = runs.last_mut() else { break };
-                taken.push((due, run.last));
-                if run.first == run.last {
-                    runs.pop();
-                } else {
-                    run.last -= 1;
-                }
+                let Some(id) = entries.pop() else { break };
+                taken.push((due, id));
             }
-            if runs.is_empty() {
+            if entries.items.is_empty() {
                 window.remove();
             }
         }
@@ -92,20 +136,37 @@ impl Schedule {
     /// Puts back entries taken by a transaction that did not commit.
     pub fn restore(&mut self, taken: impl IntoIterator<Item = (u64, i64)>) {
         for (due, id) in taken {
-            self.windows.entry(due).or_default().push(Run { first: id, last: id });
+            self.windows.entry(due).or_default().items.push(id);
         }
     }
 
     /// Row ids held, live and stale.
     #[cfg(test)]
     pub fn len(&self) -> usize {
-        self.windows.values().flatten().map(|run| (run.last - run.first + 1) as usize).sum()
+        let mut len = 0;
+        for window in self.windows.values() {
+            let mut items = window.items.iter().copied();
+            while let Some(item) = items.next() {
+                len += if item < 0 {
+                    (items.next().expect("a run has its last") - !item + 1) as usize
+                } else {
+                    1
+                };
+            }
+        }
+        len
     }
 
-    /// Runs held: what the schedule's memory follows.
+    /// Entries held (runs and ids alone): what the schedule's memory follows.
     #[cfg(test)]
     pub fn runs(&self) -> usize {
-        self.windows.values().map(Vec::len).sum()
+        self.windows.values().map(|window| window.items.iter().filter(|item| **item >= 0).count()).sum()
+    }
+
+    /// Bytes the entries take (the windows' items).
+    #[cfg(test)]
+    pub fn entry_bytes(&self) -> usize {
+        self.windows.values().map(|window| window.items.len() * 8).sum()
     }
 }
 
@@ -157,6 +218,30 @@ mod tests {
         assert_eq!((schedule.len(), schedule.runs()), (99_998, 1));
         let rest = schedule.take_due(5_000, usize::MAX);
         assert_eq!(rest.len(), 99_998);
+        assert_eq!(schedule.next_ms(), None);
+    }
+
+    /// Ids that start no run (the log's positions) take 8 bytes each, and a run formed
+    /// from either end takes 16 whatever its length; every id comes back out once.
+    #[test]
+    fn lone_ids_take_one_item_and_runs_two() {
+        let mut schedule = Schedule::new(1_000);
+        for id in (0..1_000).map(|n| n * 100) {
+            schedule.add(5_000, id);
+        }
+        assert_eq!((schedule.len(), schedule.runs(), schedule.entry_bytes()), (1_000, 1_000, 8_000));
+        for id in [100_001, 100_002, 100_000, 99_999] {
+            schedule.add(5_000, id);
+        }
+        schedule.add(5_000, 100_001);
+        assert_eq!((schedule.len(), schedule.runs(), schedule.entry_bytes()), (1_004, 1_001, 8_016));
+        schedule.shrink_to_fit();
+        let mut taken: Vec<i64> =
+            schedule.take_due(5_000, usize::MAX).into_iter().map(|(_, id)| id).collect();
+        assert_eq!(&taken[..5], &[100_002, 100_001, 100_000, 99_999, 99_900]);
+        taken.sort_unstable();
+        taken.dedup();
+        assert_eq!(taken.len(), 1_004);
         assert_eq!(schedule.next_ms(), None);
     }
 }

@@ -3,6 +3,8 @@
 //! moment, reopens the data directory and checks that every acknowledged grant and commit
 //! is there. Several kill cycles run on the same directory.
 //!
+//! Both run on the SQLite file and on the log.
+//!
 //! A second run does the same while the child adds shards online (`add_shards` to
 //! [`GROW_TO`]): each kill lands after a random number of slot moves, every restart
 //! resumes the moves, and at the end the slots are spread and every acknowledged grant
@@ -197,26 +199,31 @@ fn main() {
         std::io::stdout().flush().expect("flush");
         println!("crash_durability ({kind:?}): 1 passed, 0 failed");
     }
-    grow_under_kills();
-    println!("crash_during_add_shards: 1 passed, 0 failed");
+    for kind in [StoreKind::Sqlite, StoreKind::Log] {
+        grow_under_kills(kind);
+        println!("crash_during_add_shards ({kind:?}): 1 passed, 0 failed");
+    }
 }
 
 /// Kills the child while it adds shards under load; each restart checks every
 /// acknowledgement, and the last one finishes the add and checks again.
-fn grow_under_kills() {
+fn grow_under_kills(kind: StoreKind) {
     let dir = tempfile::tempdir().expect("temp dir");
     let mut acks = Acks::new();
     for cycle in 0..CYCLES {
-        run_cycle(dir.path(), cycle, &mut acks, true, StoreKind::Sqlite);
-        let engine = verify(dir.path(), &acks, StoreKind::Sqlite);
+        run_cycle(dir.path(), cycle, &mut acks, true, kind);
+        let engine = verify(dir.path(), &acks, kind);
         let shards = engine.stats().len();
-        println!("add-shards kill {cycle}: {} acknowledgements found on {shards} shards", acks.len());
+        println!(
+            "add-shards kill {cycle} ({kind:?}): {} acknowledgements found on {shards} shards",
+            acks.len()
+        );
     }
-    let engine = verify(dir.path(), &acks, StoreKind::Sqlite);
+    let engine = verify(dir.path(), &acks, kind);
     engine.add_shards(GROW_TO, &mut |_, _| {}).expect("the add resumes and finishes");
     let slots: Vec<u32> = engine.stats().iter().map(|s| s.slots).collect();
     assert_eq!(slots, vec![16_384 / GROW_TO; GROW_TO as usize]);
     engine.shutdown();
     drop(engine);
-    verify(dir.path(), &acks, StoreKind::Sqlite);
+    verify(dir.path(), &acks, kind);
 }

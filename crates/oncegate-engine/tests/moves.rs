@@ -2,6 +2,7 @@
 //! while the engine serves, every key answers as before, a race on a key whose slot is
 //! moving grants once, a parked waiter follows its key, tokens of moved keys keep
 //! increasing, and a move stopped dead at any step restarts into a correct directory.
+//! Each runs on the SQLite file and on the log.
 
 mod common;
 
@@ -54,7 +55,7 @@ fn check_spread(engine: &Engine, written: &Written) {
     assert_eq!(slots, vec![4_096; 4]);
 }
 
-#[test]
+on_own_stores! {
 fn adding_shards_online_keeps_every_key_and_spreads_the_slots() {
     let dir = tempfile::tempdir().unwrap();
     let clock = ManualClock::new(T0);
@@ -75,6 +76,7 @@ fn adding_shards_online_keeps_every_key_and_spreads_the_slots() {
     let engine = open(two_shards(dir.path()), &clock, &Faults::default());
     assert_eq!(engine.stats().len(), 4);
     check_spread(&engine, &written);
+}
 }
 
 /// A new 2-shard engine on a manual clock, with its directory and fault seam.
@@ -105,10 +107,10 @@ fn wait_until_moving(engine: &Engine, slot: u32) -> SlotMove {
     }
 }
 
+on_own_stores! {
 /// 64 reserves of one key race while its slot moves: half reach the source before the
 /// hand-over, half are held and released to the destination. Exactly one is granted, and
 /// its holder commits on the new shard.
-#[test]
 fn a_64_way_race_on_a_key_whose_slot_is_moving_grants_once() {
     let (_dir, _clock, faults, engine) = two_shard_engine();
     let name = key_in_slot(&engine, 0);
@@ -153,10 +155,11 @@ fn a_64_way_race_on_a_key_whose_slot_is_moving_grants_once() {
     let view = engine.get_blocking(&tenant(), key(&name, 0)).unwrap();
     assert_eq!((view.state, view.token), (State::Completed, grants[0]));
 }
+}
 
+on_own_stores! {
 /// A reserve parked behind a holder when its slot moves follows the key: the holder's
 /// commit on the new shard answers it with the replay.
-#[test]
 fn a_waiter_parked_on_a_moving_slot_gets_its_answer() {
     let dir = tempfile::tempdir().unwrap();
     let clock = ManualClock::new(T0);
@@ -181,12 +184,13 @@ fn a_waiter_parked_on_a_moving_slot_gets_its_answer() {
         other => panic!("expected the replay, got {other:?}"),
     }
 }
+}
 
+on_own_stores! {
 /// An add-shards stopped dead after each durable step of its first two moves (the slot
 /// handed over, copied, the map flipped), as a crash there would leave the files: the
 /// directory reopens with every key answered as before, a released key of a moving slot
 /// is granted above its last token, and running add-shards again finishes the spread.
-#[test]
 fn a_move_stopped_dead_at_any_step_reopens_with_every_key_as_before() {
     for steps in 1..=6 {
         let dir = tempfile::tempdir().unwrap();
@@ -224,12 +228,13 @@ fn a_move_stopped_dead_at_any_step_reopens_with_every_key_as_before() {
         }
     }
 }
+}
 
+on_own_stores! {
 /// A move stopped dead after the destination's copy, before the map flip: the reserve
 /// that waited on the moving key is never granted by the destination (which the map does
 /// not name), even once the holder's lease has run out there. The next reserve, on the
 /// source, is granted above the holder's token.
-#[test]
 fn a_waiter_of_a_move_stopped_before_its_flip_is_never_granted_by_the_destination() {
     let (dir, clock, faults, engine) = two_shard_engine();
     let name = key_in_slot(&engine, 0);
@@ -251,10 +256,11 @@ fn a_waiter_of_a_move_stopped_before_its_flip_is_never_granted_by_the_destinatio
     let next = granted(&engine.reserve_blocking(&tenant(), reserve(&name)).unwrap().reply);
     assert!(next > holder);
 }
+}
 
+on_own_stores! {
 /// A move that fails after the hand-over (stopped there) gives the slot back to its
 /// source with its parked reserve, which the holder's commit then answers.
-#[test]
 fn a_waiter_of_a_move_that_fails_goes_back_to_its_source() {
     let (_dir, _clock, faults, engine) = two_shard_engine();
     let name = key_in_slot(&engine, 0);
@@ -273,6 +279,7 @@ fn a_waiter_of_a_move_that_fails_goes_back_to_its_source() {
         other => panic!("expected the replay, got {other:?}"),
     }
     add_four(&engine);
+}
 }
 
 /// The operating system's files, except that the next `failing` renames onto the slot
@@ -347,10 +354,10 @@ fn open_on(dir: &std::path::Path, clock: &ManualClock, files: &std::sync::Arc<Ma
         .expect("engine opens")
 }
 
+on_own_stores! {
 /// A flip that fails after the destination's copy is undone: the slot stays on its
 /// source with its parked reserve, the destination drops its copies, and the next add
 /// moves the slot again over those copies without storing any key twice.
-#[test]
 fn a_failed_flip_is_undone_and_the_next_add_moves_the_slot_again() {
     let dir = tempfile::tempdir().unwrap();
     let clock = ManualClock::new(T0);
@@ -374,11 +381,12 @@ fn a_failed_flip_is_undone_and_the_next_add_moves_the_slot_again() {
     written.insert(name, (token, true));
     check_spread(&engine, &written);
 }
+}
 
+on_own_stores! {
 /// A flip that fails and whose undo fails too leaves the slot answering `unavailable`
 /// (neither shard may decide it) and refuses further adds until a restart, which reads
 /// the map from disk and answers every key as before.
-#[test]
 fn a_flip_that_cannot_be_undone_stops_the_slot_until_a_restart() {
     let dir = tempfile::tempdir().unwrap();
     let clock = ManualClock::new(T0);
@@ -399,13 +407,11 @@ fn a_flip_that_cannot_be_undone_stops_the_slot_until_a_restart() {
     add_four(&engine);
     check_spread(&engine, &written);
 }
+}
 
-/// A copy left on the destination by a move stopped before its flip, in a process whose
-/// destination first opens while the move runs again (its earlier open failed): the
-/// copy is stale (the key was purged at its source meanwhile) and the move replaces it,
-/// so the purged key does not come back.
-#[test]
-fn a_stale_copy_kept_by_an_open_during_the_move_is_replaced() {
+/// A 2-shard directory whose key `name` (slot 0, committed) was copied to shard 2 by a
+/// move stopped before its flip, as a crash there would leave it; the engine is closed.
+fn a_copy_left_by_a_stopped_move() -> (tempfile::TempDir, ManualClock, Faults, String) {
     let (dir, clock, faults, engine) = two_shard_engine();
     let name = key_in_slot(&engine, 0);
     let token = granted(&engine.reserve_blocking(&tenant(), reserve(&name)).unwrap().reply);
@@ -414,9 +420,19 @@ fn a_stale_copy_kept_by_an_open_during_the_move_is_replaced() {
     engine.add_shards(4, &mut |_, _| {}).expect_err("stopped after the copy");
     engine.shutdown();
     drop(engine);
+    (dir, clock, faults, name)
+}
+
+on_own_stores! {
+/// A copy left on the destination by a move stopped before its flip, in a process whose
+/// destination first opens while the move runs again (its earlier open failed): the
+/// copy is stale (the key was purged at its source meanwhile) and the move replaces it,
+/// so the purged key does not come back.
+fn a_stale_copy_kept_by_an_open_during_the_move_is_replaced() {
+    let (dir, clock, faults, name) = a_copy_left_by_a_stopped_move();
     // Every shard fails its first open in the next process (before it looks at its rows);
     // all but shard 2, slot 0's destination, are reopened at once.
-    faults.fail_integrity_checks(4);
+    faults.fail_opens(4);
     let engine = open(two_shards(dir.path()), &clock, &faults);
     for shard in [0, 1, 3] {
         assert!(engine.reopen_shard(shard), "shard {shard} opens");
@@ -441,10 +457,11 @@ fn a_stale_copy_kept_by_an_open_during_the_move_is_replaced() {
     let view = engine.get_blocking(&tenant(), key(&name, 0)).unwrap();
     assert_eq!(view.state, oncegate_core::State::Free, "the purged key stays purged: {view:?}");
 }
+}
 
+on_own_stores! {
 /// A slot whose records do not fit in the destination's file fails its move alone: the
 /// destination keeps serving, the slot stays on its source, and every key answers.
-#[test]
 fn a_slot_that_does_not_fit_its_destination_stays_on_its_source() {
     let (_dir, _clock, faults, engine) = two_shard_engine();
     let name = key_in_slot(&engine, 0);
@@ -463,4 +480,26 @@ fn a_slot_that_does_not_fit_its_destination_stays_on_its_source() {
         (view.state, view.token, view.response.len()),
         (oncegate_core::State::Completed, token, 60_000)
     );
+}
+}
+
+on_own_stores! {
+/// A copy left on the destination by a move stopped before its flip is deleted when the
+/// destination next opens (the map does not give it the slot): after its key is purged
+/// at the source and the slot moves there for good, the purged key does not come back,
+/// not even after another restart.
+fn a_copy_left_by_a_move_cut_short_never_comes_back() {
+    let (dir, clock, _faults, name) = a_copy_left_by_a_stopped_move();
+    let engine = open(two_shards(dir.path()), &clock, &Faults::default());
+    let scope = engine.scope(&tenant(), "live", &name).unwrap();
+    block_on(engine.purge(scope)).expect("purged at its source");
+    add_four(&engine);
+    let view = engine.get_blocking(&tenant(), key(&name, 0)).unwrap();
+    assert_eq!(view.state, State::Free, "the purged key stays purged: {view:?}");
+    engine.shutdown();
+    drop(engine);
+    let engine = open(two_shards(dir.path()), &clock, &Faults::default());
+    let view = engine.get_blocking(&tenant(), key(&name, 0)).unwrap();
+    assert_eq!(view.state, State::Free, "the purged key stays purged after a restart: {view:?}");
+}
 }

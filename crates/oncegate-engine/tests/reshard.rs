@@ -32,13 +32,18 @@ fn open_four(dir: &std::path::Path, clock: &ManualClock) -> Engine {
     open(EngineConfig { shards: 4, ..config(dir) }, clock, &Faults::default())
 }
 
-#[test]
+on_own_stores! {
+/// A stopped directory of either own store gains shards offline (a log directory's
+/// slots move by the online mover, in an engine on the test's clock).
 fn adding_shards_spreads_the_slots_and_keeps_every_key_where_the_map_says() {
     let dir = tempfile::tempdir().unwrap();
     let clock = ManualClock::new(T0);
     let written = fill(dir.path(), &clock);
     let mut seen = Vec::new();
-    let done = add_shards(&config(dir.path()), 4, &mut |moved, total| seen.push((moved, total))).unwrap();
+    let files = Arc::new(OsFiles);
+    let progress = &mut |moved, total| seen.push((moved, total));
+    let done = add_shards_on(&config(dir.path()), 4, files, Arc::new(clock.clone()), &Faults::default(), progress)
+        .unwrap();
     assert_eq!((done.shards_before, done.shards_after, done.slots_moved), (2, 4, 8_192), "{done:?}");
     assert!(done.records_moved > 0 && done.records_moved < KEYS as u64, "{done:?}");
     assert_eq!(seen.last(), Some(&(8_192, 8_192)));
@@ -58,8 +63,17 @@ fn adding_shards_spreads_the_slots_and_keeps_every_key_where_the_map_says() {
     }
     drop(engine);
     // Nothing left to do at the same count.
-    let again = add_shards(&config(dir.path()), 4, &mut |_, _| {}).unwrap();
+    let again = add_shards_on(
+        &config(dir.path()),
+        4,
+        Arc::new(OsFiles),
+        Arc::new(clock.clone()),
+        &Faults::default(),
+        &mut |_, _| {},
+    )
+    .unwrap();
     assert_eq!(again.slots_moved, 0);
+}
 }
 
 #[test]
@@ -72,7 +86,14 @@ fn a_reshard_cut_after_any_step_opens_correctly_and_finishes_when_run_again() {
         let written = fill(dir.path(), &clock);
         let faults = Faults::default();
         faults.fail_op_after(cut);
-        let stopped = add_shards_on(&config(dir.path()), 4, Arc::new(OsFiles), &faults, &mut |_, _| {});
+        let stopped = add_shards_on(
+            &config(dir.path()),
+            4,
+            Arc::new(OsFiles),
+            Arc::new(clock.clone()),
+            &faults,
+            &mut |_, _| {},
+        );
         assert!(stopped.is_err(), "cut {cut}: the injected stop");
         let engine = open_four(dir.path(), &clock);
         check(&engine, &written);
@@ -119,7 +140,17 @@ fn a_moved_key_without_a_row_is_granted_above_its_last_token() {
     fill(dir.path(), &clock);
     let faults = Faults::default();
     faults.fail_op_after(1);
-    assert!(add_shards_on(&config(dir.path()), 4, Arc::new(OsFiles), &faults, &mut |_, _| {}).is_err());
+    assert!(
+        add_shards_on(
+            &config(dir.path()),
+            4,
+            Arc::new(OsFiles),
+            Arc::new(clock.clone()),
+            &faults,
+            &mut |_, _| {}
+        )
+        .is_err()
+    );
     let moving: std::collections::HashSet<u32> = SlotMap::even(2)
         .moves_to_spread(4)
         .into_iter()
@@ -141,4 +172,27 @@ fn a_moved_key_without_a_row_is_granted_above_its_last_token() {
     let engine = open_four(dir.path(), &clock);
     let next = granted(&engine.reserve_blocking(&tenant(), reserve(&name)).unwrap().reply);
     assert!(next > last, "{name}: token {next} after {last}");
+}
+
+/// An offline reshard told the wrong store (the SQLite default, on a log directory) is
+/// refused before it touches anything: it would make SQLite files for the new shards and
+/// flip the map to them, and the log shards' next open would delete the moved slots'
+/// records as another shard's.
+#[test]
+fn a_reshard_under_the_other_store_is_refused_before_anything_changes() {
+    use oncegate_engine::{StoreConfig, StoreKind};
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let store = StoreConfig { kind: StoreKind::Log, log_segment_bytes: 1 << 20, ..StoreConfig::default() };
+    let log = EngineConfig { store, shards: 2, ..config(dir.path()) };
+    let engine = open(log.clone(), &clock, &Faults::default());
+    let written = fill_keys(&engine, 30);
+    engine.shutdown();
+    drop(engine);
+    let sqlite = EngineConfig { store: StoreConfig::default(), ..log.clone() };
+    let refused = add_shards(&sqlite, 4, &mut |_, _| {}).expect_err("refused");
+    assert!(matches!(refused, OpenError::OtherStore { .. }), "{refused:?}");
+    let engine = open(log, &clock, &Faults::default());
+    assert_eq!(engine.stats().len(), 2, "no shard was added");
+    check(&engine, &written);
 }

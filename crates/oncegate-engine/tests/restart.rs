@@ -126,20 +126,3 @@ fn a_data_directory_of_the_other_store_is_refused() {
         assert!(matches!(opened, Err(OpenError::OtherStore { .. })), "{wrote:?} opened as {configured:?}");
     }
 }
-
-/// Slot moves read and delete a slot's records in SQLite; the log store refuses to add
-/// shards, with the reason, instead of starting a move it cannot finish.
-#[test]
-fn adding_shards_on_the_log_store_is_refused() {
-    use oncegate_engine::{OpenError, StoreConfig, StoreKind};
-    let dir = tempfile::tempdir().unwrap();
-    let clock = ManualClock::new(T0);
-    let store = StoreConfig { kind: StoreKind::Log, log_segment_bytes: 1 << 20, ..StoreConfig::default() };
-    let config = EngineConfig { store, ..config(dir.path()) };
-    let engine = open(config.clone(), &clock, &Faults::default());
-    let added = engine.add_shards(4, &mut |_, _| {});
-    assert!(matches!(added, Err(OpenError::Unsupported { .. })));
-    drop(engine);
-    let offline = oncegate_engine::reshard::add_shards(&config, 4, &mut |_, _| {});
-    assert!(matches!(offline, Err(OpenError::Unsupported { .. })));
-}

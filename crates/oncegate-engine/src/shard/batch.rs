@@ -85,9 +85,7 @@ impl Shard {
             }
             let removed = txn.reclaim(now, limit)?;
             book.records_delta.remove(&removed);
-            if let Ok(file) = txn.sqlite() {
-                super::moves::drop_leaving(file, leaving, limit, book)?;
-            }
+            super::moves::drop_leaving(&txn, leaving, limit, book)?;
             txn.commit(Meta { next_token: book.next_token, high_water_ms: now })?;
             Ok((removed.pending + removed.completed) as usize)
         })();

@@ -29,7 +29,7 @@ use oncegate_core::{Record, Scope};
 use super::Shard;
 use crate::book::{Book, Parked};
 use crate::error::Error;
-use crate::store::{Meta, StoreError, sqlite};
+use crate::store::{Meta, StoreError, Txn};
 use crate::token;
 
 /// The mover's request to a source shard: hand `slot` over.
@@ -72,15 +72,14 @@ impl Shard {
             return;
         };
         let now = self.guard.read(self.clock.monotonic_ms());
-        let read = store.sqlite().and_then(|file| {
-            let rows = file.slot_rows(slot);
-            let txn = file.begin_read(now)?;
+        let rows = store.slot_rows(slot);
+        let read = store.begin_read(&[], now).and_then(|txn| {
             let records = txn.records_of(&rows);
             txn.finish_read();
-            Ok((rows, records?))
+            records
         });
-        let (rows, records) = match read {
-            Ok(read) => read,
+        let records = match read {
+            Ok(records) => records,
             Err(error) => {
                 self.record_failure(&error);
                 let _ = reply.send(Err(self.unavailable(&format!("storage failure: {error}"))));
@@ -125,10 +124,9 @@ impl Shard {
         let book = &mut self.book;
         let mut written = 0;
         let result = (move || -> Result<u64, StoreError> {
-            let store = store.sqlite()?;
             // Synced whatever the durability: the map will name this copy as the truth.
             store.sync_commits(true)?;
-            let txn = store.begin(now)?;
+            let txn = store.begin(&[], now)?;
             let stale = txn.delete_rows(&stale)?;
             book.records_delta.remove(&stale);
             for (scope, mut record) in records {
@@ -152,7 +150,7 @@ impl Shard {
             self.book.next_token = token_before;
             self.book.discard_delta();
             if let Some(store) = self.store.as_mut()
-                && let Err(error) = store.sqlite().and_then(|file| file.sync_commits(false))
+                && let Err(error) = store.sync_commits(false)
             {
                 self.record_failure(&error);
             }
@@ -230,7 +228,7 @@ impl Shard {
 /// Step 4, in an alarm's transaction: deletes at most `limit` rows of the slots that
 /// moved away. A slot leaves the list once its rows are gone.
 pub(super) fn drop_leaving(
-    txn: &sqlite::Txn<'_>,
+    txn: &Txn<'_>,
     leaving: &mut Vec<Leaving>,
     limit: usize,
     book: &mut Book,

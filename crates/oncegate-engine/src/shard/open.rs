@@ -103,7 +103,7 @@ impl Shard {
             StoreKind::Log => {
                 let tuning = log::Tuning {
                     retired: Arc::clone(&self.shared.checkpoints),
-                    ..log::Tuning::of(&self.config, Arc::clone(&self.files), self.slots.routing)
+                    ..log::Tuning::of(&self.config, Arc::clone(&self.files), Some(owned), self.slots.routing)
                 };
                 let (store, meta, created) = log::Store::open(&self.path, &tuning, &self.faults)?;
                 (Store::Log(store), meta, created)

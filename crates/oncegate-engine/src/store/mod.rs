@@ -199,15 +199,23 @@ impl Store {
         }
     }
 
-    /// The SQLite file, for what only it does (slot moves).
-    pub fn sqlite(&mut self) -> Result<&mut sqlite::Store, StoreError> {
+    /// Commits are synced from now on whatever the durability (`on`: a slot move's copy,
+    /// which the map will name as the slot's truth), or again as configured. Slot moves
+    /// are between a node's own stores only.
+    pub fn sync_commits(&mut self, on: bool) -> Result<(), StoreError> {
         match self {
-            Store::Sqlite(store) => Ok(store),
-            Store::Log(_) => Err(StoreError::Unsupported { store: "log", what: "slot moves" }),
-            Store::Postgres(_) => Err(StoreError::Unsupported { store: "postgres", what: "slot moves" }),
+            Store::Sqlite(store) => store.sync_commits(on),
+            Store::Log(store) => {
+                store.sync_commits(on);
+                Ok(())
+            }
+            Store::Postgres(_) => Err(MOVES_ON_POSTGRES),
         }
     }
 }
+
+/// Shards on PostgreSQL share one table: no slot move runs there.
+const MOVES_ON_POSTGRES: StoreError = StoreError::Unsupported { store: "postgres", what: "slot moves" };
 
 impl<'s> Txn<'s> {
     /// The time every decision of this transaction uses.
@@ -294,12 +302,24 @@ impl<'s> Txn<'s> {
         dispatch!(self, Txn, t => t.commit(meta))
     }
 
-    /// The SQLite transaction, for what only it does (restart grace, slot moves).
-    pub fn sqlite(&self) -> Result<&sqlite::Txn<'s>, StoreError> {
+    /// The stored records of `rows` (from [`Store::slot_rows`]) with their scopes, for a
+    /// slot's hand-over.
+    pub fn records_of(&self, rows: &[(u64, i64)]) -> Result<Vec<(Scope, Record)>, StoreError> {
         match self {
-            Txn::Sqlite(txn) => Ok(txn),
-            Txn::Log(_) => Err(StoreError::Unsupported { store: "log", what: "slot moves" }),
-            Txn::Postgres(_) => Err(StoreError::Unsupported { store: "postgres", what: "slot moves" }),
+            Txn::Sqlite(txn) => txn.records_of(rows),
+            Txn::Log(txn) => txn.records_of(rows),
+            Txn::Postgres(_) => Err(MOVES_ON_POSTGRES),
+        }
+    }
+
+    /// Deletes the records `rows` names (from [`Store::slot_rows`], of a slot no request
+    /// reaches here any more); returns what was deleted. Those gone since (reclaimed)
+    /// are skipped.
+    pub fn delete_rows(&self, rows: &[(u64, i64)]) -> Result<Tally, StoreError> {
+        match self {
+            Txn::Sqlite(txn) => txn.delete_rows(rows),
+            Txn::Log(txn) => txn.delete_rows(rows),
+            Txn::Postgres(_) => Err(MOVES_ON_POSTGRES),
         }
     }
 }

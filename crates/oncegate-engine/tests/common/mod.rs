@@ -62,30 +62,45 @@ pub fn store_for(dir: &Path) -> StoreConfig {
     }
 }
 
-/// Generates, for each test function, a module with three tests: `sqlite`, `postgres` and `log`,
-/// each running the same body against that store.
+/// Generates, for each test function, a module with a test per listed store (`[sqlite:
+/// Sqlite, log: Log]`: the test's name, then its [`Backend`]), each running the same body
+/// against that store.
 #[macro_export]
-macro_rules! on_each_store {
-    ($($(#[doc = $doc:expr])* fn $name:ident() $body:block)*) => {$(
+macro_rules! on_stores {
+    ($stores:tt $($(#[doc = $doc:expr])* fn $name:ident() $body:block)*) => {$(
+        $crate::on_stores!(@one $stores $(#[doc = $doc])* fn $name() $body);
+    )*};
+    (@one [$($test:ident: $backend:ident),*] $(#[doc = $doc:expr])* fn $name:ident() $body:block) => {
         $(#[doc = $doc])*
         mod $name {
             #[allow(unused_imports)]
             use super::*;
             fn body() $body
-            #[test]
-            fn sqlite() {
-                $crate::common::with_backend($crate::common::Backend::Sqlite, body)
-            }
-            #[test]
-            fn postgres() {
-                $crate::common::with_backend($crate::common::Backend::Postgres, body)
-            }
-            #[test]
-            fn log() {
-                $crate::common::with_backend($crate::common::Backend::Log, body)
-            }
+            $(
+                #[test]
+                fn $test() {
+                    $crate::common::with_backend($crate::common::Backend::$backend, body)
+                }
+            )*
         }
-    )*};
+    };
+}
+
+/// [`on_stores!`] on every store: `sqlite`, `postgres` and `log`.
+#[macro_export]
+macro_rules! on_each_store {
+    ($($tests:tt)*) => {
+        $crate::on_stores!([sqlite: Sqlite, postgres: Postgres, log: Log] $($tests)*);
+    };
+}
+
+/// [`on_stores!`] on the stores a node owns alone, `sqlite` and `log` (slot moves and
+/// restarts are theirs; PostgreSQL's shards share one table).
+#[macro_export]
+macro_rules! on_own_stores {
+    ($($tests:tt)*) => {
+        $crate::on_stores!([sqlite: Sqlite, log: Log] $($tests)*);
+    };
 }
 
 pub fn config(dir: &Path) -> EngineConfig {

@@ -47,6 +47,8 @@ use crate::{Durability, Faults};
 
 /// The most bytes of the oldest segment one commit reads to copy its live records.
 const COMPACT_BYTES_PER_COMMIT: usize = 256 * 1024;
+/// The most records of slots the shard does not own that one commit of an open ends.
+const FOREIGN_DELETES_PER_COMMIT: usize = 4_096;
 /// The chunk a spare segment is zero-filled with.
 const ZERO_CHUNK_BYTES: usize = 1 << 20;
 /// What an entry read is first tried with; a longer entry takes a second read.
@@ -82,11 +84,19 @@ pub(crate) struct Tuning {
     pub routing: Routing,
     /// Where segments retired by compaction are counted (the shard's checkpoints).
     pub retired: Arc<std::sync::atomic::AtomicU64>,
+    /// The slots the shard keeps: the open deletes the records of every other slot (a
+    /// slot move cut short left them). `None` keeps every record.
+    pub owned: Option<crate::slots::Owned>,
 }
 
 impl Tuning {
     /// The settings of an engine's shard logs.
-    pub fn of(config: &crate::EngineConfig, files: Arc<dyn Files>, routing: Routing) -> Tuning {
+    pub fn of(
+        config: &crate::EngineConfig,
+        files: Arc<dyn Files>,
+        owned: Option<crate::slots::Owned>,
+        routing: Routing,
+    ) -> Tuning {
         Tuning {
             durability: config.durability,
             segment_bytes: config.store.log_segment_bytes,
@@ -95,6 +105,7 @@ impl Tuning {
             files,
             routing,
             retired: Arc::default(),
+            owned,
         }
     }
 }
@@ -140,6 +151,9 @@ pub(crate) struct Store {
     ends: BTreeMap<u32, u64>,
     /// Segments written since they were last synced (`durability = "normal"` only).
     unsynced: std::collections::BTreeSet<u32>,
+    /// Commits are synced whatever the durability (a slot move's copy, which the map
+    /// will name as the slot's truth).
+    sync_forced: bool,
     /// The thread zero-filling the next spare, if one is.
     preparing: Option<JoinHandle<std::io::Result<u32>>>,
     chain: Chain,
@@ -211,10 +225,11 @@ impl Store {
             durability: tuning.durability,
             routing: tuning.routing,
             segment_bytes: tuning.segment_bytes,
-            segments_max: (tuning.bytes_max / tuning.segment_bytes).max(2),
+            segments_max: segments_max(tuning, faults),
             segments,
             ends: BTreeMap::new(),
             unsynced: std::collections::BTreeSet::new(),
+            sync_forced: false,
             preparing: None,
             chain: Chain { seq: 0, checksum: 0, head: 1, tail: 0 },
             salt: random_salt(),
@@ -226,13 +241,56 @@ impl Store {
             tally: None,
             retired: Arc::clone(&tuning.retired),
         };
-        let (meta, created) = store.recover()?;
+        let recover::Recovered { meta, created, foreign } = store.recover(tuning.owned.as_ref())?;
         if created {
             let first = store.segments.keys().next().copied().unwrap_or(1);
             store.chain.head = first;
             store.segment(first)?;
         }
+        store.sync_recovered()?;
+        if !foreign.is_empty() {
+            store.delete_foreign(&foreign, meta)?;
+        }
         Ok((store, meta, created))
+    }
+
+    /// Syncs every segment up to the head. An earlier open may have left its frames in
+    /// the page cache only (`durability = "normal"`, or a process killed before its
+    /// sync); recovery read them as the chain, so they must be durable before anything
+    /// chains onto them: a commit synced by this open (under `"full"`, or a slot move's
+    /// copy) is lost with any frame before it.
+    fn sync_recovered(&self) -> Result<(), StoreError> {
+        for (_, file) in self.segments.range(..=self.chain.head) {
+            file.sync_data().map_err(io(&self.dir))?;
+        }
+        Ok(())
+    }
+
+    /// Deletes, in one transaction carrying the counters as opened, the records of slots
+    /// the shard does not own: a slot move cut short left them here, and the slot's truth
+    /// is its owner's. Left in the log, they would come back if the slot ever moved here
+    /// again (its keys deleted meanwhile by their owner included).
+    ///
+    /// In transactions of `FOREIGN_DELETES_PER_COMMIT`, each compacting as any commit
+    /// does: a slot's records can be millions (half of every source's after an offline
+    /// reshard), and one transaction would hold all their tombstones in memory and could
+    /// need more room than a nearly full log has, failing every open.
+    fn delete_foreign(&mut self, foreign: &[(u64, i64)], meta: Meta) -> Result<(), StoreError> {
+        for chunk in foreign.chunks(FOREIGN_DELETES_PER_COMMIT) {
+            let txn = self.begin(meta.high_water_ms)?;
+            txn.delete_rows(chunk)?;
+            txn.commit(meta)?;
+        }
+        tracing::info!(
+            records = foreign.len(),
+            "deleted records of slots this shard does not own (a slot move was cut short)"
+        );
+        Ok(())
+    }
+
+    /// Commits from now on are synced whatever the durability (`on`), or as configured.
+    pub fn sync_commits(&mut self, on: bool) {
+        self.sync_forced = on;
     }
 
     /// The segment file `seq`, opened (and its name made durable) if it is new.
@@ -323,9 +381,12 @@ impl Store {
     /// Writes a transaction's frames. With `durability = "full"` each segment's frame is
     /// synced before the next segment's is written, so that frames become durable in
     /// order (recovery relies on it to tell damage from a torn end). With `"normal"`
-    /// nothing is synced, unless `retiring`: then every segment written since its last
-    /// sync is, first, so that compaction's copies are durable before their source goes.
+    /// nothing is synced, unless `retiring` or syncs are forced: then every segment
+    /// written since its last sync is, after the write, so that compaction's copies are
+    /// durable before their source goes, and a forced commit with every frame before it
+    /// (recovery accepts no frame after a lost one).
     fn write_frames(&mut self, frames: &[txn::Pending], retiring: bool) -> Result<(), StoreError> {
+        let retiring = retiring || self.sync_forced;
         let full = self.durability == Durability::Full;
         for frame in frames {
             let file = &self.segments[&frame.seq];
@@ -434,6 +495,18 @@ impl Store {
     }
 }
 
+/// How many segments the log may take: its byte limit over the segment size, at least
+/// two. A test's page limit (`Faults::limit_pages`, pages of 4 KiB as SQLite's) lowers it,
+/// down to one segment, where no request's record fits at all: meant for logs opened new
+/// after it is set (a log already past one segment could then not even compact).
+fn segments_max(tuning: &Tuning, faults: &Faults) -> u64 {
+    let configured = (tuning.bytes_max / tuning.segment_bytes).max(2);
+    match faults.page_count_max() {
+        Some(pages) => configured.min(pages * 4096 / tuning.segment_bytes).max(1),
+        None => configured,
+    }
+}
+
 /// Creates segment `seq` full of zeros and makes it and its name durable. Each chunk is
 /// synced before the next is written: left to the end, the whole segment's writeback
 /// would queue ahead of the shards' commit syncs on the same disk.
@@ -478,6 +551,7 @@ mod tests {
             files,
             routing: Routing::BucketBase,
             retired: Arc::default(),
+            owned: None,
         }
     }
 
@@ -950,5 +1024,73 @@ mod tests {
         for batch in 0..2_000u64 {
             assert!(txn.get(&scope(&format!("k{batch}-0"))).unwrap().is_some(), "k{batch}-0");
         }
+    }
+
+    /// Frames an earlier open wrote without syncing them (`durability = "normal"`) are
+    /// synced when the log is opened again, before anything chains onto them: a commit
+    /// this open syncs (under `"full"`, or a slot move's copy) would otherwise be lost
+    /// with them at a power cut.
+    #[test]
+    fn an_open_syncs_the_frames_an_earlier_open_left_unsynced() {
+        let dir = tempfile::tempdir().unwrap();
+        let files = Arc::new(WatchedFiles::default());
+        let watched = Arc::clone(&files.0);
+        let normal = Tuning { durability: Durability::Normal, ..tuning(files, 1 << 30) };
+        let (mut store, _, _) = Store::open(dir.path(), &normal, &Faults::default()).unwrap();
+        for batch in 0..100u64 {
+            let txn = store.begin(batch).unwrap();
+            for n in 0..20 {
+                txn.put(&scope(&format!("k{batch}-{n}")), &granted(batch * 20 + n + 1, batch, 60_000))
+                    .unwrap();
+            }
+            txn.commit(Meta { next_token: batch * 20 + 21, high_water_ms: batch }).unwrap();
+        }
+        assert!(watched.dirty.lock().unwrap().len() > 1, "the writes crossed segments, unsynced");
+        drop(store);
+        let (store, _, _) = Store::open(dir.path(), &normal, &Faults::default()).unwrap();
+        assert!(watched.dirty.lock().unwrap().is_empty(), "unsynced after the open: {:?}", watched.dirty);
+        drop(store);
+    }
+
+    /// A transaction that rolls back (a slot's copy that did not fit) files nothing in the
+    /// reclaim schedule: an entry naming bytes never written would be read by a later
+    /// alarm, after other frames filled them, as an entry that is not there.
+    #[test]
+    fn a_rolled_back_transaction_schedules_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut store, _, _) = open(dir.path(), 1 << 30);
+        let txn = store.begin(0).unwrap();
+        txn.put(&scope("gone"), &granted(1, 0, 1_000)).unwrap();
+        drop(txn);
+        assert_eq!(store.next_reclaim_ms(), None, "the rolled-back put left an entry");
+        let txn = store.begin(0).unwrap();
+        txn.put(&scope("kept"), &granted(2, 0, 1_000)).unwrap();
+        txn.commit(Meta { next_token: 3, high_water_ms: 0 }).unwrap();
+        assert_eq!(store.next_reclaim_ms(), Some(store.schedule.due_ms(1_000)));
+    }
+
+    /// Records of slots the shard does not own are ended at open, in several commits when
+    /// there are many, and stay ended: the next open finds none of them.
+    #[test]
+    fn an_open_ends_the_records_of_slots_the_shard_does_not_own() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut store, _, _) = open(dir.path(), 1 << 30);
+        let records = 3 * FOREIGN_DELETES_PER_COMMIT as u64 + 7;
+        let txn = store.begin(0).unwrap();
+        for n in 0..records {
+            txn.put(&scope(&format!("k{n}")), &granted(n + 1, 0, 60_000)).unwrap();
+        }
+        txn.commit(Meta { next_token: records + 1, high_water_ms: 0 }).unwrap();
+        drop(store);
+        // Shard 1 of a one-shard map owns no slot.
+        let map = Arc::new(crate::slots::SlotMap::even(1));
+        let owned = crate::slots::Owned { map, shard: 1, moving: None };
+        let foreign = Tuning { owned: Some(owned), ..tuning(Arc::new(crate::files::OsFiles), 1 << 30) };
+        let (mut store, meta, _) = Store::open(dir.path(), &foreign, &Faults::default()).unwrap();
+        assert_eq!(meta.next_token, records + 1, "the counters still cover the foreign records");
+        assert_eq!((store.take_count().pending, store.index.len()), (0, 0));
+        drop(store);
+        let (mut store, _, _) = open(dir.path(), 1 << 30);
+        assert_eq!((store.take_count().pending, store.index.len()), (0, 0), "ended for good");
     }
 }

@@ -14,11 +14,24 @@
 use std::collections::HashMap;
 
 use oncegate_core::Tenant;
+use oncegate_core::route::slot_of_hash;
 
 use super::format::{self, Entry, FRAME_HEADER_BYTES};
 use super::{Chain, Store, decode_at, position, segment_name};
 use crate::quota::Tally;
+use crate::slots::Owned;
 use crate::store::{Meta, StoreError};
+
+/// What recovery found.
+pub(super) struct Recovered {
+    /// The counters the last transaction left, raised over every record.
+    pub meta: Meta,
+    /// Whether the log is new (no transaction in it).
+    pub created: bool,
+    /// The live records of slots the shard does not own: left in the index for the open
+    /// to delete, but neither counted nor scheduled.
+    pub foreign: Vec<(u64, i64)>,
+}
 
 /// What recovery keeps of each live record until the counts are taken and the reclaim
 /// schedule is filled.
@@ -50,8 +63,8 @@ struct Walk {
 impl Store {
     /// Reads every segment in order, applying each complete transaction of the chain;
     /// sets the chain, the index, the schedule, the counts and where each segment's
-    /// frames end. Returns the counters and whether the log is new.
-    pub(super) fn recover(&mut self) -> Result<(Meta, bool), StoreError> {
+    /// frames end. `owned` names the slots whose records are the shard's.
+    pub(super) fn recover(&mut self, owned: Option<&Owned>) -> Result<Recovered, StoreError> {
         let mut walk = Walk::default();
         let numbers: Vec<u32> = self.segments.keys().copied().collect();
         for seq in &numbers {
@@ -67,21 +80,35 @@ impl Store {
             .filter(|seq| **seq >= end_seq)
             .map(|seq| (*seq, if *seq == end_seq { end_offset } else { 0 }));
         self.refuse_ordered_frames_past(past.collect(), walk.last.map_or(0, |(seq, _)| seq))?;
-        let Some(chain) = walk.committed else { return Ok((walk.meta, true)) };
+        let Some(chain) = walk.committed else {
+            return Ok(Recovered { meta: walk.meta, created: true, foreign: Vec::new() });
+        };
         self.chain = chain;
         // Segments after the head (the walk went on into them only for frames of a
         // transaction that did not complete) are spares: forget where their frames ended.
         self.ends.retain(|seq, _| *seq < chain.head);
+        // The counters above cover foreign records too: their tokens and times were
+        // issued here.
+        let foreign: Vec<(u64, i64)> = match owned {
+            Some(owned) => self.index.iter().filter(|(hash, _)| !owned.owns(slot_of_hash(*hash))).collect(),
+            None => Vec::new(),
+        };
         // Only live records are scheduled: an entry per record ever applied would be one
         // per write (twice the keys for reserves and their commits).
         let mut tally = Tally::default();
+        for (_, position) in &foreign {
+            if let Some(record) = walk.live.remove(position) {
+                self.live_bytes += u64::from(record.len);
+            }
+        }
         for (position, record) in &walk.live {
             tally.add_stored(&walk.tenants[record.tenant as usize], record.pending);
             self.live_bytes += u64::from(record.len);
             self.schedule.add(record.reclaim_at_ms, *position);
         }
+        self.schedule.shrink_to_fit();
         self.tally = Some(tally);
-        Ok((walk.meta, false))
+        Ok(Recovered { meta: walk.meta, created: false, foreign })
     }
 
     /// Refuses the log when the bytes past the chain's end (`past`: segments from where

@@ -36,6 +36,10 @@ pub(crate) struct Txn<'s> {
     frames: RefCell<Vec<Pending>>,
     undo: RefCell<Vec<Undo>>,
     unscheduled: RefCell<Vec<(u64, i64)>>,
+    /// Positions to file in the reclaim schedule (deadline, position) once the commit is
+    /// durable: filed earlier, a transaction that rolls back would leave entries naming
+    /// bytes never written, which a later frame may fill with another entry's middle.
+    scheduled: RefCell<Vec<(u64, i64)>>,
     live_delta: Cell<i64>,
     located: RefCell<Option<Located>>,
     committed: Cell<bool>,
@@ -63,6 +67,7 @@ impl<'s> Txn<'s> {
             frames: RefCell::new(vec![frame]),
             undo: RefCell::default(),
             unscheduled: RefCell::default(),
+            scheduled: RefCell::default(),
             live_delta: Cell::new(0),
             located: RefCell::default(),
             committed: Cell::new(false),
@@ -200,9 +205,8 @@ impl<'s> Txn<'s> {
         self.repoint(hash, old, Some((at, len)));
         *self.located.borrow_mut() =
             Some(Located { scope: scope.clone(), position: at, len, record: record.clone() });
-        let mut store = self.store.borrow_mut();
-        store.schedule.add(record.reclaim_at_ms(), at);
-        Ok(store.schedule.due_ms(record.reclaim_at_ms()))
+        self.scheduled.borrow_mut().push((record.reclaim_at_ms(), at));
+        Ok(self.store.borrow().schedule.due_ms(record.reclaim_at_ms()))
     }
 
     /// Deletes a key's record (a tombstone names the record it ends).
@@ -210,11 +214,51 @@ impl<'s> Txn<'s> {
         self.failpoint()?;
         let hash = self.hash(scope);
         let Some((position, len)) = self.locate(scope, hash)? else { return Ok(()) };
+        self.tombstone(hash, position, len)
+    }
+
+    /// Ends the live record at `position` (`len` bytes) with a tombstone naming it.
+    /// Tombstones may use the log's last segment.
+    fn tombstone(&self, hash: u64, position: i64, len: usize) -> Result<(), StoreError> {
         let tombstone = |out: &mut Vec<u8>| format::put_tombstone(out, hash, position);
         self.append(Writer::Upkeep, format::TOMBSTONE_BYTES, tombstone)?;
         self.repoint(hash, Some((position, len)), None);
-        *self.located.borrow_mut() = None;
+        if self.located.borrow().as_ref().is_some_and(|l| l.position == position) {
+            *self.located.borrow_mut() = None;
+        }
         Ok(())
+    }
+
+    /// The records of `rows` (from [`Store::slot_rows`]) with their scopes, expired ones
+    /// included (their destination reclaims them as this shard would have).
+    pub fn records_of(&self, rows: &[(u64, i64)]) -> Result<Vec<(Scope, Record)>, StoreError> {
+        self.failpoint()?;
+        let read = |position: i64| match self.entry_at(position)? {
+            Some((Entry::Record { scope, record, .. }, _)) => Ok((scope, record)),
+            _ => Err(corrupt_at(position)),
+        };
+        rows.iter().map(|(_, position)| read(*position)).collect()
+    }
+
+    /// Deletes the live records of the hashes `rows` names (from [`Store::slot_rows`], for
+    /// a slot no request reaches any more); returns what was deleted, counted by state and
+    /// tenant. The hash decides, not the position: compaction may have copied a record
+    /// since it was listed, and every record of a hash is in the hash's slot. A hash with
+    /// nothing left (reclaimed since) deletes nothing.
+    pub fn delete_rows(&self, rows: &[(u64, i64)]) -> Result<Tally, StoreError> {
+        self.failpoint()?;
+        let mut removed = Tally::default();
+        for (hash, _) in rows {
+            let live: Vec<i64> = self.store.borrow().index.ids(*hash).collect();
+            for position in live {
+                let Some((Entry::Record { scope, record, .. }, len)) = self.entry_at(position)? else {
+                    return Err(corrupt_at(position));
+                };
+                self.tombstone(*hash, position, len)?;
+                removed.add_stored(&scope.tenant, record.completion.is_none());
+            }
+        }
+        Ok(removed)
     }
 
     /// Takes at most `limit` entries from the reclaim schedule's ended windows and
@@ -236,13 +280,8 @@ impl<'s> Txn<'s> {
             if !live || record.reclaim_at_ms() > now_ms {
                 continue;
             }
-            let tombstone = |out: &mut Vec<u8>| format::put_tombstone(out, hash, position);
-            self.append(Writer::Upkeep, format::TOMBSTONE_BYTES, tombstone)?;
-            self.repoint(hash, Some((position, len)), None);
+            self.tombstone(hash, position, len)?;
             removed.add_stored(&scope.tenant, record.completion.is_none());
-            if self.located.borrow().as_ref().is_some_and(|l| l.position == position) {
-                *self.located.borrow_mut() = None;
-            }
         }
         Ok(removed)
     }
@@ -329,7 +368,7 @@ impl<'s> Txn<'s> {
                     other => other?,
                 };
                 self.repoint(hash, Some((from, len)), Some((to, len)));
-                self.store.borrow_mut().schedule.add(record.reclaim_at_ms(), to);
+                self.scheduled.borrow_mut().push((record.reclaim_at_ms(), to));
             }
             at += len;
         }
@@ -402,6 +441,9 @@ impl<'s> Txn<'s> {
             }
         }
         store.chain = chain;
+        for (reclaim_at_ms, position) in self.scheduled.borrow_mut().drain(..) {
+            store.schedule.add(reclaim_at_ms, position);
+        }
         store.live_bytes = store.live_bytes.saturating_add_signed(self.live_delta.get());
         store.recent = frames.into_iter().map(|f| (f.seq, f.start, f.bytes)).collect();
         // What follows tidies up after a durable commit: a failure there is logged, never
