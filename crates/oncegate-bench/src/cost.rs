@@ -106,16 +106,20 @@ impl Sample {
     }
 }
 
+/// The process's CPU from its own `stat` (which keeps the time of threads that have
+/// exited, such as the log store's spare-segment helpers; a sum over `task/` would drop
+/// it), and its shard threads' from theirs.
 fn read_process(pid: u32) -> Sample {
     let mut sample = Sample::default();
-    let tasks = Path::new("/proc").join(pid.to_string()).join("task");
-    for task in std::fs::read_dir(&tasks).into_iter().flatten().flatten() {
+    let process = Path::new("/proc").join(pid.to_string());
+    let stat = std::fs::read_to_string(process.join("stat")).ok();
+    sample.cpu_ticks = stat.and_then(|s| cpu_ticks(&s)).map_or(0, |(_, ticks)| ticks);
+    for task in std::fs::read_dir(process.join("task")).into_iter().flatten().flatten() {
         let Some((comm, ticks)) =
             std::fs::read_to_string(task.path().join("stat")).ok().and_then(|s| cpu_ticks(&s))
         else {
             continue;
         };
-        sample.cpu_ticks += ticks;
         if comm.starts_with("oncegate-shard") {
             sample.shard_cpu_ticks += ticks;
         }
