@@ -124,19 +124,39 @@ pub(crate) fn frame_intact(frame: &[u8], header: &FrameHeader) -> bool {
 /// The number of the first frame at or after `from` in `bytes` that is whole, was written
 /// in order, and is numbered past `after + 1`: proof, when the chain ended at frame
 /// `after`, that frames the disk had made durable were lost (see `recover.rs`).
-/// Every offset is tried (frames are not aligned); most fail at the number.
+/// Every offset is tried (frames are not aligned); most fail at the number. Runs of
+/// zeros (a spare segment is one whole) are skipped to the next byte that is not zero:
+/// a frame's number is not zero, so no frame starts where its number's eight bytes
+/// would all fall in the run.
 pub(crate) fn ordered_frame_past(bytes: &[u8], from: usize, after: u64) -> Option<u64> {
     let u64_at = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"));
     let last_start = bytes.len().checked_sub(FRAME_HEADER_BYTES)?;
-    (from..=last_start).find_map(|at| {
+    let mut at = from;
+    while at <= last_start {
         let seq = u64_at(at + 8);
-        if seq <= after + 1 || seq - after > u64::from(u32::MAX) {
-            return None;
+        if seq == 0 {
+            // The next byte that is not zero, at or after this frame's number.
+            let next = bytes[at + 8..].iter().position(|b| *b != 0)? + at + 8;
+            at = (at + 1).max(next.saturating_sub(15));
+            continue;
         }
-        let header = read_header(&bytes[at..], bytes.len() - at).filter(|h| h.ordered)?;
-        let end = at + FRAME_HEADER_BYTES + header.payload_len as usize;
-        frame_intact(&bytes[at..end], &header).then_some(seq)
-    })
+        if let Some(found) = ordered_frame_at(bytes, at, seq, after) {
+            return Some(found);
+        }
+        at += 1;
+    }
+    None
+}
+
+/// The number of the frame at `at` (whose number field reads `seq`) if it is whole, was
+/// written in order, and is numbered past `after + 1`.
+fn ordered_frame_at(bytes: &[u8], at: usize, seq: u64, after: u64) -> Option<u64> {
+    if seq <= after + 1 || seq - after > u64::from(u32::MAX) {
+        return None;
+    }
+    let header = read_header(&bytes[at..], bytes.len() - at).filter(|h| h.ordered)?;
+    let end = at + FRAME_HEADER_BYTES + header.payload_len as usize;
+    frame_intact(&bytes[at..end], &header).then_some(seq)
 }
 
 /// Bytes a record's entry takes.
@@ -389,5 +409,35 @@ mod tests {
         assert!(read_entry(&out[..out.len() - 1]).is_err());
         out[4] = 9;
         assert!(read_entry(&out).is_err());
+    }
+
+    proptest::proptest! {
+        /// Skipping runs of zeros finds what trying every offset finds: a sealed frame
+        /// after zeros and noise, with any number before it.
+        #[test]
+        fn skipping_zeros_finds_what_every_offset_finds(
+            zeros in 0usize..300,
+            noise in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..40),
+            seq in 1u64..6,
+            after in 0u64..5,
+            from in 0usize..50,
+        ) {
+            let mut frame = vec![0; FRAME_HEADER_BYTES];
+            put_tombstone(&mut frame, 5, 77);
+            seal_frame(&mut frame, Flags { last: true, ordered: true }, seq, 9, Meta::default(), 1);
+            let mut bytes = vec![0; zeros];
+            bytes.extend_from_slice(&noise);
+            bytes.extend(std::iter::repeat_n(0, zeros / 2));
+            bytes.extend_from_slice(&frame);
+            bytes.extend(std::iter::repeat_n(0, zeros / 3));
+            let every = bytes
+                .len()
+                .checked_sub(FRAME_HEADER_BYTES)
+                .and_then(|last| (from..=last).find_map(|at| {
+                    let number = u64::from_le_bytes(bytes[at + 8..at + 16].try_into().unwrap());
+                    ordered_frame_at(&bytes, at, number, after)
+                }));
+            proptest::prop_assert_eq!(ordered_frame_past(&bytes, from, after), every);
+        }
     }
 }

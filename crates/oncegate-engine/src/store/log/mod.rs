@@ -304,13 +304,15 @@ impl Store {
         Ok(&*self.segments[&seq])
     }
 
-    /// The whole contents of segment `seq` (at open, and for the corruption check).
-    fn read_segment(&self, seq: u32) -> Result<Vec<u8>, StoreError> {
+    /// Reads the whole of segment `seq` into `bytes` (at open, and for the corruption
+    /// check). The buffer is reused from segment to segment: a fresh one per segment
+    /// cost the open a page fault and a zeroed page per 4 KiB read (a tenth of its CPU).
+    fn read_segment(&self, seq: u32, bytes: &mut Vec<u8>) -> Result<(), StoreError> {
         let file = &self.segments[&seq];
-        let mut bytes = vec![0; file.size().map_err(io(&self.dir))? as usize];
-        let read = file.read_at(0, &mut bytes).map_err(io(&self.dir))?;
+        bytes.resize(file.size().map_err(io(&self.dir))? as usize, 0);
+        let read = file.read_at(0, bytes).map_err(io(&self.dir))?;
         bytes.truncate(read);
-        Ok(bytes)
+        Ok(())
     }
 
     /// Starts a write transaction at the shard's time `now_ms`. Its first frame starts
