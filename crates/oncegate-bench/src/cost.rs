@@ -77,6 +77,10 @@ impl Probe {
     pub fn sample(&self) -> Sample {
         let mut sample = read_process(self.pid);
         if self.with_children {
+            // Children it has reaped keep their time in its own `stat`; the live ones
+            // are read each.
+            let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid)).unwrap_or_default();
+            sample.cpu_ticks += reaped_children_ticks(&stat).unwrap_or(0);
             for child in children(self.pid) {
                 let more = read_process(child);
                 sample.cpu_ticks += more.cpu_ticks;
@@ -96,12 +100,14 @@ impl Sample {
     pub fn cost_to(&self, after: &Sample, pairs: u64, commands: u64) -> Cost {
         let per = |n: u64, d: u64| if d == 0 { 0.0 } else { n as f64 / d as f64 };
         let us = |ticks: u64| ticks as f64 / TICKS_PER_S * 1e6;
+        // Saturating: a sum over live threads or children drops one that ended in the
+        // window, and can then go down.
         Cost {
-            cpu_us_per_pair: us(after.cpu_ticks - self.cpu_ticks) / pairs.max(1) as f64,
-            shard_cpu_us_per_command: us(after.shard_cpu_ticks - self.shard_cpu_ticks)
+            cpu_us_per_pair: us(after.cpu_ticks.saturating_sub(self.cpu_ticks)) / pairs.max(1) as f64,
+            shard_cpu_us_per_command: us(after.shard_cpu_ticks.saturating_sub(self.shard_cpu_ticks))
                 / commands.max(1) as f64,
-            disk_bytes_per_pair: per(after.write_bytes - self.write_bytes, pairs),
-            device_bytes_per_pair: per(after.device_bytes - self.device_bytes, pairs),
+            disk_bytes_per_pair: per(after.write_bytes.saturating_sub(self.write_bytes), pairs),
+            device_bytes_per_pair: per(after.device_bytes.saturating_sub(self.device_bytes), pairs),
         }
     }
 }
@@ -156,6 +162,14 @@ fn cpu_ticks(stat: &str) -> Option<(String, u64)> {
     Some((comm, utime + stime))
 }
 
+/// `cutime + cstime` of a `stat` line: the CPU of the children the process has reaped.
+fn reaped_children_ticks(stat: &str) -> Option<u64> {
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let cutime: u64 = fields.get(13)?.parse().ok()?;
+    let cstime: u64 = fields.get(14)?.parse().ok()?;
+    Some(cutime + cstime)
+}
+
 /// The processes whose parent is `pid`.
 fn children(pid: u32) -> Vec<u32> {
     let mut found = Vec::new();
@@ -200,5 +214,8 @@ mod tests {
     fn stat_lines_with_spaces_in_the_name_parse() {
         let line = "42 (oncegate-shard 1) S 1 42 42 0 -1 4194368 10 0 0 0 150 25 0 0 20 0 1 0 100 0 0";
         assert_eq!(cpu_ticks(line), Some(("oncegate-shard 1".to_owned(), 175)));
+        assert_eq!(reaped_children_ticks(line), Some(0));
+        let parent = "7 (postgres) S 1 7 7 0 -1 4194368 10 0 0 0 150 25 40 2 20 0 1 0 100 0 0";
+        assert_eq!(reaped_children_ticks(parent), Some(42));
     }
 }

@@ -1095,4 +1095,38 @@ mod tests {
         let (mut store, _, _) = open(dir.path(), 1 << 30);
         assert_eq!((store.take_count().pending, store.index.len()), (0, 0), "ended for good");
     }
+
+    /// Ending the foreign records in several commits, each compacting: a foreign record
+    /// that compaction copies forward before its chunk comes is ended there too (by
+    /// hash), and none survives the open or the next one.
+    #[test]
+    fn foreign_records_copied_forward_by_compaction_are_ended_too() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut store, _, _) = open(dir.path(), 1 << 30);
+        let records = FOREIGN_DELETES_PER_COMMIT as u64;
+        // The oldest segments hold records that stay live (so compaction copies them
+        // forward), then other keys are written over five times (so the log is mostly
+        // dead and every commit of the open compacts).
+        for round in 0..6u64 {
+            let txn = store.begin(round).unwrap();
+            for n in 0..records {
+                let key = if round == 0 { format!("k{n}") } else { format!("c{n}") };
+                txn.put(&scope(&key), &granted(round * records + n + 1, round, 60_000)).unwrap();
+            }
+            txn.commit(Meta { next_token: 6 * records + 1, high_water_ms: round }).unwrap();
+        }
+        drop(store);
+        let map = Arc::new(crate::slots::SlotMap::even(1));
+        let owned = crate::slots::Owned { map, shard: 1, moving: None };
+        let foreign = Tuning { owned: Some(owned), ..tuning(Arc::new(crate::files::OsFiles), 1 << 30) };
+        let (mut store, _, _) = Store::open(dir.path(), &foreign, &Faults::default()).unwrap();
+        assert!(
+            foreign.retired.load(std::sync::atomic::Ordering::Relaxed) > 0,
+            "the open's commits compacted"
+        );
+        assert_eq!((store.take_count().pending, store.index.len()), (0, 0));
+        drop(store);
+        let (mut store, _, _) = open(dir.path(), 1 << 30);
+        assert_eq!((store.take_count().pending, store.index.len()), (0, 0), "ended for good");
+    }
 }
