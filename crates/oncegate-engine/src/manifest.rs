@@ -129,19 +129,14 @@ pub fn check_store_kind(
     data_dir: &Path,
     configured: crate::StoreKind,
 ) -> Result<(), OpenError> {
-    let (found, suffix) = match configured {
-        crate::StoreKind::Log => ("sqlite", ".sqlite"),
-        _ => ("log", ".log"),
+    let other = match configured {
+        crate::StoreKind::Log => crate::StoreKind::Sqlite,
+        _ => crate::StoreKind::Log,
     };
-    let names = match files.list(data_dir) {
-        Ok(names) => names,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(io(data_dir)(e)),
-    };
-    match names.into_iter().find(|name| name.starts_with("shard-") && name.ends_with(suffix)) {
-        Some(example) => Err(OpenError::OtherStore {
+    match shard_names(files, data_dir)?.into_iter().find(|(_, kind)| *kind == other) {
+        Some((example, _)) => Err(OpenError::OtherStore {
             dir: data_dir.to_owned(),
-            found,
+            found: other.name(),
             example,
             configured: configured.name(),
         }),
@@ -152,26 +147,28 @@ pub fn check_store_kind(
 /// Which of the engine's own stores wrote the data directory (`None`: no shard in it
 /// yet, or no directory).
 pub fn stored_kind(files: &dyn Files, data_dir: &Path) -> Result<Option<crate::StoreKind>, OpenError> {
-    let names = match files.list(data_dir) {
-        Ok(names) => names,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(io(data_dir)(e)),
-    };
-    let shards = names.iter().filter(|name| name.starts_with("shard-"));
-    let kinds = shards.filter_map(|name| match name {
-        name if name.ends_with(".log") => Some(crate::StoreKind::Log),
-        name if name.ends_with(".sqlite") => Some(crate::StoreKind::Sqlite),
-        _ => None,
-    });
-    Ok(kinds.into_iter().next())
+    Ok(shard_names(files, data_dir)?.into_iter().next().map(|(_, kind)| kind))
 }
 
 /// How many shards (`shard-*.sqlite` files, `shard-*.log` directories) a data directory holds.
 fn shard_file_count(files: &dyn Files, data_dir: &Path) -> Result<usize, OpenError> {
-    let names = files.list(data_dir).map_err(io(data_dir))?;
-    let shard =
-        |name: &&String| name.starts_with("shard-") && (name.ends_with(".sqlite") || name.ends_with(".log"));
-    Ok(names.iter().filter(shard).count())
+    Ok(shard_names(files, data_dir)?.len())
+}
+
+/// The shards in a data directory (none when it does not exist), each with the store
+/// that wrote it: `shard-*.sqlite` files and `shard-*.log` directories.
+fn shard_names(files: &dyn Files, data_dir: &Path) -> Result<Vec<(String, crate::StoreKind)>, OpenError> {
+    let names = match files.list(data_dir) {
+        Ok(names) => names,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io(data_dir)(e)),
+    };
+    let kind_of = |name: &str| match name.strip_prefix("shard-")? {
+        rest if rest.ends_with(".log") => Some(crate::StoreKind::Log),
+        rest if rest.ends_with(".sqlite") => Some(crate::StoreKind::Sqlite),
+        _ => None,
+    };
+    Ok(names.into_iter().filter_map(|name| kind_of(&name).map(|kind| (name, kind))).collect())
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> OpenError + '_ {
