@@ -33,7 +33,7 @@ pub fn run(args: ReshardArgs) -> anyhow::Result<()> {
     };
     let mut config = EngineConfig { data_dir: args.data_dir, ..file.engine_config() };
     if let Some(kind) = manifest::stored_kind(&OsFiles, &config.data_dir)? {
-        config.store.kind = kind;
+        config.store.kind = Some(kind);
     }
     let bar = ProgressBar::new(0);
     if let Ok(style) = ProgressStyle::with_template("moving slots [{bar:40}] {pos}/{len}") {

@@ -27,7 +27,8 @@ pub struct ServeArgs {
     /// Shards for a new data directory (`engine.shards`).
     #[arg(long, env = "ONCEGATE_SHARDS")]
     shards: Option<u32>,
-    /// Where the records live: `sqlite`, `postgres` or `log` (`store.kind`).
+    /// Where the records live: `log`, `sqlite` or `postgres` (`store.kind`). Unset, the
+    /// data directory's own store, or the log for a new directory.
     #[arg(long, env = "ONCEGATE_STORE", value_parser = clap::value_parser!(StoreKind))]
     store: Option<StoreKind>,
     /// The PostgreSQL connection string (`store.postgres_url`); `sslmode=require` asks
@@ -57,7 +58,7 @@ fn load(args: &ServeArgs) -> anyhow::Result<Config> {
         config.engine.shards = shards;
     }
     if let Some(kind) = args.store {
-        config.store.kind = kind;
+        config.store.kind = Some(kind);
     }
     if let Some(url) = &args.postgres_url {
         config.store.postgres_url = url.clone();
@@ -106,7 +107,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         %metrics,
         data_dir = %config.engine.data_dir.display(),
         shards = engine.stats().len(),
-        store = config.store.kind.name(),
+        store = engine.config().store.kind().name(),
         durability = ?config.engine.durability,
         "listening"
     );

@@ -32,7 +32,7 @@ pub fn serve_child(mode: ChildMode) -> anyhow::Result<()> {
     let mut config = oncegate_server::Config::default();
     config.engine.data_dir = data_dir;
     config.engine.shards = shards;
-    config.store.kind = store;
+    config.store.kind = Some(store);
     if let Some(url) = postgres_url {
         config.store.postgres_url = url;
     }

@@ -22,13 +22,13 @@ pub enum Durability {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum StoreKind {
-    /// One SQLite file per shard in the data directory (the default).
-    #[default]
+    /// One SQLite file per shard in the data directory.
     Sqlite,
     /// One table in a PostgreSQL database, shared by every node pointed at it.
     Postgres,
     /// One log of fixed-size segment files per shard in the data directory (a store of
-    /// oncegate's own; slot moves are not supported on it yet).
+    /// oncegate's own): what a new data directory gets when no kind is configured.
+    #[default]
     Log,
 }
 
@@ -72,8 +72,9 @@ pub enum PgClock {
 #[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct StoreConfig {
-    /// `sqlite` (the default) or `postgres`.
-    pub kind: StoreKind,
+    /// `log`, `sqlite` or `postgres`. Unset, an existing data directory keeps the store
+    /// that wrote it and a new one gets the log ([`StoreConfig::kind`]).
+    pub kind: Option<StoreKind>,
     /// The PostgreSQL connection string (URL or `key=value` form); `sslmode=require`
     /// asks for TLS. Never logged with its password.
     pub postgres_url: String,
@@ -99,7 +100,7 @@ pub struct StoreConfig {
 impl Default for StoreConfig {
     fn default() -> Self {
         StoreConfig {
-            kind: StoreKind::Sqlite,
+            kind: None,
             postgres_url: String::new(),
             postgres_pool_size: 16,
             postgres_tls_ca_path: None,
@@ -297,7 +298,7 @@ impl EngineConfig {
         if let Err(store) = self.store.check(self.shards) {
             problems.extend_under("store", store);
         }
-        if self.store.kind == StoreKind::Log {
+        if self.store.kind() == StoreKind::Log {
             self.check_log(&mut problems);
         }
         problems.into_result()
@@ -343,11 +344,18 @@ impl EngineConfig {
 }
 
 impl StoreConfig {
+    /// The store in force: the configured kind, else the one a new data directory gets.
+    /// `Engine::open` first sets an unset kind to the store that wrote the directory
+    /// (`manifest::settle_store_kind`), so that an existing directory keeps its store.
+    pub fn kind(&self) -> StoreKind {
+        self.kind.unwrap_or_default()
+    }
+
     /// Checks the store's settings for an engine of `shards` shards; problems name the
     /// fields relative to the section (`postgres_url`).
     pub fn check(&self, shards: u32) -> Result<(), Vec<Problem>> {
         let mut problems = Problems::default();
-        if self.kind != StoreKind::Postgres {
+        if self.kind() != StoreKind::Postgres {
             return problems.into_result();
         }
         if self.postgres_url.is_empty() {

@@ -336,9 +336,9 @@ impl Engine {
     ) -> Result<Engine, OpenError> {
         config.check().map_err(OpenError::Config)?;
         let lock = manifest::lock(&*files, &config.data_dir)?;
-        let (map, shards, routing, postgres) = match config.store.kind {
+        let mut config = config;
+        let (map, shards, routing, postgres) = match manifest::settle_store_kind(&*files, &mut config)? {
             StoreKind::Sqlite | StoreKind::Log => {
-                manifest::check_store_kind(&*files, &config.data_dir, config.store.kind)?;
                 let (map, shards, routing) =
                     manifest::open_or_create(&*files, &config.data_dir, config.shards)?;
                 (map, shards, routing, None)

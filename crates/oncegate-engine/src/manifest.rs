@@ -124,7 +124,7 @@ pub fn node_name(files: &dyn Files, data_dir: &Path) -> Result<String, OpenError
 
 /// Refuses a data directory whose shards another store kind wrote (`shard-*.sqlite`
 /// files under the log store, `shard-*.log` directories under SQLite).
-pub fn check_store_kind(
+fn check_store_kind(
     files: &dyn Files,
     data_dir: &Path,
     configured: crate::StoreKind,
@@ -142,6 +142,26 @@ pub fn check_store_kind(
         }),
         None => Ok(()),
     }
+}
+
+/// Settles `config`'s store kind for its data directory and returns it: the configured
+/// kind (refused when the directory holds the other own store's shards), else the store
+/// that wrote the directory, else the log for a new one. Called with the directory's
+/// lock held, so that no other process creates shards between the look and the open.
+pub fn settle_store_kind(
+    files: &dyn Files,
+    config: &mut crate::EngineConfig,
+) -> Result<crate::StoreKind, OpenError> {
+    let kind = match config.store.kind {
+        Some(crate::StoreKind::Postgres) => crate::StoreKind::Postgres,
+        Some(kind) => {
+            check_store_kind(files, &config.data_dir, kind)?;
+            kind
+        }
+        None => stored_kind(files, &config.data_dir)?.unwrap_or_default(),
+    };
+    config.store.kind = Some(kind);
+    Ok(kind)
 }
 
 /// Which of the engine's own stores wrote the data directory (`None`: no shard in it

@@ -93,11 +93,12 @@ pub fn add_shards_on(
     })?;
     // Under the other store's settings the copies would go to files of the wrong kind,
     // and the map would send slots to shards that hold none of their records.
-    manifest::check_store_kind(&*files, dir, config.store.kind)?;
-    if config.store.kind == crate::StoreKind::Log {
+    let mut config = config.clone();
+    if manifest::settle_store_kind(&*files, &mut config)? == crate::StoreKind::Log {
         drop(lock);
-        return add_shards_by_engine(config, to, files, clock, faults, progress);
+        return add_shards_by_engine(&config, to, files, clock, faults, progress);
     }
+    let config = &config;
     let before = manifest.shards;
     if to < before || to > crate::config::SHARDS_MAX {
         return Err(OpenError::Config(vec![oncegate_core::Problem::new(

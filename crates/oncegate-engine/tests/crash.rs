@@ -41,7 +41,7 @@ const COMMITS_BEFORE_KILL_SPREAD: usize = 500;
 fn config(dir: &Path, kind: StoreKind) -> EngineConfig {
     EngineConfig {
         data_dir: dir.to_owned(),
-        store: StoreConfig { kind, log_segment_bytes: 1 << 20, ..StoreConfig::default() },
+        store: StoreConfig { kind: Some(kind), log_segment_bytes: 1 << 20, ..StoreConfig::default() },
         shards: 2,
         slot_moves_per_second_max: 0,
         ..EngineConfig::default()

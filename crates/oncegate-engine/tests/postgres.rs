@@ -35,7 +35,7 @@ fn node_with(
     let config = EngineConfig {
         data_dir: dir.to_owned(),
         store: StoreConfig {
-            kind: StoreKind::Postgres,
+            kind: Some(StoreKind::Postgres),
             postgres_url: url.to_owned(),
             postgres_clock: clock,
             ..StoreConfig::default()
@@ -320,7 +320,11 @@ fn a_database_clock_running_ahead_of_the_node_is_held_to_the_node_pace() {
     let config = EngineConfig {
         data_dir: dir.path().to_owned(),
         shards: 1,
-        store: StoreConfig { kind: StoreKind::Postgres, postgres_url: url.clone(), ..StoreConfig::default() },
+        store: StoreConfig {
+            kind: Some(StoreKind::Postgres),
+            postgres_url: url.clone(),
+            ..StoreConfig::default()
+        },
         ..EngineConfig::default()
     };
     let engine = Engine::open_with(config, Arc::new(time.clone()), Faults::default()).unwrap();
@@ -378,7 +382,7 @@ fn the_database_is_reached_over_tls_when_the_url_asks() {
             data_dir: dir.path().to_owned(),
             shards: 1,
             store: StoreConfig {
-                kind: StoreKind::Postgres,
+                kind: Some(StoreKind::Postgres),
                 postgres_url: url.clone(),
                 postgres_tls_ca_path: ca.map(std::path::Path::to_path_buf),
                 ..StoreConfig::default()

@@ -174,7 +174,7 @@ fn a_moved_key_without_a_row_is_granted_above_its_last_token() {
     assert!(next > last, "{name}: token {next} after {last}");
 }
 
-/// An offline reshard told the wrong store (the SQLite default, on a log directory) is
+/// An offline reshard told the wrong store (SQLite, on a log directory) is
 /// refused before it touches anything: it would make SQLite files for the new shards and
 /// flip the map to them, and the log shards' next open would delete the moved slots'
 /// records as another shard's.
@@ -183,13 +183,17 @@ fn a_reshard_under_the_other_store_is_refused_before_anything_changes() {
     use oncegate_engine::{StoreConfig, StoreKind};
     let dir = tempfile::tempdir().unwrap();
     let clock = ManualClock::new(T0);
-    let store = StoreConfig { kind: StoreKind::Log, log_segment_bytes: 1 << 20, ..StoreConfig::default() };
+    let store =
+        StoreConfig { kind: Some(StoreKind::Log), log_segment_bytes: 1 << 20, ..StoreConfig::default() };
     let log = EngineConfig { store, shards: 2, ..config(dir.path()) };
     let engine = open(log.clone(), &clock, &Faults::default());
     let written = fill_keys(&engine, 30);
     engine.shutdown();
     drop(engine);
-    let sqlite = EngineConfig { store: StoreConfig::default(), ..log.clone() };
+    let sqlite = EngineConfig {
+        store: StoreConfig { kind: Some(StoreKind::Sqlite), ..StoreConfig::default() },
+        ..log.clone()
+    };
     let refused = add_shards(&sqlite, 4, &mut |_, _| {}).expect_err("refused");
     assert!(matches!(refused, OpenError::OtherStore { .. }), "{refused:?}");
     let engine = open(log, &clock, &Faults::default());

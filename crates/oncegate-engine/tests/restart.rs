@@ -114,7 +114,8 @@ fn a_data_directory_of_the_other_store_is_refused() {
     let t = tenant();
     for (wrote, configured) in [(StoreKind::Sqlite, StoreKind::Log), (StoreKind::Log, StoreKind::Sqlite)] {
         let dir = tempfile::tempdir().unwrap();
-        let store = |kind| StoreConfig { kind, log_segment_bytes: 1 << 20, ..StoreConfig::default() };
+        let store =
+            |kind| StoreConfig { kind: Some(kind), log_segment_bytes: 1 << 20, ..StoreConfig::default() };
         let engine = open(EngineConfig { store: store(wrote), ..config(dir.path()) }, &clock, &faults);
         granted(&engine.reserve_blocking(&t, reserve("k")).unwrap().reply);
         drop(engine);
@@ -124,5 +125,28 @@ fn a_data_directory_of_the_other_store_is_refused() {
             faults.clone(),
         );
         assert!(matches!(opened, Err(OpenError::OtherStore { .. })), "{wrote:?} opened as {configured:?}");
+    }
+}
+
+/// With no store kind configured, a data directory keeps the store that wrote it (so its
+/// records are found again and no key is granted twice), and a new one gets the log.
+#[test]
+fn an_unset_store_kind_keeps_the_directory_s_own_store() {
+    use oncegate_engine::{StoreConfig, StoreKind};
+    let clock = ManualClock::new(T0);
+    let faults = Faults::default();
+    let t = tenant();
+    for wrote in [Some(StoreKind::Sqlite), Some(StoreKind::Log), None] {
+        let dir = tempfile::tempdir().unwrap();
+        let store = |kind| StoreConfig { kind, log_segment_bytes: 1 << 20, ..StoreConfig::default() };
+        let engine = open(EngineConfig { store: store(wrote), ..config(dir.path()) }, &clock, &faults);
+        let token = granted(&engine.reserve_blocking(&t, reserve("k")).unwrap().reply);
+        let settled = engine.config().store.kind;
+        assert_eq!(settled, Some(wrote.unwrap_or(StoreKind::Log)), "a new directory under {wrote:?}");
+        drop(engine);
+        let engine = open(EngineConfig { store: store(None), ..config(dir.path()) }, &clock, &faults);
+        assert_eq!(engine.config().store.kind, settled, "reopened with no kind configured");
+        let view = engine.get_blocking(&t, key("k", 0)).unwrap();
+        assert_eq!((view.state, view.token), (State::Pending, token), "written under {wrote:?}");
     }
 }

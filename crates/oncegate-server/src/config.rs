@@ -326,6 +326,8 @@ impl Config {
         sample.server.tls_cert_path = Some(PathBuf::new());
         sample.server.tls_key_path = Some(PathBuf::new());
         sample.server.tls_client_ca_path = Some(PathBuf::new());
+        sample.store.kind = Some(oncegate_engine::StoreKind::default());
+        sample.store.postgres_tls_ca_path = Some(PathBuf::new());
         let known = toml::Table::try_from(sample).expect("the defaults serialise");
         let mut checked = table.clone();
         // `oncegate proxy` checks its own section.

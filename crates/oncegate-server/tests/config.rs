@@ -55,6 +55,20 @@ fn unknown_keys_are_all_reported_at_once() {
     );
 }
 
+/// Keys whose default is unset are known keys all the same.
+#[test]
+fn optional_keys_load() {
+    let text = "
+        [store]
+        kind = \"sqlite\"
+        postgres_tls_ca_path = \"/etc/oncegate/ca.crt\"
+    ";
+    let config = Config::from_toml(text, "test").unwrap();
+    assert_eq!(config.store.kind, Some(oncegate_engine::StoreKind::Sqlite));
+    assert_eq!(config.store.postgres_tls_ca_path, Some("/etc/oncegate/ca.crt".into()));
+    assert_eq!(Config::default().store.kind, None, "unset: the directory's own store, or the log");
+}
+
 #[test]
 fn semantic_problems_are_all_reported_at_once() {
     let text = "

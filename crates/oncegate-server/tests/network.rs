@@ -267,26 +267,45 @@ fn mode(path: &Path) -> u32 {
     std::fs::metadata(path).unwrap().permissions().mode() & 0o777
 }
 
+/// The names under `dir`, each checked owner-only on the way: directories 0700, files
+/// 0600.
+fn owner_only_names(dir: &Path) -> Vec<String> {
+    let mut names = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if path.is_dir() {
+            assert_eq!(mode(&path), 0o700, "{}", path.display());
+            names.extend(owner_only_names(&path).into_iter().map(|inner| format!("{name}/{inner}")));
+        } else {
+            assert_eq!(mode(&path), 0o600, "{}", path.display());
+        }
+        names.push(name);
+    }
+    names
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_data_directory_and_every_file_in_it_are_owner_only() {
-    let parent = tempfile::tempdir().unwrap();
-    let data = parent.path().join("created-by-oncegate").join("data");
-    let server = start_in(config_in(&data), None).await;
-    let mut client = server.client().await;
-    granted(&client.reserve(reserve("mode")).await.unwrap().into_inner());
-    assert_eq!(mode(&data), 0o700, "{}", data.display());
-    assert_eq!(mode(data.parent().unwrap()), 0o700, "a parent oncegate created");
-    let mut files = Vec::new();
-    for entry in std::fs::read_dir(&data).unwrap() {
-        let path = entry.unwrap().path();
-        assert_eq!(mode(&path), 0o600, "{}", path.display());
-        files.push(path.file_name().unwrap().to_string_lossy().into_owned());
+    use oncegate_engine::StoreKind;
+    let sqlite_files =
+        ["shard-0000.sqlite", "shard-0000.sqlite-wal", "shard-0000.sqlite-shm", "shard-0000.epoch"];
+    let log_files = ["shard-0000.log", "shard-0000.log/00000001.seg", "shard-0000.epoch"];
+    for (kind, expected) in [(None, &log_files[..]), (Some(StoreKind::Sqlite), &sqlite_files[..])] {
+        let parent = tempfile::tempdir().unwrap();
+        let data = parent.path().join("created-by-oncegate").join("data");
+        let mut config = config_in(&data);
+        config.store.kind = kind;
+        let server = start_in(config, None).await;
+        let mut client = server.client().await;
+        granted(&client.reserve(reserve("mode")).await.unwrap().into_inner());
+        assert_eq!(mode(&data), 0o700, "{}", data.display());
+        assert_eq!(mode(data.parent().unwrap()), 0o700, "a parent oncegate created");
+        let names = owner_only_names(&data);
+        for name in expected {
+            assert!(names.iter().any(|f| f == name), "{name} in {names:?} ({kind:?})");
+        }
+        drop(client);
+        server.stop().await;
     }
-    for expected in
-        ["shard-0000.sqlite", "shard-0000.sqlite-wal", "shard-0000.sqlite-shm", "shard-0000.epoch"]
-    {
-        assert!(files.iter().any(|f| f == expected), "{expected} in {files:?}");
-    }
-    drop(client);
-    server.stop().await;
 }

@@ -432,7 +432,7 @@ impl Run<'_> {
             durability: self.plan.durability,
             batch_len_max: [1, 4, 64, 256][self.rng.random_range(0..4)],
             store: StoreConfig {
-                kind: self.plan.store,
+                kind: Some(self.plan.store),
                 log_segment_bytes: 320 << 10,
                 ..StoreConfig::default()
             },

@@ -23,7 +23,7 @@ type Written = HashMap<String, (u64, bool)>;
 
 fn config(kind: StoreKind, shards: u32) -> EngineConfig {
     // Small segments on the log: four shards' spares are zero-filled in memory.
-    let store = StoreConfig { kind, log_segment_bytes: 320 << 10, ..StoreConfig::default() };
+    let store = StoreConfig { kind: Some(kind), log_segment_bytes: 320 << 10, ..StoreConfig::default() };
     EngineConfig { data_dir: PathBuf::from("/data"), shards, store, ..EngineConfig::default() }
 }
 

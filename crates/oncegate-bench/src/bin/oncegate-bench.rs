@@ -108,7 +108,7 @@ impl Cli {
     /// The store of the oncegate the tool runs (and preloads).
     fn store_config(&self) -> oncegate_engine::StoreConfig {
         oncegate_engine::StoreConfig {
-            kind: self.store,
+            kind: Some(self.store),
             postgres_url: self.postgres.clone(),
             ..Default::default()
         }

@@ -186,7 +186,7 @@ impl Shard {
         } = parts;
         Shard {
             id,
-            path: match config.store.kind {
+            path: match config.store.kind() {
                 crate::StoreKind::Log => manifest::shard_log_dir(&config.data_dir, id),
                 _ => manifest::shard_file(&config.data_dir, id),
             },

@@ -99,7 +99,7 @@ impl Shard {
         // Only the first open of the process checks the file and re-anchors the clock;
         // an in-process reopen keeps the frame, so a wall-clock step cannot age records.
         let process_start = !self.opened;
-        let (mut store, meta, created) = match self.config.store.kind {
+        let (mut store, meta, created) = match self.config.store.kind() {
             StoreKind::Log => {
                 let tuning = log::Tuning {
                     retired: Arc::clone(&self.shared.checkpoints),

@@ -48,13 +48,13 @@ pub fn with_backend(backend: Backend, test: impl FnOnce()) {
 /// its own on the shared cluster, deciding by the engine's (manual) clock.
 pub fn store_for(dir: &Path) -> StoreConfig {
     match BACKEND.with(Cell::get) {
-        Backend::Sqlite => StoreConfig::default(),
+        Backend::Sqlite => StoreConfig { kind: Some(StoreKind::Sqlite), ..StoreConfig::default() },
         // Small segments, so that the tests' traffic crosses from one to the next.
         Backend::Log => {
-            StoreConfig { kind: StoreKind::Log, log_segment_bytes: 1 << 20, ..StoreConfig::default() }
+            StoreConfig { kind: Some(StoreKind::Log), log_segment_bytes: 1 << 20, ..StoreConfig::default() }
         }
         Backend::Postgres => StoreConfig {
-            kind: StoreKind::Postgres,
+            kind: Some(StoreKind::Postgres),
             postgres_url: pg::database_for(dir).expect("the cluster was started by with_backend"),
             postgres_clock: PgClock::Engine,
             ..StoreConfig::default()
