@@ -42,8 +42,11 @@ fn main() -> anyhow::Result<()> {
     println!("| writers | fdatasync/s | per writer | against the first row |");
     println!("| --- | --- | --- | --- |");
     let mut first = None;
-    for &writers in &cli.writers {
-        let total = run(scratch.path(), writers, &cli)?;
+    for (i, &writers) in cli.writers.iter().enumerate() {
+        let run_dir = scratch.path().join(format!("run-{i}"));
+        std::fs::create_dir(&run_dir)?;
+        let total = run(&run_dir, writers, &cli)?;
+        std::fs::remove_dir_all(&run_dir)?;
         let base = *first.get_or_insert(total);
         println!("| {writers} | {total:.0} | {:.0} | {:.2}x |", total / writers.max(1) as f64, total / base);
     }
