@@ -7,7 +7,10 @@
 use std::sync::Arc;
 
 use oncegate_core::{Outcome, ReserveReply, Tenant};
-use oncegate_engine::{CommitRequest, Engine, EngineConfig, Faults, KeyRequest, ManualClock, ReserveRequest};
+use oncegate_engine::{
+    CommitRequest, Engine, EngineConfig, Faults, KeyRequest, ManualClock, ReserveRequest, StoreConfig,
+    StoreKind,
+};
 
 /// The fixture's clock: the reading test uses the same one, so nothing has expired.
 const T0: u64 = 1_700_000_000_000;
@@ -19,7 +22,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if dir.exists() {
         return Err(format!("{} exists; a fixture is written once", dir.display()).into());
     }
-    let config = EngineConfig { data_dir: dir.clone(), shards: 2, ..EngineConfig::default() };
+    // The fixtures are SQLite files of each schema version (the log has its own tests).
+    let store = StoreConfig { kind: Some(StoreKind::Sqlite), ..StoreConfig::default() };
+    let config = EngineConfig { data_dir: dir.clone(), shards: 2, store, ..EngineConfig::default() };
     let engine = Engine::open_with(config, Arc::new(ManualClock::new(T0)), Faults::default())?;
     let tenant = Tenant::new("acme")?;
     let reserve = |key: &str| ReserveRequest {

@@ -298,7 +298,9 @@ impl EngineConfig {
         if let Err(store) = self.store.check(self.shards) {
             problems.extend_under("store", store);
         }
-        if self.store.kind() == StoreKind::Log {
+        // An unset kind is checked once `Engine::open` has settled it: an existing SQLite
+        // directory must not be refused for the log's sizes.
+        if self.store.kind == Some(StoreKind::Log) {
             self.check_log(&mut problems);
         }
         problems.into_result()

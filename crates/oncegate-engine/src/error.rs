@@ -167,7 +167,7 @@ pub enum OpenError {
     /// The data directory holds another store's shards than the one configured: opened
     /// as configured, its records would be invisible and their keys granted again.
     #[error(
-        "{dir} holds {found} shards ({example}) but store.kind is \"{configured}\"; set store.kind to the store that wrote them"
+        "{dir} holds records of the {found} store ({example}) but store.kind is {configured}; set store.kind to the store that wrote them"
     )]
     OtherStore {
         /// The data directory.
@@ -176,8 +176,8 @@ pub enum OpenError {
         found: &'static str,
         /// One of them.
         example: String,
-        /// The configured kind's name.
-        configured: &'static str,
+        /// The configured kind's name in quotes, or `unset` and what it settled on.
+        configured: String,
     },
     /// The slot map cannot be read or is damaged.
     #[error(transparent)]

@@ -30,6 +30,9 @@ use crate::shard::{Control, Mail, MoveOut, Parked};
 use crate::slots::{self, SlotMap, SlotMove};
 use crate::{Engine, Error, OpenError, ShardHandle, manifest};
 
+/// Why shards are never added to a PostgreSQL store, online or offline.
+pub(crate) const NO_SLOTS_ON_POSTGRES: &str = "shards on PostgreSQL share one table, so there is nothing to move: restart the node with more --shards (or add nodes)";
+
 impl Engine {
     /// Adds shards while the engine serves, until it has `to` (at most `SHARDS_MAX`),
     /// and spreads the slots evenly, moving one slot at a time from the shards over
@@ -39,10 +42,7 @@ impl Engine {
     pub fn add_shards(&self, to: u32, progress: Progress<'_>) -> Result<Resharded, OpenError> {
         let inner = &self.inner;
         if inner.postgres.is_some() {
-            return Err(OpenError::Unsupported {
-                what: "shards on PostgreSQL share one table, so there is nothing to move: restart the node with \
-                       more --shards (or add nodes)",
-            });
+            return Err(OpenError::Unsupported { what: NO_SLOTS_ON_POSTGRES });
         }
         // A poisoned lock only says an earlier add panicked; the table says where it was.
         let _one_at_a_time = match inner.growing.try_lock() {

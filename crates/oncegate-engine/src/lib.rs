@@ -337,7 +337,10 @@ impl Engine {
         config.check().map_err(OpenError::Config)?;
         let lock = manifest::lock(&*files, &config.data_dir)?;
         let mut config = config;
-        let (map, shards, routing, postgres) = match manifest::settle_store_kind(&*files, &mut config)? {
+        let kind = manifest::settle_store_kind(&*files, &mut config)?;
+        // Settled, the kind's own rules apply (the log's sizes, for a kind left unset).
+        config.check().map_err(OpenError::Config)?;
+        let (map, shards, routing, postgres) = match kind {
             StoreKind::Sqlite | StoreKind::Log => {
                 let (map, shards, routing) =
                     manifest::open_or_create(&*files, &config.data_dir, config.shards)?;

@@ -122,44 +122,54 @@ pub fn node_name(files: &dyn Files, data_dir: &Path) -> Result<String, OpenError
     Ok(name)
 }
 
-/// Refuses a data directory whose shards another store kind wrote (`shard-*.sqlite`
-/// files under the log store, `shard-*.log` directories under SQLite).
-fn check_store_kind(
-    files: &dyn Files,
-    data_dir: &Path,
-    configured: crate::StoreKind,
-) -> Result<(), OpenError> {
-    let other = match configured {
-        crate::StoreKind::Log => crate::StoreKind::Sqlite,
-        _ => crate::StoreKind::Log,
-    };
-    match shard_names(files, data_dir)?.into_iter().find(|(_, kind)| *kind == other) {
-        Some((example, _)) => Err(OpenError::OtherStore {
-            dir: data_dir.to_owned(),
-            found: other.name(),
-            example,
-            configured: configured.name(),
-        }),
-        None => Ok(()),
-    }
-}
-
 /// Settles `config`'s store kind for its data directory and returns it: the configured
-/// kind (refused when the directory holds the other own store's shards), else the store
-/// that wrote the directory, else the log for a new one. Called with the directory's
-/// lock held, so that no other process creates shards between the look and the open.
+/// kind, else the store that wrote the directory, else the log for a new one. Refused,
+/// before anything is created: a directory whose records another store holds (the other
+/// own store's shards, or a PostgreSQL node's name beside its own shards or under an
+/// own store), and one holding shards of both own stores, whichever is configured:
+/// opened under the wrong store, its records would be invisible and their keys granted
+/// again. Called with the directory's lock held, so that no other process creates
+/// shards between the look and the open.
 pub fn settle_store_kind(
     files: &dyn Files,
     config: &mut crate::EngineConfig,
 ) -> Result<crate::StoreKind, OpenError> {
-    let kind = match config.store.kind {
-        Some(crate::StoreKind::Postgres) => crate::StoreKind::Postgres,
-        Some(kind) => {
-            check_store_kind(files, &config.data_dir, kind)?;
-            kind
-        }
-        None => stored_kind(files, &config.data_dir)?.unwrap_or_default(),
+    use crate::StoreKind::{Log, Postgres, Sqlite};
+    let dir = &config.data_dir;
+    let shards = shard_names(files, dir)?;
+    let node = match files.read(&dir.join(NODE_FILE)) {
+        Ok(_) => true,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+        Err(e) => return Err(io(dir)(e)),
     };
+    let refuse = |found: crate::StoreKind, example: &str, configured: String| OpenError::OtherStore {
+        dir: dir.clone(),
+        found: found.name(),
+        example: example.to_owned(),
+        configured,
+    };
+    let named = |kind: crate::StoreKind| format!("\"{}\"", kind.name());
+    let kind = match config.store.kind {
+        Some(Postgres) => match shards.first() {
+            Some((example, kind)) => return Err(refuse(*kind, example, named(Postgres))),
+            None => Postgres,
+        },
+        Some(own) if node => return Err(refuse(Postgres, NODE_FILE, named(own))),
+        None if node => return Err(refuse(Postgres, NODE_FILE, "unset (a new directory's log)".to_owned())),
+        Some(own) => own,
+        None => shards.first().map_or(Log, |(_, kind)| *kind),
+    };
+    let other = match kind {
+        Log => Sqlite,
+        _ => Log,
+    };
+    if let Some((example, _)) = shards.iter().find(|(_, k)| kind != Postgres && *k == other) {
+        let configured = match config.store.kind {
+            Some(kind) => named(kind),
+            None => format!("unset (so {}, as {} is)", named(kind), shards[0].0),
+        };
+        return Err(refuse(other, example, configured));
+    }
     config.store.kind = Some(kind);
     Ok(kind)
 }

@@ -94,9 +94,15 @@ pub fn add_shards_on(
     // Under the other store's settings the copies would go to files of the wrong kind,
     // and the map would send slots to shards that hold none of their records.
     let mut config = config.clone();
-    if manifest::settle_store_kind(&*files, &mut config)? == crate::StoreKind::Log {
-        drop(lock);
-        return add_shards_by_engine(&config, to, files, clock, faults, progress);
+    match manifest::settle_store_kind(&*files, &mut config)? {
+        crate::StoreKind::Log => {
+            drop(lock);
+            return add_shards_by_engine(&config, to, files, clock, faults, progress);
+        }
+        crate::StoreKind::Postgres => {
+            return Err(OpenError::Unsupported { what: crate::grow::NO_SLOTS_ON_POSTGRES });
+        }
+        crate::StoreKind::Sqlite => {}
     }
     let config = &config;
     let before = manifest.shards;

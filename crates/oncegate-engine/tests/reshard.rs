@@ -174,7 +174,7 @@ fn a_moved_key_without_a_row_is_granted_above_its_last_token() {
     assert!(next > last, "{name}: token {next} after {last}");
 }
 
-/// An offline reshard told the wrong store (SQLite, on a log directory) is
+/// An offline reshard told the wrong store (SQLite or PostgreSQL, on a log directory) is
 /// refused before it touches anything: it would make SQLite files for the new shards and
 /// flip the map to them, and the log shards' next open would delete the moved slots'
 /// records as another shard's.
@@ -190,12 +190,16 @@ fn a_reshard_under_the_other_store_is_refused_before_anything_changes() {
     let written = fill_keys(&engine, 30);
     engine.shutdown();
     drop(engine);
-    let sqlite = EngineConfig {
-        store: StoreConfig { kind: Some(StoreKind::Sqlite), ..StoreConfig::default() },
-        ..log.clone()
-    };
-    let refused = add_shards(&sqlite, 4, &mut |_, _| {}).expect_err("refused");
-    assert!(matches!(refused, OpenError::OtherStore { .. }), "{refused:?}");
+    for other in [StoreKind::Sqlite, StoreKind::Postgres] {
+        let store = StoreConfig {
+            kind: Some(other),
+            postgres_url: "postgres://db/x".into(),
+            ..StoreConfig::default()
+        };
+        let refused =
+            add_shards(&EngineConfig { store, ..log.clone() }, 4, &mut |_, _| {}).expect_err("refused");
+        assert!(matches!(refused, OpenError::OtherStore { found: "log", .. }), "{other:?}: {refused:?}");
+    }
     let engine = open(log, &clock, &Faults::default());
     assert_eq!(engine.stats().len(), 2, "no shard was added");
     check(&engine, &written);

@@ -150,3 +150,82 @@ fn an_unset_store_kind_keeps_the_directory_s_own_store() {
         assert_eq!((view.state, view.token), (State::Pending, token), "written under {wrote:?}");
     }
 }
+
+/// A PostgreSQL node's data directory (its records are in the database; the directory
+/// holds the node's name) is refused under the engine's own stores, configured or by an
+/// unset kind: opened as a new log, every key in the table would be granted again.
+#[test]
+fn a_postgresql_node_s_directory_is_refused_under_an_own_store() {
+    use oncegate_engine::{OpenError, StoreConfig, StoreKind};
+    let clock = ManualClock::new(T0);
+    for kind in [None, Some(StoreKind::Log), Some(StoreKind::Sqlite)] {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join(oncegate_engine::manifest::NODE_FILE), "node-1\n").unwrap();
+        let store = StoreConfig { kind, ..StoreConfig::default() };
+        let opened = oncegate_engine::Engine::open_with(
+            EngineConfig { store, ..config(dir.path()) },
+            std::sync::Arc::new(clock.clone()),
+            Faults::default(),
+        );
+        assert!(matches!(opened, Err(OpenError::OtherStore { found: "postgres", .. })), "{kind:?}");
+        let mut names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["oncegate.lock", "oncegate.node"], "nothing created under {kind:?}");
+    }
+}
+
+/// A directory holding shards of both own stores is refused whatever the kind: an unset
+/// kind would pick one by the order of the directory's names and hide the other's records.
+#[test]
+fn a_directory_with_shards_of_both_stores_is_refused() {
+    use oncegate_engine::{OpenError, StoreConfig, StoreKind};
+    let clock = ManualClock::new(T0);
+    let dir = tempfile::tempdir().unwrap();
+    let log =
+        StoreConfig { kind: Some(StoreKind::Log), log_segment_bytes: 1 << 20, ..StoreConfig::default() };
+    drop(open(EngineConfig { store: log, ..config(dir.path()) }, &clock, &Faults::default()));
+    std::fs::write(dir.path().join("shard-0009.sqlite"), b"").unwrap();
+    for kind in [None, Some(StoreKind::Log), Some(StoreKind::Sqlite)] {
+        let store = StoreConfig { kind, log_segment_bytes: 1 << 20, ..StoreConfig::default() };
+        let opened = oncegate_engine::Engine::open_with(
+            EngineConfig { store, ..config(dir.path()) },
+            std::sync::Arc::new(clock.clone()),
+            Faults::default(),
+        );
+        assert!(matches!(opened, Err(OpenError::OtherStore { .. })), "{kind:?}");
+    }
+}
+
+/// The log's size rules apply to a kind left unset only once it settles on the log: an
+/// existing SQLite directory whose file limit is below two log segments still opens, and
+/// a new directory with the same settings is refused naming the field.
+#[test]
+fn an_unset_kind_is_checked_by_the_store_it_settles_on() {
+    use oncegate_engine::{OpenError, StoreConfig, StoreKind};
+    let clock = ManualClock::new(T0);
+    let small = |dir: &std::path::Path, kind| EngineConfig {
+        store: StoreConfig { kind, ..StoreConfig::default() },
+        shard_file_bytes_max: 64 << 20,
+        ..config(dir)
+    };
+    let dir = tempfile::tempdir().unwrap();
+    drop(open(small(dir.path(), Some(StoreKind::Sqlite)), &clock, &Faults::default()));
+    let engine = open(small(dir.path(), None), &clock, &Faults::default());
+    assert_eq!(engine.config().store.kind, Some(StoreKind::Sqlite));
+    drop(engine);
+    let new = tempfile::tempdir().unwrap();
+    let opened = oncegate_engine::Engine::open_with(
+        small(new.path(), None),
+        std::sync::Arc::new(clock),
+        Faults::default(),
+    );
+    match opened {
+        Err(OpenError::Config(problems)) => {
+            assert!(problems.iter().any(|p| p.to_string().contains("shard_file_bytes_max")), "{problems:?}")
+        }
+        other => panic!("a new log with room for one segment opened: {:?}", other.err()),
+    }
+}

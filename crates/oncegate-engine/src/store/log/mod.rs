@@ -642,6 +642,23 @@ mod tests {
         assert_eq!(store.segments[&store.chain.head].size().unwrap(), SEGMENT_BYTES);
     }
 
+    /// A first fill cut short (a crash or a power cut between its chunks) leaves a short
+    /// first segment and nothing committed: the next open fills it again to its full size.
+    #[test]
+    fn a_first_fill_cut_short_is_done_again_at_the_next_open() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join(segment_name(1)), vec![0; SEGMENT_BYTES as usize / 3]).unwrap();
+        let (mut store, _, created) = open(dir.path(), 1 << 30);
+        assert!(created, "nothing was committed in the short segment");
+        assert_eq!((store.chain.head, store.segments[&1].size().unwrap()), (1, SEGMENT_BYTES));
+        let txn = store.begin(0).unwrap();
+        txn.put(&scope("k"), &granted(1, 0, 60_000)).unwrap();
+        txn.commit(Meta { next_token: 2, high_water_ms: 0 }).unwrap();
+        drop(store);
+        let (_, meta, created) = open(dir.path(), 1 << 30);
+        assert_eq!((created, meta.next_token), (false, 2));
+    }
+
     /// Records written over many segments, some replaced and some deleted, read back the
     /// same after a reopen, with the counters and the counts of the last transaction.
     #[test]
