@@ -647,7 +647,9 @@ mod tests {
     #[test]
     fn a_first_fill_cut_short_is_done_again_at_the_next_open() {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join(segment_name(1)), vec![0; SEGMENT_BYTES as usize / 3]).unwrap();
+        crate::files::OsFiles
+            .write_new(&dir.path().join(segment_name(1)), &vec![0; SEGMENT_BYTES as usize / 3])
+            .unwrap();
         let (mut store, _, created) = open(dir.path(), 1 << 30);
         assert!(created, "nothing was committed in the short segment");
         assert_eq!((store.chain.head, store.segments[&1].size().unwrap()), (1, SEGMENT_BYTES));
