@@ -164,8 +164,9 @@ pub enum OpenError {
         /// What, and what to do instead.
         what: &'static str,
     },
-    /// The data directory holds another store's shards than the one configured: opened
-    /// as configured, its records would be invisible and their keys granted again.
+    /// The data directory holds records of another store than the one configured (or,
+    /// unset, than the one its shards name): opened so, its records would be invisible
+    /// and their keys granted again.
     #[error(
         "{dir} holds records of the {found} store ({example}) but store.kind is {configured}; set store.kind to the store that wrote them"
     )]
@@ -176,8 +177,21 @@ pub enum OpenError {
         found: &'static str,
         /// One of them.
         example: String,
-        /// The configured kind's name in quotes, or `unset` and what it settled on.
+        /// The configured kind's name in quotes, or `unset`.
         configured: String,
+    },
+    /// The data directory holds shards of both of the engine's own stores: no kind opens
+    /// it without hiding one's records.
+    #[error(
+        "{dir} holds shards of both the log store ({log}) and the sqlite store ({sqlite}); no store.kind opens it without hiding one's records: move the shards that do not belong out of it"
+    )]
+    BothStores {
+        /// The data directory.
+        dir: std::path::PathBuf,
+        /// One of its log shards.
+        log: String,
+        /// One of its SQLite shards.
+        sqlite: String,
     },
     /// The slot map cannot be read or is damaged.
     #[error(transparent)]

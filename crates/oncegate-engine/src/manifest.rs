@@ -125,8 +125,8 @@ pub fn node_name(files: &dyn Files, data_dir: &Path) -> Result<String, OpenError
 /// Settles `config`'s store kind for its data directory and returns it: the configured
 /// kind, else the store that wrote the directory, else the log for a new one. Refused,
 /// before anything is created: a directory whose records another store holds (the other
-/// own store's shards, or a PostgreSQL node's name beside its own shards or under an
-/// own store), and one holding shards of both own stores, whichever is configured:
+/// own store's shards, a PostgreSQL node's name under an own store, own shards under
+/// PostgreSQL), and one holding shards of both own stores, whichever is configured:
 /// opened under the wrong store, its records would be invisible and their keys granted
 /// again. Called with the directory's lock held, so that no other process creates
 /// shards between the look and the open.
@@ -137,39 +137,32 @@ pub fn settle_store_kind(
     use crate::StoreKind::{Log, Postgres, Sqlite};
     let dir = &config.data_dir;
     let shards = shard_names(files, dir)?;
-    let node = match files.read(&dir.join(NODE_FILE)) {
+    let example = |kind| shards.iter().find(|(_, k)| *k == kind).map(|(name, _)| name.clone());
+    if let (Some(log), Some(sqlite)) = (example(Log), example(Sqlite)) {
+        return Err(OpenError::BothStores { dir: dir.clone(), log, sqlite });
+    }
+    let node_path = dir.join(NODE_FILE);
+    let node = match files.read(&node_path) {
         Ok(_) => true,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
-        Err(e) => return Err(io(dir)(e)),
+        Err(e) => return Err(io(&node_path)(e)),
     };
-    let refuse = |found: crate::StoreKind, example: &str, configured: String| OpenError::OtherStore {
+    let configured =
+        config.store.kind.map_or_else(|| "unset".to_owned(), |kind| format!("\"{}\"", kind.name()));
+    let refuse = |found: crate::StoreKind, example: &str| OpenError::OtherStore {
         dir: dir.clone(),
         found: found.name(),
         example: example.to_owned(),
-        configured,
+        configured: configured.clone(),
     };
-    let named = |kind: crate::StoreKind| format!("\"{}\"", kind.name());
-    let kind = match config.store.kind {
-        Some(Postgres) => match shards.first() {
-            Some((example, kind)) => return Err(refuse(*kind, example, named(Postgres))),
-            None => Postgres,
-        },
-        Some(own) if node => return Err(refuse(Postgres, NODE_FILE, named(own))),
-        None if node => return Err(refuse(Postgres, NODE_FILE, "unset (a new directory's log)".to_owned())),
-        Some(own) => own,
-        None => shards.first().map_or(Log, |(_, kind)| *kind),
+    let kind = match (config.store.kind, shards.first()) {
+        (Some(Postgres), Some((name, kind))) => return Err(refuse(*kind, name)),
+        (Some(Postgres), None) => Postgres,
+        (_, _) if node => return Err(refuse(Postgres, NODE_FILE)),
+        (Some(own), Some((name, kind))) if own != *kind => return Err(refuse(*kind, name)),
+        (Some(own), _) => own,
+        (None, found) => found.map_or(Log, |(_, kind)| *kind),
     };
-    let other = match kind {
-        Log => Sqlite,
-        _ => Log,
-    };
-    if let Some((example, _)) = shards.iter().find(|(_, k)| kind != Postgres && *k == other) {
-        let configured = match config.store.kind {
-            Some(kind) => named(kind),
-            None => format!("unset (so {}, as {} is)", named(kind), shards[0].0),
-        };
-        return Err(refuse(other, example, configured));
-    }
     config.store.kind = Some(kind);
     Ok(kind)
 }
@@ -198,7 +191,11 @@ fn shard_names(files: &dyn Files, data_dir: &Path) -> Result<Vec<(String, crate:
         rest if rest.ends_with(".sqlite") => Some(crate::StoreKind::Sqlite),
         _ => None,
     };
-    Ok(names.into_iter().filter_map(|name| kind_of(&name).map(|kind| (name, kind))).collect())
+    // Sorted, so that the shard an error names is the same from one run to the next.
+    let mut shards: Vec<_> =
+        names.into_iter().filter_map(|name| kind_of(&name).map(|kind| (name, kind))).collect();
+    shards.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(shards)
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> OpenError + '_ {

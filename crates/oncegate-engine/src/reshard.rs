@@ -85,24 +85,23 @@ pub fn add_shards_on(
     faults: &Faults,
     progress: Progress<'_>,
 ) -> Result<Resharded, OpenError> {
+    let lock = manifest::lock(&*files, &config.data_dir)?;
+    // Under the other store's settings the copies would go to files of the wrong kind,
+    // and the map would send slots to shards that hold none of their records. Settled
+    // first, so that a PostgreSQL node's directory (no manifest) hears why.
+    let mut config = config.clone();
+    let kind = manifest::settle_store_kind(&*files, &mut config)?;
+    if kind == crate::StoreKind::Postgres {
+        return Err(OpenError::Unsupported { what: crate::grow::NO_SLOTS_ON_POSTGRES });
+    }
     let dir = &config.data_dir;
-    let lock = manifest::lock(&*files, dir)?;
     let manifest = manifest::read(&*files, dir)?.ok_or_else(|| OpenError::Manifest {
         path: dir.join(manifest::MANIFEST_FILE),
         reason: "not found: this is not a data directory".to_owned(),
     })?;
-    // Under the other store's settings the copies would go to files of the wrong kind,
-    // and the map would send slots to shards that hold none of their records.
-    let mut config = config.clone();
-    match manifest::settle_store_kind(&*files, &mut config)? {
-        crate::StoreKind::Log => {
-            drop(lock);
-            return add_shards_by_engine(&config, to, files, clock, faults, progress);
-        }
-        crate::StoreKind::Postgres => {
-            return Err(OpenError::Unsupported { what: crate::grow::NO_SLOTS_ON_POSTGRES });
-        }
-        crate::StoreKind::Sqlite => {}
+    if kind == crate::StoreKind::Log {
+        drop(lock);
+        return add_shards_by_engine(&config, to, files, clock, faults, progress);
     }
     let config = &config;
     let before = manifest.shards;

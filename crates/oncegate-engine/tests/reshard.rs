@@ -204,3 +204,26 @@ fn a_reshard_under_the_other_store_is_refused_before_anything_changes() {
     assert_eq!(engine.stats().len(), 2, "no shard was added");
     check(&engine, &written);
 }
+
+/// A reshard of a PostgreSQL node's directory says why there is nothing to move (its
+/// shards share one table), rather than that the directory has no manifest.
+#[test]
+fn a_reshard_of_a_postgresql_node_s_directory_says_why_it_cannot_be() {
+    use oncegate_engine::{StoreConfig, StoreKind};
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join(oncegate_engine::manifest::NODE_FILE), "node-1\n").unwrap();
+    let store = StoreConfig {
+        kind: Some(StoreKind::Postgres),
+        postgres_url: "postgres://db/x".into(),
+        ..StoreConfig::default()
+    };
+    let refused =
+        add_shards(&EngineConfig { store, ..config(dir.path()) }, 4, &mut |_, _| {}).expect_err("refused");
+    assert!(matches!(refused, OpenError::Unsupported { .. }), "{refused:?}");
+    let unset = add_shards(&config_unset(dir.path()), 4, &mut |_, _| {}).expect_err("refused");
+    assert!(matches!(unset, OpenError::OtherStore { found: "postgres", .. }), "{unset:?}");
+}
+
+fn config_unset(dir: &std::path::Path) -> EngineConfig {
+    EngineConfig { store: oncegate_engine::StoreConfig::default(), ..config(dir) }
+}

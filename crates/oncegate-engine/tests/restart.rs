@@ -195,7 +195,7 @@ fn a_directory_with_shards_of_both_stores_is_refused() {
             std::sync::Arc::new(clock.clone()),
             Faults::default(),
         );
-        assert!(matches!(opened, Err(OpenError::OtherStore { .. })), "{kind:?}");
+        assert!(matches!(opened, Err(OpenError::BothStores { .. })), "{kind:?}");
     }
 }
 
