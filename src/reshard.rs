@@ -6,8 +6,6 @@ use std::path::PathBuf;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use oncegate_engine::EngineConfig;
-use oncegate_engine::files::OsFiles;
-use oncegate_engine::manifest;
 use oncegate_server::Config;
 
 /// Flags of `oncegate reshard`.
@@ -32,9 +30,8 @@ pub fn run(args: ReshardArgs) -> anyhow::Result<()> {
         None => Config::default(),
     };
     let mut config = EngineConfig { data_dir: args.data_dir, ..file.engine_config() };
-    if let Some(kind) = manifest::stored_kind(&OsFiles, &config.data_dir)? {
-        config.store.kind = Some(kind);
-    }
+    // Unset, the kind is the directory's own, settled by the engine under its lock.
+    config.store.kind = None;
     let bar = ProgressBar::new(0);
     if let Ok(style) = ProgressStyle::with_template("moving slots [{bar:40}] {pos}/{len}") {
         bar.set_style(style.progress_chars("=> "));

@@ -1,8 +1,9 @@
 //! The oncegate shard engine and its embedded API.
 //!
 //! Each key hashes (see `oncegate_core::route`) to one shard. A shard is an actor: one OS
-//! thread that alone owns its store (one SQLite file in WAL mode, or one connection to the
-//! PostgreSQL table every node shares; `store/`) and is fed through a bounded
+//! thread that alone owns its store (a log of segment files of its own, the default for a
+//! new directory; one SQLite file in WAL mode; or one connection to the PostgreSQL table
+//! every node shares; `store/`) and is fed through a bounded
 //! crossbeam-channel mailbox. It applies a drained batch in one transaction and answers
 //! only after the commit is durable. See `docs/ARCHITECTURE.md` for the protocol.
 //!

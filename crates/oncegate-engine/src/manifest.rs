@@ -167,12 +167,6 @@ pub fn settle_store_kind(
     Ok(kind)
 }
 
-/// Which of the engine's own stores wrote the data directory (`None`: no shard in it
-/// yet, or no directory).
-pub fn stored_kind(files: &dyn Files, data_dir: &Path) -> Result<Option<crate::StoreKind>, OpenError> {
-    Ok(shard_names(files, data_dir)?.into_iter().next().map(|(_, kind)| kind))
-}
-
 /// How many shards (`shard-*.sqlite` files, `shard-*.log` directories) a data directory holds.
 fn shard_file_count(files: &dyn Files, data_dir: &Path) -> Result<usize, OpenError> {
     Ok(shard_names(files, data_dir)?.len())
