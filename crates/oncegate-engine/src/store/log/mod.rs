@@ -11,8 +11,8 @@
 //!   [`Index`] maps each key's hash to the position (`segment << 32 | offset`) of its
 //!   latest record, and the [`Schedule`] files positions by reclaim window, both rebuilt
 //!   by reading the log at open. A record is read back from its segment when it is
-//!   decided on (the last committed frames are kept in memory for the commit that
-//!   usually follows a reserve).
+//!   decided on (the last megabyte of committed frames is kept in memory for the
+//!   commits that follow reserves: `recent.rs`).
 //! - **Durability**: `commit` writes the frames, syncs each segment it wrote, and only
 //!   then changes the in-memory state the next transaction sees. Any failure leaves the
 //!   shard to drop the store and open it again from the disk.
@@ -25,6 +25,7 @@
 //!   dropped with it: no older segment is left for them to hide anything in.
 
 mod format;
+mod recent;
 mod recover;
 mod txn;
 
@@ -37,6 +38,7 @@ use std::thread::JoinHandle;
 use oncegate_core::route::Routing;
 
 use self::format::{Entry, FRAME_HEADER_BYTES};
+use self::recent::Recent;
 pub(crate) use self::txn::Txn;
 use super::{Meta, StoreError};
 use crate::files::{Files, SegmentFile};
@@ -165,9 +167,9 @@ pub(crate) struct Store {
     /// Bytes of records the index points at.
     live_bytes: u64,
     compaction: Option<Compaction>,
-    /// The last committed frames (segment, offset, bytes): the next batch's commits read
-    /// the records its reserves wrote from here.
-    recent: Vec<(u32, u64, Vec<u8>)>,
+    /// The last committed frames: the commits that follow reserves read their records
+    /// from here.
+    recent: Recent,
     /// The record counts read at open, until the shard takes them.
     tally: Option<Tally>,
     retired: Arc<std::sync::atomic::AtomicU64>,
@@ -237,7 +239,7 @@ impl Store {
             schedule: Schedule::new(tuning.reclaim_granularity_ms),
             live_bytes: 0,
             compaction: None,
-            recent: Vec::new(),
+            recent: Recent::default(),
             tally: None,
             retired: Arc::clone(&tuning.retired),
         };
@@ -377,12 +379,10 @@ impl Store {
     /// gone (retired: nothing in it is live, so only a stale hint names it).
     fn read_entry(&self, position: i64) -> Result<Option<(Entry, usize)>, StoreError> {
         let (seq, offset) = split(position);
-        for (frame_seq, start, bytes) in &self.recent {
-            if *frame_seq == seq && offset >= *start && offset < start + bytes.len() as u64 {
-                return decode_at(&bytes[(offset - start) as usize..]).map(Some);
-            }
-        }
         let Some(file) = self.segments.get(&seq) else { return Ok(None) };
+        if let Some(bytes) = self.recent.from(position) {
+            return decode_at(bytes).map(Some);
+        }
         let mut buf = vec![0; READ_GUESS_BYTES];
         let read = file.read_at(offset, &mut buf).map_err(io(&self.dir))?;
         buf.truncate(read);
@@ -475,6 +475,7 @@ impl Store {
             self.files.remove(&path).map_err(io(&path))?;
         }
         let file = self.segments.remove(&seq).expect("checked above");
+        self.recent.forget(seq);
         if recycle {
             self.segments.insert(spare, file);
         }

@@ -445,7 +445,9 @@ impl<'s> Txn<'s> {
             store.schedule.add(reclaim_at_ms, position);
         }
         store.live_bytes = store.live_bytes.saturating_add_signed(self.live_delta.get());
-        store.recent = frames.into_iter().map(|f| (f.seq, f.start, f.bytes)).collect();
+        for frame in frames {
+            store.recent.add(frame.seq, frame.start, frame.bytes);
+        }
         // What follows tidies up after a durable commit: a failure there is logged, never
         // reported as the commit's (its callers' changes are on disk). A segment whose
         // retirement failed stays on disk, is read again at the next open (its live
