@@ -180,10 +180,7 @@ fn main() -> anyhow::Result<()> {
     let started = Instant::now();
     let kill_every = (total / 2).div_f64(f64::from(cli.kills + 1));
     let mut kills_done = 0;
-    let mut samples: Vec<(f64, u64, u64)> = Vec::new();
-    let mut db_max = 0;
-    let mut last_ops = 0;
-    let mut last = Instant::now();
+    let mut table = Table::new();
     while started.elapsed() < total {
         std::thread::sleep(Duration::from_secs(cli.sample_s).min(total.saturating_sub(started.elapsed())));
         if kills_done < cli.kills && started.elapsed() >= kill_every * (kills_done + 1) {
@@ -197,29 +194,7 @@ fn main() -> anyhow::Result<()> {
                 started.elapsed().as_secs_f64()
             );
         }
-        let ops = shared.ops.load(Ordering::Relaxed);
-        let rate = (ops - last_ops) as f64 / last.elapsed().as_secs_f64();
-        last_ops = ops;
-        last = Instant::now();
-        let p99 = {
-            let mut h = shared.latencies.lock().unwrap();
-            let p = h.value_at_quantile(0.99);
-            h.reset();
-            p
-        };
-        let rss = rss_kib(server.child.id());
-        let (db, wal) = store_bytes(&data_dir);
-        db_max = db_max.max(db);
-        let t = started.elapsed().as_secs_f64();
-        samples.push((t, rss, db));
-        println!(
-            "| {t:.0} | {rate:.0} | {:.1} | {} | {:.1} | {:.1} | {:.1} |",
-            p99 as f64 / 1000.0,
-            shared.errors.load(Ordering::Relaxed),
-            rss as f64 / 1024.0,
-            db as f64 / 1048576.0,
-            wal as f64 / 1048576.0
-        );
+        table.row(started.elapsed().as_secs_f64(), &shared, server.child.id(), &data_dir);
     }
     shared.stop.store(true, Ordering::Relaxed);
     runtime.block_on(async {
@@ -229,27 +204,70 @@ fn main() -> anyhow::Result<()> {
     });
     server.child.kill()?;
     server.child.wait()?;
-
-    // RSS growth over the second half: one process, past its warm-up.
-    let half = total.as_secs_f64() / 2.0;
-    let second: Vec<_> = samples.iter().filter(|s| s.0 >= half).collect();
-    if let (Some(first), Some(last)) = (second.first(), second.last()) {
-        let growth = (last.1 as f64 - first.1 as f64) / first.1.max(1) as f64 * 100.0;
-        println!(
-            "RSS over the second half: {:.1} MiB -> {:.1} MiB ({growth:+.1}%)",
-            first.1 as f64 / 1024.0,
-            last.1 as f64 / 1024.0
-        );
-    }
-    let ops = shared.ops.load(Ordering::Relaxed);
-    let write_rate = ops as f64 / started.elapsed().as_secs_f64();
-    println!(
-        "largest database: {:.1} MiB; live records bounded by ttl x write rate = {:.0} x {:.0}/s = {:.0}",
-        db_max as f64 / 1048576.0,
-        cli.ttl_ms as f64 / 1000.0,
-        write_rate,
-        cli.ttl_ms as f64 / 1000.0 * write_rate
-    );
+    let write_rate = shared.ops.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64();
+    table.summary(total.as_secs_f64(), cli.ttl_ms, write_rate);
     std::fs::remove_dir_all(&data_dir)?;
     Ok(())
+}
+
+/// The printed table: a row per sample, and what the samples add up to.
+struct Table {
+    /// (seconds since the start, server RSS in KiB, store bytes) per row.
+    samples: Vec<(f64, u64, u64)>,
+    db_max: u64,
+    last_ops: u64,
+    last: Instant,
+}
+
+impl Table {
+    fn new() -> Table {
+        Table { samples: Vec::new(), db_max: 0, last_ops: 0, last: Instant::now() }
+    }
+
+    /// Prints the rate, p99 and errors since the last row, and the server's size now.
+    fn row(&mut self, t: f64, shared: &Shared, pid: u32, data_dir: &Path) {
+        let ops = shared.ops.load(Ordering::Relaxed);
+        let rate = (ops - self.last_ops) as f64 / self.last.elapsed().as_secs_f64();
+        self.last_ops = ops;
+        self.last = Instant::now();
+        let p99 = {
+            let mut h = shared.latencies.lock().unwrap();
+            let p = h.value_at_quantile(0.99);
+            h.reset();
+            p
+        };
+        let rss = rss_kib(pid);
+        let (db, wal) = store_bytes(data_dir);
+        self.db_max = self.db_max.max(db);
+        self.samples.push((t, rss, db));
+        println!(
+            "| {t:.0} | {rate:.0} | {:.1} | {} | {:.1} | {:.1} | {:.1} |",
+            p99 as f64 / 1000.0,
+            shared.errors.load(Ordering::Relaxed),
+            rss as f64 / 1024.0,
+            db as f64 / 1048576.0,
+            wal as f64 / 1048576.0
+        );
+    }
+
+    /// RSS growth over the second half (one process, past its warm-up) and the largest
+    /// store against what the ttl bounds it to.
+    fn summary(&self, total_s: f64, ttl_ms: u64, write_rate: f64) {
+        let second: Vec<_> = self.samples.iter().filter(|s| s.0 >= total_s / 2.0).collect();
+        if let (Some(first), Some(last)) = (second.first(), second.last()) {
+            let growth = (last.1 as f64 - first.1 as f64) / first.1.max(1) as f64 * 100.0;
+            println!(
+                "RSS over the second half: {:.1} MiB -> {:.1} MiB ({growth:+.1}%)",
+                first.1 as f64 / 1024.0,
+                last.1 as f64 / 1024.0
+            );
+        }
+        println!(
+            "largest database: {:.1} MiB; live records bounded by ttl x write rate = {:.0} x {:.0}/s = {:.0}",
+            self.db_max as f64 / 1048576.0,
+            ttl_ms as f64 / 1000.0,
+            write_rate,
+            ttl_ms as f64 / 1000.0 * write_rate
+        );
+    }
 }
