@@ -207,6 +207,15 @@ mod tests {
         assert_eq!(Routing::BucketBase.hash(&plain), scope_hash(&plain));
     }
 
+    #[test]
+    fn a_scope_encoded_in_exactly_the_stack_buffer_and_one_byte_more_hash_as_their_encoding() {
+        for len in [ENCODED_ON_STACK_BYTES - 1, ENCODED_ON_STACK_BYTES, ENCODED_ON_STACK_BYTES + 1] {
+            let s = scope("t", "n", &"k".repeat(len - 14));
+            assert_eq!(scope_bytes(&s).len(), len);
+            assert_eq!(scope_hash(&s), xxhash_rust::xxh3::xxh3_64(&scope_bytes(&s)), "{len}");
+        }
+    }
+
     proptest::proptest! {
         /// Hashed from the stack or from the heap, a scope hashes as its encoding does
         /// (every stored record's hash and every key's slot depend on it).

@@ -10,16 +10,18 @@
 
 use std::collections::BTreeMap;
 
-use super::{position, split};
+use super::split;
 
 /// The most bytes of frames kept (per shard): at 64 calls in flight about seventy
 /// batches, a second or more of a busy shard's writes.
 pub(super) const RECENT_FRAMES_BYTES_MAX: usize = 1 << 20;
 
-/// Committed frames by the position they start at, oldest first.
+/// Committed frames by where they start (segment, offset), oldest first. Keyed by the
+/// pair rather than the packed position, whose sign turns at segment 2^31.
 #[derive(Default)]
 pub(super) struct Recent {
-    frames: BTreeMap<i64, Vec<u8>>,
+    frames: BTreeMap<(u32, u64), Vec<u8>>,
+    /// The frames' buffers, counted by capacity (what they hold in memory).
     bytes: usize,
 }
 
@@ -27,33 +29,31 @@ impl Recent {
     /// Keeps a frame just committed, dropping the oldest while the total passes
     /// [`RECENT_FRAMES_BYTES_MAX`] (the newest frame is always kept).
     pub fn add(&mut self, seq: u32, start: u64, bytes: Vec<u8>) {
-        self.bytes += bytes.len();
-        if let Some(replaced) = self.frames.insert(position(seq, start), bytes) {
+        self.bytes += bytes.capacity();
+        if let Some(replaced) = self.frames.insert((seq, start), bytes) {
             // A committed position is never written again; kept correct all the same.
-            self.bytes -= replaced.len();
+            self.bytes -= replaced.capacity();
         }
         while self.bytes > RECENT_FRAMES_BYTES_MAX && self.frames.len() > 1 {
             let (_, oldest) = self.frames.pop_first().expect("more than one frame");
-            self.bytes -= oldest.len();
+            self.bytes -= oldest.capacity();
         }
     }
 
     /// The bytes from `at` to the end of the frame that holds it, if one kept does.
     pub fn from(&self, at: i64) -> Option<&[u8]> {
         let (seq, offset) = split(at);
-        let (&starts, bytes) = self.frames.range(..=at).next_back()?;
-        let (frame_seq, start) = split(starts);
+        let (&(frame_seq, start), bytes) = self.frames.range(..=(seq, offset)).next_back()?;
         (frame_seq == seq && offset < start + bytes.len() as u64).then(|| &bytes[(offset - start) as usize..])
     }
 
     /// Forgets a retired segment's frames: a position there names nothing any more.
     pub fn forget(&mut self, seq: u32) {
-        let first = position(seq, 0);
-        let next = position(seq.saturating_add(1), 0);
-        let gone: Vec<i64> = self.frames.range(first..next).map(|(at, _)| *at).collect();
+        let gone: Vec<(u32, u64)> =
+            self.frames.range((seq, 0)..=(seq, u64::MAX)).map(|(at, _)| *at).collect();
         for at in gone {
             if let Some(bytes) = self.frames.remove(&at) {
-                self.bytes -= bytes.len();
+                self.bytes -= bytes.capacity();
             }
         }
     }
@@ -66,6 +66,7 @@ impl Recent {
 
 #[cfg(test)]
 mod tests {
+    use super::super::position;
     use super::*;
 
     #[test]
@@ -111,5 +112,20 @@ mod tests {
         assert_eq!(recent.from(position(1, 0)), None);
         assert_eq!(recent.from(position(2, 0)).map(|b| b[0]), Some(2));
         assert_eq!(recent.bytes(), 10);
+    }
+
+    #[test]
+    fn segments_past_2_to_the_31_are_kept_and_forgotten_too() {
+        let mut recent = Recent::default();
+        for seq in [0x7fff_fffe, 0x7fff_ffff, 0x8000_0000, u32::MAX] {
+            recent.add(seq, 8, vec![seq as u8; 4]);
+        }
+        for seq in [0x7fff_ffff, u32::MAX] {
+            assert_eq!(recent.from(position(seq, 9)).map(|b| b.len()), Some(3));
+            recent.forget(seq);
+            assert_eq!(recent.from(position(seq, 9)), None);
+        }
+        assert_eq!(recent.from(position(0x8000_0000, 8)).map(|b| b[0]), Some(0));
+        assert_eq!(recent.bytes(), 8);
     }
 }
