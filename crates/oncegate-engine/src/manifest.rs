@@ -141,12 +141,7 @@ pub fn settle_store_kind(
     if let (Some(log), Some(sqlite)) = (example(Log), example(Sqlite)) {
         return Err(OpenError::BothStores { dir: dir.clone(), log, sqlite });
     }
-    let node_path = dir.join(NODE_FILE);
-    let node = match files.read(&node_path) {
-        Ok(_) => true,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
-        Err(e) => return Err(io(&node_path)(e)),
-    };
+    let node = is_node_dir(files, dir)?;
     let configured =
         config.store.kind.map_or_else(|| "unset".to_owned(), |kind| format!("\"{}\"", kind.name()));
     let refuse = |found: crate::StoreKind, example: &str| OpenError::OtherStore {
@@ -165,6 +160,17 @@ pub fn settle_store_kind(
     };
     config.store.kind = Some(kind);
     Ok(kind)
+}
+
+/// Whether `dir` is a PostgreSQL node's directory (it holds the node's name, and no
+/// records of its own).
+pub(crate) fn is_node_dir(files: &dyn Files, dir: &Path) -> Result<bool, OpenError> {
+    let path = dir.join(NODE_FILE);
+    match files.read(&path) {
+        Ok(_) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(io(&path)(e)),
+    }
 }
 
 /// How many shards (`shard-*.sqlite` files, `shard-*.log` directories) a data directory holds.

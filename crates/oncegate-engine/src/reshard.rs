@@ -88,8 +88,12 @@ pub fn add_shards_on(
     let lock = manifest::lock(&*files, &config.data_dir)?;
     // Under the other store's settings the copies would go to files of the wrong kind,
     // and the map would send slots to shards that hold none of their records. Settled
-    // first, so that a PostgreSQL node's directory (no manifest) hears why.
+    // first, so that a PostgreSQL node's directory (no manifest) hears why, whatever
+    // kind the command was given.
     let mut config = config.clone();
+    if manifest::is_node_dir(&*files, &config.data_dir)? {
+        return Err(OpenError::Unsupported { what: crate::grow::NO_SLOTS_ON_POSTGRES });
+    }
     let kind = manifest::settle_store_kind(&*files, &mut config)?;
     if kind == crate::StoreKind::Postgres {
         return Err(OpenError::Unsupported { what: crate::grow::NO_SLOTS_ON_POSTGRES });

@@ -206,7 +206,9 @@ fn a_reshard_under_the_other_store_is_refused_before_anything_changes() {
 }
 
 /// A reshard of a PostgreSQL node's directory says why there is nothing to move (its
-/// shards share one table), rather than that the directory has no manifest.
+/// shards share one table), rather than that the directory has no manifest or holds
+/// another store's records, whether the command was told the kind (the configuration
+/// file's) or not (`oncegate reshard` leaves it to the directory).
 #[test]
 fn a_reshard_of_a_postgresql_node_s_directory_says_why_it_cannot_be() {
     use oncegate_engine::{StoreConfig, StoreKind};
@@ -221,7 +223,13 @@ fn a_reshard_of_a_postgresql_node_s_directory_says_why_it_cannot_be() {
         add_shards(&EngineConfig { store, ..config(dir.path()) }, 4, &mut |_, _| {}).expect_err("refused");
     assert!(matches!(refused, OpenError::Unsupported { .. }), "{refused:?}");
     let unset = add_shards(&config_unset(dir.path()), 4, &mut |_, _| {}).expect_err("refused");
-    assert!(matches!(unset, OpenError::OtherStore { found: "postgres", .. }), "{unset:?}");
+    assert!(matches!(unset, OpenError::Unsupported { .. }), "{unset:?}");
+    let sqlite = StoreConfig { kind: Some(StoreKind::Sqlite), ..StoreConfig::default() };
+    let told_sqlite = add_shards(&EngineConfig { store: sqlite, ..config(dir.path()) }, 4, &mut |_, _| {})
+        .expect_err("refused");
+    assert!(matches!(told_sqlite, OpenError::Unsupported { .. }), "{told_sqlite:?}");
+    let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert!(!names.iter().any(|n| n.to_string_lossy().starts_with("shard-")), "no shard created: {names:?}");
 }
 
 fn config_unset(dir: &std::path::Path) -> EngineConfig {
