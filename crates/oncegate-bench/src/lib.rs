@@ -21,5 +21,5 @@ pub mod targets;
 
 pub use child::{ChildMode, serve_child, start_child};
 pub use cost::rss_bytes;
-pub use report::{Report, markdown};
+pub use report::{Ratio, Report, markdown, medians, ratios};
 pub use runner::{Load, Work, run};

@@ -101,6 +101,7 @@ pub async fn run<T: Target + Clone>(
     let cost = cost_before.zip(cost_after).map(|(before, after)| before.cost_to(&after, done, commands));
     Report {
         target: target.name().to_owned(),
+        round: 0,
         in_flight: load.in_flight,
         pairs_per_s: done as f64 / elapsed.as_secs_f64(),
         p50_us: latencies.value_at_quantile(0.5),

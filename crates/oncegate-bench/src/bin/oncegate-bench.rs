@@ -23,7 +23,7 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use oncegate_bench::cost::Probe;
 use oncegate_bench::targets::{Embedded, Grpc, Kind, Postgres, Redis, Session, Target};
-use oncegate_bench::{ChildMode, Load, Report, Work, markdown};
+use oncegate_bench::{ChildMode, Load, Report, Work, markdown, medians, ratios};
 
 #[derive(Parser)]
 struct Cli {
@@ -35,6 +35,11 @@ struct Cli {
     /// Requests in flight; each value is a separate run of every target.
     #[arg(long, value_delimiter = ',', default_value = "64")]
     in_flight: Vec<usize>,
+    /// Rounds: every target runs once per round, in turn with the others, and the tool
+    /// prints each run, the medians, and each ratio to a peer as the median of the
+    /// rounds' ratios (a machine shared with others drifts between runs).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=100))]
+    rounds: u16,
     /// Measured seconds per run.
     #[arg(long, default_value_t = 5.0)]
     seconds: f64,
@@ -140,15 +145,17 @@ fn main() -> anyhow::Result<()> {
     let mut bench = Bench { cli, runtime, scratch, servers: Vec::new(), work };
     let mut reports = Vec::new();
     for in_flight in bench.cli.in_flight.clone() {
-        for kind in bench.cli.targets.clone() {
-            let report = bench.measure(kind, in_flight)?;
-            eprintln!(
-                "{} x{in_flight}: {:.0} pairs/s, p99 {:.2} ms",
-                report.target,
-                report.pairs_per_s,
-                report.p99_us as f64 / 1000.0
-            );
-            reports.push(report);
+        for round in 0..usize::from(bench.cli.rounds) {
+            for kind in bench.cli.targets.clone() {
+                let report = Report { round, ..bench.measure(kind, in_flight)? };
+                eprintln!(
+                    "{} x{in_flight}: {:.0} pairs/s, p99 {:.2} ms",
+                    report.target,
+                    report.pairs_per_s,
+                    report.p99_us as f64 / 1000.0
+                );
+                reports.push(report);
+            }
         }
     }
     bench.raw_ceiling(&reports)?;
@@ -297,14 +304,11 @@ impl Bench {
 /// The table, the ratios of each oncegate target to each peer, and the JSON and plot.
 fn print_results(cli: &Cli, reports: &[Report]) -> anyhow::Result<()> {
     println!("{}", markdown(reports));
-    for &in_flight in &cli.in_flight {
-        let at: Vec<&Report> = reports.iter().filter(|r| r.in_flight == in_flight).collect();
-        for ours in at.iter().filter(|r| r.target.starts_with("oncegate")) {
-            for peer in at.iter().filter(|r| !r.target.starts_with("oncegate")) {
-                let ratio = ours.pairs_per_s / peer.pairs_per_s.max(1e-9);
-                println!("{} / {} at {in_flight} in flight: {ratio:.2}x", ours.target, peer.target);
-            }
-        }
+    if cli.rounds > 1 {
+        println!("Medians over {} rounds:\n\n{}", cli.rounds, markdown(&medians(reports)));
+    }
+    for ratio in ratios(reports) {
+        println!("{}", ratio.line());
     }
     if let Some(path) = &cli.json {
         std::fs::write(path, serde_json::to_string_pretty(reports)?)?;
