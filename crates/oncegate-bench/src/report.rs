@@ -216,17 +216,21 @@ mod tests {
         }
     }
 
-    #[test]
-    fn medians_are_per_target_in_the_order_they_first_ran() {
-        let reports = [
+    /// oncegate's unary target and Redis in turn, three rounds.
+    fn three_rounds() -> [Report; 6] {
+        [
             run("oncegate-grpc", 0, 100.0, 20.0),
             run("redis", 0, 200.0, 10.0),
-            run("oncegate-grpc", 1, 300.0, 40.0),
+            run("oncegate-grpc", 1, 300.0, 30.0),
             run("redis", 1, 100.0, 30.0),
-            run("oncegate-grpc", 2, 200.0, 30.0),
+            run("oncegate-grpc", 2, 200.0, 40.0),
             run("redis", 2, 400.0, 20.0),
-        ];
-        let medians = medians(&reports);
+        ]
+    }
+
+    #[test]
+    fn medians_are_per_target_in_the_order_they_first_ran() {
+        let medians = medians(&three_rounds());
         let names: Vec<&str> = medians.iter().map(|r| r.target.as_str()).collect();
         assert_eq!(names, ["oncegate-grpc", "redis"]);
         assert_eq!(medians[0].pairs_per_s, 200.0);
@@ -244,15 +248,7 @@ mod tests {
 
     #[test]
     fn ratios_pair_the_runs_of_one_round() {
-        let reports = [
-            run("oncegate-grpc", 0, 100.0, 20.0),
-            run("redis", 0, 200.0, 10.0),
-            run("oncegate-grpc", 1, 300.0, 30.0),
-            run("redis", 1, 100.0, 30.0),
-            run("oncegate-grpc", 2, 200.0, 40.0),
-            run("redis", 2, 400.0, 20.0),
-        ];
-        let ratios = ratios(&reports);
+        let ratios = ratios(&three_rounds());
         assert_eq!(ratios.len(), 1);
         assert_eq!(ratios[0].pairs, [0.5, 3.0, 0.5]);
         assert_eq!(ratios[0].cpu, [2.0, 1.0, 2.0]);
