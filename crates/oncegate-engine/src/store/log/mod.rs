@@ -156,6 +156,12 @@ pub(crate) struct Store {
     /// Commits are synced whatever the durability (a slot move's copy, which the map
     /// will name as the slot's truth).
     sync_forced: bool,
+    /// A retirement renamed or removed a segment but the directory sync after it failed:
+    /// the name may not be durable. Nothing is written until a directory sync succeeds,
+    /// since the renamed file may be the next one written, and after a power cut its new
+    /// frames would sit under its old name as the oldest segment, where recovery would
+    /// read them as the chain's start and lose every segment after it.
+    dir_unsynced: bool,
     /// The thread zero-filling the next spare, if one is.
     preparing: Option<JoinHandle<std::io::Result<u32>>>,
     chain: Chain,
@@ -232,6 +238,7 @@ impl Store {
             ends: BTreeMap::new(),
             unsynced: std::collections::BTreeSet::new(),
             sync_forced: false,
+            dir_unsynced: false,
             preparing: None,
             chain: Chain { seq: 0, checksum: 0, head: 1, tail: 0 },
             salt: random_salt(),
@@ -319,6 +326,7 @@ impl Store {
             let path = self.dir.join(segment_name(seq));
             let file = self.files.open_segment(&path).map_err(io(&path))?;
             self.files.sync_dir(&self.dir).map_err(io(&self.dir))?;
+            self.dir_unsynced = false;
             self.segments.insert(seq, file);
         }
         Ok(&*self.segments[&seq])
@@ -408,6 +416,10 @@ impl Store {
     fn write_frames(&mut self, frames: &[txn::Pending], retiring: bool) -> Result<(), StoreError> {
         let retiring = retiring || self.sync_forced;
         let full = self.durability == Durability::Full;
+        if self.dir_unsynced {
+            self.files.sync_dir(&self.dir).map_err(io(&self.dir))?;
+            self.dir_unsynced = false;
+        }
         for frame in frames {
             let file = &self.segments[&frame.seq];
             file.write_at(frame.start, &frame.bytes).map_err(io(&self.dir))?;
@@ -455,9 +467,10 @@ impl Store {
 
     /// Retires the oldest segment, copied whole (the copies are durable: the caller
     /// synced them): kept as the next spare when none is ready or being made, removed
-    /// otherwise. Its name changes durably before anything else is written, so a crash
-    /// leaves it either old (read again, harmlessly: every live record of it has a newer
-    /// copy) or a spare.
+    /// otherwise. Its name changes durably before anything else is written (when the
+    /// directory sync fails, the next write syncs it first, or fails), so a crash leaves
+    /// it either old (read again, harmlessly: every live record of it has a newer copy)
+    /// or a spare.
     ///
     /// A segment whose name could not be changed stays the oldest (and is retired again
     /// when compaction next reaches its end): retiring a later one first would break the
@@ -482,7 +495,10 @@ impl Store {
         self.ends.remove(&seq);
         self.compaction = None;
         self.retired.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.files.sync_dir(&self.dir).map_err(io(&self.dir))
+        self.dir_unsynced = true;
+        self.files.sync_dir(&self.dir).map_err(io(&self.dir))?;
+        self.dir_unsynced = false;
+        Ok(())
     }
 
     /// Starts zero-filling the segment after the head, unless it exists or is under way.
@@ -887,6 +903,11 @@ mod tests {
         /// Segments written since their last sync (the spare thread's zero-filling aside).
         dirty: std::sync::Mutex<std::collections::HashSet<PathBuf>>,
         retired_over_unsynced: std::sync::atomic::AtomicBool,
+        /// Set: the directory sync after the next rename fails (once).
+        failing_dir_sync_after_rename: std::sync::atomic::AtomicBool,
+        failing_dir_sync: std::sync::atomic::AtomicBool,
+        /// A rename since the directory was last synced: a power cut may undo it.
+        renamed_unsynced: std::sync::Mutex<Option<(PathBuf, PathBuf)>>,
     }
 
     #[derive(Debug)]
@@ -962,14 +983,24 @@ mod tests {
         }
         fn rename(&self, from: &Path, to: &Path) -> std::io::Result<()> {
             self.retiring(from)?;
-            crate::files::OsFiles.rename(from, to)
+            crate::files::OsFiles.rename(from, to)?;
+            *self.0.renamed_unsynced.lock().unwrap() = Some((from.to_owned(), to.to_owned()));
+            if self.0.failing_dir_sync_after_rename.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                self.0.failing_dir_sync.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+            Ok(())
         }
         fn remove(&self, path: &Path) -> std::io::Result<()> {
             self.retiring(path)?;
             crate::files::OsFiles.remove(path)
         }
         fn sync_dir(&self, dir: &Path) -> std::io::Result<()> {
-            crate::files::OsFiles.sync_dir(dir)
+            if self.0.failing_dir_sync.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                return Err(std::io::Error::other("injected: the directory cannot be synced"));
+            }
+            crate::files::OsFiles.sync_dir(dir)?;
+            *self.0.renamed_unsynced.lock().unwrap() = None;
+            Ok(())
         }
         fn list(&self, dir: &Path) -> std::io::Result<Vec<String>> {
             crate::files::OsFiles.list(dir)
@@ -1082,6 +1113,68 @@ mod tests {
         let txn = store.begin(200_000).unwrap();
         for batch in 0..2_000u64 {
             assert!(txn.get(&scope(&format!("k{batch}-0"))).unwrap().is_some(), "k{batch}-0");
+        }
+    }
+
+    /// A recycled segment whose new name could not be made durable (the directory sync
+    /// after the rename failed) is not written until a directory sync succeeds. Written
+    /// at once, a power cut could give its new frames the old name back, as the oldest
+    /// segment: recovery would start the chain there and lose every segment after it.
+    #[test]
+    fn a_recycled_segment_is_not_written_before_its_name_is_durable() {
+        let dir = tempfile::tempdir().unwrap();
+        let files = Arc::new(WatchedFiles::default());
+        let watched = Arc::clone(&files.0);
+        let tuning = tuning(files, 1 << 30);
+        let (mut store, _, _) = Store::open(dir.path(), &tuning, &Faults::default()).unwrap();
+        let commit_keys = |store: &mut Store, batch: u64, prefix: &str| {
+            let txn = store.begin(batch).unwrap();
+            for n in 0..10 {
+                txn.put(&scope(&format!("{prefix}{n}")), &granted(batch * 10 + n + 1, batch, 10_000_000))
+                    .unwrap();
+            }
+            txn.commit(Meta { next_token: batch * 10 + 11, high_water_ms: batch }).unwrap();
+        };
+        // Segment 1 holds only records that have newer copies in segment 2.
+        let mut batch = 0;
+        for round in 0..2 {
+            while store.chain.head == round + 1 {
+                commit_keys(&mut store, batch, &format!("x{batch}-"));
+                batch += 1;
+            }
+        }
+        for old in 0..batch {
+            commit_keys(&mut store, batch + old, &format!("x{old}-"));
+        }
+        batch *= 2;
+        store.take_prepared(true).unwrap();
+        let spare = store.chain.head + 1;
+        if let Some(file) = store.segments.remove(&spare) {
+            drop(file);
+            crate::files::OsFiles.remove(&dir.path().join(segment_name(spare))).unwrap();
+        }
+        watched.failing_dir_sync_after_rename.store(true, std::sync::atomic::Ordering::SeqCst);
+        assert!(store.retire(1).is_err(), "the injected directory sync failure is reported");
+        assert!(store.segments.contains_key(&spare), "segment 1 was recycled as the spare");
+        // Records written from now on, up to the first commits into the recycled file.
+        let mut late = 0;
+        while store.chain.head < spare || late < 3 {
+            commit_keys(&mut store, batch, &format!("late{late}-"));
+            (batch, late) = (batch + 1, late + 1);
+        }
+        assert!(
+            store.chain.tail * 2 < SEGMENT_BYTES,
+            "no spare after it made yet (its fill syncs the directory)"
+        );
+        drop(store);
+        // A power cut undoes a rename the directory was not synced after.
+        if let Some((from, to)) = watched.renamed_unsynced.lock().unwrap().take() {
+            crate::files::OsFiles.rename(&to, &from).unwrap();
+        }
+        let (mut store, _, _) = Store::open(dir.path(), &tuning, &Faults::default()).unwrap();
+        let txn = store.begin(batch).unwrap();
+        for n in 0..late {
+            assert!(txn.get(&scope(&format!("late{n}-0"))).unwrap().is_some(), "late{n}-0 lost");
         }
     }
 

@@ -451,7 +451,9 @@ impl<'s> Txn<'s> {
         // What follows tidies up after a durable commit: a failure there is logged, never
         // reported as the commit's (its callers' changes are on disk). A segment whose
         // retirement failed stays on disk, is read again at the next open (its live
-        // records have newer copies), and is left to the operator's disk.
+        // records have newer copies), and is left to the operator's disk; one renamed
+        // without a durable directory entry holds back the next write until the
+        // directory is synced (`Store::write_frames`).
         match compaction {
             Some((state, true)) => {
                 if let Err(error) = store.retire(state.seq) {
