@@ -314,12 +314,28 @@ fn unknown_keys(user: &toml::Table, known: &toml::Table, prefix: &str, out: &mut
     }
 }
 
+/// A TOML error as its line, column and message, without the text of the line: toml's
+/// own rendering quotes the line, which may hold a secret (a tenant's token, the
+/// PostgreSQL URL's password), and the error goes to the terminal and the logs.
+fn toml_problem(text: &str, error: &toml::de::Error) -> String {
+    let message = error.message().trim_end();
+    match error.span() {
+        Some(span) => {
+            let before = &text[..span.start.min(text.len())];
+            let line = before.matches('\n').count() + 1;
+            let column = before.len() - before.rfind('\n').map_or(0, |at| at + 1) + 1;
+            format!("line {line}, column {column}: {message}")
+        }
+        None => message.to_owned(),
+    }
+}
+
 impl Config {
     /// Reads a configuration file. Unknown keys are all reported together; a value of
     /// the wrong type is reported with its line.
     pub fn from_toml(text: &str, source_name: &str) -> Result<Config, ConfigError> {
         let error = |problems| ConfigError { source_name: source_name.to_owned(), problems };
-        let table: toml::Table = toml::from_str(text).map_err(|e| error(vec![e.to_string()]))?;
+        let table: toml::Table = toml::from_str(text).map_err(|e| error(vec![toml_problem(text, &e)]))?;
         let mut problems = Vec::new();
         // Optional keys are absent from the serialised defaults, so the sample sets them.
         let mut sample = Config::default();
@@ -344,7 +360,7 @@ impl Config {
         if !problems.is_empty() {
             return Err(error(problems));
         }
-        toml::from_str(text).map_err(|e| error(vec![e.to_string().trim_end().to_owned()]))
+        toml::from_str(text).map_err(|e| error(vec![toml_problem(text, &e)]))
     }
 
     /// Reads a configuration file from disk.

@@ -125,6 +125,25 @@ fn a_wrong_type_names_its_line() {
     assert!(error.to_string().contains("line 2"), "{error}");
 }
 
+/// A line toml cannot read is named by its number and column, never quoted: it may hold
+/// the PostgreSQL password or a tenant's token, and the error reaches the terminal.
+#[test]
+fn a_malformed_line_is_named_without_quoting_its_secret() {
+    let texts = [
+        "[store]\npostgres_url = \"host=db password=pa\\ss\"\n",
+        "[store]\npostgres_url = \"postgres://u:se\"cret@db/x\"\n",
+        "[[tenants]]\nname = \"a\"\ntoken = \"tok-secret\" x\n",
+        "[engine]\nshards = [1, \"tok-secret\"\n",
+    ];
+    for text in texts {
+        let error = Config::from_toml(text, "test").unwrap_err().to_string();
+        for secret in ["pa\\ss", "se\"cret", "tok-secret", "password"] {
+            assert!(!error.contains(secret), "{secret:?} in: {error}");
+        }
+        assert!(error.contains("line "), "{error}");
+    }
+}
+
 fn fields(text: &str) -> Vec<String> {
     match Config::from_toml(text, "test").unwrap().check() {
         Ok(()) => Vec::new(),
