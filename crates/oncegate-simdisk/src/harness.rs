@@ -61,6 +61,11 @@ pub struct Plan {
     /// (whose segments are then 320 KiB, near the smallest allowed, and at most six of them a
     /// shard, so that cuts land around segment changes and compaction).
     pub store: StoreKind,
+    /// The most keys a client ever works on. A client at it moves on from no completed
+    /// key and commits no more: its held keys are heartbeated and released and granted
+    /// again, so the shards keep writing while their live records stop growing (a store
+    /// with a size limit is never filled by the run). `u64::MAX`: no limit.
+    pub client_keys_max: u64,
     /// Stop after this many violations.
     pub violations_max: usize,
     /// The seed of every random choice.
@@ -80,6 +85,7 @@ impl Default for Plan {
             ack_before_commit: false,
             checkpoint_pages: 4,
             store: StoreKind::Sqlite,
+            client_keys_max: u64::MAX,
             violations_max: 20,
             seed: 1,
         }
@@ -315,6 +321,7 @@ struct Cycle {
     tenant: Tenant,
     /// The call count at which the power is cut, if the cut is counted in calls.
     cut_at: u64,
+    client_keys_max: u64,
     calls: AtomicU64,
     cut: AtomicBool,
     before: Marks,
@@ -563,6 +570,7 @@ impl Run<'_> {
             clock: self.clock.clone(),
             tenant: Tenant::default_tenant(),
             cut_at,
+            client_keys_max: self.plan.client_keys_max,
             calls: AtomicU64::new(0),
             cut: AtomicBool::new(false),
             before: self.marks.clone(),
@@ -641,14 +649,15 @@ fn drive(cycle: &Cycle, mut keys: ClientKeys, seed: u64, cut: u64) -> (ClientKey
     let mut found = Found::default();
     while !cycle.cut.load(Ordering::SeqCst) && cycle.disk.powered() {
         let pick = rng.random_range(0..keys.live.len());
-        if matches!(keys.live[pick].acked, Known::Done { .. }) && rng.random_bool(0.3) {
+        let at_max = keys.next_id >= cycle.client_keys_max;
+        if matches!(keys.live[pick].acked, Known::Done { .. }) && !at_max && rng.random_bool(0.3) {
             keys.rotate(pick, &cycle.engine);
         }
         let key = &mut keys.live[pick];
-        if !call(cycle, key, &mut rng, &mut found, cut) {
+        if let Err(error) = call(cycle, key, &mut rng, &mut found, cut, !at_max) {
             // The power is cut before any call can fail: a failure with power is a fault.
             if cycle.disk.powered() {
-                found.violation(Kind::FailedWithPower, cut, format!("{}: a call failed", key.key));
+                found.violation(Kind::FailedWithPower, cut, format!("{}: a call failed: {error}", key.key));
             }
             break;
         }
@@ -663,14 +672,22 @@ fn drive(cycle: &Cycle, mut keys: ClientKeys, seed: u64, cut: u64) -> (ClientKey
     (keys, found)
 }
 
-/// Makes one call on `key`; returns whether it was answered.
-fn call(cycle: &Cycle, key: &mut KeyModel, rng: &mut StdRng, found: &mut Found, cut: u64) -> bool {
+/// Makes one call on `key` (a commit only if `may_commit`); an error is the engine's
+/// refusal of it.
+fn call(
+    cycle: &Cycle,
+    key: &mut KeyModel,
+    rng: &mut StdRng,
+    found: &mut Found,
+    cut: u64,
+    may_commit: bool,
+) -> Result<(), Error> {
     match key.acked.clone() {
         acked if rng.random_bool(0.1) => read(cycle, key, &acked, found, cut),
         Known::Held { token, .. } if rng.random_bool(0.1) => duplicate(cycle, key, token, found, cut),
         Known::Free | Known::Abandoned { .. } => reserve(cycle, key, found, cut),
         Known::Done { token, response } => replay(cycle, key, token, &response, found, cut),
-        Known::Held { token, .. } => finish(cycle, key, token, rng),
+        Known::Held { token, .. } => finish(cycle, key, token, rng, may_commit),
     }
 }
 
@@ -679,9 +696,9 @@ fn key_request(key: &KeyModel, token: u64) -> KeyRequest {
 }
 
 /// A read, which must show exactly what was acknowledged.
-fn read(cycle: &Cycle, key: &mut KeyModel, acked: &Known, found: &mut Found, cut: u64) -> bool {
+fn read(cycle: &Cycle, key: &mut KeyModel, acked: &Known, found: &mut Found, cut: u64) -> Result<(), Error> {
     key.maybe = None;
-    let Ok(view) = cycle.engine.get_blocking(&cycle.tenant, key_request(key, 0)) else { return false };
+    let view = cycle.engine.get_blocking(&cycle.tenant, key_request(key, 0))?;
     let seen = Known::of(view);
     if &seen != acked {
         found.violation(
@@ -690,20 +707,26 @@ fn read(cycle: &Cycle, key: &mut KeyModel, acked: &Known, found: &mut Found, cut
             format!("{}: read {seen:?}, acknowledged {acked:?}", key.key),
         );
     }
-    true
+    Ok(())
 }
 
 /// A duplicate attempt while the key is held: never a second grant.
-fn duplicate(cycle: &Cycle, key: &mut KeyModel, token: u64, found: &mut Found, cut: u64) -> bool {
+fn duplicate(
+    cycle: &Cycle,
+    key: &mut KeyModel,
+    token: u64,
+    found: &mut Found,
+    cut: u64,
+) -> Result<(), Error> {
     key.maybe = None;
     let request =
         ReserveRequest { namespace: NAMESPACE.into(), key: key.key.clone(), ..ReserveRequest::default() };
-    let Ok(reserved) = cycle.engine.reserve_blocking(&cycle.tenant, request) else { return false };
+    let reserved = cycle.engine.reserve_blocking(&cycle.tenant, request)?;
     if !matches!(reserved.reply, ReserveReply::InProgress { .. }) {
         let detail = format!("{}: held with token {token}, a duplicate got {:?}", key.key, reserved.reply);
         found.violation(Kind::WrongAnswer, cut, detail);
     }
-    true
+    Ok(())
 }
 
 /// A replay of a completed key: the committed response, with its token.
@@ -714,11 +737,11 @@ fn replay(
     response: &[u8],
     found: &mut Found,
     cut: u64,
-) -> bool {
+) -> Result<(), Error> {
     key.maybe = None;
     let request =
         ReserveRequest { namespace: NAMESPACE.into(), key: key.key.clone(), ..ReserveRequest::default() };
-    let Ok(reserved) = cycle.engine.reserve_blocking(&cycle.tenant, request) else { return false };
+    let reserved = cycle.engine.reserve_blocking(&cycle.tenant, request)?;
     let replayed = matches!(&reserved.reply, ReserveReply::Completed { token: t, response: r, .. } if *t == token && r == response);
     if !replayed {
         found.violation(
@@ -727,13 +750,13 @@ fn replay(
             format!("{}: a completed key answered {:?}", key.key, reserved.reply),
         );
     }
-    true
+    Ok(())
 }
 
 /// A reserve of a free key, which must be a grant with a token above every token of its
 /// key and of its shard before the last cut, decided no earlier than the shard's clock
 /// frame at the cut.
-fn reserve(cycle: &Cycle, key: &mut KeyModel, found: &mut Found, cut: u64) -> bool {
+fn reserve(cycle: &Cycle, key: &mut KeyModel, found: &mut Found, cut: u64) -> Result<(), Error> {
     let shard = key.shard as usize;
     key.maybe = Some(Maybe::Granted { shard_token: cycle.before.token[shard] });
     let request = ReserveRequest {
@@ -742,7 +765,7 @@ fn reserve(cycle: &Cycle, key: &mut KeyModel, found: &mut Found, cut: u64) -> bo
         lease_ms: LEASE_MS,
         ..ReserveRequest::default()
     };
-    let Ok(reserved) = cycle.engine.reserve_blocking(&cycle.tenant, request) else { return false };
+    let reserved = cycle.engine.reserve_blocking(&cycle.tenant, request)?;
     let ReserveReply::Granted { token, lease_until_ms, .. } = reserved.reply else {
         found.violation(
             Kind::WrongAnswer,
@@ -750,7 +773,7 @@ fn reserve(cycle: &Cycle, key: &mut KeyModel, found: &mut Found, cut: u64) -> bo
             format!("{}: a free key answered {:?}", key.key, reserved.reply),
         );
         key.maybe = None;
-        return true;
+        return Ok(());
     };
     found.grants_checked += 1;
     if token <= key.last_token || token <= cycle.before.token[shard] {
@@ -772,13 +795,19 @@ fn reserve(cycle: &Cycle, key: &mut KeyModel, found: &mut Found, cut: u64) -> bo
     key.last_started_ms = started_ms;
     key.acked = Known::Held { token, lease_until_ms };
     key.maybe = None;
-    true
+    Ok(())
 }
 
-/// The holder heartbeats, releases or commits.
-fn finish(cycle: &Cycle, key: &mut KeyModel, token: u64, rng: &mut StdRng) -> bool {
+/// The holder heartbeats, releases or (if `may_commit`) commits.
+fn finish(
+    cycle: &Cycle,
+    key: &mut KeyModel,
+    token: u64,
+    rng: &mut StdRng,
+    may_commit: bool,
+) -> Result<(), Error> {
     let (engine, tenant) = (&cycle.engine, &cycle.tenant);
-    let answered = match rng.random_range(0..10) {
+    let answered = match rng.random_range(0..if may_commit { 10 } else { 4 }) {
         0..=1 => {
             key.maybe = Some(Maybe::Renewed);
             engine
@@ -803,12 +832,7 @@ fn finish(cycle: &Cycle, key: &mut KeyModel, token: u64, rng: &mut StdRng) -> bo
             engine.commit_blocking(tenant, request).map(|_| done)
         }
     };
-    match answered {
-        Ok(next) => {
-            key.acked = next;
-            key.maybe = None;
-            true
-        }
-        Err(_) => false,
-    }
+    key.acked = answered?;
+    key.maybe = None;
+    Ok(())
 }
