@@ -151,8 +151,9 @@ pub(crate) struct Store {
     segments: BTreeMap<u32, Box<dyn SegmentFile>>,
     /// Where the frames of each segment before the head end (the writer moved on there).
     ends: BTreeMap<u32, u64>,
-    /// Segments written since they were last synced (`durability = "normal"` only).
-    unsynced: std::collections::BTreeSet<u32>,
+    /// Segments written since they were last synced, each with the offset of its first
+    /// write since then (`durability = "normal"` only).
+    unsynced: BTreeMap<u32, u64>,
     /// Commits are synced whatever the durability (a slot move's copy, which the map
     /// will name as the slot's truth).
     sync_forced: bool,
@@ -210,6 +211,10 @@ impl Store {
         }
         let files = Arc::clone(&tuning.files);
         files.create_dir_all(dir).map_err(io(dir))?;
+        // An earlier store of this process may have renamed a segment without a durable
+        // directory entry (its sync failed, and the shard reopened the store): the renamed
+        // file may be the next one written, so its name is made durable before anything is.
+        files.sync_dir(dir).map_err(io(dir))?;
         let mut segments = BTreeMap::new();
         for seq in files.list(dir).map_err(io(dir))?.iter().filter_map(|n| parse_segment_name(n)) {
             let path = dir.join(segment_name(seq));
@@ -236,7 +241,7 @@ impl Store {
             segments_max: segments_max(tuning, faults),
             segments,
             ends: BTreeMap::new(),
-            unsynced: std::collections::BTreeSet::new(),
+            unsynced: BTreeMap::new(),
             sync_forced: false,
             dir_unsynced: false,
             preparing: None,
@@ -413,7 +418,28 @@ impl Store {
     /// written since its last sync is, after the write, so that compaction's copies are
     /// durable before their source goes, and a forced commit with every frame before it
     /// (recovery accepts no frame after a lost one).
+    ///
+    /// On a failure, the frames it began to write are overwritten with zeros (`unwrite`),
+    /// and only those: one not written may sit at the start of a recycled segment, whose
+    /// earlier frames are still the log's where its new name is not yet durable. Under
+    /// `"normal"` so is everything written since its segment's last good sync.
     fn write_frames(&mut self, frames: &[txn::Pending], retiring: bool) -> Result<(), StoreError> {
+        let mut begun = 0;
+        let written = self.write_and_sync(frames, retiring, &mut begun);
+        if written.is_err() {
+            self.unwrite(&frames[..begun]);
+            self.unwrite_unsynced();
+        }
+        written
+    }
+
+    /// `write_frames` without the undo; `begun` counts the frames whose write started.
+    fn write_and_sync(
+        &mut self,
+        frames: &[txn::Pending],
+        retiring: bool,
+        begun: &mut usize,
+    ) -> Result<(), StoreError> {
         let retiring = retiring || self.sync_forced;
         let full = self.durability == Durability::Full;
         if self.dir_unsynced {
@@ -422,21 +448,48 @@ impl Store {
         }
         for frame in frames {
             let file = &self.segments[&frame.seq];
+            *begun += 1;
             file.write_at(frame.start, &frame.bytes).map_err(io(&self.dir))?;
             if full {
                 file.sync_data().map_err(io(&self.dir))?;
             } else {
-                self.unsynced.insert(frame.seq);
+                self.unsynced.entry(frame.seq).or_insert(frame.start);
             }
         }
         if retiring {
-            for seq in std::mem::take(&mut self.unsynced) {
+            // An entry leaves the set only once its sync succeeded: what is left after a
+            // failure is taken back (`unwrite_unsynced`).
+            while let Some((&seq, _)) = self.unsynced.first_key_value() {
                 if let Some(file) = self.segments.get(&seq) {
                     file.sync_data().map_err(io(&self.dir))?;
                 }
+                self.unsynced.remove(&seq);
             }
         }
         Ok(())
+    }
+
+    /// After a failed write or sync under `durability = "normal"`, overwrites with zeros
+    /// everything written to each segment since its last good sync. Those frames were
+    /// acknowledged without a sync (which `"normal"` allows), but after a failed
+    /// `fdatasync` the kernel may have dropped them and marked their pages clean: the
+    /// shard's reopen would read them from the page cache as the log's, its own syncs
+    /// would succeed on nothing, and compaction could retire the segments that hold the
+    /// only durable copies of their records.
+    fn unwrite_unsynced(&mut self) {
+        for (seq, from) in std::mem::take(&mut self.unsynced) {
+            if let Some(file) = self.segments.get(&seq) {
+                let zeros = vec![0; ZERO_CHUNK_BYTES];
+                let mut offset = from;
+                while offset < self.segment_bytes {
+                    let n = (self.segment_bytes - offset).min(ZERO_CHUNK_BYTES as u64) as usize;
+                    if file.write_at(offset, &zeros[..n]).is_err() {
+                        break;
+                    }
+                    offset += n as u64;
+                }
+            }
+        }
     }
 
     /// After a failed write or sync, overwrites the transaction's frames with zeros, as
@@ -1063,6 +1116,42 @@ mod tests {
         assert!(txn.get(&scope("unsynced")).unwrap().is_none(), "read back from the page cache");
     }
 
+    /// Under `durability = "normal"`, a sync that fails (one a retirement or a forced
+    /// commit asks for) also takes back the earlier commits written since their segment's
+    /// last good sync: the kernel may have dropped them after the error while marking
+    /// their pages clean, so the reopen in this process, reading them from the page
+    /// cache, would take them for the log's (its own syncs then succeed on nothing) and
+    /// compaction could retire the segments their copies came from.
+    #[test]
+    fn a_failed_sync_under_normal_takes_back_every_frame_since_the_last_good_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let files = Arc::new(WatchedFiles::default());
+        let watched = Arc::clone(&files.0);
+        let normal = Tuning { durability: Durability::Normal, ..tuning(files, 1 << 30) };
+        let (mut store, _, _) = Store::open(dir.path(), &normal, &Faults::default()).unwrap();
+        store.sync_commits(true);
+        commit_keys(&mut store, 1, "synced-").unwrap();
+        store.sync_commits(false);
+        for batch in 2..6 {
+            commit_keys(&mut store, batch, &format!("unsynced{batch}-")).unwrap();
+        }
+        store.sync_commits(true);
+        watched.failing.store(true, std::sync::atomic::Ordering::SeqCst);
+        assert!(commit_keys(&mut store, 6, "failed-").is_err(), "the injected sync failure is reported");
+        watched.failing.store(false, std::sync::atomic::Ordering::SeqCst);
+        drop(store);
+        let (mut store, meta, _) = Store::open(dir.path(), &normal, &Faults::default()).unwrap();
+        assert_eq!(meta, Meta { next_token: 21, high_water_ms: 1 }, "the chain ends at the last good sync");
+        let txn = store.begin(7).unwrap();
+        assert!(txn.get(&scope("synced-0")).unwrap().is_some(), "a synced record was lost");
+        for batch in 2..6 {
+            assert!(
+                txn.get(&scope(&format!("unsynced{batch}-0"))).unwrap().is_none(),
+                "read back from the page cache"
+            );
+        }
+    }
+
     /// The log's last segment is for the writes that free room: while the head is in it,
     /// every request's write is refused, even where the segment has room; tombstones and
     /// compaction still go there.
@@ -1122,44 +1211,84 @@ mod tests {
     /// segment: recovery would start the chain there and lose every segment after it.
     #[test]
     fn a_recycled_segment_is_not_written_before_its_name_is_durable() {
+        recycled_segment_after_a_failed_directory_sync(false);
+    }
+
+    /// The same when the store is dropped and opened again before the recycled segment is
+    /// written (the shard reopens its store after any failure): the open syncs the
+    /// directory, so the rename an earlier store could not make durable is durable before
+    /// this one writes anything.
+    #[test]
+    fn a_reopened_log_makes_an_earlier_rename_durable_before_it_writes() {
+        recycled_segment_after_a_failed_directory_sync(true);
+    }
+
+    /// Commits ten keys named `prefix` and a number as batch `batch`.
+    fn commit_keys(store: &mut Store, batch: u64, prefix: &str) -> Result<(), StoreError> {
+        let txn = store.begin(batch)?;
+        for n in 0..10 {
+            txn.put(&scope(&format!("{prefix}{n}")), &granted(batch * 10 + n + 1, batch, 10_000_000))?;
+        }
+        txn.commit(Meta { next_token: batch * 10 + 11, high_water_ms: batch })
+    }
+
+    /// A log whose segment 1 holds only records with newer copies in segment 2, with no
+    /// spare made after the head (a spare's fill syncs the directory); returns the next
+    /// batch number. `room_bytes`: commits go on until the head has at most this much room.
+    fn first_segment_superseded(store: &mut Store, dir: &Path, room_bytes: u64) -> u64 {
+        let mut batch = 0;
+        for round in 0..2 {
+            while store.chain.head == round + 1 {
+                commit_keys(store, batch, &format!("x{batch}-")).unwrap();
+                batch += 1;
+            }
+        }
+        for old in 0..batch {
+            commit_keys(store, batch + old, &format!("x{old}-")).unwrap();
+        }
+        batch *= 2;
+        while SEGMENT_BYTES - store.chain.tail > room_bytes {
+            commit_keys(store, batch, &format!("y{batch}-")).unwrap();
+            batch += 1;
+        }
+        store.take_prepared(true).unwrap();
+        let spare = store.chain.head + 1;
+        if let Some(file) = store.segments.remove(&spare) {
+            drop(file);
+            crate::files::OsFiles.remove(&dir.join(segment_name(spare))).unwrap();
+        }
+        batch
+    }
+
+    /// A power cut: undoes a rename the directory was not synced after.
+    fn undo_unsynced_rename(watched: &Watched) {
+        if let Some((from, to)) = watched.renamed_unsynced.lock().unwrap().take() {
+            crate::files::OsFiles.rename(&to, &from).unwrap();
+        }
+    }
+
+    /// Retires segment 1 into the spare with the directory sync after the rename failing,
+    /// (`reopen`: drops the store and opens it again), commits into the recycled file, cuts
+    /// the power, and checks that every record committed after the retirement is there.
+    fn recycled_segment_after_a_failed_directory_sync(reopen: bool) {
         let dir = tempfile::tempdir().unwrap();
         let files = Arc::new(WatchedFiles::default());
         let watched = Arc::clone(&files.0);
         let tuning = tuning(files, 1 << 30);
         let (mut store, _, _) = Store::open(dir.path(), &tuning, &Faults::default()).unwrap();
-        let commit_keys = |store: &mut Store, batch: u64, prefix: &str| {
-            let txn = store.begin(batch).unwrap();
-            for n in 0..10 {
-                txn.put(&scope(&format!("{prefix}{n}")), &granted(batch * 10 + n + 1, batch, 10_000_000))
-                    .unwrap();
-            }
-            txn.commit(Meta { next_token: batch * 10 + 11, high_water_ms: batch }).unwrap();
-        };
-        // Segment 1 holds only records that have newer copies in segment 2.
-        let mut batch = 0;
-        for round in 0..2 {
-            while store.chain.head == round + 1 {
-                commit_keys(&mut store, batch, &format!("x{batch}-"));
-                batch += 1;
-            }
-        }
-        for old in 0..batch {
-            commit_keys(&mut store, batch + old, &format!("x{old}-"));
-        }
-        batch *= 2;
-        store.take_prepared(true).unwrap();
+        let mut batch = first_segment_superseded(&mut store, dir.path(), SEGMENT_BYTES);
         let spare = store.chain.head + 1;
-        if let Some(file) = store.segments.remove(&spare) {
-            drop(file);
-            crate::files::OsFiles.remove(&dir.path().join(segment_name(spare))).unwrap();
-        }
         watched.failing_dir_sync_after_rename.store(true, std::sync::atomic::Ordering::SeqCst);
         assert!(store.retire(1).is_err(), "the injected directory sync failure is reported");
         assert!(store.segments.contains_key(&spare), "segment 1 was recycled as the spare");
+        if reopen {
+            drop(store);
+            (store, _, _) = Store::open(dir.path(), &tuning, &Faults::default()).unwrap();
+        }
         // Records written from now on, up to the first commits into the recycled file.
         let mut late = 0;
         while store.chain.head < spare || late < 3 {
-            commit_keys(&mut store, batch, &format!("late{late}-"));
+            commit_keys(&mut store, batch, &format!("late{late}-")).unwrap();
             (batch, late) = (batch + 1, late + 1);
         }
         assert!(
@@ -1167,15 +1296,47 @@ mod tests {
             "no spare after it made yet (its fill syncs the directory)"
         );
         drop(store);
-        // A power cut undoes a rename the directory was not synced after.
-        if let Some((from, to)) = watched.renamed_unsynced.lock().unwrap().take() {
-            crate::files::OsFiles.rename(&to, &from).unwrap();
-        }
+        undo_unsynced_rename(&watched);
         let (mut store, _, _) = Store::open(dir.path(), &tuning, &Faults::default()).unwrap();
         let txn = store.begin(batch).unwrap();
         for n in 0..late {
             assert!(txn.get(&scope(&format!("late{n}-0"))).unwrap().is_some(), "late{n}-0 lost");
         }
+    }
+
+    /// A commit that fails before writing anything (here at the directory sync that a
+    /// recycled segment's unsynced name holds the next write back for) writes nothing:
+    /// the zeros that undo a failed write went to the frames' places whether or not they
+    /// were written, there the start of the recycled file, which a power cut can give its
+    /// old name back as the oldest segment: an outage under durability full (a damaged
+    /// start), every record lost under normal (a log read as new).
+    #[test]
+    fn a_commit_that_failed_before_writing_writes_no_zeros() {
+        let dir = tempfile::tempdir().unwrap();
+        let files = Arc::new(WatchedFiles::default());
+        let watched = Arc::clone(&files.0);
+        let tuning = tuning(files, 1 << 30);
+        let (mut store, _, _) = Store::open(dir.path(), &tuning, &Faults::default()).unwrap();
+        // Less room than a commit of ten keys takes: the next one spills into the spare.
+        let mut batch = first_segment_superseded(&mut store, dir.path(), 512);
+        let spare = store.chain.head + 1;
+        watched.failing_dir_sync_after_rename.store(true, std::sync::atomic::Ordering::SeqCst);
+        assert!(store.retire(1).is_err(), "the injected directory sync failure is reported");
+        watched.failing_dir_sync.store(true, std::sync::atomic::Ordering::SeqCst);
+        assert!(commit_keys(&mut store, batch, "failed-").is_err(), "the second directory sync failure too");
+        batch += 1;
+        let mut start = vec![0; FRAME_HEADER_BYTES];
+        store.segments[&spare].read_at(0, &mut start).unwrap();
+        assert!(start.iter().any(|&b| b != 0), "the recycled file's first frame was zeroed");
+        drop(store);
+        undo_unsynced_rename(&watched);
+        let (mut store, _, created) = Store::open(dir.path(), &tuning, &Faults::default()).unwrap();
+        assert!(!created, "the log was read as new");
+        let txn = store.begin(batch).unwrap();
+        assert!(
+            txn.get(&scope("x0-0")).unwrap().is_some(),
+            "a record committed before the failures was lost"
+        );
     }
 
     /// Frames an earlier open wrote without syncing them (`durability = "normal"`) are

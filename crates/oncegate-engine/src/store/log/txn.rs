@@ -428,10 +428,7 @@ impl<'s> Txn<'s> {
         // whatever the durability: otherwise a power cut could take records of any age.
         // (`write_frames` then syncs every segment written since its last sync.)
         let retiring = matches!(compaction, Some((_, true)));
-        if let Err(error) = store.write_frames(&frames, retiring) {
-            store.unwrite(&frames);
-            return Err(error);
-        }
+        store.write_frames(&frames, retiring)?;
         // Written, and with durability full synced: from here the transaction is the
         // log's state.
         self.committed.set(true);
