@@ -422,13 +422,13 @@ impl Store {
     /// On a failure, the frames it began to write are overwritten with zeros (`unwrite`),
     /// and only those: one not written may sit at the start of a recycled segment, whose
     /// earlier frames are still the log's where its new name is not yet durable. Under
-    /// `"normal"` so is everything written since its segment's last good sync.
+    /// `"normal"` a failed sync also takes back everything written since each segment's
+    /// last good sync (`unwrite_unsynced`).
     fn write_frames(&mut self, frames: &[txn::Pending], retiring: bool) -> Result<(), StoreError> {
         let mut begun = 0;
         let written = self.write_and_sync(frames, retiring, &mut begun);
         if written.is_err() {
             self.unwrite(&frames[..begun]);
-            self.unwrite_unsynced();
         }
         written
     }
@@ -458,10 +458,13 @@ impl Store {
         }
         if retiring {
             // An entry leaves the set only once its sync succeeded: what is left after a
-            // failure is taken back (`unwrite_unsynced`).
+            // failure is taken back.
             while let Some((&seq, _)) = self.unsynced.first_key_value() {
-                if let Some(file) = self.segments.get(&seq) {
-                    file.sync_data().map_err(io(&self.dir))?;
+                if let Some(file) = self.segments.get(&seq)
+                    && let Err(source) = file.sync_data()
+                {
+                    self.unwrite_unsynced();
+                    return Err(StoreError::Io { path: self.dir.clone(), source });
                 }
                 self.unsynced.remove(&seq);
             }
@@ -469,7 +472,7 @@ impl Store {
         Ok(())
     }
 
-    /// After a failed write or sync under `durability = "normal"`, overwrites with zeros
+    /// After a failed sync under `durability = "normal"`, overwrites with zeros
     /// everything written to each segment since its last good sync. Those frames were
     /// acknowledged without a sync (which `"normal"` allows), but after a failed
     /// `fdatasync` the kernel may have dropped them and marked their pages clean: the
