@@ -954,6 +954,8 @@ mod tests {
     #[derive(Debug, Default)]
     struct Watched {
         failing: std::sync::atomic::AtomicBool,
+        /// Set: this many more segment syncs succeed, then every one fails (`failing`).
+        syncs_before_failing: std::sync::Mutex<Option<u32>>,
         /// Renames and removes of segments to refuse.
         failing_retires: std::sync::atomic::AtomicU32,
         /// Segments written since their last sync (the spare thread's zero-filling aside).
@@ -984,6 +986,13 @@ mod tests {
             self.file.write_at(offset, bytes)
         }
         fn sync_data(&self) -> std::io::Result<()> {
+            if let Some(left) = self.watched.syncs_before_failing.lock().unwrap().as_mut() {
+                if *left == 0 {
+                    self.watched.failing.store(true, std::sync::atomic::Ordering::SeqCst);
+                } else {
+                    *left -= 1;
+                }
+            }
             if self.watched.failing.load(std::sync::atomic::Ordering::SeqCst) {
                 return Err(std::io::Error::other("injected: fdatasync failed"));
             }
@@ -1153,6 +1162,41 @@ mod tests {
                 "read back from the page cache"
             );
         }
+    }
+
+    /// When the syncs of one retiring (or forced) commit under `"normal"` succeed for an
+    /// earlier segment and fail for a later one, the earlier segment's frames are kept
+    /// (durable now) and the later one's taken back: the chain the reopen reads ends
+    /// where the durable prefix does.
+    #[test]
+    fn a_sync_failing_after_a_good_one_takes_back_only_the_later_segment() {
+        let dir = tempfile::tempdir().unwrap();
+        let files = Arc::new(WatchedFiles::default());
+        let watched = Arc::clone(&files.0);
+        let normal = Tuning { durability: Durability::Normal, ..tuning(files, 1 << 30) };
+        let (mut store, _, _) = Store::open(dir.path(), &normal, &Faults::default()).unwrap();
+        let mut batch = 1;
+        while store.chain.head == 1 {
+            commit_keys(&mut store, batch, &format!("first{batch}-")).unwrap();
+            batch += 1;
+        }
+        let in_second = batch - 1;
+        commit_keys(&mut store, batch, &format!("second{batch}-")).unwrap();
+        batch += 1;
+        assert_eq!(store.unsynced.len(), 2, "both segments written unsynced");
+        store.sync_commits(true);
+        *watched.syncs_before_failing.lock().unwrap() = Some(1);
+        assert!(commit_keys(&mut store, batch, "failed-").is_err(), "the second segment's sync fails");
+        watched.failing.store(false, std::sync::atomic::Ordering::SeqCst);
+        *watched.syncs_before_failing.lock().unwrap() = None;
+        drop(store);
+        let (mut store, _, _) = Store::open(dir.path(), &normal, &Faults::default()).unwrap();
+        let txn = store.begin(batch + 1).unwrap();
+        for kept in 1..in_second {
+            assert!(txn.get(&scope(&format!("first{kept}-0"))).unwrap().is_some(), "first{kept} lost");
+        }
+        let second = format!("second{}-0", in_second + 1);
+        assert!(txn.get(&scope(&second)).unwrap().is_none(), "{second} read back from the page cache");
     }
 
     /// The log's last segment is for the writes that free room: while the head is in it,
