@@ -106,12 +106,14 @@ async fn a_work_longer_than_its_lease_keeps_it_by_heartbeats() {
     let server = server().await;
     let client = Client::connect(server.url.clone()).await.unwrap();
     let other = client.clone();
-    let options = OnceOptions { lease_ms: 300, ..OnceOptions::default() };
+    // A second lease: each heartbeat (every third of it, a real fsync on a shared 2-core
+    // machine) has a good half second to land before the lease would end.
+    let options = OnceOptions { lease_ms: 1_000, ..OnceOptions::default() };
     let ran = client
         .once("live", "slow", options, |lease| async move {
-            // Four leases long; meanwhile nobody else may take the key.
-            for _ in 0..4 {
-                tokio::time::sleep(Duration::from_millis(300)).await;
+            // Three leases long; meanwhile nobody else may take the key.
+            for _ in 0..3 {
+                tokio::time::sleep(Duration::from_millis(1_000)).await;
                 let view = other.get(KeyRequest {
                     namespace: "live".into(),
                     key: "slow".into(),

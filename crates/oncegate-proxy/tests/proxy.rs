@@ -247,8 +247,10 @@ async fn a_client_that_disconnects_mid_request_gets_the_answer_on_its_retry() {
 /// while the lease lasts; the next attempt after it is told the first was abandoned).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_timeout_after_sending_keeps_the_key_held() {
+    // A second for the upstream to take the request (which `/hang` then never answers):
+    // a shorter timeout could end before it reached the upstream on a slow machine.
     let setup = setup(|c| {
-        c.upstream_timeout_ms = 100;
+        c.upstream_timeout_ms = 1_000;
         c.wait_ms = 0;
     })
     .await;

@@ -360,9 +360,10 @@ async fn a_waiter_whose_client_gave_up_is_never_granted() {
     let server = start_with(|c| c.engine.shards = 1).await;
     let mut client = server.client().await;
     let a = granted(&client.reserve(reserve("k")).await.unwrap().into_inner());
-    // B waits up to 20 s for a 10 min lease, but its own deadline is 200 ms.
+    // B waits up to 20 s for a 10 min lease, but its own deadline is 2 s: long enough to be
+    // seen parked on a slow machine (after its deadline the count is back to 0).
     let mut b = Request::new(pb::ReserveRequest { wait_ms: 20_000, lease_ms: 600_000, ..reserve("k") });
-    b.set_timeout(std::time::Duration::from_millis(200));
+    b.set_timeout(std::time::Duration::from_millis(2_000));
     let b = tokio::spawn({
         let mut client = client.clone();
         async move { client.reserve(b).await }
