@@ -24,6 +24,9 @@ const ACCEPT_RETRY: Duration = Duration::from_millis(100);
 /// The most bytes a connection gathers before writing them (`Connection::poll_flush`);
 /// a larger write goes to the socket at once.
 const GATHERED_BYTES_MAX: usize = 64 * 1024;
+/// What an emptied buffer keeps of its capacity: a burst of answers at 64 calls in flight
+/// takes about 20 KiB, and thousands of idle connections should not hold 64 KiB each.
+const GATHERED_CAPACITY_KEPT_BYTES: usize = 16 * 1024;
 
 /// An accepted connection, holding its slots until it closes.
 ///
@@ -198,7 +201,21 @@ impl Connection {
             }
             self.gathered.drain(..written);
         }
+        self.gathered.shrink_to(GATHERED_CAPACITY_KEPT_BYTES);
         Poll::Ready(Ok(()))
+    }
+}
+
+impl Drop for Connection {
+    /// What a protocol wrote last and never flushed goes out if the socket takes it now:
+    /// rustls writes the alert of a failed handshake without flushing it, and tonic then
+    /// drops the connection, so a client refused for its certificate would otherwise see
+    /// only the close.
+    fn drop(&mut self) {
+        let mut gathered = &self.gathered[..];
+        while let Ok(written @ 1..) = self.stream.try_write(gathered) {
+            gathered = &gathered[written..];
+        }
     }
 }
 
@@ -293,7 +310,12 @@ mod tests {
         let mut cx = Context::from_waker(&waker);
         assert!(Pin::new(&mut connection).poll_flush(&mut cx).is_pending(), "the first flush yields");
         assert!(woken.load(std::sync::atomic::Ordering::SeqCst), "and wakes its task to come back");
-        connection.write_all(b"two").await.unwrap();
+        let mut byte = [0u8; 1];
+        let nothing = peer.try_read(&mut byte);
+        assert!(matches!(&nothing, Err(e) if e.kind() == io::ErrorKind::WouldBlock), "written: {nothing:?}");
+        let parts = [io::IoSlice::new(b"tw"), io::IoSlice::new(b"o")];
+        let taken = std::future::poll_fn(|cx| Pin::new(&mut connection).poll_write_vectored(cx, &parts));
+        assert_eq!(taken.await.unwrap(), 3, "a vectored write is taken whole");
         connection.flush().await.unwrap();
         let mut got = [0u8; 7];
         peer.read_exact(&mut got).await.unwrap();
@@ -305,19 +327,31 @@ mod tests {
     #[tokio::test]
     async fn large_writes_and_shutdown_keep_every_byte_in_order() {
         let (mut connection, mut peer) = pair().await;
+        let reader = tokio::spawn(async move {
+            let mut got = Vec::new();
+            peer.read_to_end(&mut got).await.unwrap();
+            got
+        });
         let large: Vec<u8> = (0..3 * GATHERED_BYTES_MAX).map(|n| (n % 251) as u8).collect();
         let mut sent = Vec::new();
         for part in [&b"small"[..], &large, b"tail", &large[..GATHERED_BYTES_MAX - 1], b"end"] {
             connection.write_all(part).await.unwrap();
             sent.extend_from_slice(part);
         }
-        let reader = tokio::spawn(async move {
-            let mut got = Vec::new();
-            peer.read_to_end(&mut got).await.unwrap();
-            got
-        });
         connection.shutdown().await.unwrap();
         drop(connection);
         assert_eq!(reader.await.unwrap(), sent);
+    }
+
+    /// A connection dropped with bytes gathered and never flushed (a failed TLS
+    /// handshake's alert) still sends them when the socket takes them.
+    #[tokio::test]
+    async fn a_dropped_connection_sends_what_it_gathered() {
+        let (mut connection, mut peer) = pair().await;
+        connection.write_all(b"alert").await.unwrap();
+        drop(connection);
+        let mut got = Vec::new();
+        peer.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, b"alert");
     }
 }
