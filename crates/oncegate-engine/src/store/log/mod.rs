@@ -1087,11 +1087,7 @@ mod tests {
     /// records may be spread over several commits and segments.
     #[test]
     fn durability_normal_retires_a_segment_only_after_its_copies_are_synced() {
-        let dir = tempfile::tempdir().unwrap();
-        let files = Arc::new(WatchedFiles::default());
-        let watched = Arc::clone(&files.0);
-        let tuning = Tuning { durability: Durability::Normal, ..tuning(files, 1 << 30) };
-        let (mut store, _, _) = Store::open(dir.path(), &tuning, &Faults::default()).unwrap();
+        let (_dir, watched, _, mut store) = watched_log(Durability::Normal);
         fill_expiring(&mut store, 3);
         assert!(store.retired.load(std::sync::atomic::Ordering::Relaxed) > 0, "compaction retired segments");
         assert!(!watched.retired_over_unsynced.load(std::sync::atomic::Ordering::SeqCst));
@@ -1102,12 +1098,8 @@ mod tests {
     /// them, and what the shard commits next must not chain onto them.
     #[test]
     fn a_commit_whose_sync_failed_is_not_read_back_by_the_next_open() {
-        let dir = tempfile::tempdir().unwrap();
-        let files = Arc::new(WatchedFiles::default());
-        let watched = Arc::clone(&files.0);
+        let (dir, watched, tuning, mut store) = watched_log(Durability::Full);
         let failing = &watched.failing;
-        let tuning = tuning(files, 1 << 30);
-        let (mut store, _, _) = Store::open(dir.path(), &tuning, &Faults::default()).unwrap();
         let txn = store.begin(1).unwrap();
         txn.put(&scope("before"), &granted(1, 1, 60_000)).unwrap();
         txn.commit(Meta { next_token: 2, high_water_ms: 1 }).unwrap();
@@ -1136,11 +1128,7 @@ mod tests {
     /// compaction could retire the segments their copies came from.
     #[test]
     fn a_failed_sync_under_normal_takes_back_every_frame_since_the_last_good_one() {
-        let dir = tempfile::tempdir().unwrap();
-        let files = Arc::new(WatchedFiles::default());
-        let watched = Arc::clone(&files.0);
-        let normal = Tuning { durability: Durability::Normal, ..tuning(files, 1 << 30) };
-        let (mut store, _, _) = Store::open(dir.path(), &normal, &Faults::default()).unwrap();
+        let (dir, watched, normal, mut store) = watched_log(Durability::Normal);
         store.sync_commits(true);
         commit_keys(&mut store, 1, "synced-").unwrap();
         store.sync_commits(false);
@@ -1170,11 +1158,7 @@ mod tests {
     /// where the durable prefix does.
     #[test]
     fn a_sync_failing_after_a_good_one_takes_back_only_the_later_segment() {
-        let dir = tempfile::tempdir().unwrap();
-        let files = Arc::new(WatchedFiles::default());
-        let watched = Arc::clone(&files.0);
-        let normal = Tuning { durability: Durability::Normal, ..tuning(files, 1 << 30) };
-        let (mut store, _, _) = Store::open(dir.path(), &normal, &Faults::default()).unwrap();
+        let (dir, watched, normal, mut store) = watched_log(Durability::Normal);
         let mut batch = 1;
         while store.chain.head == 1 {
             commit_keys(&mut store, batch, &format!("first{batch}-")).unwrap();
@@ -1270,6 +1254,17 @@ mod tests {
         recycled_segment_after_a_failed_directory_sync(true);
     }
 
+    /// A new log of `durability` on watched files (1 GiB at most), with its directory, the
+    /// files' record and the settings to open it again.
+    fn watched_log(durability: Durability) -> (tempfile::TempDir, Arc<Watched>, Tuning, Store) {
+        let dir = tempfile::tempdir().unwrap();
+        let files = Arc::new(WatchedFiles::default());
+        let watched = Arc::clone(&files.0);
+        let tuning = Tuning { durability, ..tuning(files, 1 << 30) };
+        let (store, _, _) = Store::open(dir.path(), &tuning, &Faults::default()).unwrap();
+        (dir, watched, tuning, store)
+    }
+
     /// Commits ten keys named `prefix` and a number as batch `batch`.
     fn commit_keys(store: &mut Store, batch: u64, prefix: &str) -> Result<(), StoreError> {
         let txn = store.begin(batch)?;
@@ -1318,11 +1313,7 @@ mod tests {
     /// (`reopen`: drops the store and opens it again), commits into the recycled file, cuts
     /// the power, and checks that every record committed after the retirement is there.
     fn recycled_segment_after_a_failed_directory_sync(reopen: bool) {
-        let dir = tempfile::tempdir().unwrap();
-        let files = Arc::new(WatchedFiles::default());
-        let watched = Arc::clone(&files.0);
-        let tuning = tuning(files, 1 << 30);
-        let (mut store, _, _) = Store::open(dir.path(), &tuning, &Faults::default()).unwrap();
+        let (dir, watched, tuning, mut store) = watched_log(Durability::Full);
         let mut batch = first_segment_superseded(&mut store, dir.path(), SEGMENT_BYTES);
         let spare = store.chain.head + 1;
         watched.failing_dir_sync_after_rename.store(true, std::sync::atomic::Ordering::SeqCst);
@@ -1359,11 +1350,7 @@ mod tests {
     /// start), every record lost under normal (a log read as new).
     #[test]
     fn a_commit_that_failed_before_writing_writes_no_zeros() {
-        let dir = tempfile::tempdir().unwrap();
-        let files = Arc::new(WatchedFiles::default());
-        let watched = Arc::clone(&files.0);
-        let tuning = tuning(files, 1 << 30);
-        let (mut store, _, _) = Store::open(dir.path(), &tuning, &Faults::default()).unwrap();
+        let (dir, watched, tuning, mut store) = watched_log(Durability::Full);
         // Less room than a commit of ten keys takes: the next one spills into the spare.
         let mut batch = first_segment_superseded(&mut store, dir.path(), 512);
         let spare = store.chain.head + 1;
@@ -1392,11 +1379,7 @@ mod tests {
     /// with them at a power cut.
     #[test]
     fn an_open_syncs_the_frames_an_earlier_open_left_unsynced() {
-        let dir = tempfile::tempdir().unwrap();
-        let files = Arc::new(WatchedFiles::default());
-        let watched = Arc::clone(&files.0);
-        let normal = Tuning { durability: Durability::Normal, ..tuning(files, 1 << 30) };
-        let (mut store, _, _) = Store::open(dir.path(), &normal, &Faults::default()).unwrap();
+        let (dir, watched, normal, mut store) = watched_log(Durability::Normal);
         for batch in 0..100u64 {
             let txn = store.begin(batch).unwrap();
             for n in 0..20 {
