@@ -8,6 +8,7 @@
 mod admin;
 mod auth;
 pub mod config;
+mod dispatch;
 mod gate;
 pub mod http;
 mod listen;
@@ -113,9 +114,9 @@ pub async fn serve(
     if tls.is_none() && !gate_addr.ip().is_loopback() {
         tracing::warn!(%gate_addr, "serving tenants in plaintext off loopback (server.plaintext_allowed = true)");
     }
-    let (routes, reporter) = routes(&engine, config).await?;
+    let Services { gate, routes, reporter } = services(&engine, config).await?;
     // Everything that can fail is done before a task is spawned.
-    let mut transport = transport(server, tls)?;
+    let mut transport = transport(server, tls)?.layer(dispatch::DispatchLayer::new(gate));
     // On the signal: report NOT_SERVING (gRPC health and `/readyz`, so balancers stop
     // sending), stop accepting, and give in-flight calls `shutdown_grace_ms` to finish.
     // Long-lived streams (health watches) would otherwise hold the shutdown open for ever.
@@ -202,10 +203,19 @@ fn spawn_metrics(
     })
 }
 
-/// The gRPC services (Gate, Admin, health, reflection) and the health reporter, whose
-/// first status is set before the listener accepts anything, so that a health check
-/// right after start-up never finds the service unregistered.
-async fn routes(engine: &Engine, config: &Config) -> Result<(Routes, HealthReporter), ServeError> {
+/// What the gRPC port serves.
+struct Services {
+    /// The `Gate` service, which [`dispatch`] calls without the router.
+    gate: GateServer<GateService>,
+    /// Admin, health, reflection and the HTTP/JSON API.
+    routes: Routes,
+    /// The health service's reporter, whose first status is set before the listener
+    /// accepts anything, so that a health check right after start-up never finds the
+    /// service unregistered.
+    reporter: HealthReporter,
+}
+
+async fn services(engine: &Engine, config: &Config) -> Result<Services, ServeError> {
     let server = &config.server;
     let tenants = config.tenant_entries().map_err(ServeError::Config)?;
     let auth = Auth::new(&tenants);
@@ -249,15 +259,12 @@ async fn routes(engine: &Engine, config: &Config) -> Result<(Routes, HealthRepor
     let reflection_v1alpha = reflection(tonic_reflection::server::Builder::configure())
         .build_v1alpha()
         .map_err(|e| ServeError::Reflection(e.to_string()))?;
-    let routes = Routes::new(gate)
-        .add_service(admin)
-        .add_service(health)
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha);
+    let routes =
+        Routes::new(admin).add_service(health).add_service(reflection_v1).add_service(reflection_v1alpha);
     // The HTTP/JSON API shares the port: tonic's server takes HTTP/1.1 and hands every
     // request that is not gRPC to these routes.
     let routes = Routes::from(routes.into_axum_router().merge(json).fallback(http::fallback));
-    Ok((routes, reporter))
+    Ok(Services { gate, routes, reporter })
 }
 /// Keeps the health service in step with the shards: `SERVING` when every shard serves,
 /// `NOT_SERVING` otherwise, for the whole server and for `oncegate.v1.Gate`.
