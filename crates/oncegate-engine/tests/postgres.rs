@@ -311,56 +311,110 @@ fn a_read_only_database_is_refused_and_a_newer_schema_too() {
 /// node's own clock: a forward step of the database server's clock (here, its time
 /// passing while the node's manual clock stands still) is held back, so no lease ages
 /// at once. Before the cap, every grant below got a later lease than the first.
+/// One node with one shard on `url`, its clock (the engine's) at `time`: T0, years
+/// behind the database's.
+fn one_shard_node(dir: &std::path::Path, url: &str, time: &ManualClock) -> Engine {
+    let config = EngineConfig {
+        data_dir: dir.to_owned(),
+        shards: 1,
+        store: StoreConfig {
+            kind: Some(StoreKind::Postgres),
+            postgres_url: url.to_owned(),
+            ..StoreConfig::default()
+        },
+        ..EngineConfig::default()
+    };
+    Engine::open_with(config, Arc::new(time.clone()), Faults::default()).unwrap()
+}
+
+/// The lease end of a grant of `key` for `lease_ms`.
+fn lease_of(engine: &Engine, key: &str, lease_ms: u64) -> u64 {
+    match engine.reserve_blocking(&tenant(), reserve_for(key, lease_ms, 60_000, 0)).unwrap().reply {
+        ReserveReply::Granted { lease_until_ms, .. } => lease_until_ms,
+        other => panic!("{other:?}"),
+    }
+}
+
+/// The database server's clock, read on a connection of its own.
+fn database_ms(url: &str) -> u64 {
+    block_on(async {
+        let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.unwrap();
+        let driver = tokio::spawn(connection);
+        let row =
+            client.query_one("SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint", &[]).await;
+        drop(client);
+        let _ = driver.await;
+        row.unwrap().get::<_, i64>(0) as u64
+    })
+}
+
 #[test]
 fn a_database_clock_running_ahead_of_the_node_is_held_to_the_node_pace() {
     let Some(cluster) = shared() else { return };
     let url = cluster.database("ahead");
     let dir = tempfile::tempdir().unwrap();
     let time = ManualClock::new(T0);
-    let config = EngineConfig {
-        data_dir: dir.path().to_owned(),
-        shards: 1,
-        store: StoreConfig {
-            kind: Some(StoreKind::Postgres),
-            postgres_url: url.clone(),
-            ..StoreConfig::default()
-        },
-        ..EngineConfig::default()
-    };
-    let engine = Engine::open_with(config, Arc::new(time.clone()), Faults::default()).unwrap();
-    let t = tenant();
-    let lease_of =
-        |key: &str| match engine.reserve_blocking(&t, reserve_for(key, 10_000, 60_000, 0)).unwrap().reply {
-            ReserveReply::Granted { lease_until_ms, .. } => lease_until_ms,
-            other => panic!("{other:?}"),
-        };
-    let first = lease_of("k0");
+    let engine = one_shard_node(dir.path(), &url, &time);
+    let first = lease_of(&engine, "k0", 10_000);
     // Grant keys until the database's clock has moved 100 ms past the first grant.
-    let database_ms = || {
-        block_on(async {
-            let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
-            let driver = tokio::spawn(connection);
-            let row =
-                client.query_one("SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint", &[]).await;
-            drop(client);
-            let _ = driver.await;
-            row.unwrap().get::<_, i64>(0) as u64
-        })
-    };
     let mut n = 0;
-    while database_ms() < first - 10_000 + 100 {
+    while database_ms(&url) < first - 10_000 + 100 {
         n += 1;
-        assert_eq!(lease_of(&format!("k{n}")), first, "grant {n}: time stood still with the node's clock");
+        assert_eq!(
+            lease_of(&engine, &format!("k{n}"), 10_000),
+            first,
+            "grant {n}: time stood still with the node's clock"
+        );
     }
     // Once the node's clock moves on, time follows the database's again (up to the node's
     // pace plus 1%): it catches up with the 100 ms it was held back, never past it.
     time.advance(10_000);
-    let later = lease_of("after");
-    let database_now = database_ms();
+    let later = lease_of(&engine, "after", 10_000);
+    let database_now = database_ms(&url);
     assert!(
         later >= first + 100 && later <= database_now + 10_000,
         "time caught up with the database's clock: {later} vs {first}, database now {database_now}"
     );
+}
+
+/// A reopened shard (after a failure, here at the operator's word) still holds the
+/// database's clock to the node's pace: its first transaction does not take the
+/// database's time as it is, which after a fail-over to a host whose clock runs ahead
+/// would age every lease at once.
+#[test]
+fn a_reopened_shard_still_holds_the_database_clock_to_the_node_pace() {
+    let Some(cluster) = shared() else { return };
+    let url = cluster.database("ahead_reopened");
+    let dir = tempfile::tempdir().unwrap();
+    let time = ManualClock::new(T0);
+    let engine = one_shard_node(dir.path(), &url, &time);
+    let first = lease_of(&engine, "k0", 10_000);
+    while database_ms(&url) < first - 10_000 + 100 {}
+    assert!(engine.reopen_shard(0));
+    assert_eq!(lease_of(&engine, "k1", 10_000), first, "the reopen took the database's clock as it is");
+}
+
+/// Time goes on moving after a reopen when the node's clock is behind the database's
+/// (the reopen must not lift the shard's own clock to the database's mark, where it
+/// would stand still until the node's clock caught up): a lease still ends.
+#[test]
+fn a_lease_still_ends_after_a_reopen_when_the_node_clock_is_behind_the_database() {
+    let Some(cluster) = shared() else { return };
+    let url = cluster.database("behind_reopened");
+    let dir = tempfile::tempdir().unwrap();
+    let time = ManualClock::new(T0);
+    let engine = one_shard_node(dir.path(), &url, &time);
+    lease_of(&engine, "a", 10_000);
+    assert!(engine.reopen_shard(0));
+    let lease_until_ms = lease_of(&engine, "k", 1_000);
+    // The database's clock first, then the node's: a transaction in between (an alarm)
+    // would take a time the database had not reached yet and hold the next ones to it.
+    while database_ms(&url) < lease_until_ms + 500 {}
+    time.advance(1_500);
+    match engine.reserve_blocking(&tenant(), reserve_for("k", 1_000, 60_000, 0)).unwrap().reply {
+        ReserveReply::Granted { attempt: 2, .. } => {}
+        other => panic!("the lease never ended: {other:?}"),
+    }
 }
 
 #[path = "../../oncegate-server/tests/common/certs.rs"]

@@ -74,7 +74,15 @@ impl Shard {
         )?;
         // Every shard reads the same row; the first to open tells the engine.
         let _ = self.floor.format.set(format);
-        let now = if process_start { self.anchor(meta.high_water_ms) } else { self.keep_frame(meta) };
+        // A reopen keeps the frame and is not lifted to the database's mark: the mark is
+        // in the database's time, which may run ahead of the node's, and a frame lifted
+        // to it would stand still until the node's clock caught up, and with it the pace
+        // that every transaction's time is held to.
+        let now = if process_start {
+            self.anchor(meta.high_water_ms)
+        } else {
+            self.guard.read(self.clock.monotonic_ms())
+        };
         // Other nodes' records come due without this shard hearing of them: it looks for
         // them once a reclaim window after it opens, and after each reclaim from then on.
         self.book.next_reclaim_ms = Some(now + self.config.reclaim_granularity_ms);

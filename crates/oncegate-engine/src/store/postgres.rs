@@ -90,7 +90,8 @@ const SCHEMA_LOCK: i64 = 0x6f6e_6365_6761_7465;
 /// database server's clock (an NTP step, a fail-over to a host whose clock runs ahead)
 /// is absorbed at this rate instead of ageing every lease at once, the way a shard file's
 /// frame never lets a wall-clock step reach a decision. 1% covers any clock discipline's
-/// slewing; the first transaction after an open takes the database's time as it is.
+/// slewing. A shard's reopen keeps its pace (see `Postgres::paces`); only the first
+/// transaction of a lane in a process takes the database's time as it is.
 const CLOCK_SLEW_PER_MILLE: u64 = 10;
 
 /// Lock attempts of one transaction before a deadlock or serialization failure is given
@@ -185,6 +186,11 @@ pub(crate) struct Postgres {
     config: StoreConfig,
     /// Where the database is, without the password, for logs.
     pub display: String,
+    /// Each lane's last `(time, shard's own reading)` ([`Store::last_now`]), kept here
+    /// when its store is dropped, so that the shard's next store (a reopen after a
+    /// failure, such as the fail-over that a clock running ahead comes with) holds the
+    /// database's clock to the node's pace from its first transaction.
+    paces: std::sync::Mutex<std::collections::HashMap<String, (u64, u64)>>,
 }
 
 impl Drop for Postgres {
@@ -360,6 +366,7 @@ impl Postgres {
             node,
             display: redact(&config.postgres_url),
             config: config.clone(),
+            paces: std::sync::Mutex::default(),
         })
     }
 
@@ -427,6 +434,10 @@ impl Drop for Store {
         if let Some(client) = self.client.take() {
             drop(Object::take(client));
         }
+        if let Some(last_now) = self.last_now {
+            let mut paces = self.pg.paces.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            paces.insert(std::mem::take(&mut self.lane), last_now);
+        }
     }
 }
 
@@ -486,17 +497,20 @@ impl Store {
                 return Err(error);
             }
         };
+        let lane = format!("{}/{shard}", pg.node);
+        // Only a process's first store of a lane takes the database's time as it is.
+        let last_now = pg.paces.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(&lane).copied();
         let store = Store {
             pg: Arc::clone(pg),
             client: Some(client),
             statements: Some(statements),
-            lane: format!("{}/{shard}", pg.node),
+            lane,
             owned,
             tally,
             next_reclaim_ms: Cell::new(None),
             reclaim_every_ms,
             faults: faults.clone(),
-            last_now: None,
+            last_now,
         };
         Ok((store, Meta { next_token: 1, high_water_ms: from_sql(mark) }, format))
     }
