@@ -18,6 +18,7 @@
 //! | a body, key or stored answer over its limit | `413`/`400` problem, or passed on unstored with a `Warning` |
 
 mod config;
+mod payload;
 mod problem;
 mod stored;
 
@@ -217,16 +218,15 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
                 Some((name.as_str().to_owned(), serde_json::Value::from(value)))
             })
             .collect();
-        let body = match serde_json::from_slice::<serde_json::Value>(body) {
-            // The parsed value makes key order and spacing not count; its strings and
-            // numbers as written keep what parsing loses (digits past a double's
-            // precision, a repeated member) counting, so two payloads the upstream could
-            // tell apart never share a fingerprint.
-            Ok(json) => {
-                let text = std::str::from_utf8(body).unwrap_or_default();
-                serde_json::json!({ "json": json, "scalars": scalars_as_written(text) })
-            }
-            Err(_) => {
+        // A JSON body counts as written but for spacing and member order
+        // (`payload.rs`): parsing it into a value would lose what the upstream may still
+        // tell apart, digits past a double's precision or a member given twice.
+        let json = std::str::from_utf8(body)
+            .ok()
+            .filter(|text| serde_json::from_str::<serde::de::IgnoredAny>(text).is_ok());
+        let body = match json {
+            Some(text) => serde_json::json!({ "json": payload::canonical_as_written(text) }),
+            None => {
                 serde_json::json!({ "bytes": body.iter().map(|b| format!("{b:02x}")).collect::<String>() })
             }
         };
@@ -408,39 +408,6 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
-/// The strings and numbers of a JSON text as written (escapes and digits untouched),
-/// sorted, so that their order in the document does not count.
-fn scalars_as_written(json: &str) -> Vec<&str> {
-    let bytes = json.as_bytes();
-    let mut scalars = Vec::new();
-    let mut at = 0;
-    while at < bytes.len() {
-        let start = at;
-        match bytes[at] {
-            b'"' => {
-                at += 1;
-                while at < bytes.len() && bytes[at] != b'"' {
-                    at += if bytes[at] == b'\\' { 2 } else { 1 };
-                }
-                at += 1;
-            }
-            b'-' | b'0'..=b'9' => {
-                while at < bytes.len() && matches!(bytes[at], b'0'..=b'9' | b'-' | b'+' | b'.' | b'e' | b'E')
-                {
-                    at += 1;
-                }
-            }
-            _ => {
-                at += 1;
-                continue;
-            }
-        }
-        scalars.push(&json[start..at.min(json.len())]);
-    }
-    scalars.sort_unstable();
-    scalars
-}
-
 /// The headers that tell the upstream which attempt runs; only the proxy sets them.
 const ATTEMPT_HEADERS: [HeaderName; 3] = [
     HeaderName::from_static("oncegate-token"),
@@ -474,23 +441,4 @@ fn replay(bytes: &[u8], replayed: bool) -> Response {
         headers.insert(HeaderName::from_static("idempotent-replayed"), HeaderValue::from_static("true"));
     }
     (stored.status, headers, stored.body).into_response()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::scalars_as_written;
-
-    #[test]
-    fn scalars_are_read_as_written_whatever_their_order() {
-        assert_eq!(
-            scalars_as_written(r#"{"b": -1.50e3, "a": ["x\"y", true]}"#),
-            [r#""a""#, r#""b""#, r#""x\"y""#, "-1.50e3"]
-        );
-        // What serde_json reads as one value stays two payloads here.
-        assert_ne!(
-            scalars_as_written(r#"{"q":10000000000000000001}"#),
-            scalars_as_written(r#"{"q":10000000000000000000}"#)
-        );
-        assert_ne!(scalars_as_written(r#"{"q":1,"q":2}"#), scalars_as_written(r#"{"q":2}"#));
-    }
 }

@@ -194,6 +194,27 @@ async fn a_retry_is_replayed_byte_for_byte_and_another_payload_is_refused() {
     assert_eq!(setup.counts.orders.load(Ordering::SeqCst), 1);
 }
 
+/// Two payloads whose values trade places are two payloads, even where parsing would read
+/// them the same (numbers past a double's precision): the second is refused, not given
+/// the first one's stored answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn values_that_trade_places_are_another_payload_even_past_a_double_precision() {
+    let setup = setup(|_| {}).await;
+    let first = setup
+        .post("/orders", Some("t"), r#"{"from":100000000000000000001,"to":100000000000000000002}"#)
+        .await;
+    assert_eq!(first.0, StatusCode::CREATED);
+    let swapped = setup
+        .post("/orders", Some("t"), r#"{"from":100000000000000000002,"to":100000000000000000001}"#)
+        .await;
+    assert_eq!(swapped.0, StatusCode::UNPROCESSABLE_ENTITY, "{swapped:?}");
+    let retry = setup
+        .post("/orders", Some("t"), r#"{ "to":100000000000000000002, "from":100000000000000000001 }"#)
+        .await;
+    assert_eq!(retry, (StatusCode::CREATED, Some("true".to_owned()), first.2));
+    assert_eq!(setup.counts.orders.load(Ordering::SeqCst), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_5xx_or_soft_failure_releases_the_key_and_the_retry_runs() {
     let setup = setup(|_| {}).await;
