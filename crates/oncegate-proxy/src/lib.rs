@@ -133,7 +133,10 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
             let answer = self.forward(request).await;
             self.keep(answer).await
         };
-        match once(self.gate.clone(), reserve, OnCancel::Release, work).await {
+        // The work is cancelled only when its task fails (a panic) or the runtime stops,
+        // and the upstream may then be running it: the key stays held until its lease
+        // ends, as when the proxy is killed, and the next attempt is told `abandoned`.
+        match once(self.gate.clone(), reserve, OnCancel::KeepUntilLeaseEnds, work).await {
             Ok(Ran::Now(bytes)) => Ok(replay(&bytes, false)),
             Ok(Ran::Replayed { response, .. }) => Ok(replay(&response, true)),
             Ok(Ran::InProgress { retry_after_ms }) => Err(Problem {

@@ -11,7 +11,9 @@ use axum::routing::post;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use oncegate_engine::{Engine, EngineConfig};
+use oncegate_core::View;
+use oncegate_core::gate::{CommitRequest, Gate, KeyRequest, Renewed, ReserveRequest, Reserved};
+use oncegate_engine::{Engine, EngineConfig, TenantGate};
 use oncegate_proxy::ProxyConfig;
 
 /// Executions per upstream route, and a signal that the slow one has started.
@@ -106,6 +108,14 @@ struct Setup {
 }
 
 async fn setup(edit: impl FnOnce(&mut ProxyConfig)) -> Setup {
+    setup_on(edit, |gate| gate).await
+}
+
+/// [`setup`] with the proxy on `wrap` of the engine's gate.
+async fn setup_on<G: Gate + Clone + 'static>(
+    edit: impl FnOnce(&mut ProxyConfig),
+    wrap: impl FnOnce(TenantGate) -> G,
+) -> Setup {
     let counts = Arc::new(Counts::default());
     let dir = tempfile::tempdir().unwrap();
     let engine =
@@ -114,7 +124,8 @@ async fn setup(edit: impl FnOnce(&mut ProxyConfig)) -> Setup {
     config.soft_failure = Some(("/success".to_owned(), serde_json::Value::Bool(false)));
     edit(&mut config);
     let proxy =
-        serve(oncegate_proxy::router(engine.gate(oncegate_core::Tenant::default_tenant()), config)).await;
+        serve(oncegate_proxy::router(wrap(engine.gate(oncegate_core::Tenant::default_tenant())), config))
+            .await;
     let http = Client::builder(TokioExecutor::new()).build_http();
     Setup { proxy, counts, http, _engine: engine, _dir: dir }
 }
@@ -192,6 +203,56 @@ async fn a_retry_is_replayed_byte_for_byte_and_another_payload_is_refused() {
     assert_eq!(other.0, StatusCode::UNPROCESSABLE_ENTITY);
     assert!(String::from_utf8_lossy(&other.2).contains("\"code\":\"mismatch\""), "{other:?}");
     assert_eq!(setup.counts.orders.load(Ordering::SeqCst), 1);
+}
+
+/// The engine's gate, but every heartbeat panics: the proxy's task for a request then
+/// unwinds while the upstream is still at work.
+#[derive(Clone)]
+struct PanickingHeartbeats(TenantGate);
+
+impl Gate for PanickingHeartbeats {
+    type Error = <TenantGate as Gate>::Error;
+
+    fn reserve(&self, request: ReserveRequest) -> impl Future<Output = Result<Reserved, Self::Error>> + Send {
+        self.0.reserve(request)
+    }
+
+    fn commit(&self, request: CommitRequest) -> impl Future<Output = Result<u64, Self::Error>> + Send {
+        self.0.commit(request)
+    }
+
+    fn release(&self, request: KeyRequest) -> impl Future<Output = Result<(), Self::Error>> + Send {
+        self.0.release(request)
+    }
+
+    async fn heartbeat(&self, _: KeyRequest) -> Result<Renewed, Self::Error> {
+        panic!("the test's gate fails every heartbeat")
+    }
+
+    fn get(&self, request: KeyRequest) -> impl Future<Output = Result<View, Self::Error>> + Send {
+        self.0.get(request)
+    }
+}
+
+/// A request whose task fails while the upstream may be running it leaves its key held
+/// until the lease ends, as a killed proxy does: a retry in the meantime is told the
+/// request is in progress and does not run it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_task_fails_mid_way_keeps_its_key_held() {
+    // An 8 s lease (the upstream's 3 s and the margin), so the first heartbeat goes
+    // after about 2.7 s, while `/hang` still runs; the retry waits up to 1 s.
+    let setup = setup_on(
+        |c| {
+            c.upstream_timeout_ms = 3_000;
+            c.wait_ms = 1_000;
+        },
+        PanickingHeartbeats,
+    )
+    .await;
+    assert_eq!(setup.post("/hang", Some("h"), "{}").await.0, StatusCode::BAD_GATEWAY);
+    let retry = setup.post("/hang", Some("h"), "{}").await;
+    assert_eq!(retry.0, StatusCode::CONFLICT, "{retry:?}");
+    assert_eq!(setup.counts.hang.load(Ordering::SeqCst), 1, "the upstream ran it again");
 }
 
 /// Two payloads whose values trade places are two payloads, even where parsing would read
