@@ -353,13 +353,38 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
             )),
             OnceError::Gate(error) if error.code() == Code::ResourceExhausted => Err(Problem {
                 retry_after_s: Some(1),
-                ..Problem::new(StatusCode::TOO_MANY_REQUESTS, "Too many requests", "resource_exhausted", error.to_string())
+                ..Problem::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "Too many requests",
+                    "resource_exhausted",
+                    error.to_string(),
+                )
             }),
             OnceError::Gate(error) => Err(Problem {
                 retry_after_s: Some(1),
-                ..Problem::new(StatusCode::SERVICE_UNAVAILABLE, "Gate unavailable", "unavailable", error.to_string())
+                ..Problem::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "Gate unavailable",
+                    "unavailable",
+                    error.to_string(),
+                )
             }),
-            OnceError::LeaseLost { .. } | OnceError::Unconfirmed { .. } | OnceError::Failed(_) => Err(Problem::new(
+            // The upstream answered and the proxy has its answer; only storing it failed
+            // (the gate is down, or refused it: a remote gate's `response_bytes_max` below
+            // `stored_bytes_max`). The caller gets it, warned, rather than a `502` that
+            // would send its retry upstream again once the still-held key's lease ends.
+            OnceError::Unconfirmed { response, error, .. } => {
+                tracing::warn!(%error, "the upstream's answer could not be stored; passed on unstored");
+                let mut passed = replay(&response, false);
+                passed.headers_mut().insert(
+                    header::WARNING,
+                    HeaderValue::from_static(
+                        "299 - \"answer not stored; a retry after the lease may run again\"",
+                    ),
+                );
+                Ok(passed)
+            }
+            OnceError::LeaseLost { .. } | OnceError::Failed(_) => Err(Problem::new(
                 StatusCode::BAD_GATEWAY,
                 "Outcome unknown",
                 "lease_lost",

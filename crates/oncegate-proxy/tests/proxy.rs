@@ -108,18 +108,21 @@ struct Setup {
 }
 
 async fn setup(edit: impl FnOnce(&mut ProxyConfig)) -> Setup {
-    setup_on(edit, |gate| gate).await
+    setup_on(edit, |_| {}, |gate| gate).await
 }
 
-/// [`setup`] with the proxy on `wrap` of the engine's gate.
+/// [`setup`] with the engine's configuration edited too, and the proxy on `wrap` of the
+/// engine's gate.
 async fn setup_on<G: Gate + Clone + 'static>(
     edit: impl FnOnce(&mut ProxyConfig),
+    edit_engine: impl FnOnce(&mut EngineConfig),
     wrap: impl FnOnce(TenantGate) -> G,
 ) -> Setup {
     let counts = Arc::new(Counts::default());
     let dir = tempfile::tempdir().unwrap();
-    let engine =
-        Engine::open(EngineConfig { data_dir: dir.path().to_owned(), ..EngineConfig::default() }).unwrap();
+    let mut engine_config = EngineConfig { data_dir: dir.path().to_owned(), ..EngineConfig::default() };
+    edit_engine(&mut engine_config);
+    let engine = Engine::open(engine_config).unwrap();
     let mut config = ProxyConfig { upstream: upstream(Arc::clone(&counts)).await, ..ProxyConfig::default() };
     config.soft_failure = Some(("/success".to_owned(), serde_json::Value::Bool(false)));
     edit(&mut config);
@@ -246,6 +249,7 @@ async fn a_request_whose_task_fails_mid_way_keeps_its_key_held() {
             c.upstream_timeout_ms = 3_000;
             c.wait_ms = 1_000;
         },
+        |_| {},
         PanickingHeartbeats,
     )
     .await;
@@ -253,6 +257,23 @@ async fn a_request_whose_task_fails_mid_way_keeps_its_key_held() {
     let retry = setup.post("/hang", Some("h"), "{}").await;
     assert_eq!(retry.0, StatusCode::CONFLICT, "{retry:?}");
     assert_eq!(setup.counts.hang.load(Ordering::SeqCst), 1, "the upstream ran it again");
+}
+
+/// An answer the gate refuses to store (as a remote gate does whose `response_bytes_max`
+/// is below the proxy's `stored_bytes_max`) still reaches the caller, with a warning,
+/// rather than a `502` after which the caller's retry would run it again once the lease
+/// ended; the key stays held meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_the_gate_cannot_store_is_passed_on_and_its_key_stays_held() {
+    let setup = setup_on(|c| c.wait_ms = 0, |e| e.limits.response_bytes_max = 1_024, |gate| gate).await;
+    let ((status, _, body), headers) = setup.post_with("/big", Some("b"), "{}", &[]).await;
+    assert_eq!((status, body.len()), (StatusCode::OK, 4_000));
+    assert!(
+        headers.get(header::WARNING).is_some_and(|w| w.to_str().unwrap().contains("not stored")),
+        "{headers:?}"
+    );
+    assert_eq!(setup.post("/big", Some("b"), "{}").await.0, StatusCode::CONFLICT);
+    assert_eq!(setup.counts.big.load(Ordering::SeqCst), 1);
 }
 
 /// Two payloads whose values trade places are two payloads, even where parsing would read
