@@ -224,11 +224,14 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
         // A JSON body counts as written but for spacing and member order
         // (`payload.rs`): parsing it into a value would lose what the upstream may still
         // tell apart, digits past a double's precision or a member given twice.
+        // Parsed into a value first: the parser checks the text and stops at a depth
+        // the walk can take (`IgnoredAny` would check it to any depth).
         let json = std::str::from_utf8(body)
             .ok()
-            .filter(|text| serde_json::from_str::<serde::de::IgnoredAny>(text).is_ok());
+            .filter(|text| serde_json::from_str::<serde_json::Value>(text).is_ok())
+            .and_then(payload::canonical_as_written);
         let body = match json {
-            Some(text) => serde_json::json!({ "json": payload::canonical_as_written(text) }),
+            Some(text) => serde_json::json!({ "json": text }),
             None => {
                 serde_json::json!({ "bytes": body.iter().map(|b| format!("{b:02x}")).collect::<String>() })
             }
@@ -376,11 +379,9 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
             OnceError::Unconfirmed { response, error, .. } => {
                 tracing::warn!(%error, "the upstream's answer could not be stored; passed on unstored");
                 let mut passed = replay(&response, false);
-                passed.headers_mut().insert(
+                passed.headers_mut().append(
                     header::WARNING,
-                    HeaderValue::from_static(
-                        "299 - \"answer not stored; a retry after the lease may run again\"",
-                    ),
+                    HeaderValue::from_static("299 - \"answer may not be stored; a retry may run again\""),
                 );
                 Ok(passed)
             }

@@ -8,20 +8,27 @@
 //! which member each one belongs to, so two payloads that differ only in where their
 //! values stand never share a fingerprint.
 
+/// Nesting deeper than this has no canonical form here (serde_json's parser stops at the
+/// same depth): the walk recurses once per level, and copies each object's members once
+/// more per level, so the depth bounds both the stack and the copying.
+const DEPTH_MAX: usize = 128;
+
 /// The canonical form of `json`, a document already known to be valid JSON (the caller
-/// has parsed it; on other text the result is some string, never a hang or a panic).
-/// Each object's members are copied once more per level of nesting, which the parser's
-/// depth limit (128) bounds.
-pub(crate) fn canonical_as_written(json: &str) -> String {
-    let mut walker = Walker { text: json, at: 0 };
+/// has parsed it into a value, which bounds its depth too); `None` past [`DEPTH_MAX`]
+/// levels. On text that is not JSON the result is some string, never a hang or a panic.
+pub(crate) fn canonical_as_written(json: &str) -> Option<String> {
+    let mut walker = Walker { text: json, at: 0, depth: 0, too_deep: false };
     let mut out = String::with_capacity(json.len());
     walker.value(&mut out);
-    out
+    (!walker.too_deep).then_some(out)
 }
 
 struct Walker<'a> {
     text: &'a str,
     at: usize,
+    depth: usize,
+    /// Set when the walk stopped at [`DEPTH_MAX`].
+    too_deep: bool,
 }
 
 impl Walker<'_> {
@@ -44,8 +51,12 @@ impl Walker<'_> {
     fn value(&mut self, out: &mut String) {
         self.skip_space();
         match self.peek() {
-            b'{' => self.object(out),
-            b'[' => self.array(out),
+            b'{' | b'[' if self.depth == DEPTH_MAX => {
+                self.too_deep = true;
+                self.at = self.text.len();
+            }
+            b'{' => self.nested(out, Self::object),
+            b'[' => self.nested(out, Self::array),
             b'"' => {
                 let string = self.string();
                 out.push_str(string);
@@ -65,6 +76,21 @@ impl Walker<'_> {
                 out.push_str(self.text.get(start..self.at).unwrap_or_default());
             }
         }
+    }
+
+    fn nested(&mut self, out: &mut String, walk: fn(&mut Self, &mut String)) {
+        self.depth += 1;
+        walk(self, out);
+        self.depth -= 1;
+    }
+
+    /// Past the spaces and the comma after an element or a member.
+    fn skip_separator(&mut self) {
+        self.skip_space();
+        if self.peek() == b',' {
+            self.at += 1;
+        }
+        self.skip_space();
     }
 
     /// The string at the cursor as written, quotes included.
@@ -89,11 +115,7 @@ impl Walker<'_> {
             }
             first = false;
             self.value(out);
-            self.skip_space();
-            if self.peek() == b',' {
-                self.at += 1;
-            }
-            self.skip_space();
+            self.skip_separator();
         }
         self.at = (self.at + 1).min(self.text.len());
         out.push(']');
@@ -113,11 +135,7 @@ impl Walker<'_> {
             self.at = (self.at + 1).min(self.text.len()); // the colon
             self.value(&mut member);
             members.push((decoded, member));
-            self.skip_space();
-            if self.peek() == b',' {
-                self.at += 1;
-            }
-            self.skip_space();
+            self.skip_separator();
         }
         self.at = (self.at + 1).min(self.text.len());
         members.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
@@ -134,7 +152,11 @@ impl Walker<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::canonical_as_written as canonical;
+    use super::{DEPTH_MAX, canonical_as_written};
+
+    fn canonical(json: &str) -> String {
+        canonical_as_written(json).expect("within the depth limit")
+    }
 
     #[test]
     fn spacing_and_member_order_do_not_count_and_scalars_stay_as_written() {
@@ -170,8 +192,18 @@ mod tests {
         for text in
             ["{\"a\":", "[1,", "\"open", "{\"a\" 1", "", "{", "[", "\"\\", "[}", "[]]", "{1:2}", "[\u{e9}]"]
         {
-            let _ = canonical(text);
+            let _ = canonical_as_written(text);
         }
+    }
+
+    #[test]
+    fn nesting_past_the_depth_limit_has_no_canonical_form() {
+        let at_limit = format!("{}{}", "[".repeat(DEPTH_MAX), "]".repeat(DEPTH_MAX));
+        assert_eq!(canonical(&at_limit), at_limit);
+        let deep = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
+        assert_eq!(canonical_as_written(&deep), None);
+        let objects = format!("{}1{}", r#"{"a":"#.repeat(100_000), "}".repeat(100_000));
+        assert_eq!(canonical_as_written(&objects), None);
     }
 
     #[test]
