@@ -85,7 +85,10 @@ impl Shard {
         };
         // Other nodes' records come due without this shard hearing of them: it looks for
         // them once a reclaim window after it opens, and after each reclaim from then on.
-        self.book.next_reclaim_ms = Some(now + self.config.reclaim_granularity_ms);
+        // Alarms are in the store's time: the shard's own plus how far ahead of it the
+        // store's was at the last batch (0 before the first).
+        let store_now = now.saturating_add_signed(self.store_ahead_ms);
+        self.book.next_reclaim_ms = Some(store_now + self.config.reclaim_granularity_ms);
         // Counted when the node starts and when an operator reopens the shard; a reconnect
         // after a failure keeps the shard's own counts.
         if let Some(counted) = store.take_count() {

@@ -285,6 +285,11 @@ fn tls(ca_path: Option<&std::path::Path>) -> Result<tokio_postgres_rustls::MakeR
 }
 
 impl Postgres {
+    /// The lanes' paces (a poisoned lock still holds whole entries: each is one insert).
+    fn paces(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, (u64, u64)>> {
+        self.paces.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// A connection ready for a shard: the session's timeouts set (the server gives up a
     /// statement, a lock wait included, and an idle open transaction after the time the
     /// node waits for an answer, so a node that gave up leaves no lock behind), refused
@@ -435,8 +440,7 @@ impl Drop for Store {
             drop(Object::take(client));
         }
         if let Some(last_now) = self.last_now {
-            let mut paces = self.pg.paces.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            paces.insert(std::mem::take(&mut self.lane), last_now);
+            self.pg.paces().insert(std::mem::take(&mut self.lane), last_now);
         }
     }
 }
@@ -499,7 +503,7 @@ impl Store {
         };
         let lane = format!("{}/{shard}", pg.node);
         // Only a process's first store of a lane takes the database's time as it is.
-        let last_now = pg.paces.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(&lane).copied();
+        let last_now = pg.paces().get(&lane).copied();
         let store = Store {
             pg: Arc::clone(pg),
             client: Some(client),
