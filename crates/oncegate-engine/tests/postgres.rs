@@ -307,10 +307,6 @@ fn a_read_only_database_is_refused_and_a_newer_schema_too() {
     assert!(error.contains("schema version 99 is unknown"), "{error}");
 }
 
-/// The database's clock is read in every transaction, but it may not run ahead of the
-/// node's own clock: a forward step of the database server's clock (here, its time
-/// passing while the node's manual clock stands still) is held back, so no lease ages
-/// at once. Before the cap, every grant below got a later lease than the first.
 /// One node with one shard on `url`, its clock (the engine's) at `time`: T0, years
 /// behind the database's.
 fn one_shard_node(dir: &std::path::Path, url: &str, time: &ManualClock) -> Engine {
@@ -348,6 +344,10 @@ fn database_ms(url: &str) -> u64 {
     })
 }
 
+/// The database's clock is read in every transaction, but it may not run ahead of the
+/// node's own clock: a forward step of the database server's clock (here, its time
+/// passing while the node's manual clock stands still) is held back, so no lease ages
+/// at once. Before the cap, every grant below got a later lease than the first.
 #[test]
 fn a_database_clock_running_ahead_of_the_node_is_held_to_the_node_pace() {
     let Some(cluster) = shared() else { return };
