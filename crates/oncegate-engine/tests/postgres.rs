@@ -323,6 +323,40 @@ fn one_shard_node(dir: &std::path::Path, url: &str, time: &ManualClock) -> Engin
     Engine::open_with(config, Arc::new(time.clone()), Faults::default()).unwrap()
 }
 
+/// A token sequence that could hand tokens out again or out of order is refused when a
+/// node starts: one set back behind the stored tokens (a copy of the database made
+/// without it), and one that caches values per session.
+#[test]
+fn a_token_sequence_behind_the_records_or_cached_is_refused() {
+    let Some(cluster) = shared() else { return };
+    let url = cluster.database("sequence");
+    let dir = tempfile::tempdir().unwrap();
+    let start = || node(dir.path(), &url, PgClock::Database, Arc::new(SystemClock));
+    let engine = start();
+    for n in 0..3 {
+        assert!(matches!(
+            engine.reserve_blocking(&tenant(), reserve(&format!("k{n}"))).unwrap().reply,
+            ReserveReply::Granted { .. }
+        ));
+    }
+    drop(engine);
+    let refused = |expected: &str| {
+        let engine = start();
+        let error = engine.stats()[0].last_error.clone().unwrap_or_default();
+        assert!(error.contains(expected), "{error}");
+        assert_eq!(engine.reserve_blocking(&tenant(), reserve("new")).unwrap_err().code(), Code::Unavailable);
+    };
+    sql(&url, "ALTER SEQUENCE oncegate_tokens RESTART");
+    refused("behind the stored tokens");
+    sql(&url, "SELECT setval('oncegate_tokens', 1000000); ALTER SEQUENCE oncegate_tokens CACHE 20");
+    refused("CACHE 20");
+    sql(&url, "ALTER SEQUENCE oncegate_tokens CACHE 1");
+    let engine = start();
+    assert!(
+        matches!(engine.reserve_blocking(&tenant(), reserve("new")).unwrap().reply, ReserveReply::Granted { token, .. } if token > 1_000_000)
+    );
+}
+
 /// The lease end of a grant of `key` for `lease_ms`.
 fn lease_of(engine: &Engine, key: &str, lease_ms: u64) -> u64 {
     match engine.reserve_blocking(&tenant(), reserve_for(key, lease_ms, 60_000, 0)).unwrap().reply {

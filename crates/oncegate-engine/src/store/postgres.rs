@@ -319,6 +319,7 @@ impl Postgres {
                 ));
             }
             migrate(&client).await?;
+            check_sequence(&client).await?;
             if report {
                 let sync: String = client.query_one("SHOW synchronous_commit", &[]).await.map_err(pg_error)?.get(0);
                 if sync == "off" || sync == "local" {
@@ -820,6 +821,33 @@ async fn current_version(client: &Object) -> Result<Option<i64>, StoreError> {
 
 /// The records of `owned` slots by state and tenant, in a transaction whose statement
 /// timeout is `limit_ms` instead of the connection's.
+/// Refuses a token sequence that would not keep a key's tokens increasing: a step other
+/// than [`TOKEN_BLOCK`] (blocks would overlap), values cached per session (handed out
+/// out of order across sessions), or cycling.
+async fn check_sequence(client: &Object) -> Result<(), StoreError> {
+    let row = client
+        .query_opt(
+            "SELECT increment_by, cache_size, cycle FROM pg_sequences \
+             WHERE schemaname = current_schema() AND sequencename = 'oncegate_tokens'",
+            &[],
+        )
+        .await
+        .map_err(pg_error)?
+        .ok_or_else(|| StoreError::Corrupt("the token sequence oncegate_tokens is missing".to_owned()))?;
+    let (increment, cache, cycle): (i64, i64, bool) = (row.get(0), row.get(1), row.get(2));
+    if increment != TOKEN_BLOCK as i64 || cache != 1 || cycle {
+        return Err(StoreError::Corrupt(format!(
+            "the token sequence oncegate_tokens has INCREMENT BY {increment} CACHE {cache}{}; oncegate needs \
+             INCREMENT BY {TOKEN_BLOCK} CACHE 1 NO CYCLE, or fencing tokens could go back",
+            if cycle { " CYCLE" } else { "" }
+        )));
+    }
+    Ok(())
+}
+
+/// Counts the records of the shard's slots, and checks that the token sequence is past
+/// every token they hold: a copy of the database that did not carry the sequence
+/// (logical replication) would hand a stale holder's token out again.
 async fn count(client: &mut Object, owned: &[i32], limit_ms: u64) -> Result<Tally, StoreError> {
     let tx = client.transaction().await.map_err(pg_error)?;
     tx.query_one("SELECT set_config('statement_timeout', $1, true)", &[&limit_ms.to_string()])
@@ -827,12 +855,25 @@ async fn count(client: &mut Object, owned: &[i32], limit_ms: u64) -> Result<Tall
         .map_err(pg_error)?;
     let rows = tx
         .query(
-            "SELECT tenant, outcome IS NULL, count(*) FROM oncegate_records WHERE slot = ANY($1) GROUP BY 1, 2",
+            "SELECT tenant, outcome IS NULL, count(*), max(token) FROM oncegate_records WHERE slot = ANY($1) \
+             GROUP BY 1, 2",
             &[&owned],
         )
         .await
         .map_err(pg_error)?;
+    let sequence =
+        tx.query_one("SELECT last_value, is_called FROM oncegate_tokens", &[]).await.map_err(pg_error)?;
     tx.commit().await.map_err(pg_error)?;
+    let (last_value, is_called): (i64, bool) = (sequence.get(0), sequence.get(1));
+    let next = if is_called { from_sql(last_value) + TOKEN_BLOCK } else { from_sql(last_value) };
+    let stored_max = rows.iter().map(|row| from_sql(row.get::<_, i64>(3))).max().unwrap_or(0);
+    if stored_max >= next {
+        return Err(StoreError::Corrupt(format!(
+            "the token sequence is behind the stored tokens: oncegate_tokens would give {next} next, and a record \
+             holds token {stored_max} (a copy of the database without its sequence?); set it past every token \
+             ever issued, at least SELECT setval('oncegate_tokens', {stored_max})"
+        )));
+    }
     let mut tally = Tally::default();
     for row in rows {
         let tenant = stored_tenant(row.get(0))?;
