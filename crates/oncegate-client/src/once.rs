@@ -9,12 +9,14 @@
 //! with `lease_lost`: the attempt is fenced off, and its side effects must be checked.
 //!
 //! A work that panics, or whose future is dropped (a timeout, a disconnected caller),
-//! gives the key back as [`OnceOptions::on_cancel`] says: released at once (the default,
-//! so the next attempt may proceed), or kept until its lease ends, so that the next
-//! attempt is told the previous one was abandoned ([`Lease::previous`]) and can check for
-//! a side effect the cancelled one may have made. Choose the second when the work cannot
-//! be cancelled between its side effect and its end without harm, or make the side
-//! effect itself idempotent downstream with the fencing token.
+//! gives the key back as [`OnceOptions::on_cancel`] says: kept until its lease ends (the
+//! default), so that the next attempt is told the previous one was abandoned
+//! ([`Lease::previous`]) and can check for a side effect the cancelled one may have made;
+//! or released at once, so the next attempt may proceed now and is not told. A future is
+//! dropped at an await, which may be just after its side effect (a payment sent, its
+//! answer not yet read), so releasing is right only for a work whose every await comes
+//! before its side effect, or whose side effect is idempotent downstream with the
+//! fencing token.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -28,9 +30,10 @@ use tokio::time::Instant;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum OnCancel {
     /// Release it at once: the next attempt may proceed now (and is not told).
-    #[default]
     Release,
-    /// Keep it until its lease ends: the next attempt is granted as `abandoned`.
+    /// Keep it until its lease ends: the next attempt is granted as `abandoned`. The
+    /// default: a cancelled work may have made its side effect.
+    #[default]
     KeepUntilLeaseEnds,
 }
 

@@ -54,6 +54,11 @@ fn waiting() -> OnceOptions {
     OnceOptions { wait_ms: 20_000, ..OnceOptions::default() }
 }
 
+/// A cancelled or panicking work releases its key at once.
+fn releasing() -> OnceOptions {
+    OnceOptions { on_cancel: OnCancel::Release, ..OnceOptions::default() }
+}
+
 /// 64 callers race for one key, sharing one client (so one session stream, or one
 /// connection of unary calls); the work runs once.
 async fn race(transport: Transport) {
@@ -134,13 +139,13 @@ async fn a_work_longer_than_its_lease_keeps_it_by_heartbeats() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_work_that_panics_gives_the_key_back() {
+async fn a_work_that_panics_gives_the_key_back_when_asked_to_release_it() {
     let server = server().await;
     let client = Client::connect(server.url.clone()).await.unwrap();
     let panicking = client.clone();
     let attempt = tokio::spawn(async move {
         panicking
-            .once("live", "k", OnceOptions::default(), |_| async {
+            .once("live", "k", releasing(), |_| async {
                 panic!("the work broke");
                 #[allow(unreachable_code)]
                 Ok::<_, WorkError<()>>(Vec::new())
@@ -155,14 +160,14 @@ async fn a_work_that_panics_gives_the_key_back() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dropped_future_gives_the_key_back() {
+async fn a_dropped_future_gives_the_key_back_when_asked_to_release_it() {
     let server = server().await;
     let client = Client::connect(server.url.clone()).await.unwrap();
     let (started, running) = tokio::sync::oneshot::channel();
     let dropped = client.clone();
     let attempt = tokio::spawn(async move {
         dropped
-            .once("live", "k", OnceOptions::default(), |_| async move {
+            .once("live", "k", releasing(), |_| async move {
                 let _ = started.send(());
                 std::future::pending::<Result<Vec<u8>, WorkError<()>>>().await
             })
@@ -201,12 +206,12 @@ async fn a_retryable_failure_releases_and_a_final_one_is_replayed() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_cancelled_work_can_leave_its_key_to_lapse_so_the_next_attempt_is_told() {
+async fn a_cancelled_work_leaves_its_key_to_lapse_by_default_so_the_next_attempt_is_told() {
     let server = server().await;
     let client = Client::connect(server.url.clone()).await.unwrap();
     let (started, running) = tokio::sync::oneshot::channel();
-    let keeping =
-        OnceOptions { lease_ms: 300, on_cancel: OnCancel::KeepUntilLeaseEnds, ..OnceOptions::default() };
+    // The default: releasing would let the next attempt run unaware of the first.
+    let keeping = OnceOptions { lease_ms: 300, ..OnceOptions::default() };
     let dropped = client.clone();
     let attempt = tokio::spawn(async move {
         dropped
