@@ -222,10 +222,10 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
             })
             .collect();
         // A JSON body counts as written but for spacing and member order
-        // (`payload.rs`): parsing it into a value would lose what the upstream may still
-        // tell apart, digits past a double's precision or a member given twice.
-        // Parsed into a value first: the parser checks the text and stops at a depth
-        // the walk can take (`IgnoredAny` would check it to any depth).
+        // (`payload.rs`), since a parsed value would lose what the upstream may still tell
+        // apart (digits past a double's precision, a member given twice). It is parsed
+        // first only to check it: the parser stops at a depth the walk can take, where
+        // `IgnoredAny` would accept any depth.
         let json = std::str::from_utf8(body)
             .ok()
             .filter(|text| serde_json::from_str::<serde_json::Value>(text).is_ok())

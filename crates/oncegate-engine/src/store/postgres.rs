@@ -819,8 +819,6 @@ async fn current_version(client: &Object) -> Result<Option<i64>, StoreError> {
     }
 }
 
-/// The records of `owned` slots by state and tenant, in a transaction whose statement
-/// timeout is `limit_ms` instead of the connection's.
 /// Refuses a token sequence that would not keep a key's tokens increasing: a step other
 /// than [`TOKEN_BLOCK`] (blocks would overlap), values cached per session (handed out
 /// out of order across sessions), or cycling.
@@ -845,9 +843,9 @@ async fn check_sequence(client: &Object) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// Counts the records of the shard's slots, and checks that the token sequence is past
-/// every token they hold: a copy of the database that did not carry the sequence
-/// (logical replication) would hand a stale holder's token out again.
+/// The records of `owned` slots by state and tenant, in a transaction whose statement
+/// timeout is `limit_ms` instead of the connection's; and, from the same pass, the check
+/// that the token sequence is past every token they hold ([`sequence_past`]).
 async fn count(client: &mut Object, owned: &[i32], limit_ms: u64) -> Result<Tally, StoreError> {
     let tx = client.transaction().await.map_err(pg_error)?;
     tx.query_one("SELECT set_config('statement_timeout', $1, true)", &[&limit_ms.to_string()])
@@ -864,16 +862,8 @@ async fn count(client: &mut Object, owned: &[i32], limit_ms: u64) -> Result<Tall
     let sequence =
         tx.query_one("SELECT last_value, is_called FROM oncegate_tokens", &[]).await.map_err(pg_error)?;
     tx.commit().await.map_err(pg_error)?;
-    let (last_value, is_called): (i64, bool) = (sequence.get(0), sequence.get(1));
-    let next = if is_called { from_sql(last_value) + TOKEN_BLOCK } else { from_sql(last_value) };
     let stored_max = rows.iter().map(|row| from_sql(row.get::<_, i64>(3))).max().unwrap_or(0);
-    if stored_max >= next {
-        return Err(StoreError::Corrupt(format!(
-            "the token sequence is behind the stored tokens: oncegate_tokens would give {next} next, and a record \
-             holds token {stored_max} (a copy of the database without its sequence?); set it past every token \
-             ever issued, at least SELECT setval('oncegate_tokens', {stored_max})"
-        )));
-    }
+    sequence_past(stored_max, sequence.get(0), sequence.get(1))?;
     let mut tally = Tally::default();
     for row in rows {
         let tenant = stored_tenant(row.get(0))?;
@@ -886,6 +876,22 @@ async fn count(client: &mut Object, owned: &[i32], limit_ms: u64) -> Result<Tall
         tally.add_tenant(&tenant, rows);
     }
     Ok(tally)
+}
+
+/// Refuses a sequence (at `last_value`, drawn from yet when `is_called`) whose next block
+/// would not start above `stored_max`, the greatest stored token: a copy of the database
+/// that did not carry the sequence (logical replication) would hand a stale holder's
+/// token out again.
+fn sequence_past(stored_max: u64, last_value: i64, is_called: bool) -> Result<(), StoreError> {
+    let next = if is_called { from_sql(last_value) + TOKEN_BLOCK } else { from_sql(last_value) };
+    if stored_max < next {
+        return Ok(());
+    }
+    Err(StoreError::Corrupt(format!(
+        "the token sequence is behind the stored tokens: oncegate_tokens would give {next} next, and a record \
+         holds token {stored_max} (a copy of the database without its sequence?); set it past every token ever \
+         issued, at least SELECT setval('oncegate_tokens', {stored_max})"
+    )))
 }
 
 fn read_row(row: &Row) -> Result<(Scope, Record), StoreError> {
