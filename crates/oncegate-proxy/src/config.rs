@@ -38,7 +38,9 @@ pub struct ProxyConfig {
     pub ttl_ms: u64,
     /// Request headers that are part of the payload (its fingerprint).
     pub fingerprint_headers: Vec<HeaderName>,
-    /// Response headers stored and replayed with the body.
+    /// Response headers stored and replayed with the body, every value of each. Never
+    /// `set-cookie`, `content-length` or a hop-by-hop header: the
+    /// file refuses them and the proxy skips them.
     pub stored_headers: Vec<HeaderName>,
     /// Which upstream statuses are stored (and replayed); the others release the key.
     pub stored_statuses: StoredStatuses,
@@ -256,6 +258,11 @@ impl ProxyFile {
         }
         if let Some(names) = self.stored_headers {
             config.stored_headers = parse.all("stored_headers", &names, header_name);
+            for name in &config.stored_headers {
+                if let Some(reason) = never_stored(name) {
+                    parse.problems.push(Problem::new("proxy.stored_headers", format!("{name}: {reason}")));
+                }
+            }
         }
         if let Some(entries) = self.stored_statuses {
             match StoredStatuses::parse(&entries) {
@@ -275,6 +282,18 @@ impl ProxyFile {
                 absolute.then(|| HeaderValue::from_str(&format!("<{u}>; rel=\"describedby\"")).ok()).flatten()
             })
         });
+    }
+}
+
+/// Why a response header is never stored, if it is not: a replay goes to whoever retries
+/// the key, and its body is framed anew.
+pub(crate) fn never_stored(name: &HeaderName) -> Option<&'static str> {
+    if name == header::SET_COOKIE {
+        Some("is never stored: a replay would hand the first caller's cookie to whoever retries the key")
+    } else if name == header::CONTENT_LENGTH || crate::HOP_BY_HOP.contains(&name.as_str()) {
+        Some("is never stored: it describes one response's framing, and a replay is framed anew")
+    } else {
+        None
     }
 }
 
@@ -363,6 +382,7 @@ mod tests {
             guarded_methods = ["PO ST"]
             stored_statuses = ["2xx", "6xx"]
             key_required_prefixes = ["orders"]
+            stored_headers = ["Location", "Set-Cookie", "Transfer-Encoding"]
             [soft_failure]
             pointer = "success"
             equals = false
@@ -377,10 +397,14 @@ mod tests {
                 "proxy.upstream",
                 "proxy.guarded_methods",
                 "proxy.key_required_prefixes",
+                "proxy.stored_headers",
+                "proxy.stored_headers",
                 "proxy.stored_statuses",
                 "proxy.soft_failure.pointer"
             ]
         );
+        let cookie = &problems[4].detail;
+        assert!(cookie.starts_with("set-cookie: is never stored"), "{cookie}");
         assert!(file("retries = 3").unwrap_err()[0].detail.contains("unknown field `retries`"));
     }
 

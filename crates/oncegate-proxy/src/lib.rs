@@ -313,7 +313,8 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
             .config
             .stored_headers
             .iter()
-            .filter_map(|name| Some((name.clone(), parts.headers.get(name)?.clone())))
+            .filter(|name| config::never_stored(name).is_none())
+            .flat_map(|name| parts.headers.get_all(name).iter().map(|value| (name.clone(), value.clone())))
             .collect();
         let stored = Stored { status: parts.status, headers, body: body.to_vec() };
         let bytes = stored.encode();
@@ -413,8 +414,10 @@ impl IntoResponse for Upstream {
     }
 }
 
-/// Headers about one connection, never forwarded (RFC 9110, section 7.6.1).
-const HOP_BY_HOP: [&str; 8] = [
+/// Headers about one connection, never forwarded (RFC 9110, section 7.6.1): each hop
+/// frames its own body, so the upstream's `transfer-encoding` must not reach a client
+/// that gets the body in another framing.
+pub(crate) const HOP_BY_HOP: [&str; 9] = [
     "connection",
     "keep-alive",
     "proxy-connection",
@@ -422,6 +425,7 @@ const HOP_BY_HOP: [&str; 8] = [
     "proxy-authorization",
     "te",
     "trailer",
+    "transfer-encoding",
     "upgrade",
 ];
 
@@ -470,4 +474,26 @@ fn replay(bytes: &[u8], replayed: bool) -> Response {
         headers.insert(HeaderName::from_static("idempotent-replayed"), HeaderValue::from_static("true"));
     }
     (stored.status, headers, stored.body).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_headers_and_those_connection_names_are_stripped() {
+        let mut headers = HeaderMap::new();
+        for name in HOP_BY_HOP {
+            headers.insert(HeaderName::from_static(name), HeaderValue::from_static("x"));
+        }
+        headers.insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+        headers.append(header::CONNECTION, HeaderValue::from_static("x-hop, X-Other-Hop"));
+        for name in ["x-hop", "x-other-hop", "content-type", "location"] {
+            headers.insert(HeaderName::from_static(name), HeaderValue::from_static("y"));
+        }
+        strip_hop_by_hop(&mut headers);
+        let mut kept: Vec<&str> = headers.keys().map(HeaderName::as_str).collect();
+        kept.sort_unstable();
+        assert_eq!(kept, ["content-type", "location"]);
+    }
 }

@@ -50,6 +50,16 @@ async fn upstream(counts: Arc<Counts>) -> String {
             }),
         )
         .route(
+            "/linked",
+            post(|| async {
+                let mut headers = axum::http::HeaderMap::new();
+                headers.append(header::LINK, "</orders/77>; rel=\"self\"".parse().unwrap());
+                headers.append(header::LINK, "</orders>; rel=\"collection\"".parse().unwrap());
+                headers.append(header::SET_COOKIE, "session=first-caller".parse().unwrap());
+                (StatusCode::CREATED, headers, "linked")
+            }),
+        )
+        .route(
             "/big",
             post(move || async move {
                 big.big.fetch_add(1, Ordering::SeqCst);
@@ -462,4 +472,21 @@ async fn too_large_answers_are_passed_on_unstored_and_stored_headers_replay() {
     assert_eq!(replay.1.as_deref(), Some("true"));
     assert_eq!(headers.get(header::LOCATION).unwrap(), "/orders/77");
     assert_eq!(headers.get(header::CONTENT_TYPE).unwrap(), "application/json");
+}
+
+/// A header the upstream sends twice is stored and replayed with both values, in order;
+/// a `set-cookie` put in `stored_headers` by a library caller is still not replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_value_of_a_stored_header_is_replayed() {
+    let setup = setup(|c| c.stored_headers = vec![header::LINK, header::SET_COOKIE]).await;
+    let links = |headers: &axum::http::HeaderMap| -> Vec<String> {
+        headers.get_all(header::LINK).iter().map(|v| v.to_str().unwrap().to_owned()).collect()
+    };
+    let (first, first_headers) = setup.post_with("/linked", Some("l"), "{}", &[]).await;
+    let (replay, replay_headers) = setup.post_with("/linked", Some("l"), "{}", &[]).await;
+    assert_eq!((first.0, replay.1.as_deref()), (StatusCode::CREATED, Some("true")));
+    let expected = ["</orders/77>; rel=\"self\"", "</orders>; rel=\"collection\""];
+    assert_eq!(links(&first_headers), expected);
+    assert_eq!(links(&replay_headers), expected);
+    assert!(replay_headers.get(header::SET_COOKIE).is_none(), "{replay_headers:?}");
 }
