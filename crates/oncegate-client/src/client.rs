@@ -307,7 +307,7 @@ impl Client {
         let parks = !extra.is_zero();
         if self.transport == Transport::Session && !parks && !self.shared.unary_only.load(Ordering::Relaxed) {
             let metadata = self.metadata();
-            let sent = self.shared.sessions.call(&self.gate, &metadata, call);
+            let sent = self.shared.sessions.call(&self.gate, &metadata, call, deadline);
             match tokio::time::timeout(deadline, sent).await.map_err(|_| late())?? {
                 Ok(Out::Refusal(refusal)) => return Err(session::refused(refusal)),
                 Ok(out) => return Ok(out),

@@ -36,6 +36,7 @@ impl Sessions {
         gate: &GateClient<Channel>,
         metadata: &tonic::metadata::MetadataMap,
         call: Call,
+        deadline: std::time::Duration,
     ) -> Result<Result<Out, Call>, ClientError> {
         let id = self.ids.fetch_add(1, Ordering::Relaxed);
         let (answer, answered) = oneshot::channel();
@@ -44,7 +45,11 @@ impl Sessions {
             Err(status) if status.code() == tonic::Code::Unimplemented => return Ok(Err(call)),
             Err(status) => return Err(status.into()),
         };
-        if stream.send((pb::SessionRequest { id, call: Some(call) }, answer)).await.is_err() {
+        // The server drops the call when the caller's deadline passes, as it drops a
+        // unary call: a reserve this caller gave up on is then never granted.
+        let timeout_ms = deadline.as_millis().try_into().unwrap_or(u64::MAX);
+        let request = pb::SessionRequest { id, call: Some(call), timeout_ms };
+        if stream.send((request, answer)).await.is_err() {
             // The stream ended between the check and the send: the call never left.
             self.stream.lock().await.take();
             return Err(ended("the session stream ended before the call was sent"));

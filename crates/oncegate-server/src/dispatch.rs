@@ -10,6 +10,7 @@
 
 use std::convert::Infallible;
 use std::task::{Context, Poll, ready};
+use std::time::Instant;
 
 use axum::http::{Request, Response};
 use futures_util::future::Either;
@@ -50,6 +51,11 @@ pub(crate) struct Dispatch {
     routes: Routes,
 }
 
+/// When a request for the router reached the port: tonic's request timeout counts from
+/// about then, and the HTTP API must answer before it does, however long the body took.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Arrived(pub Instant);
+
 /// Whether `path` names a method of the `Gate` service (`/oncegate.v1.Gate/Reserve`).
 fn is_gate_call(path: &str) -> bool {
     path.strip_prefix('/')
@@ -73,6 +79,8 @@ impl Service<Request<Body>> for Dispatch {
         if is_gate_call(request.uri().path()) {
             Either::Left(self.gate.call(request))
         } else {
+            let mut request = request;
+            request.extensions_mut().insert(Arrived(Instant::now()));
             Either::Right(self.routes.call(request))
         }
     }

@@ -4,7 +4,7 @@
 use std::borrow::Cow;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use oncegate_core::Tenant;
 use oncegate_engine::{CommitRequest, Engine, KeyRequest, ReserveRequest};
@@ -23,6 +23,17 @@ pub struct GateService {
     auth: Arc<Auth>,
     admit: Arc<Admit>,
     pub(crate) session_calls_in_flight_max: usize,
+    /// `server.request_timeout_ms`: a unary call's deadline, and the longest a `Session`
+    /// call may ask for.
+    pub(crate) request_timeout: Duration,
+}
+
+/// How long a call that the front itself times out may take, and where that came from
+/// (for its refusal). Unary gRPC calls have none here: tonic's layer drops them.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Deadline {
+    pub within: Duration,
+    pub limit: &'static str,
 }
 
 /// A short, stable digest of a key for logs: keys can carry customer data, so the raw
@@ -215,24 +226,28 @@ pub(crate) type Answer<T> = Result<(T, &'static str), Refusal>;
 impl GateService {
     /// A service answering from `engine`, authenticating with `auth`, admitting calls
     /// through `admit`'s server and tenant limits, with at most `session_calls_in_flight_max`
-    /// calls in flight per `Session` stream.
+    /// calls in flight per `Session` stream, each within `request_timeout` at most.
     pub(crate) fn new(
         engine: Engine,
         auth: Auth,
         admit: Admit,
         session_calls_in_flight_max: usize,
+        request_timeout: Duration,
     ) -> GateService {
-        GateService { engine, auth: Arc::new(auth), admit: Arc::new(admit), session_calls_in_flight_max }
+        let (auth, admit) = (Arc::new(auth), Arc::new(admit));
+        GateService { engine, auth, admit, session_calls_in_flight_max, request_timeout }
     }
 
     /// The one path of every call, unary or in a session, once its caller is
     /// authenticated (or refused): admit, start on the engine (queued before this
     /// returns), then count, time and log the answer. The admission holds the call's
-    /// slots until the engine answers.
+    /// slots until the engine answers. Past `deadline` the engine's answer is given up:
+    /// dropping it is what makes the shard skip a call not yet decided.
     pub(crate) fn begin<M: Call>(
         &self,
         tenant: Result<Tenant, Refusal>,
         message: M,
+        deadline: Option<Deadline>,
     ) -> impl Future<Output = Answer<M::Reply>> + Send + 'static + use<M> {
         let started = Instant::now();
         let debug = tracing::enabled!(tracing::Level::DEBUG);
@@ -257,9 +272,14 @@ impl GateService {
         };
         drop(entered);
         async move {
-            let answer = match admitted {
-                Ok((_admission, pending)) => pending.await,
-                Err(refusal) => Err(refusal),
+            let answer = match (admitted, deadline) {
+                (Ok((_admission, pending)), None) => pending.await,
+                (Ok((_admission, pending)), Some(Deadline { within, limit })) => {
+                    let within_ms = within.as_millis() as u64;
+                    let late = |_| Err(Refusal::Unanswered { within_ms, limit });
+                    tokio::time::timeout(within, pending).await.unwrap_or_else(late)
+                }
+                (Err(refusal), _) => Err(refusal),
             };
             finish(M::RPC, tenant.as_ref(), key.as_deref(), started, &answer);
             answer
@@ -276,7 +296,7 @@ impl GateService {
     /// load), then [`GateService::begin`].
     async fn unary<M: Call>(&self, request: Request<M>) -> Result<Response<M::Reply>, Status> {
         let tenant = self.auth.tenant(request.metadata());
-        let answer = self.begin(tenant, request.into_inner()).await;
+        let answer = self.begin(tenant, request.into_inner(), None).await;
         answer.map(|(reply, _)| Response::new(reply)).map_err(|refusal| refusal.to_status())
     }
 }

@@ -236,12 +236,10 @@ async fn services(engine: &Engine, config: &Config) -> Result<Services, ServeErr
         engine.clone(),
         AdminAuth::new(config),
     ));
-    let service = GateService::new(engine.clone(), auth, admit, server.session_calls_in_flight_max);
-    let json = http::router(
-        service.clone(),
-        server.message_bytes_max,
-        Duration::from_millis(server.request_timeout_ms),
-    );
+    let request_timeout = Duration::from_millis(server.request_timeout_ms);
+    let service =
+        GateService::new(engine.clone(), auth, admit, server.session_calls_in_flight_max, request_timeout);
+    let json = http::router(service.clone(), server.message_bytes_max);
     let gate = GateServer::new(service)
         .max_decoding_message_size(server.message_bytes_max)
         .max_encoding_message_size(server.message_bytes_max);

@@ -11,10 +11,14 @@
 //! message that does not decode) the task drops its calls in flight, and each is then
 //! what a unary call whose caller has gone is: one not yet decided is skipped by its
 //! shard (never granted, never parked); one already written keeps its effect, and its
-//! answer is lost.
+//! answer is lost. A call also has a deadline, as a unary call has (its `timeout_ms`,
+//! at most `server.request_timeout_ms`): past it the call is dropped in the same way and
+//! answered `unavailable`, so that a shard that stalls never grants, long after, a
+//! reserve whose client has given up on it.
 
 use std::collections::HashSet;
 use std::pin::Pin;
+use std::time::Duration;
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use oncegate_core::{Invalid, Tenant};
@@ -24,7 +28,7 @@ use pb::session_response::Result as Out;
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::gate::{Call, GateService};
+use crate::gate::{Call, Deadline, GateService};
 use crate::status::Refusal;
 
 /// The answers of one stream, as tonic sends them.
@@ -127,20 +131,32 @@ impl Session {
             let rule = "must be unique among the stream's calls in flight";
             return Some(refused(id, Invalid::Rule { field: "id", rule }));
         }
+        let deadline = self.deadline(request.timeout_ms);
         let call = match call {
-            In::Reserve(m) => self.begin(id, m, Out::Reserve),
-            In::Commit(m) => self.begin(id, m, Out::Commit),
-            In::Release(m) => self.begin(id, m, Out::Release),
-            In::Heartbeat(m) => self.begin(id, m, Out::Heartbeat),
-            In::Get(m) => self.begin(id, m, Out::Get),
+            In::Reserve(m) => self.begin(id, m, deadline, Out::Reserve),
+            In::Commit(m) => self.begin(id, m, deadline, Out::Commit),
+            In::Release(m) => self.begin(id, m, deadline, Out::Release),
+            In::Heartbeat(m) => self.begin(id, m, deadline, Out::Heartbeat),
+            In::Get(m) => self.begin(id, m, deadline, Out::Get),
         };
         self.in_flight.push(call);
         None
     }
 
+    /// A call's deadline: the one it asks for, within the server's request timeout.
+    fn deadline(&self, timeout_ms: u64) -> Deadline {
+        let most = self.gate.request_timeout;
+        match Duration::from_millis(timeout_ms) {
+            asked if timeout_ms > 0 && asked <= most => {
+                Deadline { within: asked, limit: "the call's timeout_ms" }
+            }
+            _ => Deadline { within: most, limit: "server.request_timeout_ms" },
+        }
+    }
+
     /// One call on the unary path, its answer wrapped for the stream.
-    fn begin<M: Call>(&self, id: u64, message: M, wrap: fn(M::Reply) -> Out) -> InFlight {
-        let answer = self.gate.begin(Ok(self.tenant.clone()), message);
+    fn begin<M: Call>(&self, id: u64, message: M, deadline: Deadline, wrap: fn(M::Reply) -> Out) -> InFlight {
+        let answer = self.gate.begin(Ok(self.tenant.clone()), message, Some(deadline));
         Box::pin(async move {
             let result = match answer.await {
                 Ok((reply, _)) => wrap(reply),

@@ -27,6 +27,19 @@ pub enum Refusal {
         /// Its value.
         value: u64,
     },
+    /// No answer within the call's deadline (a `Session` call's `timeout_ms`, or the
+    /// HTTP front's share of `server.request_timeout_ms`). The call was dropped: one not
+    /// yet decided is never granted, one already written keeps its effect, as with any
+    /// lost answer.
+    #[error(
+        "no answer within {within_ms} ms ({limit}); the call may still take effect, and a retried reserve is answered from its record"
+    )]
+    Unanswered {
+        /// The deadline, from when the call was read.
+        within_ms: u64,
+        /// Where the deadline came from, in words.
+        limit: &'static str,
+    },
     /// An online add-shards could not start or stopped (`Admin.AddShards`).
     #[error("adding shards: {0}")]
     AddShards(oncegate_engine::OpenError),
@@ -55,6 +68,7 @@ impl Refusal {
         match self {
             Refusal::Engine(error) => error.code(),
             Refusal::Unauthenticated(_) => Code::Unauthenticated,
+            Refusal::Unanswered { .. } => Code::Unavailable,
             Refusal::Exhausted { .. } | Refusal::RateLimited { .. } => Code::ResourceExhausted,
             Refusal::AddShards(oncegate_engine::OpenError::Config(_)) => Code::InvalidArgument,
             Refusal::AddShards(
@@ -83,7 +97,10 @@ impl Refusal {
             Refusal::Exhausted { limit, .. } => (None, Some(limit)),
             Refusal::RateLimited { .. } => (None, Some(RATE_LIMIT)),
             Refusal::AddShards(oncegate_engine::OpenError::Config(_)) => (Some("shards_total"), None),
-            Refusal::Engine(_) | Refusal::Unauthenticated(_) | Refusal::AddShards(_) => (None, None),
+            Refusal::Engine(_)
+            | Refusal::Unauthenticated(_)
+            | Refusal::Unanswered { .. }
+            | Refusal::AddShards(_) => (None, None),
         }
     }
 

@@ -265,3 +265,27 @@ async fn derived_keys_are_named_in_the_answer() {
     );
     server.stop().await;
 }
+
+/// tonic's timeout, around every request on the port, takes a `grpc-timeout` header as
+/// the call's deadline and answered a JSON caller past it with `200` and a gRPC status in
+/// the headers, which a client checking the status took for success. The header is
+/// refused over HTTP, before anything is decided.
+#[tokio::test]
+async fn a_grpc_deadline_header_is_refused_over_http() {
+    let server = start_with(|_| {}).await;
+    let mut client = server.client().await;
+    granted(&client.reserve(reserve("held")).await.unwrap().into_inner());
+    let body = json!({"namespace": "live", "key": "held", "wait_ms": 2000}).to_string();
+    let request = format!(
+        "POST /v1/reserve HTTP/1.1\r\nHost: oncegate\r\nConnection: close\r\ngrpc-timeout: 100m\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let answer = raw(server.addr, &request).await;
+    let (head, document) = answer.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 400"), "{answer}");
+    assert!(head.to_ascii_lowercase().contains("content-type: application/problem+json"), "{answer}");
+    let document: Value = serde_json::from_str(document).unwrap();
+    assert_eq!(document["code"], json!("invalid_argument"));
+    assert!(document["detail"].as_str().unwrap().starts_with("grpc-timeout is a gRPC header"), "{document}");
+    server.stop().await;
+}

@@ -38,7 +38,10 @@ impl Stream {
     }
 
     async fn send(&self, id: u64, call: Call) {
-        self.requests.send(pb::SessionRequest { id, call: Some(call) }).await.expect("the stream is open");
+        self.requests
+            .send(pb::SessionRequest { id, call: Some(call), timeout_ms: 0 })
+            .await
+            .expect("the stream is open");
     }
 
     async fn next(&mut self) -> (u64, Out) {
@@ -150,7 +153,7 @@ async fn a_client_that_closes_its_side_gets_every_answer_then_the_end_of_the_str
     let Stream { requests, mut answers } = Stream::open(&server).await;
     for id in 1..=5 {
         let call = Call::Reserve(reserve(&format!("k{id}")));
-        requests.send(pb::SessionRequest { id, call: Some(call) }).await.unwrap();
+        requests.send(pb::SessionRequest { id, call: Some(call), timeout_ms: 0 }).await.unwrap();
     }
     drop(requests);
     let mut ids = Vec::new();
@@ -177,7 +180,7 @@ async fn a_refused_call_is_answered_and_the_stream_goes_on() {
     assert_eq!((invalid.code.as_str(), invalid.field.as_str()), ("invalid_argument", "key"), "{invalid:?}");
     assert!(invalid.message.contains("512"), "{invalid:?}");
     let none = refusal({
-        stream.requests.send(pb::SessionRequest { id: 4, call: None }).await.unwrap();
+        stream.requests.send(pb::SessionRequest { id: 4, call: None, timeout_ms: 0 }).await.unwrap();
         let (id, result) = stream.next().await;
         assert_eq!(id, 4);
         result
@@ -363,5 +366,38 @@ async fn a_message_that_does_not_decode_ends_the_stream_with_invalid_argument() 
     let status = answers.message().await.expect_err("the stream ends with a status");
     assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
     drop(requests);
+    server.stop().await;
+}
+
+/// A call past its deadline is dropped as a unary call past its own is: answered
+/// `unavailable` at once, and a reserve that had not been decided (here, parked behind a
+/// holder) is never granted, so a client that gave up on it never holds the key unaware.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_past_its_timeout_is_answered_unavailable_and_never_granted() {
+    let server = start_with(|c| c.engine.shards = 1).await;
+    let mut unary = server.client().await;
+    let holder = granted(&unary.reserve(reserve("k")).await.unwrap().into_inner());
+    let mut stream = Stream::open(&server).await;
+    let waiting = pb::ReserveRequest { wait_ms: 20_000, lease_ms: 600_000, ..reserve("k") };
+    let request = pb::SessionRequest { id: 1, call: Some(Call::Reserve(waiting)), timeout_ms: 300 };
+    stream.requests.send(request).await.unwrap();
+    let (id, answer) = stream.next().await;
+    let refusal = refusal(answer);
+    assert_eq!((id, refusal.grpc_code, refusal.code.as_str()), (1, Code::Unavailable as i32, "unavailable"));
+    assert!(refusal.message.contains("no answer within 300 ms (the call's timeout_ms)"), "{refusal:?}");
+    assert!(waiters(&server, 0).await, "the parked reserve is dropped with its call");
+    let release = pb::ReleaseRequest { namespace: "live".into(), key: "k".into(), token: holder };
+    unary.release(release).await.unwrap();
+    match unary.reserve(reserve("k")).await.unwrap().into_inner().outcome {
+        Some(pb::reserve_response::Outcome::Granted(g)) => {
+            assert_eq!(g.previous, pb::Previous::None as i32, "nobody held the key in between")
+        }
+        other => panic!("the timed-out call must not hold the key: {other:?}"),
+    }
+    // The stream goes on, and a call that asks for more than the server's request timeout
+    // gets the server's.
+    let get = pb::SessionRequest { id: 2, call: Some(get("k")), timeout_ms: u64::MAX };
+    stream.requests.send(get).await.unwrap();
+    assert!(matches!(stream.next().await, (2, Out::Get(_))));
     server.stop().await;
 }

@@ -12,20 +12,21 @@
 mod json;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use axum::Json;
 use axum::extract::rejection::{JsonRejection, PathRejection};
 use axum::extract::{DefaultBodyLimit, Path, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::{Extension, Json};
 use oncegate_core::Code;
 use oncegate_proto::v1 as pb;
 use serde::Serialize;
 use utoipa::OpenApi;
 
-use crate::gate::{Call, GateService};
+use crate::dispatch::Arrived;
+use crate::gate::{Call, Deadline, GateService};
 use crate::status::Refusal;
 use json::{
     Body, CommitAnswer, CommitBody, GetAnswer, HeartbeatAnswer, HeartbeatBody, Problem, ReleaseAnswer,
@@ -39,16 +40,27 @@ pub const OPENAPI_PATH: &str = "/v1/openapi.json";
 #[derive(Clone)]
 pub(crate) struct Http {
     gate: GateService,
-    /// Nine tenths of `server.request_timeout_ms`: the call answers with a problem
-    /// document before tonic's own timeout, which would answer in gRPC's terms.
+    /// From the request's arrival, [`answer_within`] of `server.request_timeout_ms`.
     answer_within: Duration,
 }
 
+/// How long an HTTP call may take from its arrival: `server.request_timeout_ms` less
+/// half a second. So the call answers with a problem document before tonic's own timeout,
+/// which would answer in gRPC's terms (an HTTP `200` with a gRPC status in its headers),
+/// and still after the longest wait a reserve may ask for, since the configuration holds
+/// the request timeout a second above `engine.limits.wait_ms_max`.
+fn answer_within(request_timeout: Duration) -> Duration {
+    request_timeout.saturating_sub(ANSWER_MARGIN)
+}
+
+const ANSWER_MARGIN: Duration = Duration::from_millis(500);
+
 /// The routes of the HTTP API. Bodies are limited to `message_bytes_max` (the gRPC
 /// message limit) plus a third, since base64 makes bytes a third longer.
-pub(crate) fn router(gate: GateService, message_bytes_max: usize, request_timeout: Duration) -> axum::Router {
+pub(crate) fn router(gate: GateService, message_bytes_max: usize) -> axum::Router {
     let document: Arc<str> = openapi_json().into();
-    let http = Http { gate, answer_within: request_timeout * 9 / 10 };
+    let answer_within = answer_within(gate.request_timeout);
+    let http = Http { gate, answer_within };
     axum::Router::new()
         .route("/v1/reserve", post(reserve))
         .route("/v1/commit", post(commit))
@@ -88,10 +100,20 @@ async fn openapi(document: Arc<str>) -> Response {
 /// request's message, or the answer to a request that has none (a malformed body).
 async fn call<M: Call, A: Serialize>(
     http: &Http,
-    headers: &HeaderMap,
+    request: &Head,
     message: Result<M, Unread>,
     answer: impl FnOnce(M::Reply) -> A,
 ) -> Response {
+    // tonic's timeout, around every request on the port, would take this header as the
+    // call's deadline and answer in gRPC's terms when it passed.
+    if request.headers.contains_key(GRPC_TIMEOUT) {
+        let detail = format!(
+            "{GRPC_TIMEOUT} is a gRPC header; an HTTP call's deadline is server.request_timeout_ms less {} ms",
+            ANSWER_MARGIN.as_millis()
+        );
+        return problem_document(StatusCode::BAD_REQUEST, Code::InvalidArgument, detail, None, None, None);
+    }
+    let headers = &request.headers;
     let tenant = http.gate.auth().tenant_of_headers(headers);
     let message = match (message, &tenant) {
         (Ok(message), _) => message,
@@ -100,16 +122,12 @@ async fn call<M: Call, A: Serialize>(
         (Err(_), Err(refusal)) => return problem(refusal),
         (Err(Unread(malformed)), Ok(_)) => return *malformed,
     };
-    match tokio::time::timeout(http.answer_within, http.gate.begin(tenant, message)).await {
-        Ok(Ok((reply, _))) => Json(answer(reply)).into_response(),
-        Ok(Err(refusal)) => problem(&refusal),
-        Err(_) => {
-            let detail = format!(
-                "no answer within {} ms (server.request_timeout_ms, less a tenth); the call may still take effect, and a retried reserve is answered from its record",
-                http.answer_within.as_millis()
-            );
-            problem_document(StatusCode::SERVICE_UNAVAILABLE, Code::Unavailable, detail, None, None, None)
-        }
+    let within = http.answer_within.saturating_sub(request.arrived.elapsed());
+    let deadline =
+        Deadline { within, limit: "server.request_timeout_ms less 500 ms, from the request's arrival" };
+    match http.gate.begin(tenant, message, Some(deadline)).await {
+        Ok((reply, _)) => Json(answer(reply)).into_response(),
+        Err(refusal) => problem(&refusal),
     }
 }
 
@@ -125,11 +143,31 @@ impl From<Response> for Unread {
 /// A body as axum reads it: the operation's JSON, or why not.
 type BodyOf<B> = Result<Json<B>, JsonRejection>;
 
+/// What [`call`] needs of a request besides its message.
+struct Head {
+    headers: HeaderMap,
+    /// When it reached the port (now, for a router used without the dispatch).
+    arrived: Instant,
+}
+
+impl Head {
+    fn new(headers: HeaderMap, arrived: Option<Extension<Arrived>>) -> Head {
+        Head { headers, arrived: arrived.map_or_else(Instant::now, |Extension(Arrived(at))| at) }
+    }
+}
+
+const GRPC_TIMEOUT: &str = "grpc-timeout";
+
 /// The four `POST` operations: the body, then [`call`].
-async fn handle<B: Body>(State(http): State<Http>, headers: HeaderMap, body: BodyOf<B>) -> Response {
+async fn handle<B: Body>(
+    State(http): State<Http>,
+    arrived: Option<Extension<Arrived>>,
+    headers: HeaderMap,
+    body: BodyOf<B>,
+) -> Response {
     let message = body.map_err(|rejection| Unread::from(bad_body(&rejection)));
     let message = message.and_then(|Json(body)| body.into_wire().map_err(|refusal| problem(&refusal).into()));
-    call(&http, &headers, message, B::answer).await
+    call(&http, &Head::new(headers, arrived), message, B::answer).await
 }
 
 /// A body that is not the operation's JSON: `400` as every invalid argument (axum says
@@ -166,8 +204,13 @@ fn bad_body(rejection: &JsonRejection) -> Response {
     ),
     security((), ("bearer" = [])),
 )]
-async fn reserve(http: State<Http>, headers: HeaderMap, body: BodyOf<ReserveBody>) -> Response {
-    handle(http, headers, body).await
+async fn reserve(
+    http: State<Http>,
+    arrived: Option<Extension<Arrived>>,
+    headers: HeaderMap,
+    body: BodyOf<ReserveBody>,
+) -> Response {
+    handle(http, arrived, headers, body).await
 }
 
 /// Stores the holder's outcome and response; later reserves replay them.
@@ -185,8 +228,13 @@ async fn reserve(http: State<Http>, headers: HeaderMap, body: BodyOf<ReserveBody
     ),
     security((), ("bearer" = [])),
 )]
-async fn commit(http: State<Http>, headers: HeaderMap, body: BodyOf<CommitBody>) -> Response {
-    handle(http, headers, body).await
+async fn commit(
+    http: State<Http>,
+    arrived: Option<Extension<Arrived>>,
+    headers: HeaderMap,
+    body: BodyOf<CommitBody>,
+) -> Response {
+    handle(http, arrived, headers, body).await
 }
 
 /// Gives the key up so that a retry may proceed.
@@ -202,8 +250,13 @@ async fn commit(http: State<Http>, headers: HeaderMap, body: BodyOf<CommitBody>)
     ),
     security((), ("bearer" = [])),
 )]
-async fn release(http: State<Http>, headers: HeaderMap, body: BodyOf<ReleaseBody>) -> Response {
-    handle(http, headers, body).await
+async fn release(
+    http: State<Http>,
+    arrived: Option<Extension<Arrived>>,
+    headers: HeaderMap,
+    body: BodyOf<ReleaseBody>,
+) -> Response {
+    handle(http, arrived, headers, body).await
 }
 
 /// Renews the holder's lease while it works.
@@ -219,8 +272,13 @@ async fn release(http: State<Http>, headers: HeaderMap, body: BodyOf<ReleaseBody
     ),
     security((), ("bearer" = [])),
 )]
-async fn heartbeat(http: State<Http>, headers: HeaderMap, body: BodyOf<HeartbeatBody>) -> Response {
-    handle(http, headers, body).await
+async fn heartbeat(
+    http: State<Http>,
+    arrived: Option<Extension<Arrived>>,
+    headers: HeaderMap,
+    body: BodyOf<HeartbeatBody>,
+) -> Response {
+    handle(http, arrived, headers, body).await
 }
 
 /// What a key holds now (a read: no write, no fsync).
@@ -241,6 +299,7 @@ async fn heartbeat(http: State<Http>, headers: HeaderMap, body: BodyOf<Heartbeat
 )]
 async fn key(
     State(http): State<Http>,
+    arrived: Option<Extension<Arrived>>,
     headers: HeaderMap,
     path: Result<Path<(String, String)>, PathRejection>,
 ) -> Response {
@@ -248,7 +307,7 @@ async fn key(
         let detail = rejection.body_text();
         problem_document(StatusCode::BAD_REQUEST, Code::InvalidArgument, detail, None, None, None).into()
     });
-    call(&http, &headers, message, GetAnswer::from_wire).await
+    call(&http, &Head::new(headers, arrived), message, GetAnswer::from_wire).await
 }
 
 /// This front's one mapping from a refusal to its HTTP answer (the HTTP column of the
@@ -331,4 +390,20 @@ impl utoipa::Modify for BearerToken {
 /// The OpenAPI document as served, for tools that want it without a server.
 pub fn openapi_json() -> String {
     ApiDoc::openapi().to_pretty_json().expect("the document serialises")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The configuration holds `server.request_timeout_ms` at least a second above
+    /// `engine.limits.wait_ms_max`; at that least, an HTTP call still outlasts the longest
+    /// wait (nine tenths of the timeout did not, past a 9 s wait).
+    #[test]
+    fn an_http_call_outlasts_the_longest_wait_the_configuration_allows() {
+        for wait_ms_max in [0, 5_000, 30_000, 600_000] {
+            let least = Duration::from_millis(wait_ms_max + 1_000);
+            assert!(answer_within(least) > Duration::from_millis(wait_ms_max), "{wait_ms_max}");
+        }
+    }
 }
