@@ -281,10 +281,12 @@ impl Book {
         Parked(parked)
     }
 
-    /// Parks reserves handed over with a slot that moved here.
+    /// Parks reserves handed over with a slot that moved here, less those whose caller
+    /// went while they moved (their nudge went to the source).
     pub fn adopt(&mut self, parked: Parked) {
         self.queues.extend(parked.0);
         self.count_waiters();
+        self.forget_gone();
     }
 
     /// The earliest deadline among parked reserves and the leases they wait on.

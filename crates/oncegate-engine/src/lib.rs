@@ -56,7 +56,7 @@ pub fn configure_sqlite(conn: &rusqlite::Connection, config: &EngineConfig) -> R
     store::configure(conn, config.durability, config.wal_checkpoint_pages, config.page_cache_bytes_max)
 }
 
-use shard::{Control, Derive, FrameFloor, Mail, Parts, Request, Shard, Shared, Start};
+use shard::{Arrival, Control, Derive, FrameFloor, Mail, Marks, Parts, Request, Shard, Shared, Start};
 
 pub use oncegate_core::gate::{CommitRequest, Gate, KeyRequest, Renewed, ReserveRequest, Reserved};
 
@@ -122,6 +122,9 @@ struct Inner {
     frame: Mutex<ClockGuard>,
     /// The shards' persisted marks, which the frame never goes below.
     floor: Arc<FrameFloor>,
+    /// The marks of the shards opened with the engine, which lift every shard's frame
+    /// (and the derived keys') to one time.
+    marks: Arc<Marks>,
     /// Each tenant's most records per shard, read by every shard.
     quotas: quota::Quotas,
     /// What shards added later start from, like the first ones.
@@ -142,6 +145,7 @@ struct Common {
     clock: Arc<dyn Clock>,
     start: Start,
     floor: Arc<FrameFloor>,
+    marks: Arc<Marks>,
     faults: Faults,
     quotas: quota::Quotas,
     files: Arc<dyn files::Files>,
@@ -164,6 +168,7 @@ fn start_shard(id: u32, common: Common, started: shard::Started) -> Result<Shard
         clock: common.clock,
         start: common.start,
         floor: common.floor,
+        arrival: Arrival::new(common.marks),
         faults: common.faults,
         shared: Arc::clone(&shared),
         data,
@@ -203,6 +208,10 @@ struct Pending {
     /// dropped with its receiver still here was given up by its caller.
     rx: Option<oneshot::Receiver<Result<Reply, Error>>>,
     gone: Sender<()>,
+    /// The request's slot and the engine, to nudge the slot's owner when it is no longer
+    /// the shard the request was sent to: a waiter parked there moved with its slot.
+    slot: u32,
+    engine: std::sync::Weak<Inner>,
 }
 
 impl Pending {
@@ -221,6 +230,20 @@ impl Pending {
         let rx = self.rx.take().expect("waited once");
         rx.blocking_recv().unwrap_or_else(|_| Err(Pending::lost(self.shard)))
     }
+
+    /// Nudges the slot's owner too when the slot moved since the request was sent. A
+    /// table being written (a move's flip) is not waited for: a waiter left parked then
+    /// is still never granted, and goes at its deadline or the owner's next sweep.
+    fn nudge_new_owner(&self) {
+        let Some(inner) = self.engine.upgrade() else { return };
+        let Ok(table) = inner.table.try_read() else { return };
+        let owner = table.map.owner(self.slot);
+        if owner != self.shard
+            && let Some(handle) = table.shards.get(owner as usize)
+        {
+            let _ = handle.gone.try_send(());
+        }
+    }
 }
 
 impl Drop for Pending {
@@ -229,6 +252,7 @@ impl Drop for Pending {
             // Closed before the nudge, so the shard sees the caller gone when it looks.
             rx.close();
             let _ = self.gone.try_send(());
+            self.nudge_new_owner();
         }
     }
 }
@@ -378,6 +402,8 @@ impl Engine {
         // Derived keys use the same frame, never below any shard's persisted mark.
         let mut frame = ClockGuard::new(0);
         frame.anchor(start.wall_ms, start.monotonic_ms);
+        // A shared store's time is the database's: its shards do not wait for each other.
+        let marks = Arc::new(Marks::new(if postgres.is_none() { shards as usize } else { 0 }));
         let inner = Inner {
             live: Arc::new(slots::LiveMap::new(map.clone(), routing)),
             table: RwLock::new(routes::Table { map, shards: Vec::new(), moving: None }),
@@ -386,6 +412,7 @@ impl Engine {
             closing: AtomicBool::new(false),
             frame: Mutex::new(frame),
             floor,
+            marks,
             quotas: quota::Quotas::default(),
             start,
             faults,
@@ -395,6 +422,9 @@ impl Engine {
             _lock: lock,
         };
         let handles = inner.start_shards(0..shards)?;
+        // The shards' one frame, which derived keys share.
+        let base_ms = start.wall_ms.max(inner.marks.highest_ms());
+        inner.frame.lock().unwrap_or_else(|p| p.into_inner()).anchor(base_ms, start.monotonic_ms);
         inner.table_mut().shards = handles;
         Ok(Engine { inner: Arc::new(inner) })
     }
@@ -486,7 +516,8 @@ impl Engine {
                 TrySendError::Disconnected(_) => Pending::lost(shard),
             }),
         };
-        sent.map(|()| Pending { shard, rx: Some(rx), gone: handle.gone.clone() })
+        let engine = Arc::downgrade(&self.inner);
+        sent.map(|()| Pending { shard, rx: Some(rx), gone: handle.gone.clone(), slot, engine })
     }
 
     /// Validates a key's address against the limits.
@@ -884,6 +915,7 @@ impl Inner {
             clock: Arc::clone(&self.clock),
             start: self.start,
             floor: Arc::clone(&self.floor),
+            marks: Arc::clone(&self.marks),
             faults: self.faults.clone(),
             quotas: self.quotas.clone(),
             files: Arc::clone(&self.files),
@@ -905,6 +937,8 @@ impl Inner {
                 Ok(handle) => handles.push(Arc::new(handle)),
                 Err(error) => {
                     self.floor.unopened.fetch_sub(1, Ordering::SeqCst);
+                    // The shards already started must not wait for marks that never come.
+                    self.marks.abandon();
                     return Err(error);
                 }
             }

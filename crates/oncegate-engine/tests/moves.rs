@@ -187,6 +187,27 @@ fn a_waiter_parked_on_a_moving_slot_gets_its_answer() {
 }
 
 on_own_stores! {
+/// A waiter that moved with its slot is dropped at once when its caller goes, as on the
+/// shard it parked on: the caller's nudge went to that shard only, and the moved waiter
+/// stayed parked and counted until its deadline (never granted).
+fn a_moved_waiter_whose_caller_goes_is_dropped_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let engine = open(two_shards(dir.path()), &clock, &Faults::default());
+    let name = key_in_slot(&engine, 1);
+    granted(&engine.reserve_blocking(&tenant(), reserve_for(&name, 600_000, 0, 0)).unwrap().reply);
+    let waiter = engine.reserve(&tenant(), reserve_for(&name, 600_000, 0, 20_000));
+    assert!(engine.wait_stats(1, Duration::from_secs(10), |s| s.waiters == 1), "the reserve parks");
+    add_four(&engine);
+    let destination = engine.shard_of(&engine.scope(&tenant(), "live", &name).unwrap());
+    assert!(engine.wait_stats(destination, Duration::from_secs(10), |s| s.waiters == 1), "it moved");
+    drop(waiter);
+    let dropped = engine.wait_stats(destination, Duration::from_secs(10), |s| s.waiters == 0);
+    assert!(dropped, "the moved waiter is dropped with its caller: {:?}", engine.stats()[destination as usize]);
+}
+}
+
+on_own_stores! {
 /// An add-shards stopped dead after each durable step of its first two moves (the slot
 /// handed over, copied, the map flipped), as a crash there would leave the files: the
 /// directory reopens with every key answered as before, a released key of a moving slot
@@ -501,5 +522,80 @@ fn a_copy_left_by_a_move_cut_short_never_comes_back() {
     let engine = open(two_shards(dir.path()), &clock, &Faults::default());
     let view = engine.get_blocking(&tenant(), key(&name, 0)).unwrap();
     assert_eq!(view.state, State::Free, "the purged key stays purged after a restart: {view:?}");
+}
+}
+
+/// A key on `shard` (found by trying names with `prefix`).
+fn key_on_shard(engine: &Engine, shard: u32, prefix: &str) -> String {
+    (0..)
+        .map(|i| format!("{prefix}-{i}"))
+        .find(|name| engine.shard_of(&engine.scope(&tenant(), "live", name).unwrap()) == shard)
+        .expect("some name routes to every shard")
+}
+
+/// Two shards whose persisted marks are 100 s apart, opened after the wall clock was
+/// stepped back 100 s while the engine was stopped: shard 0 failed 100 s after its open
+/// (so its mark is its open's, as after a crash), shard 1 recorded its clean stop.
+/// Returns the engine, the clock and the directory.
+fn shards_with_marks_apart() -> (Engine, ManualClock, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let faults = Faults::default();
+    let engine = open(two_shards(dir.path()), &clock, &faults);
+    clock.advance(100_000);
+    faults.fail_commits(1);
+    let on_zero = key_on_shard(&engine, 0, "before");
+    engine.reserve_blocking(&tenant(), reserve(&on_zero)).expect_err("shard 0 fails");
+    engine.shutdown();
+    drop(engine);
+    clock.step(-100_000);
+    let engine = open(two_shards(dir.path()), &clock, &Faults::default());
+    (engine, clock, dir)
+}
+
+fn lease_until_ms(reply: &ReserveReply) -> u64 {
+    match reply {
+        ReserveReply::Granted { lease_until_ms, .. } => *lease_until_ms,
+        other => panic!("expected a grant, got {other:?}"),
+    }
+}
+
+on_own_stores! {
+/// Shards opened together keep one time, whatever marks they persisted: each used to lift
+/// only itself to its own mark, and two shards then ran 100 s apart for the whole process.
+fn shards_opened_together_keep_one_time_after_a_step_back_while_stopped() {
+    let (engine, _clock, _dir) = shards_with_marks_apart();
+    let t = tenant();
+    let zero = engine.reserve_blocking(&t, reserve(&key_on_shard(&engine, 0, "after"))).unwrap().reply;
+    let one = engine.reserve_blocking(&t, reserve(&key_on_shard(&engine, 1, "after"))).unwrap().reply;
+    assert_eq!(lease_until_ms(&zero), lease_until_ms(&one), "leases granted together end together");
+}
+}
+
+on_own_stores! {
+/// A slot moved from a shard whose time was ahead lifted the destination's clock by the
+/// gap, and every lease the destination already held lost that much: here all of it,
+/// and a second caller was granted a key whose holder was inside its lease. No time
+/// passes in this test, so every lease granted in it must still be held at its end.
+fn a_move_never_shortens_the_destination_s_leases() {
+    let (engine, _clock, _dir) = shards_with_marks_apart();
+    let t = tenant();
+    let mut held = Vec::new();
+    engine
+        .add_shards(3, &mut |moved, _| {
+            // After the first move, and again later, a key on the new shard 2 is granted
+            // while slots from both old shards go on moving into it.
+            if moved == 1 || moved == 4_000 {
+                let name = key_on_shard(&engine, 2, &format!("new-{moved}"));
+                granted(&engine.reserve_blocking(&t, reserve(&name)).unwrap().reply);
+                held.push(name);
+            }
+        })
+        .expect("shards added");
+    assert_eq!(held.len(), 2);
+    for name in &held {
+        let again = engine.reserve_blocking(&t, reserve(name)).unwrap().reply;
+        assert!(matches!(again, ReserveReply::InProgress { .. }), "{name} is still held: {again:?}");
+    }
 }
 }

@@ -4,8 +4,8 @@
 mod common;
 
 use common::*;
-use oncegate_core::{ReserveReply, State};
-use oncegate_engine::{EngineConfig, Faults, ManualClock};
+use oncegate_core::{Code, ReserveReply, State};
+use oncegate_engine::{Durability, EngineConfig, Faults, ManualClock, ShardState, StoreConfig, StoreKind};
 
 #[test]
 fn restart_grace_extends_leases_that_were_live_at_the_stop() {
@@ -228,4 +228,66 @@ fn an_unset_kind_is_checked_by_the_store_it_settles_on() {
         }
         other => panic!("a new log with room for one segment opened: {:?}", other.err()),
     }
+}
+
+/// A log that its requests filled to its limit still reopens after a restart. The restart
+/// grace rewrites every lease that was live at the stop, and written as a request's it
+/// could not use the log's last segment (kept for writes that only move live records),
+/// so the open failed as full, and failed again at every retry: the shard never served.
+#[test]
+fn a_log_its_requests_filled_reopens_with_its_leases_extended() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let segment_bytes = 512 << 10;
+    let config = EngineConfig {
+        shards: 1,
+        shard_file_bytes_max: 3 * segment_bytes,
+        durability: Durability::Normal,
+        lease_restart_grace_ms: 2_000,
+        store: StoreConfig {
+            kind: Some(StoreKind::Log),
+            log_segment_bytes: segment_bytes,
+            ..StoreConfig::default()
+        },
+        ..config(dir.path())
+    };
+    let engine = open(config.clone(), &clock, &Faults::default());
+    // Completed records fill the log; one key a round stays held.
+    let t = tenant();
+    let full = |error: &oncegate_engine::Error| error.code() == Code::ResourceExhausted;
+    let mut held = None;
+    'fill: for round in 0.. {
+        let names: Vec<String> = (0..256).map(|i| format!("k{round}-{i}")).collect();
+        let grants = block_on(async {
+            let mut calls = tokio::task::JoinSet::new();
+            for name in &names {
+                let reserved = engine.reserve(&t, reserve_for(name, 600_000, 0, 0));
+                let name = name.clone();
+                calls.spawn(async move { (name, reserved.await) });
+            }
+            calls.join_all().await
+        });
+        for (i, (name, granted_or_not)) in grants.into_iter().enumerate() {
+            let token = match granted_or_not {
+                Ok(reserved) => granted(&reserved.reply),
+                Err(error) if full(&error) => break 'fill,
+                Err(error) => panic!("{error}"),
+            };
+            if i == 0 {
+                held = Some(name);
+                continue;
+            }
+            match engine.commit_blocking(&t, commit(&name, token, b"done")) {
+                Ok(_) => {}
+                Err(error) if full(&error) => break 'fill,
+                Err(error) => panic!("{error}"),
+            }
+        }
+    }
+    drop(engine);
+    clock.advance(5_000);
+    let engine = open(config, &clock, &Faults::default());
+    assert_eq!(engine.shard_states(), [ShardState::Serving], "{:?}", engine.stats());
+    let view = engine.get_blocking(&t, key(&held.unwrap(), 0)).unwrap();
+    assert_eq!((view.state, view.lease_until_ms), (State::Pending, T0 + 5_000 + 600_000));
 }

@@ -51,7 +51,7 @@ use open::Asked;
 pub(crate) use crate::book::Parked;
 pub(crate) use moves::{Handover, MoveOut};
 pub use state::ShardState;
-pub(crate) use state::{FrameFloor, Shared, Start};
+pub(crate) use state::{Arrival, FrameFloor, Marks, Shared, Start};
 
 /// A data request: one command on one key, and where to send the answer.
 pub(crate) struct Request {
@@ -107,6 +107,8 @@ pub(crate) struct Parts {
     pub clock: Arc<dyn Clock>,
     pub start: Start,
     pub floor: Arc<FrameFloor>,
+    /// Its place among the shards opening together, whose marks lift one frame.
+    pub arrival: Arrival,
     pub faults: Faults,
     pub shared: Arc<Shared>,
     pub data: Receiver<Mail>,
@@ -134,6 +136,7 @@ pub(crate) struct Shard {
     clock: Arc<dyn Clock>,
     start: Start,
     floor: Arc<FrameFloor>,
+    arrival: Arrival,
     /// Whether a clean open has completed in this process (the first one anchors the
     /// clock, runs the integrity check and the restart grace).
     opened: bool,
@@ -174,6 +177,7 @@ impl Shard {
             clock,
             start,
             floor,
+            arrival,
             faults,
             shared,
             data,
@@ -196,6 +200,7 @@ impl Shard {
             clock,
             start,
             floor,
+            arrival,
             opened: false,
             faults,
             shared,

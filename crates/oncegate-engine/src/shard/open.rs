@@ -39,6 +39,10 @@ impl Shard {
                 true
             }
             Err(error) => {
+                // The shards opening with this one wait for its mark; it has none to give.
+                if !self.opened && self.postgres.is_none() {
+                    self.arrival.highest_with(None);
+                }
                 self.record_failure(&error);
                 false
             }
@@ -79,7 +83,7 @@ impl Shard {
         // to it would stand still until the node's clock caught up, and with it the pace
         // that every transaction's time is held to.
         let now = if process_start {
-            self.anchor(meta.high_water_ms)
+            self.anchor_at(self.start.wall_ms, meta.high_water_ms)
         } else {
             self.guard.read(self.clock.monotonic_ms())
         };
@@ -160,21 +164,31 @@ impl Shard {
         Ok(store)
     }
 
-    /// The process's first open: anchors the frame at the engine's start, lifted to the
-    /// persisted mark, and says how far the wall clock moved while the shard was down.
+    /// The process's first open of the shard's own store: anchors the frame at the
+    /// engine's start, lifted to the highest mark persisted by any shard opening with it
+    /// (so that every shard of the process keeps one time, and a slot moved between two
+    /// of them keeps its leases' time left without aging the destination's).
     pub(super) fn anchor(&mut self, high_water_ms: u64) -> u64 {
+        let highest_ms = self.arrival.highest_with(Some(high_water_ms));
+        self.anchor_at(self.start.wall_ms.max(highest_ms), high_water_ms)
+    }
+
+    /// Anchors the frame at `base_ms`, never below the persisted mark, and says how far
+    /// time moved while the shard was down.
+    pub(super) fn anchor_at(&mut self, base_ms: u64, high_water_ms: u64) -> u64 {
         self.guard = ClockGuard::new(high_water_ms.max(self.guard.high_water_ms()));
-        self.guard.anchor(self.start.wall_ms, self.start.monotonic_ms);
-        if high_water_ms > 0 && self.start.wall_ms > high_water_ms {
+        self.guard.anchor(base_ms, self.start.monotonic_ms);
+        if high_water_ms > 0 && base_ms > high_water_ms {
             tracing::info!(
                 shard = self.id,
-                forward_ms = self.start.wall_ms - high_water_ms,
-                "the wall clock is past the persisted high-water mark (downtime, or a step while stopped); records and leases aged by that much"
+                forward_ms = base_ms - high_water_ms,
+                wall_behind_ms = base_ms - self.start.wall_ms,
+                "time is past the persisted high-water mark (downtime, a step while stopped, or another shard's later mark); records and leases aged by that much"
             );
-        } else if self.start.wall_ms < high_water_ms {
+        } else if base_ms < high_water_ms {
             tracing::warn!(
                 shard = self.id,
-                behind_ms = high_water_ms - self.start.wall_ms,
+                behind_ms = high_water_ms - base_ms,
                 "the wall clock is behind the persisted high-water mark; time continues from the mark"
             );
         }
@@ -199,7 +213,15 @@ impl Shard {
         let mut extended = 0usize;
         for (scope, mut record) in txn.pending_leased_after(high_water_ms)? {
             if record.apply_restart_grace(high_water_ms, now, self.config.lease_restart_grace_ms) {
-                txn.put(&scope, &record)?;
+                txn.put_upkeep(&scope, &record).inspect_err(|error| {
+                    if error.is_full() {
+                        tracing::warn!(
+                            shard = self.id,
+                            extended,
+                            "the restart grace's rewrites of the leases live at the stop do not fit within shard_file_bytes_max; raise it to open the shard"
+                        );
+                    }
+                })?;
                 extended += 1;
             }
         }

@@ -125,3 +125,104 @@ pub(crate) struct Start {
     pub wall_ms: u64,
     pub monotonic_ms: u64,
 }
+
+/// The persisted marks of the shards that open together at the engine's start, so that
+/// they all anchor one frame: the wall clock at start, lifted to the highest mark any of
+/// them persisted. Lifting each shard to its own mark alone left shards whose marks were
+/// ahead of the wall clock (a step back while stopped) running apart for the whole
+/// process, and a slot moved from one to another then aged the destination's own leases
+/// by the gap.
+#[derive(Debug)]
+pub(crate) struct Marks {
+    state: Mutex<MarksState>,
+    all_in: Condvar,
+}
+
+#[derive(Debug)]
+struct MarksState {
+    /// Shards of the start that have not added their mark yet.
+    waiting_for: usize,
+    highest_ms: u64,
+}
+
+impl Marks {
+    /// Marks for `shards` opening together (0: nobody waits, as for a shared store,
+    /// whose time is the database's).
+    pub fn new(shards: usize) -> Marks {
+        let state = MarksState { waiting_for: shards, highest_ms: 0 };
+        Marks { state: Mutex::new(state), all_in: Condvar::new() }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, MarksState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Adds a shard's mark (`None`: its store could not be read) and waits until every
+    /// shard of the start has added its own; the highest mark.
+    fn arrive(&self, mark_ms: Option<u64>) -> u64 {
+        let mut state = self.state();
+        state.highest_ms = state.highest_ms.max(mark_ms.unwrap_or(0));
+        self.leave_locked(&mut state);
+        let state = self.all_in.wait_while(state, |s| s.waiting_for > 0).unwrap_or_else(|p| p.into_inner());
+        state.highest_ms
+    }
+
+    /// Adds the mark of a shard that opens after the start (one that failed at first,
+    /// or one added later), without waiting; the highest mark.
+    fn join(&self, mark_ms: u64) -> u64 {
+        let mut state = self.state();
+        state.highest_ms = state.highest_ms.max(mark_ms);
+        state.highest_ms
+    }
+
+    fn leave_locked(&self, state: &mut MarksState) {
+        state.waiting_for = state.waiting_for.saturating_sub(1);
+        if state.waiting_for == 0 {
+            self.all_in.notify_all();
+        }
+    }
+
+    /// Stops waiting for shards that will never open (a start that failed part-way).
+    pub fn abandon(&self) {
+        let mut state = self.state();
+        state.waiting_for = 0;
+        self.all_in.notify_all();
+    }
+
+    /// The highest mark added so far.
+    pub fn highest_ms(&self) -> u64 {
+        self.state().highest_ms
+    }
+}
+
+/// One shard's place among the [`Marks`] of the start, until it adds its mark. Dropped
+/// unused (its thread ended first), it lets the others stop waiting for it.
+#[derive(Debug)]
+pub(crate) struct Arrival {
+    marks: Arc<Marks>,
+    pending: bool,
+}
+
+impl Arrival {
+    pub fn new(marks: Arc<Marks>) -> Arrival {
+        Arrival { marks, pending: true }
+    }
+
+    /// The highest mark of the shards opening with this one, `mark_ms` (this shard's)
+    /// among them: the first call waits for all of them, later ones do not.
+    pub fn highest_with(&mut self, mark_ms: Option<u64>) -> u64 {
+        if std::mem::take(&mut self.pending) {
+            self.marks.arrive(mark_ms)
+        } else {
+            self.marks.join(mark_ms.unwrap_or(0))
+        }
+    }
+}
+
+impl Drop for Arrival {
+    fn drop(&mut self) {
+        if self.pending {
+            self.marks.leave_locked(&mut self.marks.state());
+        }
+    }
+}

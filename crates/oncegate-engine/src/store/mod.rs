@@ -244,6 +244,16 @@ impl<'s> Txn<'s> {
         dispatch!(self, Txn, t => t.put(scope, record))
     }
 
+    /// Rewrites a live record as the store's own upkeep (the restart grace): a log may put
+    /// it in the segment it keeps for writes that only move live records forward, so that
+    /// a log its requests filled to its limit still reopens. Elsewhere, [`Txn::put`].
+    pub fn put_upkeep(&self, scope: &Scope, record: &Record) -> Result<u64, StoreError> {
+        match self {
+            Txn::Log(txn) => txn.put_upkeep(scope, record),
+            other => other.put(scope, record),
+        }
+    }
+
     /// Deletes a key's record.
     pub fn delete(&self, scope: &Scope) -> Result<(), StoreError> {
         dispatch!(self, Txn, t => t.delete(scope))

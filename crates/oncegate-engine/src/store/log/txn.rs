@@ -197,11 +197,21 @@ impl<'s> Txn<'s> {
     /// Inserts or replaces a key's record; returns the instant from which reclaim may
     /// take it.
     pub fn put(&self, scope: &Scope, record: &Record) -> Result<u64, StoreError> {
+        self.put_as(Writer::Request, scope, record)
+    }
+
+    /// Replaces a live record for the store's own upkeep (the restart grace): like a
+    /// compaction copy it supersedes a live copy, so it may use the last segment.
+    pub fn put_upkeep(&self, scope: &Scope, record: &Record) -> Result<u64, StoreError> {
+        self.put_as(Writer::Upkeep, scope, record)
+    }
+
+    fn put_as(&self, writer: Writer, scope: &Scope, record: &Record) -> Result<u64, StoreError> {
         self.failpoint()?;
         let hash = self.hash(scope);
         let old = self.locate(scope, hash)?;
         let len = format::record_len(scope, record);
-        let at = self.append(Writer::Request, len, |out| format::put_record(out, hash, scope, record))?;
+        let at = self.append(writer, len, |out| format::put_record(out, hash, scope, record))?;
         self.repoint(hash, old, Some((at, len)));
         *self.located.borrow_mut() =
             Some(Located { scope: scope.clone(), position: at, len, record: record.clone() });
