@@ -194,6 +194,9 @@ async fn unknown_routes_answer_each_protocol_in_its_own_terms() {
     let server = start_with(|_| {}).await;
     let missing = post(&server, "/v1/reserve/extra", None, &json!({})).await;
     problem(&missing, 404, "invalid_argument");
+    let wrong_method = http(server.addr, "GET", "/v1/reserve", None, None).await;
+    problem(&wrong_method, 405, "invalid_argument");
+    assert_eq!(wrong_method.header("allow"), Some("POST"), "{}", wrong_method.headers);
     let mut grpc = tonic::client::Grpc::new(server.channel().await);
     grpc.ready().await.unwrap();
     let codec = tonic_prost::ProstCodec::<(), ()>::default();

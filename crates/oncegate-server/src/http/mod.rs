@@ -69,6 +69,7 @@ pub(crate) fn router(gate: GateService, message_bytes_max: usize) -> axum::Route
         .route("/v1/namespaces/{namespace}/keys/{key}", get(key))
         .with_state(http)
         .route(OPENAPI_PATH, get(move || openapi(Arc::clone(&document))))
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(message_bytes_max + message_bytes_max / 3 + 1_024))
 }
 
@@ -89,6 +90,17 @@ pub(crate) async fn fallback(request: axum::extract::Request) -> Response {
         request.uri().path()
     );
     problem_document(StatusCode::NOT_FOUND, Code::InvalidArgument, detail, None, None, None)
+}
+
+/// A known path asked with another method: a `405` problem document (axum adds `Allow`),
+/// where axum alone answers with an empty body.
+async fn method_not_allowed(request: axum::extract::Request) -> Response {
+    let detail = format!(
+        "{} is not a method of {}; the API is described at {OPENAPI_PATH}",
+        request.method(),
+        request.uri().path()
+    );
+    problem_document(StatusCode::METHOD_NOT_ALLOWED, Code::InvalidArgument, detail, None, None, None)
 }
 
 async fn openapi(document: Arc<str>) -> Response {
