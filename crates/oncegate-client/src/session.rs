@@ -5,18 +5,20 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 use oncegate_proto::v1 as pb;
 use oncegate_proto::v1::gate_client::GateClient;
 use pb::session_request::Call;
 use pb::session_response::Result as Out;
 use tokio::sync::{Mutex, mpsc, oneshot};
+use tokio_stream::StreamExt;
 use tonic::transport::Channel;
 
 use crate::{ClientError, Refusal};
 
-/// A call on its way, and where its answer goes.
-type Waiting = (pb::SessionRequest, oneshot::Sender<Out>);
+/// A call on its way, when its caller stops waiting, and where its answer goes.
+type Waiting = (pb::SessionRequest, Instant, oneshot::Sender<Out>);
 
 /// Calls in flight on one stream before senders wait for room.
 const CALLS_QUEUED_MAX: usize = 1024;
@@ -45,11 +47,8 @@ impl Sessions {
             Err(status) if status.code() == tonic::Code::Unimplemented => return Ok(Err(call)),
             Err(status) => return Err(status.into()),
         };
-        // The server drops the call when the caller's deadline passes, as it drops a
-        // unary call: a reserve this caller gave up on is then never granted.
-        let timeout_ms = deadline.as_millis().try_into().unwrap_or(u64::MAX);
-        let request = pb::SessionRequest { id, call: Some(call), timeout_ms };
-        if stream.send((request, answer)).await.is_err() {
+        let request = pb::SessionRequest { id, call: Some(call), timeout_ms: 0 };
+        if stream.send((request, Instant::now() + deadline, answer)).await.is_err() {
             // The stream ended between the check and the send: the call never left.
             self.stream.lock().await.take();
             return Err(ended("the session stream ended before the call was sent"));
@@ -90,7 +89,19 @@ async fn open(
     // calls (HTTP/2 flow control): a deadlock. What bounds it is `calls`, and that every
     // call handed over is one a caller is waiting on.
     let (requests, outgoing) = mpsc::unbounded_channel();
-    let mut request = tonic::Request::new(tokio_stream::wrappers::UnboundedReceiverStream::new(outgoing));
+    // The server drops a call when the caller's deadline passes, as it drops a unary
+    // call, so that a reserve the caller gave up on is never granted. The time left is
+    // written as the call leaves, not when it was queued: a call that waited here (the
+    // server reads no more while its calls in flight are at their limit) has less.
+    let outgoing = tokio_stream::wrappers::UnboundedReceiverStream::new(outgoing).map(
+        |(mut request, deadline): (pb::SessionRequest, Instant)| {
+            let left = deadline.saturating_duration_since(Instant::now());
+            // At least 1 ms: 0 would ask for the server's own limit.
+            request.timeout_ms = u64::try_from(left.as_millis()).unwrap_or(u64::MAX).max(1);
+            request
+        },
+    );
+    let mut request = tonic::Request::new(outgoing);
     *request.metadata_mut() = metadata;
     let mut answers = gate.session(request).await?.into_inner();
     tokio::spawn(async move {
@@ -98,9 +109,9 @@ async fn open(
         loop {
             tokio::select! {
                 call = queued.recv() => {
-                    let Some((request, answer)) = call else { return };
+                    let Some((request, deadline, answer)) = call else { return };
                     waiting.insert(request.id, answer);
-                    if requests.send(request).is_err() {
+                    if requests.send((request, deadline)).is_err() {
                         return;
                     }
                 }

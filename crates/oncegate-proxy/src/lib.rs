@@ -124,6 +124,9 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
             fingerprint: self.fingerprint(&parts, &body),
             ..ReserveRequest::default()
         };
+        // The upstream's cookies are the first caller's alone: never stored, never replayed.
+        let cookies = std::sync::OnceLock::new();
+        let first_caller = &cookies;
         let work = |lease: Lease| async move {
             let mut request = Request::from_parts(parts, Body::from(body));
             attempt_headers(request.headers_mut(), &lease);
@@ -131,13 +134,13 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
             // replayed needs no encoding header to be read.
             request.headers_mut().remove(header::ACCEPT_ENCODING);
             let answer = self.forward(request).await;
-            self.keep(answer).await
+            self.keep(answer, first_caller).await
         };
         // The work is cancelled only when its task fails (a panic) or the runtime stops,
         // and the upstream may then be running it: the key stays held until its lease
         // ends, as when the proxy is killed, and the next attempt is told `abandoned`.
         match once(self.gate.clone(), reserve, OnCancel::KeepUntilLeaseEnds, work).await {
-            Ok(Ran::Now(bytes)) => Ok(replay(&bytes, false)),
+            Ok(Ran::Now(bytes)) => Ok(with_cookies(replay(&bytes, false), cookies.get())),
             Ok(Ran::Replayed { response, .. }) => Ok(replay(&response, true)),
             Ok(Ran::InProgress { retry_after_ms }) => Err(Problem {
                 retry_after_s: Some(retry_after_ms.div_ceil(1000).max(1)),
@@ -148,7 +151,7 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
                     "a request with this Idempotency-Key is being processed; retry later".to_owned(),
                 )
             }),
-            Err(error) => self.refused(error),
+            Err(error) => self.refused(error).map(|response| with_cookies(response, cookies.get())),
         }
     }
 
@@ -287,7 +290,11 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
     }
 
     /// Stores a storable answer; anything else is passed on and releases the key.
-    async fn keep(&self, answer: Result<Response, Upstream>) -> Result<Vec<u8>, WorkError<Unstored>> {
+    async fn keep(
+        &self,
+        answer: Result<Response, Upstream>,
+        cookies: &std::sync::OnceLock<Vec<HeaderValue>>,
+    ) -> Result<Vec<u8>, WorkError<Unstored>> {
         let response = answer.map_err(|failed| match failed {
             // Nothing reached the upstream: the key is released and a retry may run.
             Upstream::NotSent(problem) => WorkError::Retryable(Unstored(problem.into_response())),
@@ -308,6 +315,7 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
                 return Err(WorkError::Unknown(Unstored(problem.into_response())));
             }
         };
+        let _ = cookies.set(parts.headers.get_all(header::SET_COOKIE).iter().cloned().collect());
         let storable = self.config.stored_statuses.stores(parts.status) && !self.soft_failure(&body);
         let headers = self
             .config
@@ -461,6 +469,17 @@ fn attempt_headers(headers: &mut HeaderMap, lease: &Lease) {
 
 fn bad_gateway(detail: String) -> Problem {
     Problem::new(StatusCode::BAD_GATEWAY, "Bad gateway", "unavailable", detail)
+}
+
+/// The first caller's answer with the upstream's `Set-Cookie` headers, which the stored
+/// answer never holds (a response passed on unstored has them already).
+fn with_cookies(mut response: Response, cookies: Option<&Vec<HeaderValue>>) -> Response {
+    if !response.headers().contains_key(header::SET_COOKIE) {
+        for cookie in cookies.into_iter().flatten() {
+            response.headers_mut().append(header::SET_COOKIE, cookie.clone());
+        }
+    }
+    response
 }
 
 /// A stored answer as a response; `replayed` marks a retry's.

@@ -475,7 +475,8 @@ async fn too_large_answers_are_passed_on_unstored_and_stored_headers_replay() {
 }
 
 /// A header the upstream sends twice is stored and replayed with both values, in order;
-/// a `set-cookie` put in `stored_headers` by a library caller is still not replayed.
+/// a `set-cookie` put in `stored_headers` by a library caller is still not replayed, and
+/// the first caller still gets its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_value_of_a_stored_header_is_replayed() {
     let setup = setup(|c| c.stored_headers = vec![header::LINK, header::SET_COOKIE]).await;
@@ -489,4 +490,6 @@ async fn every_value_of_a_stored_header_is_replayed() {
     assert_eq!(links(&first_headers), expected);
     assert_eq!(links(&replay_headers), expected);
     assert!(replay_headers.get(header::SET_COOKIE).is_none(), "{replay_headers:?}");
+    // The first caller gets its cookie, from the upstream's answer rather than the store.
+    assert_eq!(first_headers.get(header::SET_COOKIE).unwrap(), "session=first-caller");
 }

@@ -106,8 +106,9 @@ impl Shard {
         let token_before = self.book.next_token;
         // Time never goes back here, and the moved records keep the time they had left:
         // a source whose clock is ahead lifts this shard's (as a persisted mark would),
-        // and records from one that is behind are carried forward. (Shards share one
-        // frame unless a persisted mark was ahead of the wall clock at start.)
+        // and records from one that is behind are carried forward. (The shards of a
+        // process share one frame, `open.rs`; only one that could not read its mark at
+        // the start, and found it above the start's base later, runs ahead of the rest.)
         let source_now = handover.meta.high_water_ms;
         let ahead_ms = self.guard.read(self.clock.monotonic_ms()).saturating_sub(source_now);
         self.guard.raise(source_now);

@@ -176,8 +176,9 @@ impl Shard {
     /// Anchors the frame at `base_ms`, never below the persisted mark, and says how far
     /// time moved while the shard was down.
     pub(super) fn anchor_at(&mut self, base_ms: u64, high_water_ms: u64) -> u64 {
-        self.guard = ClockGuard::new(high_water_ms.max(self.guard.high_water_ms()));
-        self.guard.anchor(base_ms, self.start.monotonic_ms);
+        if !anchor_once(&mut self.guard, base_ms, self.start.monotonic_ms, high_water_ms) {
+            return self.guard.read(self.clock.monotonic_ms());
+        }
         if high_water_ms > 0 && base_ms > high_water_ms {
             tracing::info!(
                 shard = self.id,
@@ -255,5 +256,39 @@ impl Shard {
         self.epoch = epoch;
         self.book.next_token = token::first_of(epoch);
         tracing::info!(shard = self.id, epoch, "token counter moved to a new epoch");
+    }
+}
+
+/// Anchors `guard` at `base_ms` as of the engine's start (`start_monotonic_ms`), never
+/// below the persisted mark; returns whether it did. A guard already anchored (a first
+/// open that failed after anchoring, tried again) keeps its frame and is only raised to
+/// the mark: anchoring it again from the start's reading, above the time it had already
+/// read, would count the time since the start twice and put the shard ahead of its peers.
+fn anchor_once(guard: &mut ClockGuard, base_ms: u64, start_monotonic_ms: u64, high_water_ms: u64) -> bool {
+    if guard.is_anchored() {
+        guard.raise(high_water_ms);
+        return false;
+    }
+    *guard = ClockGuard::new(high_water_ms.max(guard.high_water_ms()));
+    guard.anchor(base_ms, start_monotonic_ms);
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_first_open_tried_again_keeps_the_frame_it_anchored() {
+        let mut guard = ClockGuard::new(0);
+        assert!(anchor_once(&mut guard, 1_000_000, 50, 900_000));
+        // The first attempt read time 30 s after the start, then failed.
+        assert_eq!(guard.read(30_050), 1_030_000);
+        let anchored_again = anchor_once(&mut guard, 1_000_000, 50, 900_000);
+        assert_eq!(guard.read(40_050), 1_040_000, "10 s later, not 30 s ahead of the start's frame");
+        assert!(!anchored_again);
+        // A persisted mark above the frame still lifts it.
+        anchor_once(&mut guard, 1_000_000, 50, 2_000_000);
+        assert_eq!(guard.read(40_060), 2_000_000);
     }
 }

@@ -167,12 +167,11 @@ impl Marks {
         state.highest_ms
     }
 
-    /// Adds the mark of a shard that opens after the start (one that failed at first,
-    /// or one added later), without waiting; the highest mark.
+    /// The base for a shard that opens after the start (one that failed at first, or one
+    /// added later), without waiting: the start's highest mark, or its own if higher. Its
+    /// own does not raise the start's, which its peers (and shards added later) keep.
     fn join(&self, mark_ms: u64) -> u64 {
-        let mut state = self.state();
-        state.highest_ms = state.highest_ms.max(mark_ms);
-        state.highest_ms
+        self.state().highest_ms.max(mark_ms)
     }
 
     fn leave_locked(&self, state: &mut MarksState) {
