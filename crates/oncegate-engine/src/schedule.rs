@@ -9,8 +9,10 @@
 //! rows are appended in arrival order and most records of a window arrived together with
 //! the same ttl, so a window is usually a few runs whatever its size (10 million live
 //! records cost kilobytes here, not the 80 MB a list of ids would). An id that starts no
-//! run is kept alone, in 8 bytes: the log store's positions are never consecutive, so
-//! there every entry is one (a run of one would take 16).
+//! run is kept alone, in 8 bytes. The log store files keys (their hash, top bit cleared),
+//! resolved through its index when the window comes, rather than positions: a position
+//! changes at every rewrite and every compaction copy, a key does not, so a key has one
+//! entry per window it moves to instead of one per write (hashes never form runs).
 //!
 //! Entries are hints, never the truth: the row's own `reclaim_at_ms` decides, in the
 //! `DELETE` that reclaims it. A row whose deadline moved to another window gets a new

@@ -696,6 +696,35 @@ mod tests {
         }
     }
 
+    /// The reclaim schedule holds an entry per key and window, not per write: a key
+    /// rewritten 5,000 times with the same deadline (a heartbeat's), and long-lived
+    /// records copied again and again by compaction, add none; they are still reclaimed
+    /// when their window comes. (With an entry per write, the schedule grew with every
+    /// heartbeat and every copy until the window came, bounded by no key count.)
+    #[test]
+    fn rewrites_and_compaction_copies_add_no_schedule_entries() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut store, _, _) = open(dir.path(), 1 << 30);
+        let held = granted(1, 0, 60_000_000);
+        for batch in 0..5_000u64 {
+            let txn = store.begin(batch).unwrap();
+            txn.put(&scope("beating"), &held).unwrap();
+            txn.commit(Meta { next_token: 2, high_water_ms: batch }).unwrap();
+        }
+        assert_eq!(store.schedule.len(), 1, "one key, one window");
+        // Short-lived keys make compaction run over the long-lived ones many times.
+        fill_expiring(&mut store, 1);
+        assert!(store.retired.load(std::sync::atomic::Ordering::Relaxed) > 3, "compaction ran");
+        let live = store.index.iter().count();
+        assert!(store.schedule.len() <= live + 64, "{} entries for {live} live keys", store.schedule.len());
+        // The long-lived ones still go when their window comes.
+        let txn = store.begin(100_000_000).unwrap();
+        let removed = txn.reclaim(100_000_000, usize::MAX).unwrap();
+        txn.commit(Meta { next_token: 30_000, high_water_ms: 100_000_000 }).unwrap();
+        assert_eq!((removed.pending + removed.completed) as usize, live, "every live key reclaimed");
+        assert_eq!(store.index.iter().count(), 0);
+    }
+
     /// A new log's first segment is zero-filled to its full size before the first commit,
     /// so that no commit's sync has to write a grown file size as well.
     #[test]

@@ -102,10 +102,14 @@ impl Store {
                 self.live_bytes += u64::from(record.len);
             }
         }
-        for (position, record) in &walk.live {
+        for record in walk.live.values() {
             tally.add_stored(&walk.tenants[record.tenant as usize], record.pending);
             self.live_bytes += u64::from(record.len);
-            self.schedule.add(record.reclaim_at_ms, *position);
+        }
+        for (hash, position) in self.index.iter() {
+            if let Some(record) = walk.live.get(&position) {
+                self.schedule.add(record.reclaim_at_ms, super::txn::schedule_entry(hash));
+            }
         }
         self.schedule.shrink_to_fit();
         self.tally = Some(tally);

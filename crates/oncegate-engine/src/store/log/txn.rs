@@ -36,9 +36,8 @@ pub(crate) struct Txn<'s> {
     frames: RefCell<Vec<Pending>>,
     undo: RefCell<Vec<Undo>>,
     unscheduled: RefCell<Vec<(u64, i64)>>,
-    /// Positions to file in the reclaim schedule (deadline, position) once the commit is
-    /// durable: filed earlier, a transaction that rolls back would leave entries naming
-    /// bytes never written, which a later frame may fill with another entry's middle.
+    /// Keys to file in the reclaim schedule (deadline, [`schedule_entry`]) once the commit
+    /// is durable, so that a transaction that rolls back files nothing.
     scheduled: RefCell<Vec<(u64, i64)>>,
     live_delta: Cell<i64>,
     located: RefCell<Option<Located>>,
@@ -210,13 +209,21 @@ impl<'s> Txn<'s> {
         self.failpoint()?;
         let hash = self.hash(scope);
         let old = self.locate(scope, hash)?;
+        let old_reclaim_at_ms = old.and(self.located.borrow().as_ref().map(|l| l.record.reclaim_at_ms()));
         let len = format::record_len(scope, record);
         let at = self.append(writer, len, |out| format::put_record(out, hash, scope, record))?;
         self.repoint(hash, old, Some((at, len)));
         *self.located.borrow_mut() =
             Some(Located { scope: scope.clone(), position: at, len, record: record.clone() });
-        self.scheduled.borrow_mut().push((record.reclaim_at_ms(), at));
-        Ok(self.store.borrow().schedule.due_ms(record.reclaim_at_ms()))
+        let due_ms = self.store.borrow().schedule.due_ms(record.reclaim_at_ms());
+        // The key's entry in a window still to come finds this record as well: a heartbeat
+        // (whose deadline stays) files nothing more.
+        let filed = old_reclaim_at_ms
+            .is_some_and(|old| self.store.borrow().schedule.due_ms(old) == due_ms && due_ms > self.now_ms);
+        if !filed {
+            self.scheduled.borrow_mut().push((record.reclaim_at_ms(), schedule_entry(hash)));
+        }
+        Ok(due_ms)
     }
 
     /// Deletes a key's record (a tombstone names the record it ends).
@@ -280,18 +287,23 @@ impl<'s> Txn<'s> {
         let taken = self.store.borrow_mut().schedule.take_due(now_ms, limit);
         self.unscheduled.borrow_mut().extend(taken.iter().copied());
         let mut removed = Tally::default();
-        for (_, position) in taken {
-            // Entries are hints: one whose segment was retired, or whose record moved on,
-            // deletes nothing.
-            let Some((Entry::Record { hash, scope, record }, len)) = self.entry_at(position)? else {
-                continue;
+        for (_, entry) in taken {
+            // Entries are hints: a key whose record moved to a later window, or is gone,
+            // deletes nothing here.
+            let live: Vec<i64> = {
+                let store = self.store.borrow();
+                entry_hashes(entry).flat_map(|hash| store.index.ids(hash).collect::<Vec<_>>()).collect()
             };
-            let live = self.store.borrow().index.ids(hash).any(|p| p == position);
-            if !live || record.reclaim_at_ms() > now_ms {
-                continue;
+            for position in live {
+                let Some((Entry::Record { hash, scope, record }, len)) = self.entry_at(position)? else {
+                    continue;
+                };
+                if record.reclaim_at_ms() > now_ms {
+                    continue;
+                }
+                self.tombstone(hash, position, len)?;
+                removed.add_stored(&scope.tenant, record.completion.is_none());
             }
-            self.tombstone(hash, position, len)?;
-            removed.add_stored(&scope.tenant, record.completion.is_none());
         }
         Ok(removed)
     }
@@ -369,7 +381,7 @@ impl<'s> Txn<'s> {
         while at < bytes.len() {
             let (entry, len) = decode_at(&bytes[at..])?;
             let from = position(state.seq, state.offset + at as u64);
-            if let Entry::Record { hash, record, .. } = entry
+            if let Entry::Record { hash, .. } = entry
                 && self.store.borrow().index.ids(hash).any(|p| p == from)
             {
                 let copy = |out: &mut Vec<u8>| out.extend_from_slice(&bytes[at..at + len]);
@@ -377,8 +389,8 @@ impl<'s> Txn<'s> {
                     Err(StoreError::Full) => return Ok(false),
                     other => other?,
                 };
+                // The key's schedule entry finds the copy: it names the key, not the bytes.
                 self.repoint(hash, Some((from, len)), Some((to, len)));
-                self.scheduled.borrow_mut().push((record.reclaim_at_ms(), to));
             }
             at += len;
         }
@@ -480,4 +492,17 @@ impl<'s> Txn<'s> {
         }
         Ok(())
     }
+}
+
+/// A key as the reclaim schedule files it: its routing hash with the top bit cleared (the
+/// schedule's entries are non-negative). Filing keys rather than positions keeps one
+/// entry per key and window however often the record is rewritten or copied.
+pub(super) fn schedule_entry(hash: u64) -> i64 {
+    (hash & (i64::MAX as u64)) as i64
+}
+
+/// The hashes a schedule entry may stand for.
+fn entry_hashes(entry: i64) -> impl Iterator<Item = u64> {
+    let low = entry as u64;
+    [low, low | (1 << 63)].into_iter()
 }
