@@ -307,7 +307,9 @@ impl Client {
         let parks = !extra.is_zero();
         if self.transport == Transport::Session && !parks && !self.shared.unary_only.load(Ordering::Relaxed) {
             let metadata = self.metadata();
-            let sent = self.shared.sessions.call(&self.gate, &metadata, call, deadline);
+            // Read before the stream may have to be opened: that counts against the time too.
+            let ends_at = session::deadline_from_now(deadline);
+            let sent = self.shared.sessions.call(&self.gate, &metadata, call, ends_at);
             match tokio::time::timeout(deadline, sent).await.map_err(|_| late())?? {
                 Ok(Out::Refusal(refusal)) => return Err(session::refused(refusal)),
                 Ok(out) => return Ok(out),

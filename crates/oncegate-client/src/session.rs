@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use oncegate_proto::v1 as pb;
 use oncegate_proto::v1::gate_client::GateClient;
@@ -38,7 +38,7 @@ impl Sessions {
         gate: &GateClient<Channel>,
         metadata: &tonic::metadata::MetadataMap,
         call: Call,
-        deadline: std::time::Duration,
+        ends_at: Instant,
     ) -> Result<Result<Out, Call>, ClientError> {
         let id = self.ids.fetch_add(1, Ordering::Relaxed);
         let (answer, answered) = oneshot::channel();
@@ -48,7 +48,7 @@ impl Sessions {
             Err(status) => return Err(status.into()),
         };
         let request = pb::SessionRequest { id, call: Some(call), timeout_ms: 0 };
-        if stream.send((request, Instant::now() + deadline, answer)).await.is_err() {
+        if stream.send((request, ends_at, answer)).await.is_err() {
             // The stream ended between the check and the send: the call never left.
             self.stream.lock().await.take();
             return Err(ended("the session stream ended before the call was sent"));
@@ -73,6 +73,13 @@ impl Sessions {
     }
 }
 
+/// When a call given `timeout` from now ends (far in the future for a timeout too long
+/// to add).
+pub(crate) fn deadline_from_now(timeout: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(timeout).unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 86_400))
+}
+
 fn ended(message: &str) -> ClientError {
     Refusal::unanswered(message.to_owned())
 }
@@ -93,12 +100,14 @@ async fn open(
     // call, so that a reserve the caller gave up on is never granted. The time left is
     // written as the call leaves, not when it was queued: a call that waited here (the
     // server reads no more while its calls in flight are at their limit) has less.
-    let outgoing = tokio_stream::wrappers::UnboundedReceiverStream::new(outgoing).map(
-        |(mut request, deadline): (pb::SessionRequest, Instant)| {
-            let left = deadline.saturating_duration_since(Instant::now());
-            // At least 1 ms: 0 would ask for the server's own limit.
-            request.timeout_ms = u64::try_from(left.as_millis()).unwrap_or(u64::MAX).max(1);
-            request
+    // A call whose time ran out while it waited here is not sent at all: its caller has
+    // given up, and a reserve granted now would hold the key for nobody.
+    let outgoing = tokio_stream::wrappers::UnboundedReceiverStream::new(outgoing).filter_map(
+        |(mut request, ends_at): (pb::SessionRequest, Instant)| {
+            let left = ends_at.saturating_duration_since(Instant::now());
+            request.timeout_ms = u64::try_from(left.as_millis()).ok()?;
+            // 0 would ask for the server's own limit; under 1 ms left is no time.
+            (request.timeout_ms > 0).then_some(request)
         },
     );
     let mut request = tonic::Request::new(outgoing);
@@ -106,12 +115,23 @@ async fn open(
     let mut answers = gate.session(request).await?.into_inner();
     tokio::spawn(async move {
         let mut waiting: HashMap<u64, oneshot::Sender<Out>> = HashMap::new();
+        let mut sent = 0usize;
         loop {
             tokio::select! {
                 call = queued.recv() => {
-                    let Some((request, deadline, answer)) = call else { return };
+                    let Some((request, ends_at, answer)) = call else { return };
+                    // A caller that gave up before its call left is not waited for; nor
+                    // are those that gave up since (their calls unsent or unanswered),
+                    // swept once per queue's worth of calls.
+                    if answer.is_closed() {
+                        continue;
+                    }
+                    sent += 1;
+                    if sent.is_multiple_of(CALLS_QUEUED_MAX) {
+                        waiting.retain(|_, caller| !caller.is_closed());
+                    }
                     waiting.insert(request.id, answer);
-                    if requests.send((request, deadline)).is_err() {
+                    if requests.send((request, ends_at)).is_err() {
                         return;
                     }
                 }

@@ -342,3 +342,21 @@ async fn a_retry_across_a_bucket_boundary_within_the_grace_replays() {
     assert!(matches!(next, Ran::Now(_)), "{next:?}");
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
+
+/// A client whose calls may take as long as they like still calls over the session: the
+/// time a call has left is computed without overflowing (adding `Duration::MAX` to the
+/// present instant panicked).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_client_without_a_deadline_to_speak_of_still_calls() {
+    let server = server().await;
+    let client = Client::builder(server.url.clone())
+        .transport(Transport::Session)
+        .timeout(Duration::MAX)
+        .connect()
+        .await
+        .unwrap();
+    let request =
+        ReserveRequest { namespace: "live".into(), key: "unbounded".into(), ..ReserveRequest::default() };
+    let reserved = client.reserve(request).await.expect("answered");
+    assert!(matches!(reserved.reply, oncegate_core::ReserveReply::Granted { .. }), "{reserved:?}");
+}

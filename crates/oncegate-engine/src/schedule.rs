@@ -12,7 +12,7 @@
 //! run is kept alone, in 8 bytes. The log store files keys (their hash, top bit cleared),
 //! resolved through its index when the window comes, rather than positions: a position
 //! changes at every rewrite and every compaction copy, a key does not, so a key has one
-//! entry per window it moves to instead of one per write (hashes never form runs).
+//! entry per window it moves to instead of one per write (hashes seldom form runs).
 //!
 //! Entries are hints, never the truth: the row's own `reclaim_at_ms` decides, in the
 //! `DELETE` that reclaims it. A row whose deadline moved to another window gets a new
@@ -32,7 +32,8 @@ pub(crate) struct Schedule {
 
 /// One window's ids, as items: an item `>= 0` is an id alone; an item `< 0` is `!first`,
 /// the start of the run `first ..= last` whose `last` is the next item. Ids are never
-/// negative (SQLite's row ids, the log's positions), so the two never mix up, and an
+/// negative (SQLite's row ids, the log's key hashes with the top bit cleared), so the two
+/// never mix up, and an
 /// entry is a run exactly when the item before its last is negative.
 #[derive(Debug, Default)]
 struct Window {
@@ -223,7 +224,7 @@ mod tests {
         assert_eq!(schedule.next_ms(), None);
     }
 
-    /// Ids that start no run (the log's positions) take 8 bytes each, and a run formed
+    /// Ids that start no run (the log's key hashes, mostly) take 8 bytes each, and a run formed
     /// from either end takes 16 whatever its length; every id comes back out once.
     #[test]
     fn lone_ids_take_one_item_and_runs_two() {

@@ -9,7 +9,7 @@
 //!
 //! - **Memory** is the truth for finding things, the log for what they are: the
 //!   [`Index`] maps each key's hash to the position (`segment << 32 | offset`) of its
-//!   latest record, and the [`Schedule`] files positions by reclaim window, both rebuilt
+//!   latest record, and the [`Schedule`] files keys (hashes) by reclaim window, both rebuilt
 //!   by reading the log at open. A record is read back from its segment when it is
 //!   decided on (the last megabyte of committed frames is kept in memory for the
 //!   commits that follow reserves: `recent.rs`).
