@@ -25,7 +25,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crate::reshard::{Progress, Resharded};
-use crate::routes::{Moving, send_in_order};
+use crate::routes::{Moving, hand_over, try_hand_over};
 use crate::shard::{Control, Mail, MoveOut, Parked};
 use crate::slots::{self, SlotMap, SlotMove};
 use crate::{Engine, Error, OpenError, ShardHandle, manifest};
@@ -252,30 +252,22 @@ impl Engine {
         }
         // A shard that has stopped drops them: their callers hear `unavailable`.
         let _ = handle.data.send(Mail::Adopt(parked));
-        for round in 1.. {
+        loop {
             let mut table = inner.table_mut();
             let held = table.moving.as_ref().map(Moving::take_held).unwrap_or_default();
-            if held.is_empty() {
+            // Under the lock only a hand-over that does not wait: every caller routes under
+            // it, and a destination slow to drain (or stalled) must not stop them all.
+            let Some(held) = try_hand_over(&handle, owner, held) else {
                 table.moving = None;
                 return;
-            }
-            if round < RELEASE_ROUNDS_UNLOCKED_MAX {
-                drop(table);
-                send_in_order(&handle, owner, held);
-                continue;
-            }
-            // A slot busy enough to refill the queue every round: the last round is sent
-            // under the lock, so it ends. No shard waits for this lock, so the owner
-            // drains its mailbox meanwhile.
-            send_in_order(&handle, owner, held);
-            table.moving = None;
-            return;
+            };
+            drop(table);
+            // The mailbox is full: wait for one slot without the lock. Requests held
+            // meanwhile go behind these, in the next round, which one free slot ends.
+            hand_over(&handle, owner, held);
         }
     }
 }
-/// Rounds of held requests sent without the table's lock before the last one is sent
-/// under it.
-const RELEASE_ROUNDS_UNLOCKED_MAX: u32 = 4;
 
 /// Where a test may stop a move dead, as a crash would (`Faults::stop_moves_after`).
 fn stop_point(inner: &crate::Inner) -> Result<(), OpenError> {

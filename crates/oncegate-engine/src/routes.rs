@@ -79,22 +79,48 @@ impl Moving {
         }
     }
 
-    /// Takes the requests held so far, in order. The mover sends them to the slot's
-    /// owner without the table's lock (a full mailbox may make it wait), while later ones
-    /// keep arriving here behind them; it ends the move, under the write lock, only when
-    /// none is left.
+    /// Takes the requests held so far, in order. The mover hands them to the slot's
+    /// owner under the write lock only when its mailbox has room at once, and otherwise
+    /// waits for room without the lock while later ones keep arriving here behind them;
+    /// the move ends, under the lock, with the hand-over that did not have to wait.
     pub fn take_held(&self) -> VecDeque<Request> {
         std::mem::take(&mut *self.held())
     }
 }
 
-/// Sends `requests`, in order, to `shard`'s mailbox, waiting for room (they were
-/// accepted already); a request whose shard has stopped hears `unavailable`.
-pub(crate) fn send_in_order(shard: &ShardHandle, shard_id: u32, requests: VecDeque<Request>) {
-    for request in requests {
-        if let Err(unsent) = shard.data.send(Mail::Call(request))
-            && let Mail::Call(request) = unsent.into_inner()
-        {
+/// Hands `requests` (accepted already) to `shard` as one message, which takes one slot
+/// of its mailbox however many they are and which the shard serves in order. Without
+/// waiting: a full mailbox gives them back. `None` when nothing is left to hand over (a
+/// shard that has stopped answers them `unavailable`).
+pub(crate) fn try_hand_over(
+    shard: &ShardHandle,
+    shard_id: u32,
+    requests: VecDeque<Request>,
+) -> Option<VecDeque<Request>> {
+    if requests.is_empty() {
+        return None;
+    }
+    match shard.data.try_send(Mail::Held(requests)) {
+        Ok(()) => None,
+        Err(crossbeam_channel::TrySendError::Full(Mail::Held(requests))) => Some(requests),
+        Err(unsent) => {
+            lost(unsent.into_inner(), shard_id);
+            None
+        }
+    }
+}
+
+/// [`try_hand_over`], waiting for room.
+pub(crate) fn hand_over(shard: &ShardHandle, shard_id: u32, requests: VecDeque<Request>) {
+    if let Err(unsent) = shard.data.send(Mail::Held(requests)) {
+        lost(unsent.into_inner(), shard_id);
+    }
+}
+
+/// Answers the requests of a message its shard will never read.
+fn lost(mail: Mail, shard_id: u32) {
+    if let Mail::Held(requests) = mail {
+        for request in requests {
             let _ = request.reply.send(Err(crate::Pending::lost(shard_id)));
         }
     }

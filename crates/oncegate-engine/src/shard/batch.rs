@@ -110,16 +110,18 @@ impl Shard {
             if requests.is_empty() && after.is_none() {
                 break;
             }
+            // In mailbox order: the requests came before what stopped the drain.
+            if !requests.is_empty() {
+                self.serve_batch(requests);
+            }
             match after {
                 Some(super::Mail::MoveOut(move_out)) => {
                     let _ = move_out.reply.send(Err(self.unavailable("the shard is stopping")));
                 }
                 // Answered `in progress` with the shard's own waiters below.
                 Some(super::Mail::Adopt(parked)) => self.book.adopt(parked),
+                Some(super::Mail::Held(held)) => self.serve_held(held),
                 Some(super::Mail::Call(_)) | None => {}
-            }
-            if !requests.is_empty() {
-                self.serve_batch(requests);
             }
         }
         if let Some(store) = self.store.as_mut() {

@@ -83,6 +83,9 @@ pub(crate) enum Mail {
     /// Park the reserves that waited on a moved slot's keys: sent to the slot's owner once
     /// the move is over (or undone), ahead of the slot's held requests.
     Adopt(Parked),
+    /// The requests a moving slot held, in arrival order, in one message (one mailbox
+    /// slot): served before anything that comes after them.
+    Held(std::collections::VecDeque<Request>),
 }
 
 /// Requests that must not wait behind data.
@@ -351,13 +354,22 @@ impl Shard {
         match after {
             Some(Mail::MoveOut(move_out)) => self.move_out(move_out),
             Some(Mail::Adopt(parked)) => self.adopt(parked),
+            Some(Mail::Held(held)) => self.serve_held(held),
             Some(Mail::Call(_)) | None => {}
         }
     }
 
+    /// A moving slot's held requests, in order, in batches of at most `batch_len_max`.
+    fn serve_held(&mut self, mut held: std::collections::VecDeque<Request>) {
+        while !held.is_empty() {
+            let batch: Vec<Request> = held.drain(..held.len().min(self.config.batch_len_max)).collect();
+            self.serve_batch(batch);
+        }
+    }
+
     /// Takes what the mailbox holds now, after `first`, up to `batch_len_max` requests in
-    /// all, stopping at a slot's hand-over or adoption (handled after the requests before
-    /// it, and before those after it).
+    /// all, stopping at a slot's hand-over, adoption or held requests (handled after the
+    /// requests before it, and before those after it).
     fn drain(&self, first: Option<Mail>) -> (Vec<Request>, Option<Mail>) {
         let mut requests = Vec::with_capacity(self.config.batch_len_max.min(64));
         let mut next = first;
