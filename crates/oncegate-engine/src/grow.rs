@@ -252,22 +252,33 @@ impl Engine {
         }
         // A shard that has stopped drops them: their callers hear `unavailable`.
         let _ = handle.data.send(Mail::Adopt(parked));
-        loop {
+        for round in 1.. {
             let mut table = inner.table_mut();
             let held = table.moving.as_ref().map(Moving::take_held).unwrap_or_default();
-            // Under the lock only a hand-over that does not wait: every caller routes under
-            // it, and a destination slow to drain (or stalled) must not stop them all.
+            // Under the lock, first a hand-over that does not wait: every caller routes
+            // under it, and a destination slow to drain must not stop them all.
             let Some(held) = try_hand_over(&handle, owner, held) else {
                 table.moving = None;
                 return;
             };
+            if round >= RELEASE_ROUNDS_UNLOCKED_MAX {
+                // A slot busy enough, and an owner full enough, to go on every round: this
+                // one waits under the lock, for one place in the mailbox (the owner drains
+                // without this lock), so that the move ends.
+                hand_over(&handle, owner, held);
+                table.moving = None;
+                return;
+            }
             drop(table);
-            // The mailbox is full: wait for one slot without the lock. Requests held
-            // meanwhile go behind these, in the next round, which one free slot ends.
+            // The mailbox is full: wait for one place without the lock. Requests held
+            // meanwhile go behind these, in the next round.
             hand_over(&handle, owner, held);
         }
     }
 }
+/// Rounds whose hand-over waits for the owner's mailbox without the table's lock, before
+/// the last one waits under it. It also bounds the held messages in one mailbox.
+const RELEASE_ROUNDS_UNLOCKED_MAX: u32 = 4;
 
 /// Where a test may stop a move dead, as a crash would (`Faults::stop_moves_after`).
 fn stop_point(inner: &crate::Inner) -> Result<(), OpenError> {
