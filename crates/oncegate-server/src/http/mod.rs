@@ -14,12 +14,13 @@ mod json;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use axum::Json;
 use axum::extract::rejection::{JsonRejection, PathRejection};
-use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::extract::{DefaultBodyLimit, FromRequestParts, Path, State};
+use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Extension, Json};
 use oncegate_core::Code;
 use oncegate_proto::v1 as pb;
 use serde::Serialize;
@@ -155,31 +156,29 @@ impl From<Response> for Unread {
 /// A body as axum reads it: the operation's JSON, or why not.
 type BodyOf<B> = Result<Json<B>, JsonRejection>;
 
-/// What [`call`] needs of a request besides its message.
+/// What [`call`] needs of a request besides its message, extracted with it.
 struct Head {
     headers: HeaderMap,
     /// When it reached the port (now, for a router used without the dispatch).
     arrived: Instant,
 }
 
-impl Head {
-    fn new(headers: HeaderMap, arrived: Option<Extension<Arrived>>) -> Head {
-        Head { headers, arrived: arrived.map_or_else(Instant::now, |Extension(Arrived(at))| at) }
+impl<S: Send + Sync> FromRequestParts<S> for Head {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Head, Self::Rejection> {
+        let arrived = parts.extensions.get::<Arrived>().map_or_else(Instant::now, |Arrived(at)| *at);
+        Ok(Head { headers: parts.headers.clone(), arrived })
     }
 }
 
 const GRPC_TIMEOUT: &str = "grpc-timeout";
 
 /// The four `POST` operations: the body, then [`call`].
-async fn handle<B: Body>(
-    State(http): State<Http>,
-    arrived: Option<Extension<Arrived>>,
-    headers: HeaderMap,
-    body: BodyOf<B>,
-) -> Response {
+async fn handle<B: Body>(State(http): State<Http>, head: Head, body: BodyOf<B>) -> Response {
     let message = body.map_err(|rejection| Unread::from(bad_body(&rejection)));
     let message = message.and_then(|Json(body)| body.into_wire().map_err(|refusal| problem(&refusal).into()));
-    call(&http, &Head::new(headers, arrived), message, B::answer).await
+    call(&http, &head, message, B::answer).await
 }
 
 /// A body that is not the operation's JSON: `400` as every invalid argument (axum says
@@ -216,13 +215,8 @@ fn bad_body(rejection: &JsonRejection) -> Response {
     ),
     security((), ("bearer" = [])),
 )]
-async fn reserve(
-    http: State<Http>,
-    arrived: Option<Extension<Arrived>>,
-    headers: HeaderMap,
-    body: BodyOf<ReserveBody>,
-) -> Response {
-    handle(http, arrived, headers, body).await
+async fn reserve(http: State<Http>, head: Head, body: BodyOf<ReserveBody>) -> Response {
+    handle(http, head, body).await
 }
 
 /// Stores the holder's outcome and response; later reserves replay them.
@@ -240,13 +234,8 @@ async fn reserve(
     ),
     security((), ("bearer" = [])),
 )]
-async fn commit(
-    http: State<Http>,
-    arrived: Option<Extension<Arrived>>,
-    headers: HeaderMap,
-    body: BodyOf<CommitBody>,
-) -> Response {
-    handle(http, arrived, headers, body).await
+async fn commit(http: State<Http>, head: Head, body: BodyOf<CommitBody>) -> Response {
+    handle(http, head, body).await
 }
 
 /// Gives the key up so that a retry may proceed.
@@ -262,13 +251,8 @@ async fn commit(
     ),
     security((), ("bearer" = [])),
 )]
-async fn release(
-    http: State<Http>,
-    arrived: Option<Extension<Arrived>>,
-    headers: HeaderMap,
-    body: BodyOf<ReleaseBody>,
-) -> Response {
-    handle(http, arrived, headers, body).await
+async fn release(http: State<Http>, head: Head, body: BodyOf<ReleaseBody>) -> Response {
+    handle(http, head, body).await
 }
 
 /// Renews the holder's lease while it works.
@@ -284,13 +268,8 @@ async fn release(
     ),
     security((), ("bearer" = [])),
 )]
-async fn heartbeat(
-    http: State<Http>,
-    arrived: Option<Extension<Arrived>>,
-    headers: HeaderMap,
-    body: BodyOf<HeartbeatBody>,
-) -> Response {
-    handle(http, arrived, headers, body).await
+async fn heartbeat(http: State<Http>, head: Head, body: BodyOf<HeartbeatBody>) -> Response {
+    handle(http, head, body).await
 }
 
 /// What a key holds now (a read: no write, no fsync).
@@ -311,15 +290,14 @@ async fn heartbeat(
 )]
 async fn key(
     State(http): State<Http>,
-    arrived: Option<Extension<Arrived>>,
-    headers: HeaderMap,
+    head: Head,
     path: Result<Path<(String, String)>, PathRejection>,
 ) -> Response {
     let message = path.map(|Path((namespace, key))| pb::GetRequest { namespace, key }).map_err(|rejection| {
         let detail = rejection.body_text();
         problem_document(StatusCode::BAD_REQUEST, Code::InvalidArgument, detail, None, None, None).into()
     });
-    call(&http, &Head::new(headers, arrived), message, GetAnswer::from_wire).await
+    call(&http, &head, message, GetAnswer::from_wire).await
 }
 
 /// This front's one mapping from a refusal to its HTTP answer (the HTTP column of the
