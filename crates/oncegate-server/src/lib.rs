@@ -239,7 +239,7 @@ async fn services(engine: &Engine, config: &Config) -> Result<Services, ServeErr
     let request_timeout = Duration::from_millis(server.request_timeout_ms);
     let service =
         GateService::new(engine.clone(), auth, admit, server.session_calls_in_flight_max, request_timeout);
-    let json = http::router(service.clone(), server.message_bytes_max);
+    let json = http::router(service.clone(), server.message_bytes_max, server.metadata_bytes_max as usize);
     let gate = GateServer::new(service)
         .max_decoding_message_size(server.message_bytes_max)
         .max_encoding_message_size(server.message_bytes_max);

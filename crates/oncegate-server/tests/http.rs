@@ -292,3 +292,91 @@ async fn a_grpc_deadline_header_is_refused_over_http() {
     assert!(document["detail"].as_str().unwrap().starts_with("grpc-timeout is a gRPC header"), "{document}");
     server.stop().await;
 }
+
+/// HTTP/2 holds a request's headers to `server.metadata_bytes_max` (h2 counts them); over
+/// HTTP/1.1 hyper bounded them only by its read buffer, about 400 KiB. The same limit,
+/// counted as HTTP/2 counts it, refuses them with `431` before anything is decided.
+#[tokio::test]
+async fn headers_over_the_metadata_limit_are_refused_over_http1() {
+    let server = start_with(|c| c.server.metadata_bytes_max = 4096).await;
+    let body = json!({"namespace": "live", "key": "padded"}).to_string();
+    let send = |padding: usize| {
+        let padding = "p".repeat(padding);
+        let body = body.clone();
+        async move {
+            let headers = [("x-padding", padding.as_str())];
+            http_with(server.addr, "POST", "/v1/reserve", &headers, Some(("application/json", &body))).await
+        }
+    };
+    let refused = send(4096).await;
+    problem(&refused, 431, "invalid_argument");
+    let detail = refused.body["detail"].as_str().unwrap();
+    assert!(detail.ends_with("the limit is 4096 (server.metadata_bytes_max)"), "{detail}");
+    // Under the limit the same request is served, and granted: the refused one decided
+    // nothing.
+    assert!(ok(&send(3000).await)["granted"].is_object());
+    server.stop().await;
+}
+
+/// Each refusal an operation answers before its call is decided, provoked on every
+/// operation, is among the responses the OpenAPI document gives that operation; so are
+/// the refusals of the call path (`429`, `503`), which need load or a failed store.
+#[tokio::test]
+async fn every_refusal_an_operation_answers_is_in_its_openapi_responses() {
+    let server = start_with(|c| {
+        c.server.metadata_bytes_max = 4096;
+        c.server.message_bytes_max = 70_000;
+        c.tenants = vec![TenantConfig {
+            name: "acme".into(),
+            token_sha256: token_sha256("acme"),
+            ..TenantConfig::default()
+        }];
+    })
+    .await;
+    let document = http(server.addr, "GET", "/v1/openapi.json", None, None).await;
+    let document = ok(&document).clone();
+    let bearer = ("Authorization", "Bearer acme");
+    let padding = "p".repeat(4096);
+    let padded = ("x-padding", padding.as_str());
+    let get_path = "/v1/namespaces/live/keys/k";
+    let long_get_path = format!("/v1/namespaces/live/keys/{}", "k".repeat(700));
+    let big = json!({"namespace": "live", "key": "k", "fingerprint": "A".repeat(120_000)}).to_string();
+    let json_body = |body: &'static str| Some(("application/json", body));
+    for path in ["/v1/reserve", "/v1/commit", "/v1/release", "/v1/heartbeat", get_path] {
+        let (method, documented_path) =
+            if path == get_path { ("get", "/v1/namespaces/{namespace}/keys/{key}") } else { ("post", path) };
+        let verb = method.to_ascii_uppercase();
+        let body = (method == "post").then_some(("application/json", r#"{"namespace": "live", "key": "k"}"#));
+        let mut provoked = vec![
+            (401, http_with(server.addr, &verb, path, &[], body).await),
+            (431, http_with(server.addr, &verb, path, &[bearer, padded], body).await),
+        ];
+        if method == "post" {
+            provoked
+                .push((400, http_with(server.addr, &verb, path, &[bearer], json_body("{not json")).await));
+            provoked.push((
+                413,
+                http_with(server.addr, &verb, path, &[bearer], Some(("application/json", &big))).await,
+            ));
+            let text = Some(("text/plain", r#"{"namespace": "live", "key": "k"}"#));
+            provoked.push((415, http_with(server.addr, &verb, path, &[bearer], text).await));
+        } else {
+            provoked.push((400, http_with(server.addr, &verb, &long_get_path, &[bearer], None).await));
+        }
+        let responses = &document["paths"][documented_path][method]["responses"];
+        for (status, answer) in &provoked {
+            assert_eq!(answer.status, *status, "{verb} {path}: {}", answer.body);
+            assert_eq!(answer.header("content-type"), Some("application/problem+json"), "{verb} {path}");
+            let documented = &responses[status.to_string()];
+            assert_eq!(
+                documented["content"]["application/problem+json"]["schema"]["$ref"],
+                json!("#/components/schemas/Problem"),
+                "{verb} {path} answers {status}, which its OpenAPI responses do not give: {responses}"
+            );
+        }
+        for status in ["429", "503"] {
+            assert!(responses[status].is_object(), "{verb} {path} does not document {status}: {responses}");
+        }
+    }
+    server.stop().await;
+}

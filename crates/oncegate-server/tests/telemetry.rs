@@ -6,7 +6,7 @@ mod common;
 
 use std::collections::BTreeMap;
 
-use common::{http_get, start_in};
+use common::{http, http_get, start_in};
 use oncegate_engine::EngineConfig;
 use oncegate_proto::v1 as pb;
 use oncegate_server::Config;
@@ -81,6 +81,10 @@ async fn metrics_health_and_readiness_follow_the_traffic() {
         .release(pb::ReleaseRequest { namespace: "live".into(), key: "nothing".into(), token: 3 })
         .await
         .unwrap_err();
+    // Over HTTP, a body that is not the operation's JSON is refused before the call path
+    // and counted as the gRPC front's invalid argument is.
+    let malformed = http(server.addr, "POST", "/v1/reserve", None, Some("{not json")).await;
+    assert_eq!(malformed.status, 400, "{}", malformed.body);
 
     let after = scrape().await.unwrap();
     let moved = |labels: &[(&str, &str)]| {
@@ -90,7 +94,7 @@ async fn metrics_health_and_readiness_follow_the_traffic() {
     assert_eq!(moved(&[("rpc", "reserve"), ("result", "in_progress")]), 1.0);
     assert_eq!(moved(&[("rpc", "reserve"), ("result", "completed")]), 1.0, "the replay is counted");
     assert_eq!(moved(&[("rpc", "reserve"), ("result", "mismatch")]), 1.0);
-    assert_eq!(moved(&[("rpc", "reserve"), ("result", "invalid_argument")]), 1.0);
+    assert_eq!(moved(&[("rpc", "reserve"), ("result", "invalid_argument"), ("tenant", "default")]), 2.0);
     assert_eq!(moved(&[("rpc", "commit"), ("result", "ok")]), 1.0);
     assert_eq!(moved(&[("rpc", "release"), ("result", "not_found")]), 1.0);
     assert!(value(&after, "oncegate_request_duration_seconds_count", &[("rpc", "reserve")]) >= 5.0);

@@ -21,7 +21,7 @@ use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use oncegate_core::Code;
+use oncegate_core::{Code, Tenant};
 use oncegate_proto::v1 as pb;
 use serde::Serialize;
 use utoipa::OpenApi;
@@ -37,12 +37,15 @@ use json::{
 /// Where the OpenAPI document is served.
 pub const OPENAPI_PATH: &str = "/v1/openapi.json";
 
-/// What every HTTP call needs: the gRPC front's call path, and how long to wait for it.
+/// What every HTTP call needs: the gRPC front's call path, how long to wait for it, and
+/// the header limit that HTTP/2 enforces below it and HTTP/1.1 does not.
 #[derive(Clone)]
 pub(crate) struct Http {
     gate: GateService,
     /// From the request's arrival, [`answer_within`] of `server.request_timeout_ms`.
     answer_within: Duration,
+    /// `server.metadata_bytes_max`, counted as HTTP/2 counts a header list.
+    header_bytes_max: usize,
 }
 
 /// How long an HTTP call may take from its arrival: `server.request_timeout_ms` less
@@ -57,11 +60,12 @@ fn answer_within(request_timeout: Duration) -> Duration {
 const ANSWER_MARGIN: Duration = Duration::from_millis(500);
 
 /// The routes of the HTTP API. Bodies are limited to `message_bytes_max` (the gRPC
-/// message limit) plus a third, since base64 makes bytes a third longer.
-pub(crate) fn router(gate: GateService, message_bytes_max: usize) -> axum::Router {
+/// message limit) plus a third, since base64 makes bytes a third longer; headers to
+/// `header_bytes_max`, as a gRPC call's metadata is.
+pub(crate) fn router(gate: GateService, message_bytes_max: usize, header_bytes_max: usize) -> axum::Router {
     let document: Arc<str> = openapi_json().into();
     let answer_within = answer_within(gate.request_timeout);
-    let http = Http { gate, answer_within };
+    let http = Http { gate, answer_within, header_bytes_max };
     axum::Router::new()
         .route("/v1/reserve", post(reserve))
         .route("/v1/commit", post(commit))
@@ -110,30 +114,21 @@ async fn openapi(document: Arc<str>) -> Response {
 
 /// The one path of every HTTP call: authenticate, then the gRPC front's path for the
 /// translated message; the answer as JSON or a problem document. `message` is the
-/// request's message, or the answer to a request that has none (a malformed body).
+/// request's message, or the answer to a request that has none (a malformed body). A
+/// call refused before that path is counted here, as the path counts the calls it takes.
 async fn call<M: Call, A: Serialize>(
     http: &Http,
     request: &Head,
     message: Result<M, Unread>,
     answer: impl FnOnce(M::Reply) -> A,
 ) -> Response {
-    // tonic's timeout, around every request on the port, would take this header as the
-    // call's deadline and answer in gRPC's terms when it passed.
-    if request.headers.contains_key(GRPC_TIMEOUT) {
-        let detail = format!(
-            "{GRPC_TIMEOUT} is a gRPC header; an HTTP call's deadline is server.request_timeout_ms less {} ms",
-            ANSWER_MARGIN.as_millis()
-        );
-        return problem_document(StatusCode::BAD_REQUEST, Code::InvalidArgument, detail, None, None, None);
-    }
-    let headers = &request.headers;
-    let tenant = http.gate.auth().tenant_of_headers(headers);
-    let message = match (message, &tenant) {
-        (Ok(message), _) => message,
-        // An unauthenticated caller learns nothing of its request, not even that it is
-        // malformed.
-        (Err(_), Err(refusal)) => return problem(refusal),
-        (Err(Unread(malformed)), Ok(_)) => return *malformed,
+    let tenant = http.gate.auth().tenant_of_headers(&request.headers);
+    let message = match admissible(http, request, message, &tenant) {
+        Ok(message) => message,
+        Err((code, Unread(refused))) => {
+            crate::telemetry::record_call(M::RPC, tenant.as_ref().ok(), code.as_str(), request.arrived);
+            return *refused;
+        }
     };
     let within = http.answer_within.saturating_sub(request.arrived.elapsed());
     let deadline =
@@ -144,7 +139,50 @@ async fn call<M: Call, A: Serialize>(
     }
 }
 
-/// The answer to a request whose message could not be read (boxed: it is the rare path).
+/// The refusals of an HTTP call before the gRPC front's path: headers over the limit, a
+/// gRPC deadline header, a caller not authenticated, a message that could not be read.
+fn admissible<M>(
+    http: &Http,
+    request: &Head,
+    message: Result<M, Unread>,
+    tenant: &Result<Tenant, Refusal>,
+) -> Result<M, (Code, Unread)> {
+    if request.header_bytes > http.header_bytes_max {
+        let detail = format!(
+            "the request's headers are {} bytes (each name and value, and 32 bytes a header, as HTTP/2 counts \
+             them); the limit is {} (server.metadata_bytes_max)",
+            request.header_bytes, http.header_bytes_max
+        );
+        let status = StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE;
+        return Err((
+            Code::InvalidArgument,
+            problem_document(status, Code::InvalidArgument, detail, None, None, None).into(),
+        ));
+    }
+    // tonic's timeout, around every request on the port, would take this header as the
+    // call's deadline and answer in gRPC's terms when it passed.
+    if request.headers.contains_key(GRPC_TIMEOUT) {
+        let detail = format!(
+            "{GRPC_TIMEOUT} is a gRPC header; an HTTP call's deadline is server.request_timeout_ms less {} ms",
+            ANSWER_MARGIN.as_millis()
+        );
+        let status = StatusCode::BAD_REQUEST;
+        return Err((
+            Code::InvalidArgument,
+            problem_document(status, Code::InvalidArgument, detail, None, None, None).into(),
+        ));
+    }
+    match (message, tenant) {
+        (Ok(message), _) => Ok(message),
+        // An unauthenticated caller learns nothing of its request, not even that it is
+        // malformed.
+        (Err(_), Err(refusal)) => Err((refusal.code(), problem(refusal).into())),
+        (Err(malformed), Ok(_)) => Err((Code::InvalidArgument, malformed)),
+    }
+}
+
+/// The answer to a request refused before the call path, such as one whose message could
+/// not be read (boxed: it is the rare path).
 struct Unread(Box<Response>);
 
 impl From<Response> for Unread {
@@ -159,6 +197,9 @@ type BodyOf<B> = Result<Json<B>, JsonRejection>;
 /// What [`call`] needs of a request besides its message, extracted with it.
 struct Head {
     headers: HeaderMap,
+    /// The header list's size as HTTP/2 counts it (RFC 9113, 6.5.2): each name and value
+    /// and 32 bytes a field.
+    header_bytes: usize,
     /// When it reached the port (now, for a router used without the dispatch).
     arrived: Instant,
 }
@@ -168,8 +209,15 @@ impl<S: Send + Sync> FromRequestParts<S> for Head {
 
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Head, Self::Rejection> {
         let arrived = parts.extensions.get::<Arrived>().map_or_else(Instant::now, |Arrived(at)| *at);
-        Ok(Head { headers: parts.headers.clone(), arrived })
+        let header_bytes = header_list_bytes(&parts.headers);
+        Ok(Head { headers: parts.headers.clone(), header_bytes, arrived })
     }
+}
+
+/// HTTP/2's measure of a header list, so that `server.metadata_bytes_max` means the same
+/// over HTTP/1.1, where hyper bounds headers only by its read buffer (about 400 KiB).
+fn header_list_bytes(headers: &HeaderMap) -> usize {
+    headers.iter().map(|(name, value)| name.as_str().len() + value.len() + 32).sum()
 }
 
 const GRPC_TIMEOUT: &str = "grpc-timeout";
@@ -208,10 +256,8 @@ fn bad_body(rejection: &JsonRejection) -> Response {
             "key": "order-1001",
             "granted": {"token": "4294967297", "attempt": 1, "lease_until_ms": "1764500430000", "expires_at_ms": "1764586800000", "previous": "PREVIOUS_NONE"}
         })),
-        (status = 400, description = "a field is outside its limit or malformed", body = Problem, content_type = "application/problem+json"),
-        (status = 401, description = "no or an unknown bearer token", body = Problem, content_type = "application/problem+json"),
-        (status = 429, description = "a queue or a tenant limit is full", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "the key's shard or the store is down; nothing was granted", body = Problem, content_type = "application/problem+json"),
+        Refused,
+        BodyRefused,
     ),
     security((), ("bearer" = [])),
 )]
@@ -229,8 +275,8 @@ async fn reserve(http: State<Http>, head: Head, body: BodyOf<ReserveBody>) -> Re
         (status = 200, body = CommitAnswer, example = json!({"expires_at_ms": "1764586810000"})),
         (status = 404, description = "no live record", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "`lease_lost` (another attempt took over) or `conflict` (another outcome is stored)", body = Problem, content_type = "application/problem+json"),
-        (status = 400, body = Problem, content_type = "application/problem+json"),
-        (status = 503, body = Problem, content_type = "application/problem+json"),
+        Refused,
+        BodyRefused,
     ),
     security((), ("bearer" = [])),
 )]
@@ -246,8 +292,8 @@ async fn commit(http: State<Http>, head: Head, body: BodyOf<CommitBody>) -> Resp
         (status = 200, body = ReleaseAnswer, example = json!({})),
         (status = 404, body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "`lease_lost` or `already_completed`", body = Problem, content_type = "application/problem+json"),
-        (status = 400, body = Problem, content_type = "application/problem+json"),
-        (status = 503, body = Problem, content_type = "application/problem+json"),
+        Refused,
+        BodyRefused,
     ),
     security((), ("bearer" = [])),
 )]
@@ -263,8 +309,8 @@ async fn release(http: State<Http>, head: Head, body: BodyOf<ReleaseBody>) -> Re
         (status = 200, body = HeartbeatAnswer, example = json!({"lease_until_ms": "1764500440000", "expires_at_ms": "1764586800000"})),
         (status = 404, body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "`lease_lost` or `already_completed`", body = Problem, content_type = "application/problem+json"),
-        (status = 400, body = Problem, content_type = "application/problem+json"),
-        (status = 503, body = Problem, content_type = "application/problem+json"),
+        Refused,
+        BodyRefused,
     ),
     security((), ("bearer" = [])),
 )]
@@ -283,8 +329,7 @@ async fn heartbeat(http: State<Http>, head: Head, body: BodyOf<HeartbeatBody>) -
             "state": "STATE_COMPLETED", "token": "4294967297", "attempt": 1, "lease_until_ms": "1764500430000",
             "expires_at_ms": "1764586810000", "outcome": "OUTCOME_SUCCEEDED", "response": "eyJvcmRlciI6NzcxfQ=="
         })),
-        (status = 400, body = Problem, content_type = "application/problem+json"),
-        (status = 503, body = Problem, content_type = "application/problem+json"),
+        Refused,
     ),
     security((), ("bearer" = [])),
 )]
@@ -298,6 +343,42 @@ async fn key(
         problem_document(StatusCode::BAD_REQUEST, Code::InvalidArgument, detail, None, None, None).into()
     });
     call(&http, &head, message, GetAnswer::from_wire).await
+}
+
+/// The refusals every operation may answer, each a problem document (docs/semantics.md,
+/// the error table). A type for the OpenAPI document only: answers are built by
+/// [`problem`] and [`problem_document`].
+#[derive(utoipa::IntoResponses)]
+#[expect(dead_code, reason = "describes the answers in the OpenAPI document; never built")]
+enum Refused {
+    /// A field is outside its limit or malformed, or the request carries a gRPC header.
+    #[response(status = 400, content_type = "application/problem+json")]
+    BadRequest(Problem),
+    /// No bearer token, or an unknown one, on a server with tenants.
+    #[response(status = 401, content_type = "application/problem+json")]
+    Unauthenticated(Problem),
+    /// A queue or a tenant's limit is full; `Retry-After` says when to try again.
+    #[response(status = 429, content_type = "application/problem+json")]
+    Exhausted(Problem),
+    /// The headers are over `server.metadata_bytes_max`.
+    #[response(status = 431, content_type = "application/problem+json")]
+    HeadersTooLarge(Problem),
+    /// The key's shard or the store is down, or the call's deadline passed: nothing was
+    /// granted.
+    #[response(status = 503, content_type = "application/problem+json")]
+    Unavailable(Problem),
+}
+
+/// The refusals of an operation with a body, besides [`Refused`].
+#[derive(utoipa::IntoResponses)]
+#[expect(dead_code, reason = "describes the answers in the OpenAPI document; never built")]
+enum BodyRefused {
+    /// The body is over `server.message_bytes_max` (and a third, for base64).
+    #[response(status = 413, content_type = "application/problem+json")]
+    TooLarge(Problem),
+    /// The body is not `application/json`.
+    #[response(status = 415, content_type = "application/problem+json")]
+    NotJson(Problem),
 }
 
 /// This front's one mapping from a refusal to its HTTP answer (the HTTP column of the

@@ -176,16 +176,31 @@ pub async fn http(
     token: Option<&str>,
     body: Option<&str>,
 ) -> HttpAnswer {
+    let authorization = token.map(|token| format!("Bearer {token}"));
+    let headers: Vec<(&str, &str)> =
+        authorization.iter().map(|value| ("Authorization", value.as_str())).collect();
+    let content_type = body.map(|_| "application/json");
+    http_with(addr, method, path, &headers, content_type.zip(body)).await
+}
+
+/// `method path` over HTTP/1.1 with `headers`, and a body of the given content type.
+pub async fn http_with(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<(&str, &str)>,
+) -> HttpAnswer {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut request = format!("{method} {path} HTTP/1.1\r\nHost: oncegate\r\nConnection: close\r\n");
-    if let Some(token) = token {
-        request.push_str(&format!("Authorization: Bearer {token}\r\n"));
+    for (name, value) in headers {
+        request.push_str(&format!("{name}: {value}\r\n"));
     }
-    if let Some(body) = body {
-        request.push_str(&format!("Content-Type: application/json\r\nContent-Length: {}\r\n", body.len()));
+    if let Some((content_type, body)) = body {
+        request.push_str(&format!("Content-Type: {content_type}\r\nContent-Length: {}\r\n", body.len()));
     }
     request.push_str("\r\n");
-    request.push_str(body.unwrap_or(""));
+    request.push_str(body.map_or("", |(_, body)| body));
     let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
     socket.write_all(request.as_bytes()).await.unwrap();
     let mut response = Vec::new();
