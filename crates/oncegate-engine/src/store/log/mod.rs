@@ -478,9 +478,10 @@ impl Store {
     /// `fdatasync` the kernel may have dropped them and marked their pages clean: the
     /// shard's reopen would read them from the page cache as the log's, its own syncs
     /// would succeed on nothing, and compaction could retire the segments that hold the
-    /// only durable copies of their records.
+    /// only durable copies of their records. The latest segment is zeroed first and each
+    /// segment's zeros synced, as [`Store::unwrite`] does and for the same reason.
     fn unwrite_unsynced(&mut self) {
-        for (seq, from) in std::mem::take(&mut self.unsynced) {
+        for (seq, from) in std::mem::take(&mut self.unsynced).into_iter().rev() {
             if let Some(file) = self.segments.get(&seq) {
                 let zeros = vec![0; ZERO_CHUNK_BYTES];
                 let mut offset = from;
@@ -491,6 +492,7 @@ impl Store {
                     }
                     offset += n as u64;
                 }
+                let _ = file.sync_data();
             }
         }
     }
@@ -500,9 +502,19 @@ impl Store {
     /// cache while the disk may never get them: the shard's reopen in this process would
     /// read them as the chain's continuation, and commits chained onto them would be lost
     /// with them at the next power cut. Zeroed, the reopen ends the chain before them.
+    ///
+    /// The last frame goes first, and each frame's zeros are synced before the frame
+    /// before it is zeroed (an error changes nothing: every frame is zeroed regardless,
+    /// for the reopen's sake). So a power cut while zeroing leaves the transaction's
+    /// frames up to some point, which recovery takes for a torn end. Zeroing the first
+    /// frame first could leave zeros followed by a whole later frame, which under
+    /// `"full"` says every frame before it was durable, and recovery would refuse the
+    /// log as damaged in acknowledged history.
     fn unwrite(&self, frames: &[txn::Pending]) {
-        for frame in frames {
-            let _ = self.segments[&frame.seq].write_at(frame.start, &vec![0; frame.bytes.len()]);
+        for frame in frames.iter().rev() {
+            let file = &self.segments[&frame.seq];
+            let _ = file.write_at(frame.start, &vec![0; frame.bytes.len()]);
+            let _ = file.sync_data();
         }
     }
 
@@ -995,7 +1007,12 @@ mod tests {
         failing_dir_sync: std::sync::atomic::AtomicBool,
         /// A rename since the directory was last synced: a power cut may undo it.
         renamed_unsynced: std::sync::Mutex<Option<(PathBuf, PathBuf)>>,
+        /// Set: every segment write from now on, in order (path, offset, bytes).
+        journal: std::sync::Mutex<Option<Vec<Written>>>,
     }
+
+    /// A segment write: the segment, the offset, the bytes.
+    type Written = (PathBuf, u64, Vec<u8>);
 
     #[derive(Debug)]
     struct WatchedSegment {
@@ -1011,6 +1028,9 @@ mod tests {
         fn write_at(&self, offset: u64, bytes: &[u8]) -> std::io::Result<()> {
             if std::thread::current().name() != Some("oncegate-log-spare") {
                 self.watched.dirty.lock().unwrap().insert(self.path.clone());
+                if let Some(journal) = self.watched.journal.lock().unwrap().as_mut() {
+                    journal.push((self.path.clone(), offset, bytes.to_vec()));
+                }
             }
             self.file.write_at(offset, bytes)
         }
@@ -1210,6 +1230,69 @@ mod tests {
         }
         let second = format!("second{}-0", in_second + 1);
         assert!(txn.get(&scope(&second)).unwrap().is_none(), "{second} read back from the page cache");
+    }
+
+    /// Under `"full"`, a commit spanning two segments whose second sync fails is taken
+    /// back by zeroing its frames. A power cut while they are zeroed may keep any prefix
+    /// of those zero writes (here: each prefix, writes reaching the disk in order): with
+    /// the first frame zeroed first, the prefix of one left zeros before a whole second
+    /// frame, whose `ordered` flag says the first was durable, and the log was refused as
+    /// corrupt. Zeroed last frame first, every prefix opens, with the commit wholly there
+    /// or wholly gone.
+    #[test]
+    fn a_spanning_commit_taken_back_leaves_a_log_that_opens_after_a_cut_while_zeroing() {
+        let (dir, watched, tuning, mut store) = watched_log(Durability::Full);
+        let mut batch = 1;
+        while SEGMENT_BYTES - store.chain.tail > 4_096 {
+            commit_keys(&mut store, batch, &format!("before{batch}-")).unwrap();
+            batch += 1;
+        }
+        // Sixty records do not fit in the first segment's room: the commit spans two.
+        let txn = store.begin(batch).unwrap();
+        for n in 0..60 {
+            txn.put(&scope(&format!("spanning{n}")), &granted(batch * 100 + n, batch, 10_000_000)).unwrap();
+        }
+        *watched.journal.lock().unwrap() = Some(Vec::new());
+        *watched.syncs_before_failing.lock().unwrap() = Some(1);
+        assert!(txn.commit(Meta { next_token: batch * 100 + 61, high_water_ms: batch }).is_err());
+        drop(store);
+        watched.failing.store(false, std::sync::atomic::Ordering::SeqCst);
+        *watched.syncs_before_failing.lock().unwrap() = None;
+        let journal = watched.journal.lock().unwrap().take().unwrap();
+        let (frames, zeros): (Vec<_>, Vec<_>) =
+            journal.into_iter().partition(|(_, _, b)| b.iter().any(|&x| x != 0));
+        assert_eq!(frames.len(), 2, "the commit wrote one frame in each of two segments");
+        assert_eq!(zeros.len(), 2, "and zeroed both");
+        let before_image = |(path, offset, _): &Written| {
+            frames
+                .iter()
+                .find(|(p, o, _)| p == path && o == offset)
+                .expect("a zeroed frame was written")
+                .clone()
+        };
+        let os = crate::files::OsFiles;
+        for kept in 0..=zeros.len() {
+            // The files after a cut that kept the first `kept` zero writes.
+            let cut = tempfile::tempdir().unwrap();
+            for name in os.list(dir.path()).unwrap() {
+                os.write_new(&cut.path().join(&name), &os.read(&dir.path().join(&name)).unwrap()).unwrap();
+            }
+            for lost in &zeros[kept..] {
+                let (path, offset, bytes) = before_image(lost);
+                let file = os.open_segment(&cut.path().join(path.file_name().unwrap())).unwrap();
+                file.write_at(offset, &bytes).unwrap();
+            }
+            let opened = Store::open(cut.path(), &tuning, &Faults::default());
+            let (mut reopened, _, _) = opened.unwrap_or_else(|e| panic!("{kept} zero writes kept: {e}"));
+            let txn = reopened.begin(batch + 1).unwrap();
+            assert!(
+                txn.get(&scope("before1-0")).unwrap().is_some(),
+                "a commit before the failed one was lost"
+            );
+            let first = txn.get(&scope("spanning0")).unwrap().is_some();
+            let last = txn.get(&scope("spanning59")).unwrap().is_some();
+            assert_eq!(first, last, "{kept} zero writes kept: the failed commit is there in part");
+        }
     }
 
     /// The log's last segment is for the writes that free room: while the head is in it,
