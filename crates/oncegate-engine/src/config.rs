@@ -93,6 +93,10 @@ pub struct StoreConfig {
     pub postgres_waiters_poll_ms: u64,
     /// Whose clock decides: the database's (default) or the engine's.
     pub postgres_clock: PgClock,
+    /// The schema that holds oncegate's tables, set as each connection's `search_path`:
+    /// every node on one database must use the same tables, whatever its role's own
+    /// `search_path` would choose (`"$user", public` picks a schema named after the role).
+    pub postgres_schema: String,
     /// The size of each segment file of a shard's log (`kind = "log"`).
     pub log_segment_bytes: u64,
 }
@@ -108,6 +112,7 @@ impl Default for StoreConfig {
             postgres_count_timeout_ms: 600_000,
             postgres_waiters_poll_ms: 50,
             postgres_clock: PgClock::Database,
+            postgres_schema: "public".to_owned(),
             log_segment_bytes: 64 << 20,
         }
     }
@@ -125,10 +130,14 @@ impl std::fmt::Debug for StoreConfig {
             .field("postgres_count_timeout_ms", &self.postgres_count_timeout_ms)
             .field("postgres_waiters_poll_ms", &self.postgres_waiters_poll_ms)
             .field("postgres_clock", &self.postgres_clock)
+            .field("postgres_schema", &self.postgres_schema)
             .field("log_segment_bytes", &self.log_segment_bytes)
             .finish()
     }
 }
+
+/// The longest name PostgreSQL keeps whole (`NAMEDATALEN` less one), in bytes.
+const POSTGRES_NAME_BYTES_MAX: usize = 63;
 
 /// The shard count used when a new data directory is created and none is configured.
 pub const SHARDS_DEFAULT: u32 = 2;
@@ -391,6 +400,12 @@ impl StoreConfig {
             Unit::Ms,
         );
         problems.within("postgres_waiters_poll_ms", self.postgres_waiters_poll_ms, 1, 60_000, Unit::Ms);
+        let schema_bytes = self.postgres_schema.len();
+        if schema_bytes == 0 || schema_bytes > POSTGRES_NAME_BYTES_MAX {
+            let detail =
+                format!("is {schema_bytes} bytes; a PostgreSQL name is 1 to {POSTGRES_NAME_BYTES_MAX}");
+            problems.push(Problem::new("postgres_schema", detail));
+        }
         problems.into_result()
     }
 }

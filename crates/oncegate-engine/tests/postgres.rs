@@ -307,6 +307,61 @@ fn a_read_only_database_is_refused_and_a_newer_schema_too() {
     assert!(error.contains("schema version 99 is unknown"), "{error}");
 }
 
+/// Nodes on one database use the tables of `postgres_schema`, whatever their roles'
+/// `search_path` would choose: a role with a schema of its own name got tables of its own
+/// there (`"$user", public`), and its node granted a key another node had granted. A node
+/// configured for a schema without the tables while another schema holds them is refused
+/// rather than started on empty tables, and so is a schema that does not exist.
+#[test]
+fn nodes_whose_roles_would_choose_other_schemas_share_the_configured_one() {
+    let Some(cluster) = shared() else { return };
+    let url = cluster.database("schemas");
+    let time: Arc<dyn Clock> = Arc::new(ManualClock::new(T0));
+    let in_schema = |dir: &std::path::Path, url: &str, schema: &str| {
+        let config = EngineConfig {
+            data_dir: dir.to_owned(),
+            store: StoreConfig {
+                kind: Some(StoreKind::Postgres),
+                postgres_url: url.to_owned(),
+                postgres_clock: PgClock::Engine,
+                postgres_schema: schema.to_owned(),
+                ..StoreConfig::default()
+            },
+            ..EngineConfig::default()
+        };
+        Engine::open_with(config, Arc::clone(&time), Faults::default()).expect("node opens")
+    };
+    let dirs: Vec<_> = (0..4).map(|_| tempfile::tempdir().unwrap()).collect();
+    let a = in_schema(dirs[0].path(), &url, "public");
+    assert!(matches!(
+        a.reserve_blocking(&tenant(), reserve("k")).unwrap().reply,
+        ReserveReply::Granted { .. }
+    ));
+    sql(
+        &url,
+        "CREATE ROLE schema_owner LOGIN; CREATE SCHEMA schema_owner AUTHORIZATION schema_owner; \
+         GRANT USAGE ON SCHEMA public TO schema_owner; \
+         GRANT ALL ON ALL TABLES IN SCHEMA public TO schema_owner; \
+         GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO schema_owner;",
+    );
+    let owner_url = url.replace("user=postgres", "user=schema_owner");
+    let b = in_schema(dirs[1].path(), &owner_url, "public");
+    let on_b = b.reserve_blocking(&tenant(), reserve("k")).unwrap();
+    assert!(matches!(on_b.reply, ReserveReply::InProgress { .. }), "granted twice: {:?}", on_b.reply);
+    drop(b);
+
+    let failed = |engine: &Engine| {
+        assert_eq!(engine.reserve_blocking(&tenant(), reserve("k")).unwrap_err().code(), Code::Unavailable);
+        engine.stats()[0].last_error.clone().unwrap_or_default()
+    };
+    let c = in_schema(dirs[2].path(), &owner_url, "schema_owner");
+    let error = failed(&c);
+    assert!(error.contains("oncegate's tables are in schema public, not in postgres_schema"), "{error}");
+    let d = in_schema(dirs[3].path(), &url, "nowhere");
+    let error = failed(&d);
+    assert!(error.contains("postgres_schema \"nowhere\" does not exist"), "{error}");
+}
+
 /// One node with one shard on `url`, its clock (the engine's) at `time`: T0, years
 /// behind the database's.
 fn one_shard_node(dir: &std::path::Path, url: &str, time: &ManualClock) -> Engine {

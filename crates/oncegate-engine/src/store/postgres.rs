@@ -292,25 +292,29 @@ impl Postgres {
 
     /// A connection ready for a shard: the session's timeouts set (the server gives up a
     /// statement, a lock wait included, and an idle open transaction after the time the
-    /// node waits for an answer, so a node that gave up leaves no lock behind), refused
-    /// when read-only (a standby), the schema created or checked, the statements
-    /// prepared. A connection that fails any step is closed, never handed back to the
+    /// node waits for an answer, so a node that gave up leaves no lock behind), its
+    /// `search_path` set to `postgres_schema` (nodes whose roles would choose different
+    /// schemas would each grant every key in tables of their own), refused when
+    /// read-only (a standby), the schema created or checked, the statements prepared. A connection that fails any step is closed, never handed back to the
     /// pool.
     fn connect(&self, report: bool) -> Result<(Object, Statements), StoreError> {
         let client = self.run(async {
             self.pool.get().await.map_err(|e| StoreError::Postgres(format!("connect: {e}")))
         })?;
         let timeout_ms = self.config.postgres_statement_timeout_ms;
+        let schema = &self.config.postgres_schema;
         let ready = self.run(async {
             let limit = format!("{timeout_ms}ms");
             client
                 .query(
                     "SELECT set_config('statement_timeout', $1, false), \
-                     set_config('idle_in_transaction_session_timeout', $1, false)",
-                    &[&limit],
+                     set_config('idle_in_transaction_session_timeout', $1, false), \
+                     set_config('search_path', quote_ident($2), false)",
+                    &[&limit, schema],
                 )
                 .await
                 .map_err(pg_error)?;
+            check_schema_named(&client, schema).await?;
             let read_only: String =
                 client.query_one("SHOW transaction_read_only", &[]).await.map_err(pg_error)?.get(0);
             if read_only == "on" {
@@ -318,15 +322,10 @@ impl Postgres {
                     "the database is read-only (a standby?); oncegate needs the primary".to_owned(),
                 ));
             }
-            migrate(&client).await?;
+            migrate(&client, schema).await?;
             check_sequence(&client).await?;
             if report {
-                let sync: String = client.query_one("SHOW synchronous_commit", &[]).await.map_err(pg_error)?.get(0);
-                if sync == "off" || sync == "local" {
-                    tracing::warn!(synchronous_commit = %sync, "acknowledged decisions may be lost if the database crashes or fails over: set synchronous_commit = on (or remote_apply with standbys)");
-                } else {
-                    tracing::info!(synchronous_commit = %sync, "the database's durability");
-                }
+                report_durability(&client).await?;
             }
             Statements::prepare(&client).await
         });
@@ -744,9 +743,71 @@ enum Retry {
     Fail(StoreError),
 }
 
+/// Logs what the database's settings make of an acknowledgement: lost at a crash when
+/// commits are not flushed, and lost at a fail-over when standbys stream asynchronously
+/// (a promoted one lacks the last commits: their keys would be granted again).
+async fn report_durability(client: &Object) -> Result<(), StoreError> {
+    let row = client
+        .query_one(
+            "SELECT current_setting('synchronous_commit'), current_setting('synchronous_standby_names'), \
+             (SELECT count(*) FROM pg_stat_replication)",
+            &[],
+        )
+        .await
+        .map_err(pg_error)?;
+    let (sync, standby_names, standbys): (String, String, i64) = (row.get(0), row.get(1), row.get(2));
+    if sync == "off" || sync == "local" {
+        tracing::warn!(synchronous_commit = %sync, "acknowledged decisions may be lost if the database crashes or fails over: set synchronous_commit = on (or remote_apply with standbys)");
+    } else if standbys > 0 && standby_names.is_empty() {
+        tracing::warn!(
+            standbys,
+            "standbys replicate asynchronously: a fail-over to one may lose acknowledged decisions; name them in synchronous_standby_names"
+        );
+    } else {
+        tracing::info!(synchronous_commit = %sync, synchronous_standby_names = %standby_names, standbys, "the database's durability");
+    }
+    Ok(())
+}
+
+/// Refuses a `postgres_schema` the connection cannot use: `current_schema()` skips a
+/// schema in the `search_path` that does not exist.
+async fn check_schema_named(client: &Object, schema: &str) -> Result<(), StoreError> {
+    let current: Option<String> =
+        client.query_one("SELECT current_schema()", &[]).await.map_err(pg_error)?.get(0);
+    if current.as_deref() == Some(schema) {
+        return Ok(());
+    }
+    Err(StoreError::Postgres(format!(
+        "postgres_schema {schema:?} does not exist in the database; create it (CREATE SCHEMA) or name one that does"
+    )))
+}
+
+/// Refuses to create oncegate's tables in `schema` while another schema of the database
+/// holds them: a node whose `postgres_schema` (or, before it existed, whose role's
+/// `search_path`) named another schema would start on empty tables and grant every key
+/// again.
+async fn refuse_tables_elsewhere(client: &Object, schema: &str) -> Result<(), StoreError> {
+    let elsewhere: String = client
+        .query_one(
+            "SELECT coalesce(string_agg(schemaname, ', ' ORDER BY schemaname), '') FROM pg_tables \
+             WHERE tablename = 'oncegate_schema' AND schemaname <> current_schema()",
+            &[],
+        )
+        .await
+        .map_err(pg_error)?
+        .get(0);
+    if elsewhere.is_empty() {
+        return Ok(());
+    }
+    Err(StoreError::Postgres(format!(
+        "oncegate's tables are in schema {elsewhere}, not in postgres_schema {schema:?}: name that schema in \
+         postgres_schema (tables made here would be empty, and every key granted again)"
+    )))
+}
+
 /// Creates the schema, or checks that it is one this binary reads, under a lock so that
 /// nodes starting together do it once.
-async fn migrate(client: &Object) -> Result<(), StoreError> {
+async fn migrate(client: &Object, schema: &str) -> Result<(), StoreError> {
     let version: Option<i64> = current_version(client).await?;
     if version == Some(SCHEMA_VERSION) {
         return Ok(());
@@ -756,6 +817,7 @@ async fn migrate(client: &Object) -> Result<(), StoreError> {
         client.execute("SELECT pg_advisory_xact_lock($1)", &[&SCHEMA_LOCK]).await.map_err(pg_error)?;
         match current_version(client).await? {
             None => {
+                refuse_tables_elsewhere(client, schema).await?;
                 client.batch_execute(SCHEMA_1).await.map_err(pg_error)?;
                 client
                     .batch_execute(
