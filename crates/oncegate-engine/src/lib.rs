@@ -375,7 +375,7 @@ impl Engine {
                 // The records are in the database; shards only spread this node's work, so
                 // any count serves every key and the map is computed, never stored.
                 let node = manifest::node_name(&*files, &config.data_dir)?;
-                let pg = store::postgres::Postgres::new(&config.store, node.clone())
+                let pg = store::postgres::Postgres::new(&config.store, node.clone(), Arc::clone(&clock))
                     .map_err(|e| OpenError::Postgres { reason: e.to_string() })?;
                 tracing::info!(database = %pg.display, node = %node, shards = config.shards, "records in PostgreSQL");
                 let (map, routing) = (slots::SlotMap::even(config.shards), store::postgres::ROUTING);

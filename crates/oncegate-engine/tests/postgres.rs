@@ -13,8 +13,8 @@ use common::pg::{Cluster, shared};
 use common::*;
 use oncegate_core::{Code, ReserveReply, State};
 use oncegate_engine::{
-    Clock, Engine, EngineConfig, Faults, ManualClock, PgClock, ShardState, StoreConfig, StoreKind,
-    SystemClock,
+    Clock, Engine, EngineConfig, Faults, KeyRequest, ManualClock, PgClock, ShardState, StoreConfig,
+    StoreKind, SystemClock,
 };
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -360,6 +360,64 @@ fn nodes_whose_roles_would_choose_other_schemas_share_the_configured_one() {
     let d = in_schema(dirs[3].path(), &url, "nowhere");
     let error = failed(&d);
     assert!(error.contains("postgres_schema \"nowhere\" does not exist"), "{error}");
+}
+
+/// A batch that waits for a row lock another session holds decides at the database's
+/// time after the wait, not at the bound on the database's clock reckoned before it: the
+/// node's clock ran through the wait too. Held to the earlier bound, the heartbeat's lease
+/// was dated back by the wait and so ran out that much sooner than the caller was told.
+#[test]
+fn a_batch_that_waited_for_a_lock_decides_at_the_time_after_the_wait() {
+    let Some(cluster) = shared() else { return };
+    let url = cluster.database("lockwait");
+    let dir = tempfile::tempdir().unwrap();
+    let time = ManualClock::new(T0);
+    let config = EngineConfig {
+        data_dir: dir.path().to_owned(),
+        shards: 1,
+        store: StoreConfig {
+            kind: Some(StoreKind::Postgres),
+            postgres_url: url.clone(),
+            ..StoreConfig::default()
+        },
+        ..EngineConfig::default()
+    };
+    let engine = Engine::open_with(config, Arc::new(time.clone()), Faults::default()).unwrap();
+    let ReserveReply::Granted { token, .. } = engine.reserve_blocking(&tenant(), reserve("k")).unwrap().reply
+    else {
+        panic!("the first reserve is granted")
+    };
+    let renewed = block_on(async {
+        let (holder, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
+        tokio::spawn(connection);
+        holder
+            .batch_execute("BEGIN; SELECT 1 FROM oncegate_records WHERE key = 'k' FOR UPDATE")
+            .await
+            .unwrap();
+        let renewing = {
+            let engine = engine.clone();
+            let beat = KeyRequest { namespace: "live".into(), key: "k".into(), token, lease_ms: 30_000 };
+            std::thread::spawn(move || engine.heartbeat_blocking(&tenant(), beat))
+        };
+        // The heartbeat's batch waits on the row; the node's clock runs a minute meanwhile.
+        let waiting =
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = 'lockwait'";
+        while holder.query_one(waiting, &[]).await.unwrap().get::<_, i64>(0) == 0 {
+            tokio::task::yield_now().await;
+        }
+        time.advance(60_000);
+        let now = "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint";
+        let released_ms = holder.query_one(now, &[]).await.unwrap().get::<_, i64>(0) as u64;
+        holder.batch_execute("COMMIT").await.unwrap();
+        (released_ms, tokio::task::spawn_blocking(move || renewing.join().unwrap()).await.unwrap())
+    });
+    let (released_ms, renewed) = renewed;
+    let lease_until_ms = renewed.unwrap().lease_until_ms;
+    assert!(
+        lease_until_ms >= released_ms + 30_000,
+        "the lease ends at {lease_until_ms}, {} ms short of 30 s after the wait ended",
+        released_ms + 30_000 - lease_until_ms
+    );
 }
 
 /// One node with one shard on `url`, its clock (the engine's) at `time`: T0, years

@@ -130,18 +130,28 @@ CREATE SEQUENCE oncegate_tokens INCREMENT BY 1024 MINVALUE 1 START WITH 1 CACHE 
 /// The database's time (held to `$4`, see [`CLOCK_SLEW_PER_MILLE`]), never below any
 /// lane's mark; a write transaction also raises its lane's mark to it and draws the first
 /// token block.
+/// Both also return the database's clock as it is (`raw`), which [`Store::begin`] holds
+/// to the cap again once the statements are back: the cap sent with them was reckoned
+/// before they waited for the locks.
 const CLOCK_WRITE: &str = "
-WITH t AS (
-    SELECT greatest(
-        CASE WHEN $2 THEN least((extract(epoch FROM clock_timestamp()) * 1000)::bigint, $4) ELSE $3 END,
-        (SELECT coalesce(max(high_water_ms), 0) FROM oncegate_clock)) AS ms)
+WITH d AS (SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint AS raw),
+t AS (
+    SELECT greatest(CASE WHEN $2 THEN least(d.raw, $4) ELSE $3 END,
+        (SELECT coalesce(max(high_water_ms), 0) FROM oncegate_clock)) AS ms
+    FROM d)
 INSERT INTO oncegate_clock (lane, high_water_ms) SELECT $1, ms FROM t
 ON CONFLICT (lane) DO UPDATE SET high_water_ms = greatest(oncegate_clock.high_water_ms, excluded.high_water_ms)
-RETURNING high_water_ms, nextval('oncegate_tokens')";
+RETURNING high_water_ms, (SELECT raw FROM d), nextval('oncegate_tokens')";
 const CLOCK_READ: &str = "
-SELECT greatest(
-    CASE WHEN $1 THEN least((extract(epoch FROM clock_timestamp()) * 1000)::bigint, $3) ELSE $2 END,
-    (SELECT coalesce(max(high_water_ms), 0) FROM oncegate_clock))";
+WITH d AS (SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint AS raw)
+SELECT greatest(CASE WHEN $1 THEN least(d.raw, $3) ELSE $2 END,
+    (SELECT coalesce(max(high_water_ms), 0) FROM oncegate_clock)), d.raw
+FROM d";
+
+/// Raises a lane's mark to a transaction's time when that time came out above the mark
+/// its clock statement wrote (see [`CLOCK_WRITE`]); sent with the commit.
+const RAISE_MARK: &str =
+    "UPDATE oncegate_clock SET high_water_ms = greatest(high_water_ms, $2) WHERE lane = $1";
 
 /// The rows of the batch's keys, by the primary key (the only index a write must keep
 /// besides the reclaim deadline's).
@@ -186,11 +196,15 @@ pub(crate) struct Postgres {
     config: StoreConfig,
     /// Where the database is, without the password, for logs.
     pub display: String,
-    /// Each lane's last `(time, shard's own reading)` ([`Store::last_now`]), kept here
+    /// Each lane's last `(time, monotonic reading)` ([`Store::last_now`]), kept here
     /// when its store is dropped, so that the shard's next store (a reopen after a
     /// failure, such as the fail-over that a clock running ahead comes with) holds the
     /// database's clock to the node's pace from its first transaction.
     paces: std::sync::Mutex<std::collections::HashMap<String, (u64, u64)>>,
+    /// The engine's clock, whose monotonic readings pace the database's (a node's
+    /// transactions may see the database's clock run ahead of them by
+    /// [`CLOCK_SLEW_PER_MILLE`] only).
+    clock: Arc<dyn crate::Clock>,
 }
 
 impl Drop for Postgres {
@@ -340,7 +354,11 @@ impl Postgres {
 
     /// Builds the pool (connections are made when shards open, so an unreachable
     /// database fails the shards, which retry, rather than the engine's start).
-    pub fn new(config: &StoreConfig, node: String) -> Result<Postgres, StoreError> {
+    pub fn new(
+        config: &StoreConfig,
+        node: String,
+        clock: Arc<dyn crate::Clock>,
+    ) -> Result<Postgres, StoreError> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("oncegate-postgres")
@@ -372,6 +390,7 @@ impl Postgres {
             display: redact(&config.postgres_url),
             config: config.clone(),
             paces: std::sync::Mutex::default(),
+            clock,
         })
     }
 
@@ -427,8 +446,9 @@ pub(crate) struct Store {
     /// How long after a reclaim the next one looks (`reclaim_granularity_ms`).
     reclaim_every_ms: u64,
     faults: Faults,
-    /// The time of this shard's last transaction and the shard's own reading then: the
-    /// next one's time may run ahead of its own clock only by [`CLOCK_SLEW_PER_MILLE`].
+    /// The time of this shard's last transaction and the node's monotonic reading when
+    /// its statements came back: the next one's time may run ahead of the node's clock
+    /// only by [`CLOCK_SLEW_PER_MILLE`].
     last_now: Option<(u64, u64)>,
 }
 
@@ -565,13 +585,19 @@ impl Store {
             self.reconnect()?;
         }
         let database_clock = self.pg.config.postgres_clock == PgClock::Database;
-        let cap_ms = self.last_now.map_or(u64::MAX, |(store_ms, local_ms)| {
-            let elapsed = local_now_ms.saturating_sub(local_ms);
-            store_ms.saturating_add(elapsed + elapsed * CLOCK_SLEW_PER_MILLE / 1000)
-        });
-        let clock = Clock { database: database_clock, local_ms: local_now_ms, cap_ms };
+        let cap_at = |monotonic_ms: u64| {
+            self.last_now.map_or(u64::MAX, |(store_ms, last_ms)| {
+                let elapsed = monotonic_ms.saturating_sub(last_ms);
+                store_ms.saturating_add(elapsed + elapsed * CLOCK_SLEW_PER_MILLE / 1000)
+            })
+        };
+        let clock = Clock {
+            database: database_clock,
+            local_ms: local_now_ms,
+            cap_ms: cap_at(self.pg.clock.monotonic_ms()),
+        };
         let mut attempt = 0;
-        let (now_ms, tokens, rows) = loop {
+        let (times, tokens, rows) = loop {
             attempt += 1;
             let result = self.pg.run_bounded(self.start(&hashes, &scopes, clock, write))?;
             match result {
@@ -583,11 +609,21 @@ impl Store {
                 Err(Retry::Fail(error)) => return Err(error),
             }
         };
-        self.last_now = Some((now_ms, local_now_ms));
+        // The time the locks took is time the node saw pass too: the database's clock
+        // held to the cap reckoned now, not to the one sent before the wait, which would
+        // date the batch's decisions (and shorten its leases) by the wait.
+        let back_ms = self.pg.clock.monotonic_ms();
+        let now_ms = if database_clock {
+            times.marked_ms.max(times.raw_ms.min(cap_at(back_ms)))
+        } else {
+            times.marked_ms
+        };
+        self.last_now = Some((now_ms, back_ms));
         Ok(Txn {
             store: self,
             now_ms,
             write,
+            raise_mark: (write && now_ms > times.marked_ms).then_some(now_ms),
             locked: hashes,
             rows: RefCell::new(rows),
             changes: RefCell::new(HashMap::new()),
@@ -605,7 +641,7 @@ impl Store {
         scopes: &ScopeColumns,
         clock: Clock,
         write: bool,
-    ) -> Result<(u64, (u64, u64), HashMap<Scope, Option<Record>>), Retry> {
+    ) -> Result<(Times, (u64, u64), HashMap<Scope, Option<Record>>), Retry> {
         let (client, s) = (self.client(), self.statements());
         let fail =
             |e: tokio_postgres::Error| if retryable(&e) { Retry::Again(e) } else { Retry::Fail(pg_error(e)) };
@@ -642,9 +678,9 @@ impl Store {
                 return Err(fail(error));
             }
         };
-        let now_ms = from_sql(clock.get(0));
+        let times = Times { marked_ms: from_sql(clock.get(0)), raw_ms: from_sql(clock.get(1)) };
         let tokens = if write {
-            let first = from_sql(clock.get(1));
+            let first = from_sql(clock.get(2));
             (first, first + TOKEN_BLOCK)
         } else {
             (0, 0)
@@ -661,7 +697,7 @@ impl Store {
                 }
             };
         }
-        Ok((now_ms, tokens, rows))
+        Ok((times, tokens, rows))
     }
 }
 
@@ -673,6 +709,7 @@ struct Statements {
     lock: Statement,
     clock_write: Statement,
     clock_read: Statement,
+    raise_mark: Statement,
     select_write: Statement,
     select_read: Statement,
     upsert: Statement,
@@ -695,6 +732,7 @@ impl Statements {
                 .await?,
             clock_write: prepare(CLOCK_WRITE.to_owned()).await?,
             clock_read: prepare(CLOCK_READ.to_owned()).await?,
+            raise_mark: prepare(RAISE_MARK.to_owned()).await?,
             select_write: prepare(format!("{SELECT_ROWS} FOR UPDATE OF oncegate_records")).await?,
             select_read: prepare(SELECT_ROWS.to_owned()).await?,
             upsert: prepare(UPSERT.to_owned()).await?,
@@ -735,6 +773,13 @@ struct Clock {
     database: bool,
     local_ms: u64,
     cap_ms: u64,
+}
+
+/// What a transaction's clock statement read: the time it decided at (and, writing,
+/// marked), and the database's clock as it was.
+struct Times {
+    marked_ms: u64,
+    raw_ms: u64,
 }
 
 /// An attempt that lost a lock to a deadlock may run again; anything else fails.
@@ -990,6 +1035,9 @@ pub(crate) struct Txn<'s> {
     store: &'s Store,
     now_ms: u64,
     write: bool,
+    /// A time above the mark the clock statement wrote, to raise the lane's mark to
+    /// at commit.
+    raise_mark: Option<u64>,
     /// The hashes locked at begin.
     locked: Vec<i64>,
     /// Each locked key's record as this transaction sees it (`None`: no record).
@@ -1107,7 +1155,9 @@ impl Txn<'_> {
             return Err(StoreError::Injected("commit"));
         }
         let changes = std::mem::take(&mut *self.changes.borrow_mut());
-        let result = self.store.pg.run(write_changes(self.store.client(), self.store.statements(), changes));
+        let mark = self.raise_mark.map(|ms| (self.store.lane.as_str(), to_sql(ms)));
+        let result =
+            self.store.pg.run(write_changes(self.store.client(), self.store.statements(), changes, mark));
         self.open.set(result.is_err());
         result
     }
@@ -1186,6 +1236,7 @@ async fn write_changes(
     client: &Object,
     statements: &Statements,
     changes: HashMap<Scope, Option<Record>>,
+    mark: Option<(&str, i64)>,
 ) -> Result<(), StoreError> {
     let mut upserts = Upserts::default();
     let mut deletes: [Vec<String>; 3] = Default::default();
@@ -1211,7 +1262,11 @@ async fn write_changes(
         }
         client.execute(&statements.upsert, &upserts.params()).await
     };
-    tokio::try_join!(delete, upsert, client.execute(&statements.commit, &[])).map_err(pg_error)?;
+    let raise = async {
+        let Some((lane, ms)) = mark else { return Ok(0) };
+        client.execute(&statements.raise_mark, &[&lane, &ms]).await
+    };
+    tokio::try_join!(raise, delete, upsert, client.execute(&statements.commit, &[])).map_err(pg_error)?;
     Ok(())
 }
 
