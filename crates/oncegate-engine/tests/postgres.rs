@@ -669,6 +669,50 @@ fn nodes_either_side_of_a_bucket_boundary_derive_one_key() {
     assert!(matches!(on_a.reply, ReserveReply::InProgress { .. }), "{:?}", on_a.reply);
 }
 
+/// A node whose clock is years from the database's locks a derived reserve's buckets by
+/// its own time moved by how far ahead the store was at its last transaction. A batch
+/// whose transaction could not begin (here its clock statement outwaited the statement
+/// timeout behind an operator's lock) set that distance to 0, and the first derived
+/// reserve after the shard reopened was refused `unavailable`, its buckets locked years
+/// away from the database's time.
+#[test]
+fn a_transaction_that_could_not_begin_keeps_the_store_s_distance() {
+    let Some(cluster) = shared() else { return };
+    let url = cluster.database("distance");
+    let dir = tempfile::tempdir().unwrap();
+    let config = EngineConfig {
+        data_dir: dir.path().to_owned(),
+        shards: 1,
+        store: StoreConfig {
+            kind: Some(StoreKind::Postgres),
+            postgres_url: url.clone(),
+            postgres_statement_timeout_ms: 200,
+            ..StoreConfig::default()
+        },
+        reopen_backoff_ms_min: 10,
+        reopen_backoff_ms_max: 10,
+        ..EngineConfig::default()
+    };
+    let engine = Engine::open_with(config, Arc::new(ManualClock::new(T0)), Faults::default()).unwrap();
+    granted(&engine.reserve_blocking(&tenant(), reserve("learns-the-distance")).unwrap().reply);
+    granted(&engine.reserve_blocking(&tenant(), trade("BTCUSDT")).unwrap().reply);
+    let failed = block_on(async {
+        let (operator, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
+        tokio::spawn(connection);
+        operator.batch_execute("BEGIN; LOCK TABLE oncegate_clock IN ACCESS EXCLUSIVE MODE").await.unwrap();
+        let engine = engine.clone();
+        let failed =
+            tokio::task::spawn_blocking(move || engine.reserve_blocking(&tenant(), reserve("refused")));
+        let failed = failed.await.unwrap();
+        operator.batch_execute("COMMIT").await.unwrap();
+        failed
+    });
+    assert_eq!(failed.unwrap_err().code(), Code::Unavailable);
+    assert!(engine.wait_shard_state(0, ShardState::Serving, WAIT), "{:?}", engine.stats()[0].last_error);
+    let after = engine.reserve_blocking(&tenant(), trade("ETHUSDT"));
+    granted(&after.unwrap_or_else(|e| panic!("the derived reserve after the failure: {e}")).reply);
+}
+
 /// The same, raced: in each round (a fresh database, so no mark is left from the one
 /// before) a node just before a boundary and a node just after it reserve one trade at
 /// once. Whichever order the database serialises them in, exactly one is granted and

@@ -40,10 +40,16 @@ impl Shard {
             shard: self.id,
             store_estimate_ms: local_now.saturating_add_signed(self.store_ahead_ms),
             now: local_now,
+            began: false,
             outbox: &mut outbox,
         };
         let result = batch.write(store, requests);
-        self.store_ahead_ms = batch.now as i64 - local_now as i64;
+        // Only a transaction that began read the store's time: one that could not begin
+        // says nothing of how far ahead the store is (taken as 0, the next derived reserve
+        // would lock the wrong buckets when the database's clock and this node's differ).
+        if batch.began {
+            self.store_ahead_ms = batch.now as i64 - local_now as i64;
+        }
         metrics::histogram!("oncegate_shard_batch_len", "shard" => self.id.to_string()).record(len as f64);
         self.shared.batches.fetch_add(1, Ordering::Relaxed);
         self.shared.commands.fetch_add(len, Ordering::Relaxed);
@@ -74,11 +80,11 @@ impl Shard {
         let polled = store.waiters_poll_ms().is_some();
         let estimate = local_now.saturating_add_signed(self.store_ahead_ms);
         let keys = if polled { book.waited_keys() } else { book.due(estimate) };
-        let mut store_now = local_now;
+        let mut store_now = None;
         let result = (|| -> Result<usize, StoreError> {
             let txn = store.begin(&keys.iter().collect::<Vec<_>>(), local_now)?;
             let now = txn.now();
-            store_now = now;
+            store_now = Some(now);
             let due = if polled { keys } else { book.due(now) };
             for scope in &due {
                 book.serve_waiters(&txn, scope, now, false, &full, &mut outbox)?;
@@ -89,8 +95,11 @@ impl Shard {
             txn.commit(Meta { next_token: book.next_token, high_water_ms: now })?;
             Ok((removed.pending + removed.completed) as usize)
         })();
-        self.store_ahead_ms = store_now as i64 - local_now as i64;
-        self.polled_at_ms = store_now;
+        // As after a batch: a transaction that could not begin read no store time.
+        if let Some(store_now) = store_now {
+            self.store_ahead_ms = store_now as i64 - local_now as i64;
+        }
+        self.polled_at_ms = store_now.unwrap_or(estimate);
         let reclaimed = self.conclude(result, outbox, token_before, |reclaimed, shared| {
             shared.reclaimed.fetch_add(*reclaimed as u64, Ordering::Relaxed);
             shared.alarms.fetch_add(1, Ordering::Relaxed);
@@ -206,7 +215,10 @@ struct Batch<'a> {
     /// moved by how far ahead the store's time was last), by which derived keys' buckets
     /// are locked: a shared store's time comes from the transaction itself.
     store_estimate_ms: u64,
+    /// The shard's own time until the transaction begins, the store's from then on.
     now: u64,
+    /// Whether the transaction began (and `now` is the store's).
+    began: bool,
     outbox: &'a mut Outbox,
 }
 
@@ -235,6 +247,7 @@ impl Batch<'_> {
             }
         };
         self.now = txn.now();
+        self.began = true;
         let mut touched: Vec<Scope> = Vec::new();
         let mut requests = requests.into_iter();
         for request in requests.by_ref() {
