@@ -171,6 +171,31 @@ impl Book {
         self.queues.keys().cloned().collect()
     }
 
+    /// The waited keys whose parked reserves would be answered at `now_ms` against the
+    /// record `read` gives (any decision but `in progress`, or a wait run out): a shared
+    /// store's poll reads every waited key and writes only for these. `decide` says it,
+    /// as it says what [`Book::serve_waiters`] then does.
+    pub fn changed_waits(
+        &self,
+        now_ms: u64,
+        mut read: impl FnMut(&Scope) -> Result<Option<Record>, StoreError>,
+    ) -> Result<Vec<Scope>, StoreError> {
+        let mut changed = Vec::new();
+        for (scope, queue) in &self.queues {
+            let record = read(scope)?;
+            let answered = |waiter: &Waiter| {
+                let command = Command::Reserve(waiter.reserve.clone());
+                let decision = decide(record.as_ref(), &command, now_ms, self.next_token);
+                waiter.deadline_ms <= now_ms
+                    || !matches!(decision.reply, Ok(Reply::Reserve(ReserveReply::InProgress { .. })))
+            };
+            if queue.waiters.iter().any(answered) {
+                changed.push(scope.clone());
+            }
+        }
+        Ok(changed)
+    }
+
     /// Decides every parked reserve of `scope` on its own against the key as it is now:
     /// grants, replays and mismatches are answered at once; `in progress` only when the
     /// waiter's wait ran out (or, with `closing`, for all); the rest stay parked. Waiters

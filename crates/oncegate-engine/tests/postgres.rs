@@ -165,6 +165,41 @@ fn a_waiter_on_one_node_is_answered_when_another_node_commits() {
     }
 }
 
+/// A parked reserve's poll reads its key and writes nothing while the key is unchanged:
+/// polls that wrote locked every waited key (a shard then stalled behind any other node's
+/// transaction on one of them) and cost the database a WAL flush every 50 ms. When the
+/// holder's node commits, the next poll answers the waiter.
+#[test]
+fn a_poll_that_finds_its_waits_unchanged_writes_nothing() {
+    let Some(cluster) = shared() else { return };
+    let url = cluster.database("quietpoll");
+    let dirs = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let a = node(dirs.0.path(), &url, PgClock::Database, Arc::new(SystemClock));
+    // No reclaim comes due within the test: the alarms it counts are the polls.
+    let config = EngineConfig {
+        data_dir: dirs.1.path().to_owned(),
+        shards: 1,
+        reclaim_granularity_ms: 60_000,
+        store: StoreConfig { kind: Some(StoreKind::Postgres), postgres_url: url, ..StoreConfig::default() },
+        ..EngineConfig::default()
+    };
+    let b = Engine::open_with(config, Arc::new(SystemClock), Faults::default()).unwrap();
+    let t = tenant();
+    let token = granted(&a.reserve_blocking(&t, reserve_for("k", 60_000, 60_000, 0)).unwrap().reply);
+    let waiter = b.reserve(&t, reserve_for("k", 60_000, 60_000, 30_000));
+    assert!(b.wait_stats(0, WAIT, |s| s.waiters == 1), "parked on B");
+    let parked = b.stats()[0].clone();
+    assert!(b.wait_stats(0, WAIT, |s| s.alarms >= parked.alarms + 5), "B polls");
+    let polled = b.stats()[0].clone();
+    assert_eq!(polled.commits, parked.commits, "{} polls, and each wrote", polled.alarms - parked.alarms);
+    a.commit_blocking(&t, commit("k", token, b"from A")).unwrap();
+    match block_on(waiter).unwrap().reply {
+        ReserveReply::Completed { response, .. } => assert_eq!(response, b"from A"),
+        other => panic!("B's waiter hears A's commit (by its poll), not {other:?}"),
+    }
+    assert!(b.stats()[0].commits > polled.commits, "the poll that answered wrote");
+}
+
 #[test]
 fn expired_records_are_reclaimed_by_whichever_node_gets_there() {
     let time = ManualClock::new(T0);

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use oncegate_core::{Command, Reply, ReserveReply, Scope, answers_from_earlier_bucket, decide};
 
-use super::{Asked, Derive, Request, Shard, ShardState};
+use super::{Alarm, Asked, Derive, Request, Shard, ShardState};
 use crate::book::{Book, Outbox, file_full};
 use crate::store::{Meta, Store, StoreError, Txn};
 use crate::{EngineConfig, Error};
@@ -60,7 +60,7 @@ impl Shard {
 
     /// Serves due waiters and reclaims up to `reclaim_batch_max` expired records, in one
     /// transaction; a failed shard tries to reopen when its backoff is over.
-    pub(super) fn alarm(&mut self) {
+    pub(super) fn alarm(&mut self, why: Alarm) {
         self.ensure_token_room();
         let Some(store) = self.store.as_mut() else {
             if self.reopen_at.is_some_and(|at| at <= Instant::now()) {
@@ -79,9 +79,18 @@ impl Shard {
         // their keys); a file's only when due.
         let polled = store.waiters_poll_ms().is_some();
         let estimate = local_now.saturating_add_signed(self.store_ahead_ms);
-        let keys = if polled { book.waited_keys() } else { book.due(estimate) };
         let mut store_now = None;
-        let result = (|| -> Result<usize, StoreError> {
+        // `None`: a poll that found nothing to do, and so wrote nothing.
+        let result = (|| -> Result<Option<usize>, StoreError> {
+            let keys = if polled {
+                let must_write = why == Alarm::Asked || !leaving.is_empty();
+                let Some(changed) = poll_waits(store, book, must_write, local_now, &mut store_now)? else {
+                    return Ok(None);
+                };
+                changed
+            } else {
+                book.due(estimate)
+            };
             let txn = store.begin(&keys.iter().collect::<Vec<_>>(), local_now)?;
             let now = txn.now();
             store_now = Some(now);
@@ -93,7 +102,7 @@ impl Shard {
             book.records_delta.remove(&removed);
             super::moves::drop_leaving(&txn, leaving, limit, book)?;
             txn.commit(Meta { next_token: book.next_token, high_water_ms: now })?;
-            Ok((removed.pending + removed.completed) as usize)
+            Ok(Some((removed.pending + removed.completed) as usize))
         })();
         // As after a batch: a transaction that could not begin read no store time.
         if let Some(store_now) = store_now {
@@ -101,11 +110,13 @@ impl Shard {
         }
         self.polled_at_ms = store_now.unwrap_or(estimate);
         let reclaimed = self.conclude(result, outbox, token_before, |reclaimed, shared| {
-            shared.reclaimed.fetch_add(*reclaimed as u64, Ordering::Relaxed);
             shared.alarms.fetch_add(1, Ordering::Relaxed);
-            shared.commits.fetch_add(1, Ordering::Relaxed);
+            if let Some(reclaimed) = reclaimed {
+                shared.reclaimed.fetch_add(*reclaimed as u64, Ordering::Relaxed);
+                shared.commits.fetch_add(1, Ordering::Relaxed);
+            }
         });
-        let (Some(_), Some(store)) = (reclaimed, self.store.as_ref()) else { return };
+        let (Some(Some(_)), Some(store)) = (reclaimed, self.store.as_ref()) else { return };
         // Windows still due mean a backlog: the next alarm is at once. The loop runs due
         // alarms before reading the mailbox, so a backlog is reclaimed ahead of queued
         // data (one chunk per tick).
@@ -202,6 +213,33 @@ impl Shard {
             }
         }
     }
+}
+
+/// A shared store's poll of its parked reserves: reads every waited key without a lock,
+/// and returns the keys whose waiters would now be answered, or `None` when there are
+/// none, no reclaim is due and nothing else asks for a write (`must_write`: a moved
+/// slot's records to drop, an alarm run on request), so that the alarm writes nothing. Writing every poll took the waited keys' locks (a shard stalled behind
+/// any other node's transaction on one of them) and cost a WAL flush per poll whether or
+/// not anything had changed. The write transaction that follows reads them again, under
+/// their locks, and decides from that.
+fn poll_waits(
+    store: &mut Store,
+    book: &mut Book,
+    must_write: bool,
+    local_now: u64,
+    store_now: &mut Option<u64>,
+) -> Result<Option<Vec<Scope>>, StoreError> {
+    // Gone callers are dropped without a transaction; a wait that has lost all of its
+    // callers needs no write.
+    book.forget_gone();
+    let waited = book.waited_keys();
+    let read = store.begin_read(&waited.iter().collect::<Vec<_>>(), local_now)?;
+    let now = read.now();
+    *store_now = Some(now);
+    let changed = book.changed_waits(now, |scope| read.get(scope))?;
+    read.finish_read();
+    let reclaim_due = book.next_reclaim_ms.is_some_and(|at| at <= now);
+    Ok((!changed.is_empty() || reclaim_due || must_write).then_some(changed))
 }
 
 /// One batch being written: the book it changes and where its answers go. Answers go to

@@ -88,6 +88,15 @@ pub(crate) enum Mail {
     Held(std::collections::VecDeque<Request>),
 }
 
+/// Why an alarm runs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Alarm {
+    /// Its deadline came: a shared store's poll that finds nothing to do writes nothing.
+    Due,
+    /// On request (`Engine::run_alarms`): reclaim runs whatever its schedule says.
+    Asked,
+}
+
 /// Requests that must not wait behind data.
 pub(crate) enum Control {
     /// Finish what is queued, answer waiters, close the file, exit.
@@ -261,7 +270,7 @@ impl Shard {
             }
             let alarm = self.next_alarm();
             if alarm.is_some_and(|a| a <= Instant::now()) {
-                self.alarm();
+                self.alarm(Alarm::Due);
                 continue;
             }
             // Deleting a moved slot's rows is background work: it takes turns with the
@@ -282,7 +291,7 @@ impl Shard {
                     Err(_) => return self.finish(),
                 },
                 recv(self.gone) -> _ => self.forget_gone(),
-                recv(timer) -> _ => self.alarm(),
+                recv(timer) -> _ => self.alarm(Alarm::Due),
             }
         }
     }
@@ -292,7 +301,7 @@ impl Shard {
         match control {
             Control::Shutdown => true,
             Control::RunAlarms(done) => {
-                self.alarm();
+                self.alarm(Alarm::Asked);
                 let _ = done.send(());
                 false
             }
