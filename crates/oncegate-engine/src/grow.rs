@@ -25,8 +25,8 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crate::reshard::{Progress, Resharded};
-use crate::routes::{Moving, hand_over, try_hand_over};
-use crate::shard::{Control, Mail, MoveOut, Parked};
+use crate::routes::{Moving, hand_over};
+use crate::shard::{Control, Mail, MoveOut, Moved, Parked};
 use crate::slots::{self, SlotMap, SlotMove};
 use crate::{Engine, Error, OpenError, ShardHandle, manifest};
 
@@ -233,52 +233,31 @@ impl Engine {
 
     /// Step 4 (or the end of a failed move, `flipped` none): the table routes the slot to
     /// its owner, which gets the slot's parked reserves and then its held requests, in
-    /// order, before anything sent later. Nothing here waits for a shard while holding
-    /// the table's lock.
+    /// order, before anything sent later. They go on the owner's channel for what moves
+    /// hand over, which never waits, under the table's lock: callers that route to the
+    /// owner after it send behind them, and the shard reads that channel first. (Sent on
+    /// its bounded mailbox, the held requests had to wait there for a place, under the
+    /// lock at the last: a stalled owner stopped every caller's routing.)
     fn end_move(&self, step: SlotMove, flipped: Option<SlotMap>, parked: Parked) {
         let inner = &self.inner;
         let owner = if flipped.is_some() { step.to } else { step.from };
-        let handle = {
-            let mut table = inner.table_mut();
-            if let Some(map) = &flipped {
-                table.map = map.clone();
-            }
-            Arc::clone(&table.shards[owner as usize])
-        };
+        let mut table = inner.table_mut();
+        if let Some(map) = &flipped {
+            table.map = map.clone();
+        }
+        let handle = Arc::clone(&table.shards[owner as usize]);
         // Shards that open from now on keep the slot's rows only where it lives.
         match flipped {
             Some(map) => inner.live.set_map(map),
             None => inner.live.set_moving(None),
         }
-        // A shard that has stopped drops them: their callers hear `unavailable`.
-        let _ = handle.data.send(Mail::Adopt(parked));
-        for round in 1.. {
-            let mut table = inner.table_mut();
-            let held = table.moving.as_ref().map(Moving::take_held).unwrap_or_default();
-            // Under the lock, first a hand-over that does not wait: every caller routes
-            // under it, and a destination slow to drain must not stop them all.
-            let Some(held) = try_hand_over(&handle, owner, held) else {
-                table.moving = None;
-                return;
-            };
-            if round >= RELEASE_ROUNDS_UNLOCKED_MAX {
-                // A slot busy enough, and an owner full enough, to go on every round: this
-                // one waits under the lock, for one place in the mailbox (the owner drains
-                // without this lock), so that the move ends.
-                hand_over(&handle, owner, held);
-                table.moving = None;
-                return;
-            }
-            drop(table);
-            // The mailbox is full: wait for one place without the lock. Requests held
-            // meanwhile go behind these, in the next round.
-            hand_over(&handle, owner, held);
+        hand_over(&handle, owner, Moved::Adopt(parked));
+        let held = table.moving.take().map(|moving| moving.take_held()).unwrap_or_default();
+        if !held.is_empty() {
+            hand_over(&handle, owner, Moved::Held(held));
         }
     }
 }
-/// Rounds whose hand-over waits for the owner's mailbox without the table's lock, before
-/// the last one waits under it. It also bounds the held messages in one mailbox.
-const RELEASE_ROUNDS_UNLOCKED_MAX: u32 = 4;
 
 /// Where a test may stop a move dead, as a crash would (`Faults::stop_moves_after`).
 fn stop_point(inner: &crate::Inner) -> Result<(), OpenError> {

@@ -100,6 +100,9 @@ pub struct ShardStats {
 
 struct ShardHandle {
     data: Sender<Mail>,
+    /// What a slot's move hands its owner at its end (unbounded: sent under the routing
+    /// table's lock, which must never wait for a shard).
+    moved: Sender<shard::Moved>,
     control: Sender<Control>,
     /// Callers that stop waiting nudge the shard here (capacity 1: nudges coalesce).
     gone: Sender<()>,
@@ -156,6 +159,9 @@ struct Common {
 /// Makes one shard's channels and starts its thread.
 fn start_shard(id: u32, common: Common, started: shard::Started) -> Result<ShardHandle, OpenError> {
     let (data_tx, data) = crossbeam_channel::bounded(common.config.mailbox_depth_max);
+    // Bounded by what it carries: one message per move's end, whose held requests are
+    // callers already waiting.
+    let (moved_tx, moved) = crossbeam_channel::unbounded();
     // Control messages are rare (shutdown, alarms on demand, reopen); a few slots are
     // plenty and keep the channel bounded.
     let (control_tx, control) = crossbeam_channel::bounded(16);
@@ -172,6 +178,7 @@ fn start_shard(id: u32, common: Common, started: shard::Started) -> Result<Shard
         faults: common.faults,
         shared: Arc::clone(&shared),
         data,
+        moved,
         control,
         gone,
         quotas: common.quotas,
@@ -183,6 +190,7 @@ fn start_shard(id: u32, common: Common, started: shard::Started) -> Result<Shard
         .map_err(|source| OpenError::Io { path: data_dir, source })?;
     Ok(ShardHandle {
         data: data_tx,
+        moved: moved_tx,
         control: control_tx,
         gone: gone_tx,
         shared,

@@ -10,7 +10,7 @@
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::shard::{Mail, Request};
+use crate::shard::{Moved, Request};
 use crate::slots::{SlotMap, SlotMove};
 use crate::{Error, ShardHandle};
 
@@ -88,38 +88,13 @@ impl Moving {
     }
 }
 
-/// Hands `requests` (accepted already) to `shard` as one message, which takes one slot
-/// of its mailbox however many they are and which the shard serves in order. Without
-/// waiting: a full mailbox gives them back. `None` when nothing is left to hand over (a
-/// shard that has stopped answers them `unavailable`).
-pub(crate) fn try_hand_over(
-    shard: &ShardHandle,
-    shard_id: u32,
-    requests: VecDeque<Request>,
-) -> Option<VecDeque<Request>> {
-    if requests.is_empty() {
-        return None;
-    }
-    match shard.data.try_send(Mail::Held(requests)) {
-        Ok(()) => None,
-        Err(crossbeam_channel::TrySendError::Full(Mail::Held(requests))) => Some(requests),
-        Err(unsent) => {
-            lost(unsent.into_inner(), shard_id);
-            None
-        }
-    }
-}
-
-/// [`try_hand_over`], waiting for room.
-pub(crate) fn hand_over(shard: &ShardHandle, shard_id: u32, requests: VecDeque<Request>) {
-    if let Err(unsent) = shard.data.send(Mail::Held(requests)) {
-        lost(unsent.into_inner(), shard_id);
-    }
-}
-
-/// Answers the requests of a message its shard will never read.
-fn lost(mail: Mail, shard_id: u32) {
-    if let Mail::Held(requests) = mail {
+/// Gives a slot's owner what its move handed over, never waiting (its channel is
+/// unbounded): called under the table's lock, which every caller routes under. A shard
+/// that has stopped answers the held requests `unavailable`.
+pub(crate) fn hand_over(shard: &ShardHandle, shard_id: u32, moved: Moved) {
+    if let Err(unsent) = shard.moved.send(moved)
+        && let Moved::Held(requests) = unsent.into_inner()
+    {
         for request in requests {
             let _ = request.reply.send(Err(crate::Pending::lost(shard_id)));
         }

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use oncegate_core::{Command, Reply, ReserveReply, Scope, answers_from_earlier_bucket, decide};
 
-use super::{Alarm, Asked, Derive, Request, Shard, ShardState};
+use super::{Alarm, Asked, Derive, Moved, Request, Shard, ShardState};
 use crate::book::{Book, Outbox, file_full};
 use crate::store::{Meta, Store, StoreError, Txn};
 use crate::{EngineConfig, Error};
@@ -127,21 +127,24 @@ impl Shard {
     pub(super) fn finish(mut self) {
         loop {
             let (requests, after) = self.drain(None);
-            if requests.is_empty() && after.is_none() {
+            // Read after the requests, as in a batch, and served before them.
+            let moved: Vec<Moved> = self.moved.try_iter().collect();
+            if requests.is_empty() && after.is_none() && moved.is_empty() {
                 break;
+            }
+            for moved in moved {
+                match moved {
+                    // Answered `in progress` with the shard's own waiters below.
+                    Moved::Adopt(parked) => self.book.adopt(parked),
+                    Moved::Held(held) => self.serve_held(held),
+                }
             }
             // In mailbox order: the requests came before what stopped the drain.
             if !requests.is_empty() {
                 self.serve_batch(requests);
             }
-            match after {
-                Some(super::Mail::MoveOut(move_out)) => {
-                    let _ = move_out.reply.send(Err(self.unavailable("the shard is stopping")));
-                }
-                // Answered `in progress` with the shard's own waiters below.
-                Some(super::Mail::Adopt(parked)) => self.book.adopt(parked),
-                Some(super::Mail::Held(held)) => self.serve_held(held),
-                Some(super::Mail::Call(_)) | None => {}
+            if let Some(super::Mail::MoveOut(move_out)) = after {
+                let _ = move_out.reply.send(Err(self.unavailable("the shard is stopping")));
             }
         }
         if let Some(store) = self.store.as_mut() {

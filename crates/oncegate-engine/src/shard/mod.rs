@@ -80,11 +80,17 @@ pub(crate) enum Mail {
     /// Hand a moving slot over: it comes behind every request of the slot sent before
     /// the move began, so those are decided here first (`moves.rs`).
     MoveOut(MoveOut),
-    /// Park the reserves that waited on a moved slot's keys: sent to the slot's owner once
-    /// the move is over (or undone), ahead of the slot's held requests.
+}
+
+/// What a slot's move hands the slot's owner once it is over (or undone), on a channel of
+/// its own that the shard reads before any request on its mailbox: the move's end sends
+/// it under the routing table's lock and must not wait there for a mailbox place (a
+/// stalled shard would stop every caller's routing), and it must be served before the
+/// requests that callers route to the owner after the lock.
+pub(crate) enum Moved {
+    /// Park the reserves that waited on the slot's keys, ahead of its held requests.
     Adopt(Parked),
-    /// The requests a moving slot held, in arrival order, in one message (one mailbox
-    /// slot): served before anything that comes after them.
+    /// The requests the slot held while it moved, in arrival order.
     Held(std::collections::VecDeque<Request>),
 }
 
@@ -106,7 +112,7 @@ pub(crate) enum Control {
     /// Close and reopen the file now (after an operator fixed a fault).
     Reopen(crossbeam_channel::Sender<bool>),
     /// Take in a moving slot's records and counters, durably; answer how many records
-    /// came. (Its parked reserves follow as `Mail::Adopt` once the move is over.)
+    /// came. (Its parked reserves follow as `Moved::Adopt` once the move is over.)
     MoveIn(Handover, crossbeam_channel::Sender<Result<u64, Error>>),
     /// Delete the rows of a slot this shard no longer owns (a bounded chunk per alarm).
     DropSlot(u32),
@@ -124,6 +130,7 @@ pub(crate) struct Parts {
     pub faults: Faults,
     pub shared: Arc<Shared>,
     pub data: Receiver<Mail>,
+    pub moved: Receiver<Moved>,
     pub control: Receiver<Control>,
     /// Nudges from callers that stopped waiting.
     pub gone: Receiver<()>,
@@ -155,6 +162,7 @@ pub(crate) struct Shard {
     faults: Faults,
     shared: Arc<Shared>,
     data: Receiver<Mail>,
+    moved: Receiver<Moved>,
     control: Receiver<Control>,
     gone: Receiver<()>,
     store: Option<Store>,
@@ -193,6 +201,7 @@ impl Shard {
             faults,
             shared,
             data,
+            moved,
             control,
             gone,
             quotas,
@@ -217,6 +226,7 @@ impl Shard {
             faults,
             shared,
             data,
+            moved,
             control,
             gone,
             store: None,
@@ -284,6 +294,10 @@ impl Shard {
             select! {
                 recv(self.control) -> control => match control {
                     Ok(control) => if self.handle_control(control) { return self.finish() },
+                    Err(_) => return self.finish(),
+                },
+                recv(self.moved) -> moved => match moved {
+                    Ok(moved) => self.take_moved(moved),
                     Err(_) => return self.finish(),
                 },
                 recv(self.data) -> request => match request {
@@ -357,14 +371,29 @@ impl Shard {
 
     fn batch(&mut self, first: Mail) {
         let (requests, after) = self.drain(Some(first));
+        // What a move handed over goes before these requests. It is read after them: a
+        // request routed here after a move's end was sent after the move's message, so
+        // the message is on its channel by the time the request has been drained.
+        self.serve_moved();
         if !requests.is_empty() {
             self.serve_batch(requests);
         }
-        match after {
-            Some(Mail::MoveOut(move_out)) => self.move_out(move_out),
-            Some(Mail::Adopt(parked)) => self.adopt(parked),
-            Some(Mail::Held(held)) => self.serve_held(held),
-            Some(Mail::Call(_)) | None => {}
+        if let Some(Mail::MoveOut(move_out)) = after {
+            self.move_out(move_out);
+        }
+    }
+
+    /// Everything moves have handed this shard so far, in the order it was sent.
+    fn serve_moved(&mut self) {
+        while let Ok(moved) = self.moved.try_recv() {
+            self.take_moved(moved);
+        }
+    }
+
+    fn take_moved(&mut self, moved: Moved) {
+        match moved {
+            Moved::Adopt(parked) => self.adopt(parked),
+            Moved::Held(held) => self.serve_held(held),
         }
     }
 
@@ -377,8 +406,8 @@ impl Shard {
     }
 
     /// Takes what the mailbox holds now, after `first`, up to `batch_len_max` requests in
-    /// all, stopping at a slot's hand-over, adoption or held requests (handled after the
-    /// requests before it, and before those after it).
+    /// all, stopping at a slot's hand-over (handled after the requests before it, and
+    /// before those after it).
     fn drain(&self, first: Option<Mail>) -> (Vec<Request>, Option<Mail>) {
         let mut requests = Vec::with_capacity(self.config.batch_len_max.min(64));
         let mut next = first;
