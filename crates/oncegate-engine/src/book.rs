@@ -174,22 +174,33 @@ impl Book {
     /// The waited keys whose parked reserves would be answered at `now_ms` against the
     /// record `read` gives (any decision but `in progress`, or a wait run out): a shared
     /// store's poll reads every waited key and writes only for these. `decide` says it,
-    /// as it says what [`Book::serve_waiters`] then does.
+    /// as it says what [`Book::serve_waiters`] then does. Each other key's holder lease is
+    /// taken as read: another node may have renewed it, and the shard's next alarm waits
+    /// for it (left as last seen, the alarm fell due again at once, without end).
     pub fn changed_waits(
-        &self,
+        &mut self,
         now_ms: u64,
         mut read: impl FnMut(&Scope) -> Result<Option<Record>, StoreError>,
     ) -> Result<Vec<Scope>, StoreError> {
+        let next_token = self.next_token;
         let mut changed = Vec::new();
-        for (scope, queue) in &self.queues {
+        for (scope, queue) in &mut self.queues {
             let record = read(scope)?;
-            let answered = |waiter: &Waiter| {
+            let mut answered = false;
+            for waiter in &queue.waiters {
                 let command = Command::Reserve(waiter.reserve.clone());
-                let decision = decide(record.as_ref(), &command, now_ms, self.next_token);
-                waiter.deadline_ms <= now_ms
-                    || !matches!(decision.reply, Ok(Reply::Reserve(ReserveReply::InProgress { .. })))
-            };
-            if queue.waiters.iter().any(answered) {
+                match decide(record.as_ref(), &command, now_ms, next_token).reply {
+                    Ok(Reply::Reserve(ReserveReply::InProgress { lease_until_ms, .. })) => {
+                        queue.lease_until_ms = lease_until_ms;
+                        answered = waiter.deadline_ms <= now_ms;
+                    }
+                    _ => answered = true,
+                }
+                if answered {
+                    break;
+                }
+            }
+            if answered {
                 changed.push(scope.clone());
             }
         }

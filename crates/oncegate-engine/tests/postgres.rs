@@ -200,6 +200,50 @@ fn a_poll_that_finds_its_waits_unchanged_writes_nothing() {
     assert!(b.stats()[0].commits > polled.commits, "the poll that answered wrote");
 }
 
+/// A parked reserve's poll takes the holder's lease as it reads it. Renewed on another
+/// node, the lease the waiter last saw passed while the key was still held; the alarm
+/// for it fell due again at once after each poll that found the key unchanged, so the
+/// shard polled without end and never read its mailbox: every other request on it waited
+/// until the waiter's own deadline.
+#[test]
+fn a_lease_renewed_on_another_node_does_not_keep_the_waiting_shard_polling() {
+    let Some(cluster) = shared() else { return };
+    let url = cluster.database("renewed");
+    let dirs = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let time = ManualClock::new(T0);
+    let a = node(dirs.0.path(), &url, PgClock::Engine, Arc::new(time.clone()));
+    let config = EngineConfig {
+        data_dir: dirs.1.path().to_owned(),
+        shards: 1,
+        store: StoreConfig {
+            kind: Some(StoreKind::Postgres),
+            postgres_url: url,
+            postgres_clock: PgClock::Engine,
+            ..StoreConfig::default()
+        },
+        ..EngineConfig::default()
+    };
+    let b = Engine::open_with(config, Arc::new(time.clone()), Faults::default()).unwrap();
+    let t = tenant();
+    let token = granted(&a.reserve_blocking(&t, reserve_for("k", 1_000, 600_000, 0)).unwrap().reply);
+    let waiter = b.reserve(&t, reserve_for("k", 1_000, 600_000, 30_000));
+    if !b.wait_stats(0, WAIT, |s| s.waiters == 1) {
+        panic!("not parked on B: {:?} {:?}", b.stats(), block_on(waiter));
+    }
+    let beat = KeyRequest { namespace: "live".into(), key: "k".into(), token, lease_ms: 120_000 };
+    a.heartbeat_blocking(&t, beat).unwrap();
+    // Past the lease B's waiter saw, well within the renewed one; then B's shard polls
+    // (twice, so that the second was the alarm that lease brought due, whatever the timer
+    // it slept on) before a request reaches its mailbox.
+    let polled = b.stats()[0].alarms;
+    time.advance(1_500);
+    assert!(b.wait_stats(0, WAIT, |s| s.alarms >= polled + 2), "B polls");
+    let other = b.reserve(&t, reserve("other"));
+    let answered = block_on(async { tokio::time::timeout(WAIT, other).await });
+    let answered = answered.expect("B's shard reads its mailbox while its waiter waits");
+    granted(&answered.unwrap().reply);
+}
+
 #[test]
 fn expired_records_are_reclaimed_by_whichever_node_gets_there() {
     let time = ManualClock::new(T0);
