@@ -504,17 +504,22 @@ impl Store {
     /// with them at the next power cut. Zeroed, the reopen ends the chain before them.
     ///
     /// The last frame goes first, and each frame's zeros are synced before the frame
-    /// before it is zeroed (an error changes nothing: every frame is zeroed regardless,
-    /// for the reopen's sake). So a power cut while zeroing leaves the transaction's
-    /// frames up to some point, which recovery takes for a torn end. Zeroing the first
-    /// frame first could leave zeros followed by a whole later frame, which under
-    /// `"full"` says every frame before it was durable, and recovery would refuse the
-    /// log as damaged in acknowledged history.
+    /// before it is zeroed. So a power cut while zeroing leaves the transaction's frames
+    /// up to some point, which recovery takes for a torn end. Zeroing the first frame
+    /// first could leave zeros followed by a whole later frame, which under `"full"` says
+    /// every frame before it was durable, and recovery would refuse the log as damaged in
+    /// acknowledged history. When a frame's zeros are written but cannot be synced, the
+    /// frames before it are left whole: the reopen already finds the transaction
+    /// without its last frame, and zeros the disk might keep ahead of the unsynced ones
+    /// would be that damage. When they cannot even be written, the frames before it are
+    /// zeroed all the same: read whole by the reopen, the transaction would become the
+    /// chain that later commits extend.
     fn unwrite(&self, frames: &[txn::Pending]) {
         for frame in frames.iter().rev() {
             let file = &self.segments[&frame.seq];
-            let _ = file.write_at(frame.start, &vec![0; frame.bytes.len()]);
-            let _ = file.sync_data();
+            if file.write_at(frame.start, &vec![0; frame.bytes.len()]).is_ok() && file.sync_data().is_err() {
+                return;
+            }
         }
     }
 
@@ -995,8 +1000,10 @@ mod tests {
     #[derive(Debug, Default)]
     struct Watched {
         failing: std::sync::atomic::AtomicBool,
-        /// Set: this many more segment syncs succeed, then every one fails (`failing`).
+        /// Set: this many more segment syncs succeed, then every one fails (`failing`), or,
+        /// with `recovers`, the next one only.
         syncs_before_failing: std::sync::Mutex<Option<u32>>,
+        recovers: std::sync::atomic::AtomicBool,
         /// Renames and removes of segments to refuse.
         failing_retires: std::sync::atomic::AtomicU32,
         /// Segments written since their last sync (the spare thread's zero-filling aside).
@@ -1035,14 +1042,23 @@ mod tests {
             self.file.write_at(offset, bytes)
         }
         fn sync_data(&self) -> std::io::Result<()> {
-            if let Some(left) = self.watched.syncs_before_failing.lock().unwrap().as_mut() {
+            let recovers = self.watched.recovers.load(std::sync::atomic::Ordering::SeqCst);
+            let mut before_failing = self.watched.syncs_before_failing.lock().unwrap();
+            if let Some(left) = before_failing.as_mut() {
                 if *left == 0 {
                     self.watched.failing.store(true, std::sync::atomic::Ordering::SeqCst);
+                    if recovers {
+                        *before_failing = None;
+                    }
                 } else {
                     *left -= 1;
                 }
             }
+            drop(before_failing);
             if self.watched.failing.load(std::sync::atomic::Ordering::SeqCst) {
+                if recovers {
+                    self.watched.failing.store(false, std::sync::atomic::Ordering::SeqCst);
+                }
                 return Err(std::io::Error::other("injected: fdatasync failed"));
             }
             self.watched.dirty.lock().unwrap().remove(&self.path);
@@ -1241,6 +1257,27 @@ mod tests {
     /// or wholly gone.
     #[test]
     fn a_spanning_commit_taken_back_leaves_a_log_that_opens_after_a_cut_while_zeroing() {
+        let zeroed = spanning_commit_taken_back(true);
+        assert_eq!(zeroed, ["00000002.seg", "00000001.seg"], "both frames zeroed, the last first");
+    }
+
+    /// The same with every sync failing from the second frame's on: the second frame's
+    /// zeros are written and cannot be synced, and the first frame is left whole. With
+    /// no sync to order them, a cut may keep any of the zero writes, not only a prefix:
+    /// zeros over the first frame kept without the second frame's were the damage above.
+    /// The reopen in this process already finds the commit without its last frame.
+    #[test]
+    fn a_spanning_commit_whose_zeros_cannot_be_synced_keeps_its_first_frame() {
+        let zeroed = spanning_commit_taken_back(false);
+        assert_eq!(zeroed, ["00000002.seg"], "only the last frame zeroed");
+    }
+
+    /// Commits a transaction spanning two segments whose second sync fails (and, unless
+    /// `recovers`, every sync after it), then opens the log after each cut that keeps a
+    /// prefix of the zero writes (when their syncs succeed: each was durable before the
+    /// next began) or any subset of them (when they fail); returns the segments zeroed,
+    /// in order.
+    fn spanning_commit_taken_back(recovers: bool) -> Vec<String> {
         let (dir, watched, tuning, mut store) = watched_log(Durability::Full);
         let mut batch = 1;
         while SEGMENT_BYTES - store.chain.tail > 4_096 {
@@ -1253,6 +1290,7 @@ mod tests {
             txn.put(&scope(&format!("spanning{n}")), &granted(batch * 100 + n, batch, 10_000_000)).unwrap();
         }
         *watched.journal.lock().unwrap() = Some(Vec::new());
+        watched.recovers.store(recovers, std::sync::atomic::Ordering::SeqCst);
         *watched.syncs_before_failing.lock().unwrap() = Some(1);
         assert!(txn.commit(Meta { next_token: batch * 100 + 61, high_water_ms: batch }).is_err());
         drop(store);
@@ -1262,7 +1300,6 @@ mod tests {
         let (frames, zeros): (Vec<_>, Vec<_>) =
             journal.into_iter().partition(|(_, _, b)| b.iter().any(|&x| x != 0));
         assert_eq!(frames.len(), 2, "the commit wrote one frame in each of two segments");
-        assert_eq!(zeros.len(), 2, "and zeroed both");
         let before_image = |(path, offset, _): &Written| {
             frames
                 .iter()
@@ -1271,19 +1308,25 @@ mod tests {
                 .clone()
         };
         let os = crate::files::OsFiles;
-        for kept in 0..=zeros.len() {
-            // The files after a cut that kept the first `kept` zero writes.
+        let subsets = 0..1u32 << zeros.len();
+        let cuts: Vec<Vec<bool>> = if recovers {
+            (0..=zeros.len()).map(|kept| (0..zeros.len()).map(|n| n < kept).collect()).collect()
+        } else {
+            subsets.map(|bits| (0..zeros.len()).map(|n| bits & (1 << n) != 0).collect()).collect()
+        };
+        for kept in cuts {
+            // The files after a cut that kept the zero writes `kept` says.
             let cut = tempfile::tempdir().unwrap();
             for name in os.list(dir.path()).unwrap() {
                 os.write_new(&cut.path().join(&name), &os.read(&dir.path().join(&name)).unwrap()).unwrap();
             }
-            for lost in &zeros[kept..] {
+            for (lost, _) in zeros.iter().zip(&kept).filter(|(_, kept)| !**kept) {
                 let (path, offset, bytes) = before_image(lost);
                 let file = os.open_segment(&cut.path().join(path.file_name().unwrap())).unwrap();
                 file.write_at(offset, &bytes).unwrap();
             }
             let opened = Store::open(cut.path(), &tuning, &Faults::default());
-            let (mut reopened, _, _) = opened.unwrap_or_else(|e| panic!("{kept} zero writes kept: {e}"));
+            let (mut reopened, _, _) = opened.unwrap_or_else(|e| panic!("zero writes kept {kept:?}: {e}"));
             let txn = reopened.begin(batch + 1).unwrap();
             assert!(
                 txn.get(&scope("before1-0")).unwrap().is_some(),
@@ -1291,8 +1334,12 @@ mod tests {
             );
             let first = txn.get(&scope("spanning0")).unwrap().is_some();
             let last = txn.get(&scope("spanning59")).unwrap().is_some();
-            assert_eq!(first, last, "{kept} zero writes kept: the failed commit is there in part");
+            assert_eq!(first, last, "zero writes kept {kept:?}: the failed commit is there in part");
+            // Every zero write kept (the page cache, as the reopen in this process reads it):
+            // the commit is gone.
+            assert!(kept.contains(&false) || !first, "the reopen reads the failed commit back");
         }
+        zeros.iter().map(|(path, _, _)| path.file_name().unwrap().to_string_lossy().into_owned()).collect()
     }
 
     /// The log's last segment is for the writes that free room: while the head is in it,
