@@ -142,6 +142,52 @@ struct Inner {
     _lock: files::LockGuard,
 }
 
+/// Where an engine's keys live: the slot map and shard count, the routing, and the
+/// database when the records are in PostgreSQL.
+struct Placement {
+    map: slots::SlotMap,
+    shards: u32,
+    routing: oncegate_core::route::Routing,
+    postgres: Option<Arc<store::postgres::Postgres>>,
+}
+
+/// Reads (or creates) a data directory's slot map, or, for PostgreSQL, computes one and
+/// opens the pool: the records are in the database, and shards only spread this node's
+/// work, so any count serves every key and the map is never stored.
+fn place(
+    config: &EngineConfig,
+    kind: StoreKind,
+    files: &dyn files::Files,
+    clock: &Arc<dyn Clock>,
+) -> Result<Placement, OpenError> {
+    let placement = match kind {
+        StoreKind::Sqlite | StoreKind::Log => {
+            let (map, shards, routing) = manifest::open_or_create(files, &config.data_dir, config.shards)?;
+            Placement { map, shards, routing, postgres: None }
+        }
+        StoreKind::Postgres => {
+            let node = manifest::node_name(files, &config.data_dir)?;
+            let pg = store::postgres::Postgres::new(&config.store, node.clone(), Arc::clone(clock))
+                .map_err(|e| OpenError::Postgres { reason: e.to_string() })?;
+            tracing::info!(database = %pg.display, node = %node, shards = config.shards, "records in PostgreSQL");
+            Placement {
+                map: slots::SlotMap::even(config.shards),
+                shards: config.shards,
+                routing: store::postgres::ROUTING,
+                postgres: Some(Arc::new(pg)),
+            }
+        }
+    };
+    if placement.shards > config.shards {
+        tracing::warn!(
+            configured = config.shards,
+            shards = placement.shards,
+            "the data directory has more shards than configured (they were added); serving all of them"
+        );
+    }
+    Ok(placement)
+}
+
 /// What every shard of an engine shares.
 struct Common {
     config: Arc<EngineConfig>,
@@ -373,30 +419,7 @@ impl Engine {
         let kind = manifest::settle_store_kind(&*files, &mut config)?;
         // Settled, the kind's own rules apply (the log's sizes, for a kind left unset).
         config.check().map_err(OpenError::Config)?;
-        let (map, shards, routing, postgres) = match kind {
-            StoreKind::Sqlite | StoreKind::Log => {
-                let (map, shards, routing) =
-                    manifest::open_or_create(&*files, &config.data_dir, config.shards)?;
-                (map, shards, routing, None)
-            }
-            StoreKind::Postgres => {
-                // The records are in the database; shards only spread this node's work, so
-                // any count serves every key and the map is computed, never stored.
-                let node = manifest::node_name(&*files, &config.data_dir)?;
-                let pg = store::postgres::Postgres::new(&config.store, node.clone(), Arc::clone(&clock))
-                    .map_err(|e| OpenError::Postgres { reason: e.to_string() })?;
-                tracing::info!(database = %pg.display, node = %node, shards = config.shards, "records in PostgreSQL");
-                let (map, routing) = (slots::SlotMap::even(config.shards), store::postgres::ROUTING);
-                (map, config.shards, routing, Some(Arc::new(pg)))
-            }
-        };
-        if shards > config.shards {
-            tracing::warn!(
-                configured = config.shards,
-                shards,
-                "the data directory has more shards than configured (they were added); serving all of them"
-            );
-        }
+        let Placement { map, shards, routing, postgres } = place(&config, kind, &*files, &clock)?;
         let config = Arc::new(config);
         // The one wall-clock reading of the process: every shard's frame, and the frame of
         // derived keys, is anchored to it; nothing re-anchors until the next process.
