@@ -380,3 +380,25 @@ async fn every_refusal_an_operation_answers_is_in_its_openapi_responses() {
     }
     server.stop().await;
 }
+
+/// Bytes are read as protobuf's JSON mapping writes them in any of its forms (the
+/// standard or the URL-safe alphabet, padded or not) and `null` as a field's default:
+/// a client library that sends URL-safe base64, or nulls for unset fields, was refused
+/// `400`. The answers write standard padded base64.
+#[tokio::test]
+async fn bytes_in_either_base64_alphabet_and_null_fields_are_read() {
+    let server = start_with(|_| {}).await;
+    let reserve = |fingerprint: &str| json!({"namespace": "live", "key": "forms", "fingerprint": fingerprint, "wait_ms": null, "key_parts": null});
+    // 0xfb 0xff: `-_8` URL-safe unpadded, `+/8=` standard padded.
+    let first = post(&server, "/v1/reserve", None, &reserve("-_8")).await;
+    let token = ok(&first)["granted"]["token"].clone();
+    for same in ["+/8=", "+/8", "-_8="] {
+        let again = post(&server, "/v1/reserve", None, &reserve(same)).await;
+        assert!(ok(&again)["in_progress"].is_object(), "{same} is the same fingerprint: {}", again.body);
+    }
+    let commit = json!({"namespace": "live", "key": "forms", "token": token, "outcome": "OUTCOME_SUCCEEDED", "response": "-_8"});
+    assert!(ok(&post(&server, "/v1/commit", None, &commit).await)["expires_at_ms"].is_string());
+    let view = http(server.addr, "GET", "/v1/namespaces/live/keys/forms", None, None).await;
+    assert_eq!(ok(&view)["response"], json!("+/8="));
+    server.stop().await;
+}

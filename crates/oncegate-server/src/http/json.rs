@@ -3,28 +3,33 @@
 //!
 //! The mapping is protobuf's JSON mapping with the proto's own field names: 64-bit
 //! integers are decimal strings (a fencing token can pass 2^53, where JavaScript numbers
-//! stop being exact; numbers are accepted on the way in), bytes are base64, enums are
-//! their proto names, and a oneof is the one member it holds. Unknown fields are refused,
+//! stop being exact; numbers are accepted on the way in), bytes are base64 (read in
+//! either alphabet, padded or not), enums are their proto names, a oneof is the one
+//! member it holds, and `null` reads as the field's default. Unknown fields are refused,
 //! so a misspelt `lease_ms` is an error rather than a default.
 
 use oncegate_core::Invalid;
 use oncegate_proto::v1 as pb;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use serde_with::base64::Base64;
-use serde_with::{DisplayFromStr, PickFirst, Same, serde_as};
+use serde_with::base64::{Base64, UrlSafe};
+use serde_with::{DefaultOnNull, DisplayFromStr, PickFirst, Same, serde_as};
 use utoipa::ToSchema;
 
 use crate::gate::Call;
 use crate::status::Refusal;
 
 /// A `uint64` as protobuf's JSON mapping writes it (a decimal string) and reads it (a
-/// string or a number).
+/// string or a number; `null` is 0, as for every field).
 #[serde_as]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(transparent)]
 #[schema(value_type = String, format = "uint64", example = "30000")]
-pub(crate) struct Uint64(#[serde_as(as = "PickFirst<(DisplayFromStr, Same)>")] pub u64);
+pub(crate) struct Uint64(#[serde_as(as = "DefaultOnNull<PickFirst<(DisplayFromStr, Same)>>")] pub u64);
+
+/// Bytes as protobuf's JSON mapping reads them: base64 of the standard or the URL-safe
+/// alphabet, padded or not; `null` is empty.
+type BytesIn = DefaultOnNull<PickFirst<(Base64, Base64<UrlSafe>)>>;
 
 /// `POST /v1/reserve`: may this attempt proceed?
 #[serde_as]
@@ -32,14 +37,17 @@ pub(crate) struct Uint64(#[serde_as(as = "PickFirst<(DisplayFromStr, Same)>")] p
 #[serde(deny_unknown_fields)]
 pub(crate) struct ReserveBody {
     /// 1 to 64 bytes of `[A-Za-z0-9._-]`, such as `live` or `test`.
+    #[serde_as(as = "DefaultOnNull")]
     namespace: String,
     /// The idempotency key; leave it out to derive one from `key_parts`.
     #[serde(default)]
+    #[serde_as(as = "DefaultOnNull")]
     key: String,
     /// Parts of a derived key: `parts.join(":") + "::" + floor(now_ms / bucket_ms)` (a
     /// single `:` before the bucket in stores made before bucket routing); the answer
     /// names the key.
     #[serde(default)]
+    #[serde_as(as = "DefaultOnNull")]
     key_parts: Vec<String>,
     /// The bucket width of a derived key, in ms; only with `key_parts`.
     #[serde(default)]
@@ -55,7 +63,7 @@ pub(crate) struct ReserveBody {
     #[serde(default)]
     lease_ms: Uint64,
     /// A hash of the request payload (at most 64 bytes), base64.
-    #[serde_as(as = "Base64")]
+    #[serde_as(as = "BytesIn")]
     #[serde(default)]
     #[schema(value_type = String, format = Byte)]
     fingerprint: Vec<u8>,
@@ -69,15 +77,18 @@ pub(crate) struct ReserveBody {
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct CommitBody {
+    #[serde_as(as = "DefaultOnNull")]
     namespace: String,
     /// The key the reserve answered with.
+    #[serde_as(as = "DefaultOnNull")]
     key: String,
     /// The fencing token of the grant.
     token: Uint64,
     /// `OUTCOME_SUCCEEDED` or `OUTCOME_FAILED`.
+    #[serde_as(as = "DefaultOnNull")]
     outcome: String,
     /// What later reserves of the key replay, base64.
-    #[serde_as(as = "Base64")]
+    #[serde_as(as = "BytesIn")]
     #[serde(default)]
     #[schema(value_type = String, format = Byte)]
     response: Vec<u8>,
@@ -88,7 +99,9 @@ pub(crate) struct CommitBody {
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct ReleaseBody {
+    #[serde_as(as = "DefaultOnNull")]
     namespace: String,
+    #[serde_as(as = "DefaultOnNull")]
     key: String,
     token: Uint64,
 }
@@ -98,7 +111,9 @@ pub(crate) struct ReleaseBody {
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct HeartbeatBody {
+    #[serde_as(as = "DefaultOnNull")]
     namespace: String,
+    #[serde_as(as = "DefaultOnNull")]
     key: String,
     token: Uint64,
     /// The new lease, from now, in ms; 0 or absent selects the default.
