@@ -127,9 +127,12 @@ pub enum OnceError<G: std::error::Error, E: std::fmt::Debug> {
     /// its lease ends (see [`WorkError::Unknown`]).
     #[error("the work's outcome is unknown; the key frees when its lease ends: {0:?}")]
     Unknown(E),
-    /// The work ran, but its commit could not be confirmed (the gate failed after its
-    /// retries). The key stays held until its lease ends; the next attempt is granted as
-    /// `abandoned` and must check whether this one's side effect happened.
+    /// The work ran, but its commit could not be confirmed: the gate failed after its
+    /// retries (the key stays held until its lease ends, and the next attempt is granted
+    /// as `abandoned` and must check whether this one's side effect happened), or the
+    /// record was gone (`not_found`: its ttl ran out before the commit, so the key is
+    /// free already and the next attempt is granted with no warning; give keys a ttl that
+    /// outlasts the work and its commit).
     #[error("the work ran (token {token}) but its commit could not be confirmed: {error}")]
     Unconfirmed {
         /// The attempt's token.
@@ -303,6 +306,12 @@ impl<G: Gate + Clone + 'static> Held<G> {
     /// the work; `None` when the lease was lost (refused by the gate, or not renewed
     /// before `valid_until` by this client's clock), which cancels the work. The deadline
     /// is checked before the work is polled, so the work never runs past it.
+    ///
+    /// A beat is due a third of a lease after the lease was last counted from: the
+    /// reserve's sending for the first, so that a grant that took two thirds of its lease
+    /// to arrive (a wait, retries) is renewed at once instead of being cut at the end of
+    /// the lease before any beat was tried. After a failed beat the next is tried within
+    /// half of what is left, so the last stretch of a lease still gets its tries.
     async fn keep_lease<T>(
         &self,
         mut valid_until: Instant,
@@ -310,7 +319,7 @@ impl<G: Gate + Clone + 'static> Held<G> {
         work: impl Future<Output = T>,
     ) -> Option<T> {
         let every = (lease_for / 3).max(Duration::from_millis(1));
-        let mut next = Instant::now() + every;
+        let mut next = valid_until.checked_sub(lease_for - every).unwrap_or_else(Instant::now);
         let mut beat: Option<Beat<'_, G::Error>> = None;
         tokio::pin!(work);
         loop {
@@ -327,15 +336,22 @@ impl<G: Gate + Clone + 'static> Held<G> {
                 (sent, answer) = async { beat.as_mut().expect("polled only while in flight").await }, if beat.is_some() => {
                     beat = None;
                     match answer {
-                        Ok(_) => valid_until = sent + lease_for,
+                        Ok(_) => {
+                            valid_until = sent + lease_for;
+                            next = sent + every;
+                        }
                         Err(error) if matches!(error.code(), Code::LeaseLost | Code::NotFound | Code::AlreadyCompleted) => {
                             return None;
                         }
                         // Not renewed this time (the gate's own retries ran out): the
                         // lease runs on until `valid_until`, and the next beat tries again.
-                        Err(error) => tracing::warn!(%error, "heartbeat failed; the lease runs on until it is renewed or ends"),
+                        Err(error) => {
+                            tracing::warn!(%error, "heartbeat failed; the lease runs on until it is renewed or ends");
+                            let now = Instant::now();
+                            let left = valid_until.saturating_duration_since(now);
+                            next = now + every.min(left / 2).max(Duration::from_millis(1));
+                        }
                     }
-                    next = Instant::now() + every;
                 }
                 done = &mut work => return Some(done),
             }

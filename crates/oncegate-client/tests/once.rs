@@ -281,6 +281,56 @@ async fn a_lease_not_renewed_in_time_cancels_the_work_as_lease_lost() {
     engine.shutdown();
 }
 
+/// A gate whose grants arrive late: each reserve waits `delay` before it is sent.
+#[derive(Clone)]
+struct LateGrant(TenantGate, Duration);
+
+impl Gate for LateGrant {
+    type Error = oncegate_engine::Error;
+
+    fn reserve(&self, r: ReserveRequest) -> impl Future<Output = Result<Reserved, Self::Error>> + Send {
+        let (gate, delay) = (self.0.clone(), self.1);
+        async move {
+            tokio::time::sleep(delay).await;
+            gate.reserve(r).await
+        }
+    }
+    fn commit(&self, r: CommitRequest) -> impl Future<Output = Result<u64, Self::Error>> + Send {
+        self.0.commit(r)
+    }
+    fn release(&self, r: KeyRequest) -> impl Future<Output = Result<(), Self::Error>> + Send {
+        self.0.release(r)
+    }
+    fn heartbeat(&self, r: KeyRequest) -> impl Future<Output = Result<Renewed, Self::Error>> + Send {
+        self.0.heartbeat(r)
+    }
+    fn get(&self, r: KeyRequest) -> impl Future<Output = Result<oncegate_core::View, Self::Error>> + Send {
+        self.0.get(r)
+    }
+}
+
+/// A grant that arrives three quarters of a lease after its reserve was sent (a wait, or
+/// retries) is renewed at once. Its first beat was due a third of a lease after the grant
+/// arrived, past the end of the lease as this client counts it from the sending, so the
+/// work was cut at that end, half a second in, before any beat was tried: `lease_lost`
+/// for a work that may have done its side effect, and the next attempt would run it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_that_arrives_late_is_renewed_before_its_lease_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine =
+        Engine::open(EngineConfig { data_dir: dir.path().to_owned(), ..EngineConfig::default() }).unwrap();
+    let gate = LateGrant(engine.gate(oncegate_core::Tenant::default_tenant()), Duration::from_millis(1_500));
+    let options = OnceOptions { lease_ms: 2_000, ..OnceOptions::default() };
+    let ran = gate
+        .once("live", "late", options, |_| async {
+            tokio::time::sleep(Duration::from_millis(1_000)).await;
+            Ok::<_, WorkError<()>>(b"done".to_vec())
+        })
+        .await;
+    assert_eq!(ran.unwrap(), Ran::Now(b"done".to_vec()));
+    engine.shutdown();
+}
+
 /// Far more calls at once on one session stream than the server takes in flight (256 by
 /// default) and than the client queues (1,024): every one is answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
