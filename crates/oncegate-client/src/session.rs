@@ -91,18 +91,20 @@ async fn open(
     metadata: tonic::metadata::MetadataMap,
 ) -> Result<mpsc::Sender<Waiting>, tonic::Status> {
     let (calls, mut queued) = mpsc::channel::<Waiting>(CALLS_QUEUED_MAX);
-    // Unbounded on purpose: the task must never wait to hand a call to the stream, or it
-    // would stop reading answers, and a server whose answers are not read stops reading
-    // calls (HTTP/2 flow control): a deadlock. What bounds it is `calls`, and that every
-    // call handed over is one a caller is waiting on.
-    let (requests, outgoing) = mpsc::unbounded_channel();
+    // Bounded too, and the task never waits on it: it would stop reading answers, and a
+    // server whose answers are not read stops reading calls (HTTP/2 flow control), a
+    // deadlock. A call that finds it full is kept aside while the task goes on reading
+    // answers, and no other is taken from `calls` until it is handed over, so callers wait
+    // there. (Unbounded, it grew with every call that callers gave up on and retried
+    // while the server read nothing.)
+    let (requests, outgoing) = mpsc::channel(CALLS_QUEUED_MAX);
     // The server drops a call when the caller's deadline passes, as it drops a unary
     // call, so that a reserve the caller gave up on is never granted. The time left is
     // written as the call leaves, not when it was queued: a call that waited here (the
     // server reads no more while its calls in flight are at their limit) has less.
     // A call whose time ran out while it waited here is not sent at all: its caller has
     // given up, and a reserve granted now would hold the key for nobody.
-    let outgoing = tokio_stream::wrappers::UnboundedReceiverStream::new(outgoing).filter_map(
+    let outgoing = tokio_stream::wrappers::ReceiverStream::new(outgoing).filter_map(
         |(mut request, ends_at): (pb::SessionRequest, Instant)| {
             let left = ends_at.saturating_duration_since(Instant::now());
             request.timeout_ms = u64::try_from(left.as_millis()).ok()?;
@@ -116,9 +118,15 @@ async fn open(
     tokio::spawn(async move {
         let mut waiting: HashMap<u64, oneshot::Sender<Out>> = HashMap::new();
         let mut sent = 0usize;
+        // A call taken from `calls` while `requests` was full.
+        let mut aside: Option<(pb::SessionRequest, Instant)> = None;
         loop {
             tokio::select! {
-                call = queued.recv() => {
+                room = requests.reserve(), if aside.is_some() => {
+                    let Ok(room) = room else { return };
+                    room.send(aside.take().expect("checked by the guard"));
+                }
+                call = queued.recv(), if aside.is_none() => {
                     let Some((request, ends_at, answer)) = call else { return };
                     // A caller that gave up before its call left is not waited for; nor
                     // are those that gave up since (their calls unsent or unanswered),
@@ -131,8 +139,10 @@ async fn open(
                         waiting.retain(|_, caller| !caller.is_closed());
                     }
                     waiting.insert(request.id, answer);
-                    if requests.send((request, ends_at)).is_err() {
-                        return;
+                    match requests.try_send((request, ends_at)) {
+                        Ok(()) => {}
+                        Err(mpsc::error::TrySendError::Full(call)) => aside = Some(call),
+                        Err(mpsc::error::TrySendError::Closed(_)) => return,
                     }
                 }
                 answer = answers.message() => {
