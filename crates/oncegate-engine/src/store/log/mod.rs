@@ -1272,6 +1272,46 @@ mod tests {
         assert_eq!(zeroed, ["00000002.seg"], "only the last frame zeroed");
     }
 
+    /// A transaction of four frames (four segments) cut off after its third was durable,
+    /// here by its fourth frame's sync failing and its zeros failing to sync too, leaves
+    /// three whole frames that the next open finds incomplete. The open's own commit went
+    /// where the first was, so the second no longer chained and the third, whole and
+    /// ordered, sat two past the chain's end: the open after that refused the log as
+    /// damaged. The open now zeroes an incomplete transaction's frames first.
+    #[test]
+    fn a_transaction_cut_off_after_three_of_its_four_frames_leaves_a_log_that_opens_twice() {
+        let (dir, watched, tuning, mut store) = watched_log(Durability::Full);
+        commit_keys(&mut store, 1, "before-").unwrap();
+        let mut big = granted(100, 2, 10_000_000);
+        big.completion = Some(oncegate_core::Completion {
+            outcome: oncegate_core::Outcome::Succeeded,
+            response: vec![7; 4_000],
+            completed_at_ms: 2,
+        });
+        let txn = store.begin(2).unwrap();
+        // About 3.5 segments of records: four frames.
+        for n in 0..56 {
+            txn.put(&scope(&format!("spanning{n}")), &big).unwrap();
+        }
+        *watched.syncs_before_failing.lock().unwrap() = Some(3);
+        assert!(txn.commit(Meta { next_token: 200, high_water_ms: 2 }).is_err());
+        assert_eq!(store.chain.head, 1, "the commit started in the first segment");
+        drop(store);
+        watched.failing.store(false, std::sync::atomic::Ordering::SeqCst);
+        *watched.syncs_before_failing.lock().unwrap() = None;
+        for open in 0..2 {
+            let opened = Store::open(dir.path(), &tuning, &Faults::default());
+            let (mut store, _, _) = opened.unwrap_or_else(|e| panic!("open {open}: {e}"));
+            let txn = store.begin(3).unwrap();
+            assert!(txn.get(&scope("before-0")).unwrap().is_some());
+            assert!(txn.get(&scope("spanning0")).unwrap().is_none(), "the cut-off transaction is not read");
+            drop(txn);
+            // What the shard's open commits (its counters), in the first frame's place.
+            let txn = store.begin(3).unwrap();
+            txn.commit(Meta { next_token: 200, high_water_ms: 3 }).unwrap();
+        }
+    }
+
     /// Commits a transaction spanning two segments whose second sync fails (and, unless
     /// `recovers`, every sync after it), then opens the log after each cut that keeps a
     /// prefix of the zero writes (when their syncs succeed: each was durable before the

@@ -55,6 +55,8 @@ struct Walk {
     meta: Meta,
     /// The entries of a transaction whose last frame is not read yet, with positions.
     open: Vec<(i64, Entry, usize)>,
+    /// That transaction's frames: segment, start and end.
+    open_frames: Vec<(u32, usize, usize)>,
     live: HashMap<i64, LiveRecord>,
     tenants: Vec<Tenant>,
     tenant_ids: HashMap<Tenant, u32>,
@@ -81,6 +83,7 @@ impl Store {
             .filter(|seq| **seq >= end_seq)
             .map(|seq| (*seq, if *seq == end_seq { end_offset } else { 0 }));
         self.refuse_ordered_frames_past(past.collect(), walk.last.map_or(0, |(seq, _)| seq))?;
+        self.unwrite_incomplete(&walk.open_frames)?;
         let Some(chain) = walk.committed else {
             return Ok(Recovered { meta: walk.meta, created: true, foreign: Vec::new() });
         };
@@ -114,6 +117,22 @@ impl Store {
         self.schedule.shrink_to_fit();
         self.tally = Some(tally);
         Ok(Recovered { meta: walk.meta, created: false, foreign })
+    }
+
+    /// Zeroes the frames of a transaction the walk found incomplete (cut off by a crash,
+    /// or left whole by a commit taken back whose zeros could not be synced), last frame
+    /// first, each synced, before anything is written. Left there, they outlived the
+    /// open's own commit, which goes where the first of them was: the second, no longer
+    /// chained, ended the chain, and a third or later one, whole and ordered, was numbered
+    /// past it by more than one, so the next open refused the log as damaged. A failure
+    /// here fails the open, which is tried again.
+    fn unwrite_incomplete(&self, frames: &[(u32, usize, usize)]) -> Result<(), StoreError> {
+        for &(seq, start, end) in frames.iter().rev() {
+            let file = &self.segments[&seq];
+            file.write_at(start as u64, &vec![0; end - start]).map_err(super::io(&self.dir))?;
+            file.sync_data().map_err(super::io(&self.dir))?;
+        }
+        Ok(())
     }
 
     /// Refuses the log when the bytes past the chain's end (`past`: segments from where
@@ -155,7 +174,9 @@ impl Walk {
             }
             self.last = Some((header.seq, header.checksum));
             self.end = Some((seq, end));
+            self.open_frames.push((seq, offset, end));
             if header.last {
+                self.open_frames.clear();
                 for (position, entry, len) in std::mem::take(&mut self.open) {
                     self.apply(store, (seq, bytes), position, entry, len)?;
                 }
