@@ -170,8 +170,15 @@ impl Files for OsFiles {
     fn sync_dir(&self, dir: &Path) -> io::Result<()> {
         match std::fs::File::open(dir)?.sync_all() {
             // Some file systems cannot sync a directory and say so; their names are then as
-            // durable as they make them, which is all that can be asked.
-            Err(e) if e.raw_os_error() == Some(22) => Ok(()),
+            // durable as they make them, which is all that can be asked. The operator hears
+            // it once: every new or renamed file's durability rests on it.
+            Err(e) if e.raw_os_error() == Some(22) => {
+                static WARNED: std::sync::Once = std::sync::Once::new();
+                WARNED.call_once(|| {
+                    tracing::warn!(dir = %dir.display(), "this file system cannot sync directories; new and renamed files are as durable as it makes them");
+                });
+                Ok(())
+            }
             other => other,
         }
     }
