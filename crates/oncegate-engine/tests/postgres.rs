@@ -47,6 +47,23 @@ fn node_with(
     Engine::open_with(config, time, faults).expect("node opens")
 }
 
+/// A one-shard node's configuration in `dir` on database `url`, its store's settings as
+/// `store` edits them.
+fn one_shard(dir: &std::path::Path, url: &str, store: impl FnOnce(&mut StoreConfig)) -> EngineConfig {
+    let mut config = EngineConfig {
+        data_dir: dir.to_owned(),
+        shards: 1,
+        store: StoreConfig {
+            kind: Some(StoreKind::Postgres),
+            postgres_url: url.to_owned(),
+            ..StoreConfig::default()
+        },
+        ..EngineConfig::default()
+    };
+    store(&mut config.store);
+    config
+}
+
 /// Runs SQL on the database (the operator's side of a test).
 fn sql(url: &str, statement: &str) {
     block_on(async {
@@ -176,13 +193,7 @@ fn a_poll_that_finds_its_waits_unchanged_writes_nothing() {
     let dirs = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let a = node(dirs.0.path(), &url, PgClock::Database, Arc::new(SystemClock));
     // No reclaim comes due within the test: the alarms it counts are the polls.
-    let config = EngineConfig {
-        data_dir: dirs.1.path().to_owned(),
-        shards: 1,
-        reclaim_granularity_ms: 60_000,
-        store: StoreConfig { kind: Some(StoreKind::Postgres), postgres_url: url, ..StoreConfig::default() },
-        ..EngineConfig::default()
-    };
+    let config = EngineConfig { reclaim_granularity_ms: 60_000, ..one_shard(dirs.1.path(), &url, |_| {}) };
     let b = Engine::open_with(config, Arc::new(SystemClock), Faults::default()).unwrap();
     let t = tenant();
     let token = granted(&a.reserve_blocking(&t, reserve_for("k", 60_000, 60_000, 0)).unwrap().reply);
@@ -212,17 +223,7 @@ fn a_lease_renewed_on_another_node_does_not_keep_the_waiting_shard_polling() {
     let dirs = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let time = ManualClock::new(T0);
     let a = node(dirs.0.path(), &url, PgClock::Engine, Arc::new(time.clone()));
-    let config = EngineConfig {
-        data_dir: dirs.1.path().to_owned(),
-        shards: 1,
-        store: StoreConfig {
-            kind: Some(StoreKind::Postgres),
-            postgres_url: url,
-            postgres_clock: PgClock::Engine,
-            ..StoreConfig::default()
-        },
-        ..EngineConfig::default()
-    };
+    let config = one_shard(dirs.1.path(), &url, |store| store.postgres_clock = PgClock::Engine);
     let b = Engine::open_with(config, Arc::new(time.clone()), Faults::default()).unwrap();
     let t = tenant();
     let token = granted(&a.reserve_blocking(&t, reserve_for("k", 1_000, 600_000, 0)).unwrap().reply);
@@ -397,17 +398,10 @@ fn nodes_whose_roles_would_choose_other_schemas_share_the_configured_one() {
     let url = cluster.database("schemas");
     let time: Arc<dyn Clock> = Arc::new(ManualClock::new(T0));
     let in_schema = |dir: &std::path::Path, url: &str, schema: &str| {
-        let config = EngineConfig {
-            data_dir: dir.to_owned(),
-            store: StoreConfig {
-                kind: Some(StoreKind::Postgres),
-                postgres_url: url.to_owned(),
-                postgres_clock: PgClock::Engine,
-                postgres_schema: schema.to_owned(),
-                ..StoreConfig::default()
-            },
-            ..EngineConfig::default()
-        };
+        let config = one_shard(dir, url, |store| {
+            store.postgres_clock = PgClock::Engine;
+            store.postgres_schema = schema.to_owned();
+        });
         Engine::open_with(config, Arc::clone(&time), Faults::default()).expect("node opens")
     };
     let dirs: Vec<_> = (0..4).map(|_| tempfile::tempdir().unwrap()).collect();
@@ -451,16 +445,7 @@ fn a_batch_that_waited_for_a_lock_decides_at_the_time_after_the_wait() {
     let url = cluster.database("lockwait");
     let dir = tempfile::tempdir().unwrap();
     let time = ManualClock::new(T0);
-    let config = EngineConfig {
-        data_dir: dir.path().to_owned(),
-        shards: 1,
-        store: StoreConfig {
-            kind: Some(StoreKind::Postgres),
-            postgres_url: url.clone(),
-            ..StoreConfig::default()
-        },
-        ..EngineConfig::default()
-    };
+    let config = one_shard(dir.path(), &url, |_| {});
     let engine = Engine::open_with(config, Arc::new(time.clone()), Faults::default()).unwrap();
     let ReserveReply::Granted { token, .. } = engine.reserve_blocking(&tenant(), reserve("k")).unwrap().reply
     else {
@@ -502,17 +487,7 @@ fn a_batch_that_waited_for_a_lock_decides_at_the_time_after_the_wait() {
 /// One node with one shard on `url`, its clock (the engine's) at `time`: T0, years
 /// behind the database's.
 fn one_shard_node(dir: &std::path::Path, url: &str, time: &ManualClock) -> Engine {
-    let config = EngineConfig {
-        data_dir: dir.to_owned(),
-        shards: 1,
-        store: StoreConfig {
-            kind: Some(StoreKind::Postgres),
-            postgres_url: url.to_owned(),
-            ..StoreConfig::default()
-        },
-        ..EngineConfig::default()
-    };
-    Engine::open_with(config, Arc::new(time.clone()), Faults::default()).unwrap()
+    Engine::open_with(one_shard(dir, url, |_| {}), Arc::new(time.clone()), Faults::default()).unwrap()
 }
 
 /// A token sequence that could hand tokens out again or out of order is refused when a
@@ -658,17 +633,9 @@ fn the_database_is_reached_over_tls_when_the_url_asks() {
     let url = format!("{} sslmode=require", cluster.database("tls"));
     let open = |ca: Option<&std::path::Path>| {
         let dir = tempfile::tempdir().unwrap();
-        let config = EngineConfig {
-            data_dir: dir.path().to_owned(),
-            shards: 1,
-            store: StoreConfig {
-                kind: Some(StoreKind::Postgres),
-                postgres_url: url.clone(),
-                postgres_tls_ca_path: ca.map(std::path::Path::to_path_buf),
-                ..StoreConfig::default()
-            },
-            ..EngineConfig::default()
-        };
+        let config = one_shard(dir.path(), &url, |store| {
+            store.postgres_tls_ca_path = ca.map(std::path::Path::to_path_buf)
+        });
         (Engine::open_with(config, Arc::new(SystemClock), Faults::default()).unwrap(), dir)
     };
     let (untrusting, _dir) = open(None);
@@ -760,17 +727,9 @@ fn a_transaction_that_could_not_begin_keeps_the_store_s_distance() {
     let url = cluster.database("distance");
     let dir = tempfile::tempdir().unwrap();
     let config = EngineConfig {
-        data_dir: dir.path().to_owned(),
-        shards: 1,
-        store: StoreConfig {
-            kind: Some(StoreKind::Postgres),
-            postgres_url: url.clone(),
-            postgres_statement_timeout_ms: 200,
-            ..StoreConfig::default()
-        },
         reopen_backoff_ms_min: 10,
         reopen_backoff_ms_max: 10,
-        ..EngineConfig::default()
+        ..one_shard(dir.path(), &url, |store| store.postgres_statement_timeout_ms = 200)
     };
     let engine = Engine::open_with(config, Arc::new(ManualClock::new(T0)), Faults::default()).unwrap();
     granted(&engine.reserve_blocking(&tenant(), reserve("learns-the-distance")).unwrap().reply);
