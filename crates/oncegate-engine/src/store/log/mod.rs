@@ -1312,6 +1312,64 @@ mod tests {
         }
     }
 
+    /// After a commit of three frames taken back whose third frame's zeros could not be
+    /// synced, the reopen in this process reads those zeros from the page cache, finds the
+    /// first two frames incomplete and zeroes them, synced, then commits in the first
+    /// one's place. A power cut may keep all that and lose the unsynced zeros: the third
+    /// frame, whole and ordered, two past the new chain's end, and the next open refused
+    /// the log. The reopen zeroes and syncs the place of the frame after the incomplete
+    /// ones first.
+    #[test]
+    fn a_reopen_after_zeros_that_could_not_be_synced_leaves_a_log_that_opens_after_a_cut() {
+        let (dir, watched, tuning, mut store) = watched_log(Durability::Full);
+        commit_keys(&mut store, 1, "before-").unwrap();
+        let mut big = granted(100, 2, 10_000_000);
+        big.completion = Some(oncegate_core::Completion {
+            outcome: oncegate_core::Outcome::Succeeded,
+            response: vec![7; 4_000],
+            completed_at_ms: 2,
+        });
+        let txn = store.begin(2).unwrap();
+        // About 2.3 segments of records: three frames.
+        for n in 0..36 {
+            txn.put(&scope(&format!("spanning{n}")), &big).unwrap();
+        }
+        *watched.journal.lock().unwrap() = Some(Vec::new());
+        *watched.syncs_before_failing.lock().unwrap() = Some(2);
+        assert!(txn.commit(Meta { next_token: 200, high_water_ms: 2 }).is_err());
+        drop(store);
+        watched.failing.store(false, std::sync::atomic::Ordering::SeqCst);
+        *watched.syncs_before_failing.lock().unwrap() = None;
+        let journal = watched.journal.lock().unwrap().take().unwrap();
+        let (frames, zeros): (Vec<_>, Vec<_>) =
+            journal.into_iter().partition(|(_, _, b)| b.iter().any(|&x| x != 0));
+        assert_eq!((frames.len(), zeros.len()), (3, 1), "three frames written, the third zeroed");
+        *watched.journal.lock().unwrap() = Some(Vec::new());
+        let (mut reopened, _, _) = Store::open(dir.path(), &tuning, &Faults::default()).unwrap();
+        // What the shard's open commits, in the first frame's place.
+        reopened.begin(3).unwrap().commit(Meta { next_token: 200, high_water_ms: 3 }).unwrap();
+        drop(reopened);
+        let reopen_writes = watched.journal.lock().unwrap().take().unwrap();
+        // The cut: the commit's zeros over the third frame are lost; every write of the
+        // reopen stays (each was synced).
+        let os = crate::files::OsFiles;
+        let cut = tempfile::tempdir().unwrap();
+        for name in os.list(dir.path()).unwrap() {
+            os.write_new(&cut.path().join(&name), &os.read(&dir.path().join(&name)).unwrap()).unwrap();
+        }
+        let segment = |path: &PathBuf| os.open_segment(&cut.path().join(path.file_name().unwrap())).unwrap();
+        let third = frames.iter().find(|(p, o, _)| (p, o) == (&zeros[0].0, &zeros[0].1)).unwrap();
+        segment(&third.0).write_at(third.1, &third.2).unwrap();
+        for (path, offset, bytes) in &reopen_writes {
+            segment(path).write_at(*offset, bytes).unwrap();
+        }
+        let opened = Store::open(cut.path(), &tuning, &Faults::default());
+        let (mut store, _, _) = opened.unwrap_or_else(|e| panic!("after the cut: {e}"));
+        let txn = store.begin(4).unwrap();
+        assert!(txn.get(&scope("before-0")).unwrap().is_some());
+        assert!(txn.get(&scope("spanning0")).unwrap().is_none());
+    }
+
     /// Commits a transaction spanning two segments whose second sync fails (and, unless
     /// `recovers`, every sync after it), then opens the log after each cut that keeps a
     /// prefix of the zero writes (when their syncs succeed: each was durable before the

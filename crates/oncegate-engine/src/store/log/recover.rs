@@ -126,7 +126,20 @@ impl Store {
     /// chained, ended the chain, and a third or later one, whole and ordered, was numbered
     /// past it by more than one, so the next open refused the log as damaged. A failure
     /// here fails the open, which is tried again.
+    ///
+    /// First, the place of the frame that would have come next (the start of the next
+    /// segment: a transaction's frames after its first each open a segment) is zeroed and
+    /// synced: that frame may be whole on the disk, unread here only because its zeros,
+    /// written by a commit taken back in this process, sit unsynced in the page cache.
+    /// Zeros over the earlier frames reaching the disk without those would leave that
+    /// frame past the chain's end, numbered beyond its next: the same damage.
     fn unwrite_incomplete(&self, frames: &[(u32, usize, usize)]) -> Result<(), StoreError> {
+        if let Some(&(last, _, _)) = frames.last()
+            && let Some(next) = self.segments.get(&(last + 1))
+        {
+            next.write_at(0, &[0; FRAME_HEADER_BYTES]).map_err(super::io(&self.dir))?;
+            next.sync_data().map_err(super::io(&self.dir))?;
+        }
         for &(seq, start, end) in frames.iter().rev() {
             let file = &self.segments[&seq];
             file.write_at(start as u64, &vec![0; end - start]).map_err(super::io(&self.dir))?;
