@@ -320,9 +320,23 @@ impl<G: Gate + Clone + 'static> Held<G> {
     ) -> Option<T> {
         let every = (lease_for / 3).max(Duration::from_millis(1));
         let mut next = valid_until.checked_sub(lease_for - every).unwrap_or_else(Instant::now);
+        // A grant that came after its lease would have ended by this client's count (a
+        // reserve that waited as long as its lease, or retried) is renewed before the work
+        // starts: given up without a try, its key would stay held for nothing.
+        if Instant::now() >= valid_until {
+            let sent = Instant::now();
+            self.gate.heartbeat(self.key()).await.ok()?;
+            valid_until = sent + lease_for;
+            next = sent + every;
+        }
         let mut beat: Option<Beat<'_, G::Error>> = None;
         tokio::pin!(work);
         loop {
+            // The timer below fires only at its next tick, past the deadline: the work is
+            // not polled once the lease is over by this client's clock.
+            if Instant::now() >= valid_until {
+                return None;
+            }
             let wake = if beat.is_some() { valid_until } else { next.min(valid_until) };
             tokio::select! {
                 biased;

@@ -331,6 +331,26 @@ async fn a_grant_that_arrives_late_is_renewed_before_its_lease_ends() {
     engine.shutdown();
 }
 
+/// A grant that arrives after its whole lease by this client's count (its reserve
+/// waited longer than the lease) is renewed before its work starts. It was given up at
+/// once as `lease_lost`, the work never run and the key left held for a lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_that_arrives_after_its_lease_is_renewed_before_the_work_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine =
+        Engine::open(EngineConfig { data_dir: dir.path().to_owned(), ..EngineConfig::default() }).unwrap();
+    let gate = LateGrant(engine.gate(oncegate_core::Tenant::default_tenant()), Duration::from_millis(1_200));
+    let options = OnceOptions { lease_ms: 1_000, ..OnceOptions::default() };
+    let ran = gate
+        .once("live", "later", options, |_| async {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            Ok::<_, WorkError<()>>(b"done".to_vec())
+        })
+        .await;
+    assert_eq!(ran.unwrap(), Ran::Now(b"done".to_vec()));
+    engine.shutdown();
+}
+
 /// Far more calls at once on one session stream than the server takes in flight (256 by
 /// default) and than the client queues (1,024): every one is answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
