@@ -79,10 +79,8 @@ impl Moving {
         }
     }
 
-    /// Takes the requests held so far, in order. The mover hands them to the slot's
-    /// owner under the write lock only when its mailbox has room at once, and otherwise
-    /// waits for room without the lock while later ones keep arriving here behind them;
-    /// the move ends, under the lock, with the hand-over that did not have to wait.
+    /// Takes the requests held so far, in order: the move's end hands them to the slot's
+    /// owner under the write lock, on the channel for what moves hand over.
     pub fn take_held(&self) -> VecDeque<Request> {
         std::mem::take(&mut *self.held())
     }
