@@ -1272,6 +1272,28 @@ mod tests {
         assert_eq!(zeroed, ["00000002.seg"], "only the last frame zeroed");
     }
 
+    /// Commits `records` records of about 4 KB each (`spanning0`, ...) in one transaction at
+    /// time 2, the first `syncs_ok` segment syncs succeeding and every later one failing.
+    fn commit_big_records(
+        store: &mut Store,
+        watched: &Watched,
+        records: u64,
+        syncs_ok: u32,
+    ) -> Result<(), StoreError> {
+        let mut big = granted(100, 2, 10_000_000);
+        big.completion = Some(oncegate_core::Completion {
+            outcome: oncegate_core::Outcome::Succeeded,
+            response: vec![7; 4_000],
+            completed_at_ms: 2,
+        });
+        let txn = store.begin(2).unwrap();
+        for n in 0..records {
+            txn.put(&scope(&format!("spanning{n}")), &big).unwrap();
+        }
+        *watched.syncs_before_failing.lock().unwrap() = Some(syncs_ok);
+        txn.commit(Meta { next_token: 200, high_water_ms: 2 })
+    }
+
     /// A transaction of four frames (four segments) cut off after its third was durable,
     /// here by its fourth frame's sync failing and its zeros failing to sync too, leaves
     /// three whole frames that the next open finds incomplete. The open's own commit went
@@ -1282,19 +1304,8 @@ mod tests {
     fn a_transaction_cut_off_after_three_of_its_four_frames_leaves_a_log_that_opens_twice() {
         let (dir, watched, tuning, mut store) = watched_log(Durability::Full);
         commit_keys(&mut store, 1, "before-").unwrap();
-        let mut big = granted(100, 2, 10_000_000);
-        big.completion = Some(oncegate_core::Completion {
-            outcome: oncegate_core::Outcome::Succeeded,
-            response: vec![7; 4_000],
-            completed_at_ms: 2,
-        });
-        let txn = store.begin(2).unwrap();
         // About 3.5 segments of records: four frames.
-        for n in 0..56 {
-            txn.put(&scope(&format!("spanning{n}")), &big).unwrap();
-        }
-        *watched.syncs_before_failing.lock().unwrap() = Some(3);
-        assert!(txn.commit(Meta { next_token: 200, high_water_ms: 2 }).is_err());
+        assert!(commit_big_records(&mut store, &watched, 56, 3).is_err());
         assert_eq!(store.chain.head, 1, "the commit started in the first segment");
         drop(store);
         watched.failing.store(false, std::sync::atomic::Ordering::SeqCst);
@@ -1323,20 +1334,9 @@ mod tests {
     fn a_reopen_after_zeros_that_could_not_be_synced_leaves_a_log_that_opens_after_a_cut() {
         let (dir, watched, tuning, mut store) = watched_log(Durability::Full);
         commit_keys(&mut store, 1, "before-").unwrap();
-        let mut big = granted(100, 2, 10_000_000);
-        big.completion = Some(oncegate_core::Completion {
-            outcome: oncegate_core::Outcome::Succeeded,
-            response: vec![7; 4_000],
-            completed_at_ms: 2,
-        });
-        let txn = store.begin(2).unwrap();
-        // About 2.3 segments of records: three frames.
-        for n in 0..36 {
-            txn.put(&scope(&format!("spanning{n}")), &big).unwrap();
-        }
         *watched.journal.lock().unwrap() = Some(Vec::new());
-        *watched.syncs_before_failing.lock().unwrap() = Some(2);
-        assert!(txn.commit(Meta { next_token: 200, high_water_ms: 2 }).is_err());
+        // About 2.3 segments of records: three frames.
+        assert!(commit_big_records(&mut store, &watched, 36, 2).is_err());
         drop(store);
         watched.failing.store(false, std::sync::atomic::Ordering::SeqCst);
         *watched.syncs_before_failing.lock().unwrap() = None;
