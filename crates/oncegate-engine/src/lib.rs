@@ -989,11 +989,19 @@ impl Inner {
     }
 
     fn shutdown(&self) {
-        self.closing.store(true, Ordering::Release);
-        let shards = self.handles();
-        for shard in &shards {
-            let _ = shard.control.send(Control::Shutdown);
-        }
+        // Under the table's write lock no call is between its `closing` check and its
+        // mailbox, so every call accepted is queued before its shard hears the stop, and
+        // `finish` serves the mailbox to its end. The shards are told before calls are
+        // refused: a refusal then means every shard has heard. A shard never takes this
+        // lock, so a full control channel waits only for its shard's current batch.
+        let shards = {
+            let table = self.table_mut();
+            for shard in &table.shards {
+                let _ = shard.control.send(Control::Shutdown);
+            }
+            self.closing.store(true, Ordering::Release);
+            table.shards.clone()
+        };
         for shard in &shards {
             let thread = shard.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
             if let Some(thread) = thread

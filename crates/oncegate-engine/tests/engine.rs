@@ -400,6 +400,42 @@ on_each_store! {
     }
 }
 
+#[test]
+fn shutdown_serves_the_calls_a_shard_had_accepted() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let faults = Faults::default();
+    let one_shard = EngineConfig { shards: 1, batch_len_max: 1, ..config(dir.path()) };
+    let engine = open(one_shard.clone(), &clock, &faults);
+    let t = tenant();
+    faults.close_gate();
+    let held = engine.reserve(&t, reserve("held"));
+    faults.wait_held(1);
+    // One call at the gate, one in the mailbox: both were accepted before the shutdown.
+    let queued = engine.reserve(&t, reserve("queued"));
+    assert_eq!(engine.stats()[0].mailbox_depth, 1);
+    std::thread::scope(|s| {
+        s.spawn(|| engine.shutdown());
+        // A refusal means every shard has been told to stop (the engine tells them first),
+        // so the shard meets the stop before the mailbox once the gate opens.
+        while !matches!(
+            poll_once(engine.reserve(&t, reserve("late"))),
+            Some(Err(Error::Unavailable { .. }))
+        ) {
+            std::thread::yield_now();
+        }
+        faults.open_gate();
+    });
+    // Shutdown has returned: every call it accepted has its answer.
+    for call in [held, queued] {
+        let answer = poll_once(call).expect("answered before shutdown returned");
+        granted(&answer.unwrap().reply);
+    }
+    drop(engine);
+    let engine = open(one_shard, &clock, &Faults::default());
+    assert_eq!(engine.get_blocking(&t, key("queued", 0)).unwrap().state, State::Pending);
+}
+
 on_each_store! {
     fn shutdown_refuses_new_calls_and_keeps_what_was_acknowledged() {
         let dir = tempfile::tempdir().unwrap();

@@ -126,7 +126,7 @@ impl Shard {
     /// Shutdown: serve what was accepted, answer waiters, close the file.
     pub(super) fn finish(mut self) {
         loop {
-            let (requests, after) = self.drain(None);
+            let (requests, after) = self.drain(self.data.try_recv().ok());
             // Read after the requests, as in a batch, and served before them.
             let moved: Vec<Moved> = self.moved.try_iter().collect();
             if requests.is_empty() && after.is_none() && moved.is_empty() {

@@ -145,6 +145,16 @@ pub fn block_on<F: Future>(future: F) -> F::Output {
     tokio::runtime::Builder::new_current_thread().build().expect("runtime").block_on(future)
 }
 
+/// Polls a future once, without waiting: `None` while it is still pending.
+pub fn poll_once<F: Future>(future: F) -> Option<F::Output> {
+    let mut future = std::pin::pin!(future);
+    let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+    match future.as_mut().poll(&mut context) {
+        std::task::Poll::Ready(output) => Some(output),
+        std::task::Poll::Pending => None,
+    }
+}
+
 /// The token of a grant; anything else fails the test.
 pub fn granted(reply: &ReserveReply) -> u64 {
     match reply {
