@@ -418,10 +418,8 @@ fn shutdown_serves_the_calls_a_shard_had_accepted() {
         s.spawn(|| engine.shutdown());
         // A refusal means every shard has been told to stop (the engine tells them first),
         // so the shard meets the stop before the mailbox once the gate opens.
-        while !matches!(
-            poll_once(engine.reserve(&t, reserve("late"))),
-            Some(Err(Error::Unavailable { .. }))
-        ) {
+        while !matches!(poll_once(engine.reserve(&t, reserve("late"))), Some(Err(Error::Unavailable { .. })))
+        {
             std::thread::yield_now();
         }
         faults.open_gate();
