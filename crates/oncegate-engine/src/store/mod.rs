@@ -264,12 +264,17 @@ impl<'s> Txn<'s> {
         dispatch!(self, Txn, t => t.reclaim(now_ms, limit))
     }
 
-    /// Writes the counters (SQLite's `meta`; every frame of the log carries them, and
-    /// PostgreSQL keeps none of its own).
+    /// Writes the counters (SQLite's `meta`; every frame of the log carries them, so its
+    /// commit then writes its frame even with nothing else in it; PostgreSQL keeps none of
+    /// its own).
     pub fn set_meta(&self, meta: Meta) -> Result<(), StoreError> {
         match self {
             Txn::Sqlite(txn) => txn.set_meta(meta),
-            Txn::Log(_) | Txn::Postgres(_) => Ok(()),
+            Txn::Log(txn) => {
+                txn.want_meta();
+                Ok(())
+            }
+            Txn::Postgres(_) => Ok(()),
         }
     }
 

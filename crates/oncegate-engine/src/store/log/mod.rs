@@ -530,12 +530,17 @@ impl Store {
     }
 
     /// Whether compaction should copy more: the log holds more than twice its live
-    /// bytes and at least three segments, or it is one segment short of its limit.
+    /// bytes and at least three segments, or it is one segment short of its limit and
+    /// holds a segment's worth of dead bytes. Without the dead bytes compaction would
+    /// free nothing: a log full of live records copied its oldest segment to its head on
+    /// every commit, a segment's writing per refused batch.
     fn compaction_due(&self) -> bool {
         let used_segments = self.used_segments();
         let used_bytes = (used_segments - 1) * self.segment_bytes + self.chain.tail;
         used_segments >= 3 && used_bytes > 2 * self.live_bytes + self.segment_bytes
-            || used_segments + 1 >= self.segments_max && used_segments >= 2
+            || used_segments + 1 >= self.segments_max
+                && used_segments >= 2
+                && used_bytes >= self.live_bytes + self.segment_bytes
     }
 
     /// Retires the oldest segment, copied whole (the copies are durable: the caller

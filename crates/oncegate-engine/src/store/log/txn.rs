@@ -41,6 +41,10 @@ pub(crate) struct Txn<'s> {
     scheduled: RefCell<Vec<(u64, i64)>>,
     live_delta: Cell<i64>,
     located: RefCell<Option<Located>>,
+    /// Whether the commit must write its frame even with nothing in it: its counters
+    /// and time are wanted on disk (a clean stop's time, from which the restart grace
+    /// measures).
+    meta_wanted: Cell<bool>,
     committed: Cell<bool>,
 }
 
@@ -69,6 +73,7 @@ impl<'s> Txn<'s> {
             scheduled: RefCell::default(),
             live_delta: Cell::new(0),
             located: RefCell::default(),
+            meta_wanted: Cell::new(false),
             committed: Cell::new(false),
         }
     }
@@ -337,6 +342,30 @@ impl<'s> Txn<'s> {
         drop(self);
     }
 
+    /// Asks the commit to write this transaction's frame even if it holds no entry
+    /// (every frame carries the counters and the time).
+    pub fn want_meta(&self) {
+        self.meta_wanted.set(true);
+    }
+
+    /// Whether the commit may write nothing: the transaction holds no entry, no one
+    /// wants its time on disk, and its frame would go into the log's last segment. That
+    /// segment is kept for the writes that free room; a storm of refused batches, each
+    /// writing a bare header, once filled it until no transaction could begin, the
+    /// reclaim alarm's neither. Its time not kept costs nothing: the next frame carries
+    /// a later one, and an earlier high-water mark only lets more leases be extended at
+    /// a restart.
+    fn may_write_nothing(&self, compaction: &Option<(Compaction, bool)>) -> bool {
+        let frames = self.frames.borrow();
+        let [frame] = frames.as_slice() else { return false };
+        let store = self.store.borrow();
+        let oldest = store.segments.keys().next().copied().unwrap_or(frame.seq);
+        frame.bytes.len() == FRAME_HEADER_BYTES
+            && compaction.is_none()
+            && !self.meta_wanted.get()
+            && u64::from(frame.seq.saturating_sub(oldest)) + 1 >= store.segments_max
+    }
+
     /// Copies the live records of the oldest segment's next frames into this transaction
     /// (reading at most `COMPACT_BYTES_PER_COMMIT` of it); returns where the copy stopped
     /// and whether it reached the segment's end.
@@ -432,6 +461,12 @@ impl<'s> Txn<'s> {
         self.failpoint()?;
         if self.store.borrow().faults.commit_should_fail() {
             return Err(StoreError::Injected("commit"));
+        }
+        if self.may_write_nothing(&compaction) {
+            // Nothing was changed, so nothing is undone on drop either; schedule entries
+            // the reclaim took found nothing to delete and stay taken.
+            self.committed.set(true);
+            return Ok(());
         }
         let mut frames = std::mem::take(&mut *self.frames.borrow_mut());
         let mut store = self.store.borrow_mut();
