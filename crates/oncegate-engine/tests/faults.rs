@@ -270,24 +270,33 @@ fn a_log_its_refusals_filled_frees_itself_when_its_records_expire() {
     };
     let engine = open(config, &clock, &Faults::default());
     let t = tenant();
-    // Held records with long keys until the log refuses them: compaction frees nothing,
-    // every record is live. A refusal can make room (compaction copies the oldest
-    // segment's records), so the fill ends at a run of refusals.
+    // Held records with long keys, 64 a batch (so that frame headers waste little: the
+    // log's bytes are live records), until the log refuses a whole batch.
     let long = "k".repeat(400);
-    let (mut held, mut refused_in_a_row) = (Vec::new(), 0);
-    for n in 0.. {
-        if refused_in_a_row == 16 {
-            break;
-        }
-        let name = format!("{long}-{n}");
-        match engine.reserve_blocking(&t, reserve_for(&name, 60_000, 60_000, 0)) {
-            Ok(r) => {
-                granted(&r.reply);
-                held.push(name);
-                refused_in_a_row = 0;
+    let mut held = Vec::new();
+    for round in 0.. {
+        let names: Vec<String> = (0..64).map(|i| format!("{long}-{round}-{i}")).collect();
+        let answers = block_on(async {
+            let mut calls = tokio::task::JoinSet::new();
+            for name in &names {
+                let reserved = engine.reserve(&t, reserve_for(name, 60_000, 60_000, 0));
+                let name = name.clone();
+                calls.spawn(async move { (name, reserved.await) });
             }
-            Err(e) if e.code() == Code::ResourceExhausted => refused_in_a_row += 1,
-            Err(e) => panic!("{e}"),
+            calls.join_all().await
+        });
+        let before = held.len();
+        for (name, answer) in answers {
+            match answer {
+                Ok(r) => {
+                    granted(&r.reply);
+                    held.push(name);
+                }
+                Err(e) => assert_eq!(e.code(), Code::ResourceExhausted, "{e}"),
+            }
+        }
+        if held.len() == before {
+            break;
         }
         assert!(held.len() < 100_000, "the log's limit never bit");
     }

@@ -174,6 +174,9 @@ pub(crate) struct Store {
     /// Bytes of records the index points at.
     live_bytes: u64,
     compaction: Option<Compaction>,
+    /// The time the last frame written carries (as read at open, then as committed): a
+    /// commit with nothing in it may skip its frame only while its time is close to this.
+    frame_time_ms: u64,
     /// The last committed frames: the commits that follow reserves read their records
     /// from here.
     recent: Recent,
@@ -251,11 +254,13 @@ impl Store {
             schedule: Schedule::new(tuning.reclaim_granularity_ms),
             live_bytes: 0,
             compaction: None,
+            frame_time_ms: 0,
             recent: Recent::default(),
             tally: None,
             retired: Arc::clone(&tuning.retired),
         };
         let recover::Recovered { meta, created, foreign } = store.recover(tuning.owned.as_ref())?;
+        store.frame_time_ms = meta.high_water_ms;
         if created {
             let first = store.segments.keys().next().copied().unwrap_or(1);
             store.fill_first(first)?;
@@ -531,16 +536,18 @@ impl Store {
 
     /// Whether compaction should copy more: the log holds more than twice its live
     /// bytes and at least three segments, or it is one segment short of its limit and
-    /// holds a segment's worth of dead bytes. Without the dead bytes compaction would
-    /// free nothing: a log full of live records copied its oldest segment to its head on
-    /// every commit, a segment's writing per refused batch.
+    /// holds a quarter of a segment's worth of dead bytes. Without dead bytes compaction
+    /// frees nothing: a log full of live records copied its oldest segment to its head on
+    /// every commit, a segment's writing per refused batch. With them, a cycle through
+    /// the segments frees them, and ends when they are gone (copies are packed: a copied
+    /// record no longer has a frame header of its own).
     fn compaction_due(&self) -> bool {
         let used_segments = self.used_segments();
         let used_bytes = (used_segments - 1) * self.segment_bytes + self.chain.tail;
         used_segments >= 3 && used_bytes > 2 * self.live_bytes + self.segment_bytes
             || used_segments + 1 >= self.segments_max
                 && used_segments >= 2
-                && used_bytes >= self.live_bytes + self.segment_bytes
+                && used_bytes >= self.live_bytes + self.segment_bytes / 4
     }
 
     /// Retires the oldest segment, copied whole (the copies are durable: the caller
@@ -845,6 +852,58 @@ mod tests {
             let got = txn.get(&scope(&format!("k{batch}-0"))).unwrap();
             assert_eq!(got, Some(granted(batch * 10 + 1, batch * 100, 10_000_000)), "k{batch}-0");
         }
+    }
+
+    /// In the log's last segment, kept for the writes that free room, a commit with
+    /// nothing in it writes nothing while its time is within a second of the last
+    /// frame's; a second on, or when its counters are wanted, it writes its bare frame,
+    /// and a reopen reads that time.
+    #[test]
+    fn an_empty_commit_in_the_last_segment_writes_nothing_but_a_time_a_second_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut store, _, _) = open(dir.path(), 3 * SEGMENT_BYTES);
+        let meta = |ms| Meta { next_token: 1_000_000, high_water_ms: ms };
+        // Requests fill what they may, 100 records a commit (few bytes of frame headers).
+        let mut n = 0u64;
+        loop {
+            let txn = store.begin(1).unwrap();
+            let mut full = false;
+            for _ in 0..100 {
+                match txn.put(&scope(&format!("k{n}")), &granted(n + 1, 1, 10_000_000)) {
+                    Ok(_) => n += 1,
+                    Err(StoreError::Full) => {
+                        full = true;
+                        break;
+                    }
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            txn.commit(meta(1)).unwrap();
+            if full {
+                break;
+            }
+        }
+        // An upkeep write takes the head into the last segment.
+        let txn = store.begin(1).unwrap();
+        txn.put_upkeep(&scope("k0"), &granted(1, 1, 10_000_000)).unwrap();
+        txn.commit(meta(1)).unwrap();
+        assert_eq!(store.used_segments(), store.segments_max);
+
+        let tail = store.chain.tail;
+        for ms in [1, 500, 1_000] {
+            store.begin(ms).unwrap().commit(meta(ms)).unwrap();
+        }
+        assert_eq!(store.chain.tail, tail, "nothing written within the second");
+        store.begin(1_001).unwrap().commit(meta(1_001)).unwrap();
+        assert_eq!(store.chain.tail, tail + FRAME_HEADER_BYTES as u64, "the time a second on is written");
+        let txn = store.begin(1_002).unwrap();
+        txn.want_meta();
+        txn.commit(meta(1_002)).unwrap();
+        assert_eq!(store.chain.tail, tail + 2 * FRAME_HEADER_BYTES as u64, "wanted counters are written");
+        store.begin(1_500).unwrap().commit(meta(1_500)).unwrap();
+        drop(store);
+        let (_, recovered, _) = open(dir.path(), 3 * SEGMENT_BYTES);
+        assert_eq!(recovered.high_water_ms, 1_002);
     }
 
     /// A transaction whose frame was torn is not applied; the log goes on from the last

@@ -12,6 +12,10 @@ use crate::index::Undo;
 use crate::quota::Tally;
 use crate::store::{Meta, StoreError};
 
+/// How far a commit's time may run ahead of the last frame's before a commit with nothing
+/// in it writes its bare frame after all, in the log's last segment.
+const FRAME_TIME_SKIP_MS: u64 = 1_000;
+
 /// A record found by scope in this transaction.
 struct Located {
     scope: Scope,
@@ -348,21 +352,25 @@ impl<'s> Txn<'s> {
         self.meta_wanted.set(true);
     }
 
-    /// Whether the commit may write nothing: the transaction holds no entry, no one
-    /// wants its time on disk, and its frame would go into the log's last segment. That
-    /// segment is kept for the writes that free room; a storm of refused batches, each
-    /// writing a bare header, once filled it until no transaction could begin, the
-    /// reclaim alarm's neither. Its time not kept costs nothing: the next frame carries
-    /// a later one, and an earlier high-water mark only lets more leases be extended at
-    /// a restart.
-    fn may_write_nothing(&self, compaction: &Option<(Compaction, bool)>) -> bool {
+    /// Whether the commit may write nothing: the transaction holds no entry (nor did a
+    /// compaction step copy any, or finish a segment, whose retirement needs a sync),
+    /// no one wants its time on disk, its time is within `FRAME_TIME_SKIP_MS` of the last
+    /// frame's, and its frame would go into the log's last segment. That segment is kept
+    /// for the writes that free room; a storm of refused batches, each writing a bare
+    /// header, once filled it until no transaction could begin, the reclaim alarm's
+    /// neither. The time bound keeps the high-water mark a restart reads close to the
+    /// truth (the restart grace rewrites every lease that ends after it, and a stale mark
+    /// would have it rewrite leases long expired, into that same last segment), at the
+    /// cost of one bare header a second at most.
+    fn may_write_nothing(&self, compaction: &Option<(Compaction, bool)>, meta: Meta) -> bool {
         let frames = self.frames.borrow();
         let [frame] = frames.as_slice() else { return false };
         let store = self.store.borrow();
         let oldest = store.segments.keys().next().copied().unwrap_or(frame.seq);
         frame.bytes.len() == FRAME_HEADER_BYTES
-            && compaction.is_none()
+            && !matches!(compaction, Some((_, true)))
             && !self.meta_wanted.get()
+            && meta.high_water_ms < store.frame_time_ms.saturating_add(FRAME_TIME_SKIP_MS)
             && u64::from(frame.seq.saturating_sub(oldest)) + 1 >= store.segments_max
     }
 
@@ -462,9 +470,13 @@ impl<'s> Txn<'s> {
         if self.store.borrow().faults.commit_should_fail() {
             return Err(StoreError::Injected("commit"));
         }
-        if self.may_write_nothing(&compaction) {
+        if self.may_write_nothing(&compaction, meta) {
             // Nothing was changed, so nothing is undone on drop either; schedule entries
-            // the reclaim took found nothing to delete and stay taken.
+            // the reclaim took found nothing to delete and stay taken. Where compaction
+            // got to is kept in memory only, as always.
+            if let Some((state, _)) = compaction {
+                self.store.borrow_mut().compaction = Some(state);
+            }
             self.committed.set(true);
             return Ok(());
         }
@@ -495,6 +507,7 @@ impl<'s> Txn<'s> {
             }
         }
         store.chain = chain;
+        store.frame_time_ms = meta.high_water_ms;
         for (reclaim_at_ms, position) in self.scheduled.borrow_mut().drain(..) {
             store.schedule.add(reclaim_at_ms, position);
         }
