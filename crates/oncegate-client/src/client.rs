@@ -302,8 +302,7 @@ impl Client {
         let mut call = call;
         // A reserve that may wait goes as a unary call: parked on the server it must not
         // hold up the stream's other calls (a holder's heartbeat or commit behind a
-        // crowd of waiters would lose its lease), and a caller that gives up must be able
-        // to cancel it, which only a unary call's end does.
+        // crowd of waiters would lose its lease).
         let parks = !extra.is_zero();
         if self.transport == Transport::Session && !parks && !self.shared.unary_only.load(Ordering::Relaxed) {
             let metadata = self.metadata();
@@ -333,6 +332,8 @@ impl Client {
                 Out::Heartbeat(gate.heartbeat(self.request(r, deadline)).await?.into_inner())
             }
             Call::Get(r) => Out::Get(gate.get(self.request(r, deadline)).await?.into_inner()),
+            // Only the session task makes cancels, and sends them on its stream.
+            Call::Cancel(_) => return Err(ClientError::Protocol("a cancel is no unary call".into())),
         })
     }
 

@@ -1,9 +1,12 @@
 //! Calls multiplexed over one `Session` stream per client: many calls in flight on one
 //! HTTP/2 stream, answered out of order and matched by id, which costs the server about
 //! half the CPU of a unary call. A task per stream sends the calls and routes the answers;
-//! a stream that ends (a reset, a server restart) is opened again by the next call.
+//! a stream that ends (a reset, a server restart) is opened again by the next call. A
+//! caller that goes before its answer (its future dropped, its timeout passed) has a
+//! `cancel` sent for its call, so that the server drops it as it drops a unary call whose
+//! client reset it: a reserve not yet decided is then never granted to nobody.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -26,8 +29,31 @@ const CALLS_QUEUED_MAX: usize = 1024;
 /// The client's stream, opened on first use and again after it ends.
 #[derive(Debug, Default)]
 pub(crate) struct Sessions {
-    stream: Mutex<Option<mpsc::Sender<Waiting>>>,
+    stream: Mutex<Option<Open>>,
     ids: AtomicU64,
+}
+
+/// An open stream's way in: calls (bounded, senders wait for room), and the ids of calls
+/// whose callers have gone (one at most per call, so bounded by the calls in flight; a
+/// dropped future cannot wait for room).
+#[derive(Clone, Debug)]
+struct Open {
+    calls: mpsc::Sender<Waiting>,
+    cancels: mpsc::UnboundedSender<u64>,
+}
+
+/// Sends a cancel for a call when dropped before its answer came: its caller has gone.
+struct CancelOnDrop {
+    id: u64,
+    cancels: Option<mpsc::UnboundedSender<u64>>,
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if let Some(cancels) = self.cancels.take() {
+            let _ = cancels.send(self.id);
+        }
+    }
 }
 
 impl Sessions {
@@ -48,23 +74,24 @@ impl Sessions {
             Err(status) => return Err(status.into()),
         };
         let request = pb::SessionRequest { id, call: Some(call), timeout_ms: 0 };
-        if stream.send((request, ends_at, answer)).await.is_err() {
+        if stream.calls.send((request, ends_at, answer)).await.is_err() {
             // The stream ended between the check and the send: the call never left.
             self.stream.lock().await.take();
             return Err(ended("the session stream ended before the call was sent"));
         }
-        let answer =
-            answered.await.map_err(|_| ended("the session stream ended before the call was answered"))?;
-        Ok(Ok(answer))
+        let mut gone = CancelOnDrop { id, cancels: Some(stream.cancels) };
+        let answer = answered.await;
+        gone.cancels = None;
+        Ok(Ok(answer.map_err(|_| ended("the session stream ended before the call was answered"))?))
     }
 
     async fn stream(
         &self,
         gate: &GateClient<Channel>,
         metadata: &tonic::metadata::MetadataMap,
-    ) -> Result<mpsc::Sender<Waiting>, tonic::Status> {
+    ) -> Result<Open, tonic::Status> {
         let mut stream = self.stream.lock().await;
-        if let Some(open) = stream.as_ref().filter(|s| !s.is_closed()) {
+        if let Some(open) = stream.as_ref().filter(|s| !s.calls.is_closed()) {
             return Ok(open.clone());
         }
         let opened = open(gate.clone(), metadata.clone()).await?;
@@ -89,8 +116,9 @@ fn ended(message: &str) -> ClientError {
 async fn open(
     mut gate: GateClient<Channel>,
     metadata: tonic::metadata::MetadataMap,
-) -> Result<mpsc::Sender<Waiting>, tonic::Status> {
-    let (calls, mut queued) = mpsc::channel::<Waiting>(CALLS_QUEUED_MAX);
+) -> Result<Open, tonic::Status> {
+    let (calls, queued) = mpsc::channel::<Waiting>(CALLS_QUEUED_MAX);
+    let (cancels, cancelled) = mpsc::unbounded_channel();
     // Bounded too, and the task never waits on it: it would stop reading answers, and a
     // server whose answers are not read stops reading calls (HTTP/2 flow control), a
     // deadlock. A call that finds it full is kept aside while the task goes on reading
@@ -106,6 +134,9 @@ async fn open(
     // given up, and a reserve granted now would hold the key for nobody.
     let outgoing = tokio_stream::wrappers::ReceiverStream::new(outgoing).filter_map(
         |(mut request, ends_at): (pb::SessionRequest, Instant)| {
+            if matches!(request.call, Some(Call::Cancel(_))) {
+                return Some(request);
+            }
             let left = ends_at.saturating_duration_since(Instant::now());
             request.timeout_ms = u64::try_from(left.as_millis()).ok()?;
             // 0 would ask for the server's own limit; under 1 ms left is no time.
@@ -114,47 +145,110 @@ async fn open(
     );
     let mut request = tonic::Request::new(outgoing);
     *request.metadata_mut() = metadata;
-    let mut answers = gate.session(request).await?.into_inner();
-    tokio::spawn(async move {
-        let mut waiting: HashMap<u64, oneshot::Sender<Out>> = HashMap::new();
-        let mut sent = 0usize;
-        // A call taken from `calls` while `requests` was full.
-        let mut aside: Option<(pb::SessionRequest, Instant)> = None;
+    let answers = gate.session(request).await?.into_inner();
+    let routes = Routes { waiting: HashMap::new(), sent: 0, aside: VecDeque::new(), requests };
+    tokio::spawn(routes.run(queued, cancelled, answers));
+    Ok(Open { calls, cancels })
+}
+
+/// The stream task's state: the callers waiting by id, and what it could not yet hand to
+/// the outgoing channel.
+struct Routes {
+    waiting: HashMap<u64, oneshot::Sender<Out>>,
+    sent: usize,
+    /// Requests taken while `requests` was full, in order: at most one call (no other is
+    /// taken from the callers' queue until it is handed over, so callers wait there), and
+    /// the cancels behind it.
+    aside: VecDeque<(pb::SessionRequest, Instant)>,
+    requests: mpsc::Sender<(pb::SessionRequest, Instant)>,
+}
+
+impl Routes {
+    async fn run(
+        mut self,
+        mut queued: mpsc::Receiver<Waiting>,
+        mut cancelled: mpsc::UnboundedReceiver<u64>,
+        mut answers: tonic::Streaming<pb::SessionResponse>,
+    ) {
+        // Waiting for room borrows the sender while the other arms change `self`.
+        let outgoing = self.requests.clone();
         loop {
             tokio::select! {
-                room = requests.reserve(), if aside.is_some() => {
-                    let Ok(room) = room else { return };
-                    room.send(aside.take().expect("checked by the guard"));
+                // Cancels first: a caller's next call, sent after its previous one was
+                // dropped, then follows the cancel on the stream.
+                biased;
+                Some(id) = cancelled.recv() => {
+                    if !self.cancel(id) {
+                        return;
+                    }
                 }
-                call = queued.recv(), if aside.is_none() => {
+                room = outgoing.reserve(), if !self.aside.is_empty() => {
+                    let Ok(room) = room else { return };
+                    room.send(self.aside.pop_front().expect("checked by the guard"));
+                }
+                call = queued.recv(), if self.aside.is_empty() => {
                     let Some((request, ends_at, answer)) = call else { return };
-                    // A caller that gave up before its call left is not waited for; nor
-                    // are those that gave up since (their calls unsent or unanswered),
-                    // swept once per queue's worth of calls.
-                    if answer.is_closed() {
-                        continue;
-                    }
-                    sent += 1;
-                    if sent.is_multiple_of(CALLS_QUEUED_MAX) {
-                        waiting.retain(|_, caller| !caller.is_closed());
-                    }
-                    waiting.insert(request.id, answer);
-                    match requests.try_send((request, ends_at)) {
-                        Ok(()) => {}
-                        Err(mpsc::error::TrySendError::Full(call)) => aside = Some(call),
-                        Err(mpsc::error::TrySendError::Closed(_)) => return,
+                    if !self.take(request, ends_at, answer) {
+                        return;
                     }
                 }
                 answer = answers.message() => {
                     let Ok(Some(answer)) = answer else { return };
-                    if let (Some(caller), Some(result)) = (waiting.remove(&answer.id), answer.result) {
+                    if let (Some(caller), Some(result)) = (self.waiting.remove(&answer.id), answer.result) {
                         let _ = caller.send(result);
                     }
                 }
             }
         }
-    });
-    Ok(calls)
+    }
+
+    /// Hands a caller's call to the stream; false once the stream has ended.
+    fn take(&mut self, request: pb::SessionRequest, ends_at: Instant, answer: oneshot::Sender<Out>) -> bool {
+        // A caller that gave up before its call left is not waited for; nor are those that
+        // gave up since (their calls unsent or unanswered), swept once per queue's worth
+        // of calls.
+        if answer.is_closed() {
+            return true;
+        }
+        self.sent += 1;
+        if self.sent.is_multiple_of(CALLS_QUEUED_MAX) {
+            self.waiting.retain(|_, caller| !caller.is_closed());
+        }
+        self.waiting.insert(request.id, answer);
+        self.send((request, ends_at))
+    }
+
+    /// Takes back the call `id` whose caller has gone: unsent, it is not sent; sent, a
+    /// cancel follows it. False once the stream has ended.
+    fn cancel(&mut self, id: u64) -> bool {
+        if self.waiting.remove(&id).is_none() {
+            // Answered already, or never taken from the queue (then skipped there).
+            return true;
+        }
+        if let Some(at) = self.aside.iter().position(|(request, _)| request.id == id) {
+            self.aside.remove(at);
+            return true;
+        }
+        let cancel = pb::SessionRequest { id, call: Some(Call::Cancel(pb::Cancel {})), timeout_ms: 0 };
+        self.send((cancel, Instant::now()))
+    }
+
+    /// Hands a request to the outgoing channel, or puts it aside while that is full (never
+    /// waiting: a task that stopped reading answers would stop the server reading calls).
+    fn send(&mut self, request: (pb::SessionRequest, Instant)) -> bool {
+        if !self.aside.is_empty() {
+            self.aside.push_back(request);
+            return true;
+        }
+        match self.requests.try_send(request) {
+            Ok(()) => true,
+            Err(mpsc::error::TrySendError::Full(request)) => {
+                self.aside.push_back(request);
+                true
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => false,
+        }
+    }
 }
 
 /// A refused call of a session, as the unary call's status would have said it.

@@ -14,9 +14,11 @@
 //! answer is lost. A call also has a deadline, as a unary call has (its `timeout_ms`,
 //! at most `server.request_timeout_ms`): past it the call is dropped in the same way and
 //! answered `unavailable`, so that a shard that stalls never grants, long after, a
-//! reserve whose client has given up on it.
+//! reserve whose client has given up on it. And a client whose caller has gone sends a
+//! `cancel` for its call, which drops it in the same way, unanswered: the stream's
+//! equivalent of a unary call's reset.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::pin::Pin;
 use std::time::Duration;
 
@@ -25,7 +27,7 @@ use oncegate_core::{Invalid, Tenant};
 use oncegate_proto::v1 as pb;
 use pb::session_request::Call as In;
 use pb::session_response::Result as Out;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::gate::{Call, Deadline, GateService};
@@ -34,8 +36,26 @@ use crate::status::Refusal;
 /// The answers of one stream, as tonic sends them.
 pub type Responses = tokio_stream::wrappers::ReceiverStream<Result<pb::SessionResponse, Status>>;
 
-/// A call in flight: its answer, ready to send.
-type InFlight = Pin<Box<dyn Future<Output = pb::SessionResponse> + Send>>;
+/// A call in flight: its answer, ready to send, or what remains of a cancelled call.
+type InFlight = Pin<Box<dyn Future<Output = Ended> + Send>>;
+
+/// How a call in flight ended.
+enum Ended {
+    Answered {
+        started: u64,
+        answer: pb::SessionResponse,
+    },
+    /// Dropped by a cancel (its id no longer in flight), unanswered.
+    Cancelled,
+}
+
+/// A call in flight as the stream knows it by id: which call it is (an id is reused once
+/// its call is cancelled, and the cancelled call may end after its successor started),
+/// and the sender whose drop cancels it.
+struct Started {
+    started: u64,
+    _cancel: oneshot::Sender<()>,
+}
 
 /// Authenticates the stream once (its metadata names the tenant for every call), then
 /// serves it on a task of its own.
@@ -57,8 +77,14 @@ pub(crate) fn open(
     };
     let in_flight_max = gate.session_calls_in_flight_max;
     let (answers, responses) = mpsc::channel(in_flight_max);
-    let session =
-        Session { gate, tenant, in_flight_max, ids: HashSet::new(), in_flight: FuturesUnordered::new() };
+    let session = Session {
+        gate,
+        tenant,
+        in_flight_max,
+        ids: HashMap::new(),
+        started: 0,
+        in_flight: FuturesUnordered::new(),
+    };
     tokio::spawn(session.run(request.into_inner(), answers));
     Ok(Response::new(Responses::new(responses)))
 }
@@ -67,8 +93,10 @@ struct Session {
     gate: GateService,
     tenant: Tenant,
     in_flight_max: usize,
-    /// The ids of the calls in flight.
-    ids: HashSet<u64>,
+    /// The calls in flight, by id.
+    ids: HashMap<u64, Started>,
+    /// How many calls the stream started.
+    started: u64,
     in_flight: FuturesUnordered<InFlight>,
 }
 
@@ -89,10 +117,18 @@ impl Session {
                 biased;
                 // The client has gone: returning drops every call in flight.
                 () = answers.closed() => return,
-                Some(answer) = self.in_flight.next(), if !self.in_flight.is_empty() => {
-                    self.ids.remove(&answer.id);
-                    answer
-                }
+                Some(ended) = self.in_flight.next(), if !self.in_flight.is_empty() => match ended {
+                    // A call cancelled after its answer was ready gets no answer either:
+                    // its id may name another call by now.
+                    Ended::Answered { started, answer } => {
+                        if self.ids.get(&answer.id).is_none_or(|call| call.started != started) {
+                            continue;
+                        }
+                        self.ids.remove(&answer.id);
+                        answer
+                    }
+                    Ended::Cancelled => continue,
+                },
                 message = requests.message(), if reading && room => match message {
                     Ok(Some(request)) => match self.start(request) {
                         Some(refused) => refused,
@@ -120,25 +156,37 @@ impl Session {
         }
     }
 
-    /// Starts one call, or returns its refusal when the request itself is wrong for a
-    /// session (no call, or an id already in flight).
+    /// Starts one call, or cancels one, or returns its refusal when the request itself is
+    /// wrong for a session (no call, or an id already in flight).
     fn start(&mut self, request: pb::SessionRequest) -> Option<pb::SessionResponse> {
         let id = request.id;
         let Some(call) = request.call else {
             return Some(refused(id, Invalid::Rule { field: "call", rule: "must name one call" }));
         };
-        if !self.ids.insert(id) {
+        let cancels = matches!(call, In::Cancel(_));
+        if !cancels && self.ids.contains_key(&id) {
             let rule = "must be unique among the stream's calls in flight";
             return Some(refused(id, Invalid::Rule { field: "id", rule }));
         }
         let deadline = self.deadline(request.timeout_ms);
+        self.started += 1;
+        let (cancel, cancelled) = oneshot::channel();
+        let slot = Slot { id, started: self.started, cancelled };
         let call = match call {
-            In::Reserve(m) => self.begin(id, m, deadline, Out::Reserve),
-            In::Commit(m) => self.begin(id, m, deadline, Out::Commit),
-            In::Release(m) => self.begin(id, m, deadline, Out::Release),
-            In::Heartbeat(m) => self.begin(id, m, deadline, Out::Heartbeat),
-            In::Get(m) => self.begin(id, m, deadline, Out::Get),
+            In::Reserve(m) => self.begin(slot, m, deadline, Out::Reserve),
+            In::Commit(m) => self.begin(slot, m, deadline, Out::Commit),
+            In::Release(m) => self.begin(slot, m, deadline, Out::Release),
+            In::Heartbeat(m) => self.begin(slot, m, deadline, Out::Heartbeat),
+            In::Get(m) => self.begin(slot, m, deadline, Out::Get),
+            In::Cancel(_) => {
+                // Dropping its sender ends the call at its next poll, which comes before
+                // the next request is read (the loop is biased): a call sent after a
+                // cancel reaches its shard only once the cancelled one is gone.
+                self.ids.remove(&id);
+                return None;
+            }
         };
+        self.ids.insert(id, Started { started: self.started, _cancel: cancel });
         self.in_flight.push(call);
         None
     }
@@ -154,17 +202,37 @@ impl Session {
         }
     }
 
-    /// One call on the unary path, its answer wrapped for the stream.
-    fn begin<M: Call>(&self, id: u64, message: M, deadline: Deadline, wrap: fn(M::Reply) -> Out) -> InFlight {
+    /// One call on the unary path, its answer wrapped for the stream, unless it is
+    /// cancelled first.
+    fn begin<M: Call>(
+        &self,
+        slot: Slot,
+        message: M,
+        deadline: Deadline,
+        wrap: fn(M::Reply) -> Out,
+    ) -> InFlight {
         let answer = self.gate.begin(Ok(self.tenant.clone()), message, Some(deadline));
+        let Slot { id, started, cancelled } = slot;
         Box::pin(async move {
-            let result = match answer.await {
-                Ok((reply, _)) => wrap(reply),
-                Err(refusal) => Out::Refusal(refusal.to_wire()),
+            let result = tokio::select! {
+                biased;
+                answer = answer => match answer {
+                    Ok((reply, _)) => wrap(reply),
+                    Err(refusal) => Out::Refusal(refusal.to_wire()),
+                },
+                _ = cancelled => return Ended::Cancelled,
             };
-            pb::SessionResponse { id, result: Some(result) }
+            Ended::Answered { started, answer: pb::SessionResponse { id, result: Some(result) } }
         })
     }
+}
+
+/// Where a call's answer goes: its id, which call of the stream it is, and the receiver
+/// that hears its cancel.
+struct Slot {
+    id: u64,
+    started: u64,
+    cancelled: oneshot::Receiver<()>,
 }
 
 fn refused(id: u64, invalid: Invalid) -> pb::SessionResponse {

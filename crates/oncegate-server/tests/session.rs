@@ -401,3 +401,28 @@ async fn a_call_past_its_timeout_is_answered_unavailable_and_never_granted() {
     assert!(matches!(stream.next().await, (2, Out::Get(_))));
     server.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_call_is_dropped_unanswered_and_its_id_is_free_again() {
+    let server = start_with(|c| c.engine.shards = 1).await;
+    let mut unary = server.client().await;
+    let holder = granted(&unary.reserve(reserve("k")).await.unwrap().into_inner());
+    let mut stream = Stream::open(&server).await;
+    stream.send(1, reserve_waiting("k")).await;
+    assert!(waiters(&server, 1).await, "the stream's reserve is parked");
+    stream.send(1, Call::Cancel(pb::Cancel {})).await;
+    assert!(waiters(&server, 0).await, "the cancel drops it");
+    // A cancel of an id not in flight does nothing; the ids are free, and the next answer
+    // is the next call's: the cancelled one gets none.
+    stream.send(7, Call::Cancel(pb::Cancel {})).await;
+    assert!(matches!(stream.call(1, get("k")).await, Out::Get(_)));
+    let release = pb::ReleaseRequest { namespace: "live".into(), key: "k".into(), token: holder };
+    unary.release(release).await.unwrap();
+    match unary.reserve(reserve("k")).await.unwrap().into_inner().outcome {
+        Some(pb::reserve_response::Outcome::Granted(g)) => {
+            assert_eq!(g.previous, pb::Previous::None as i32, "nobody held the key in between")
+        }
+        other => panic!("the cancelled call must not hold the key: {other:?}"),
+    }
+    server.stop().await;
+}

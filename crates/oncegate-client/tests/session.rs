@@ -1,0 +1,63 @@
+//! The client's `Session` stream against the real server (in process, port 0): a call
+//! whose caller goes before its answer is taken back.
+
+#[path = "../../oncegate-server/tests/common/mod.rs"]
+mod common;
+
+use std::time::Duration;
+
+use oncegate_client::{Client, Gate, ReserveRequest};
+use oncegate_core::{Previous, ReserveReply};
+
+fn reserve(key: &str) -> ReserveRequest {
+    ReserveRequest {
+        namespace: "live".into(),
+        key: key.into(),
+        lease_ms: 600_000,
+        ..ReserveRequest::default()
+    }
+}
+
+/// A reserve whose caller was dropped while its call was in flight on the stream is never
+/// granted: the client sends a cancel behind it, and the server drops the call as it drops
+/// a unary call whose client reset it. Before, the call went on, and its shard, deciding
+/// it later, granted the key to nobody and held it for the whole lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reserve_whose_caller_went_is_taken_back_and_never_granted() {
+    let server = common::start_with(|c| c.engine.shards = 1).await;
+    let client = Client::connect(format!("http://{}", server.addr)).await.unwrap();
+    // The stream is open before the shard is held.
+    client.reserve(reserve("warm")).await.unwrap();
+
+    server.faults.close_gate();
+    let gone = tokio::spawn({
+        let client = client.clone();
+        async move { client.reserve(reserve("k")).await }
+    });
+    let faults = server.faults.clone();
+    tokio::task::spawn_blocking(move || faults.wait_held(1)).await.unwrap();
+    // The reserve is in the batch its shard holds; its caller goes.
+    gone.abort();
+    assert!(gone.await.unwrap_err().is_cancelled());
+    // A call sent after the cancel reaches the shard's mailbox only once the server has
+    // dropped the cancelled call.
+    let after = tokio::spawn({
+        let client = client.clone();
+        async move { client.reserve(reserve("after")).await }
+    });
+    let engine = server.engine.clone();
+    let queued = tokio::task::spawn_blocking(move || {
+        engine.wait_stats(0, Duration::from_secs(10), |s| s.mailbox_depth == 1)
+    });
+    assert!(queued.await.unwrap(), "the call after the cancel reached the shard");
+    server.faults.open_gate();
+    assert!(matches!(after.await.unwrap().unwrap().reply, ReserveReply::Granted { .. }));
+
+    match client.reserve(reserve("k")).await.unwrap().reply {
+        ReserveReply::Granted { previous, .. } => assert_eq!(previous, Previous::None, "nobody held the key"),
+        other => panic!("the cancelled call must not hold the key: {other:?}"),
+    }
+    // Dropping the client ends its stream, which the server's graceful stop waits for.
+    drop(client);
+    server.stop().await;
+}
