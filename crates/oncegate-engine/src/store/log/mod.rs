@@ -854,16 +854,12 @@ mod tests {
         }
     }
 
-    /// In the log's last segment, kept for the writes that free room, a commit with
-    /// nothing in it writes nothing while its time is within a second of the last
-    /// frame's; a second on, or when its counters are wanted, it writes its bare frame,
-    /// and a reopen reads that time.
-    #[test]
-    fn an_empty_commit_in_the_last_segment_writes_nothing_but_a_time_a_second_on() {
-        let dir = tempfile::tempdir().unwrap();
-        let (mut store, _, _) = open(dir.path(), 3 * SEGMENT_BYTES);
-        let meta = |ms| Meta { next_token: 1_000_000, high_water_ms: ms };
-        // Requests fill what they may, 100 records a commit (few bytes of frame headers).
+    /// A log of three segments whose requests filled what they may (100 live records a
+    /// commit, so few bytes of frame headers), with an upkeep write that took its head
+    /// into the last segment; every frame's time is 1.
+    fn filled_to_the_last_segment(dir: &Path) -> Store {
+        let (mut store, _, _) = open(dir, 3 * SEGMENT_BYTES);
+        let meta = Meta { next_token: 1_000_000, high_water_ms: 1 };
         let mut n = 0u64;
         loop {
             let txn = store.begin(1).unwrap();
@@ -878,17 +874,27 @@ mod tests {
                     Err(e) => panic!("{e}"),
                 }
             }
-            txn.commit(meta(1)).unwrap();
+            txn.commit(meta).unwrap();
             if full {
                 break;
             }
         }
-        // An upkeep write takes the head into the last segment.
         let txn = store.begin(1).unwrap();
         txn.put_upkeep(&scope("k0"), &granted(1, 1, 10_000_000)).unwrap();
-        txn.commit(meta(1)).unwrap();
+        txn.commit(meta).unwrap();
         assert_eq!(store.used_segments(), store.segments_max);
+        store
+    }
 
+    /// In the log's last segment, kept for the writes that free room, a commit with
+    /// nothing in it writes nothing while its time is within a second of the last
+    /// frame's; a second on, or when its counters are wanted, it writes its bare frame,
+    /// and a reopen reads that time.
+    #[test]
+    fn an_empty_commit_in_the_last_segment_writes_nothing_but_a_time_a_second_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = filled_to_the_last_segment(dir.path());
+        let meta = |ms| Meta { next_token: 1_000_000, high_water_ms: ms };
         let tail = store.chain.tail;
         for ms in [1, 500, 1_000] {
             store.begin(ms).unwrap().commit(meta(ms)).unwrap();
@@ -904,6 +910,25 @@ mod tests {
         drop(store);
         let (_, recovered, _) = open(dir.path(), 3 * SEGMENT_BYTES);
         assert_eq!(recovered.high_water_ms, 1_002);
+    }
+
+    /// Bare frames written a second apart never take the last room for a header in the
+    /// log's last segment: a transaction can always begin there (the reclaim alarm's that
+    /// frees the log). Once they filled it to its end, no transaction could.
+    #[test]
+    fn bare_frames_leave_the_last_segment_room_to_begin() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = filled_to_the_last_segment(dir.path());
+        let room = (SEGMENT_BYTES - store.chain.tail) / FRAME_HEADER_BYTES as u64;
+        for n in 0..room + 10 {
+            let ms = 2_000 + n * 1_001;
+            store.begin(ms).unwrap().commit(Meta { next_token: 1_000_000, high_water_ms: ms }).unwrap();
+        }
+        assert!(store.chain.tail + FRAME_HEADER_BYTES as u64 <= SEGMENT_BYTES, "{}", store.chain.tail);
+        let txn = store.begin(u64::MAX / 2).unwrap();
+        txn.want_meta();
+        txn.commit(Meta { next_token: 1_000_000, high_water_ms: u64::MAX / 2 }).unwrap();
+        store.begin(u64::MAX / 2).expect("a transaction still begins");
     }
 
     /// A transaction whose frame was torn is not applied; the log goes on from the last

@@ -353,9 +353,10 @@ impl<'s> Txn<'s> {
     }
 
     /// Whether the commit may write nothing: the transaction holds no entry (nor did a
-    /// compaction step copy any, or finish a segment, whose retirement needs a sync),
-    /// no one wants its time on disk, its time is within `FRAME_TIME_SKIP_MS` of the last
-    /// frame's, and its frame would go into the log's last segment. That segment is kept
+    /// compaction step copy any, or finish a segment, whose retirement needs a sync), its
+    /// frame would go into the log's last segment, and either it would take the last room
+    /// for a header there or no one wants its time on disk and that time is within
+    /// `FRAME_TIME_SKIP_MS` of the last frame's. That segment is kept
     /// for the writes that free room; a storm of refused batches, each writing a bare
     /// header, once filled it until no transaction could begin, the reclaim alarm's
     /// neither. The time bound keeps the high-water mark a restart reads close to the
@@ -367,11 +368,15 @@ impl<'s> Txn<'s> {
         let [frame] = frames.as_slice() else { return false };
         let store = self.store.borrow();
         let oldest = store.segments.keys().next().copied().unwrap_or(frame.seq);
+        // The last room for a header is never spent on a bare frame, whatever it carries:
+        // the next transaction could then not begin, the reclaim alarm's neither.
+        let last_room = frame.start + 2 * FRAME_HEADER_BYTES as u64 > store.segment_bytes;
         frame.bytes.len() == FRAME_HEADER_BYTES
             && !matches!(compaction, Some((_, true)))
-            && !self.meta_wanted.get()
-            && meta.high_water_ms < store.frame_time_ms.saturating_add(FRAME_TIME_SKIP_MS)
             && u64::from(frame.seq.saturating_sub(oldest)) + 1 >= store.segments_max
+            && (last_room
+                || !self.meta_wanted.get()
+                    && meta.high_water_ms < store.frame_time_ms.saturating_add(FRAME_TIME_SKIP_MS))
     }
 
     /// Copies the live records of the oldest segment's next frames into this transaction
