@@ -6,8 +6,9 @@
 //! `cancel` sent for its call, so that the server drops it as it drops a unary call whose
 //! client reset it: a reserve not yet decided is then never granted to nobody.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, PoisonError};
 use std::time::{Duration, Instant};
 
 use oncegate_proto::v1 as pb;
@@ -132,10 +133,18 @@ async fn open(
     // server reads no more while its calls in flight are at their limit) has less.
     // A call whose time ran out while it waited here is not sent at all: its caller has
     // given up, and a reserve granted now would hold the key for nobody.
+    // A call cancelled while it waited in that channel is not sent either, nor then its
+    // cancel; one already sent has its cancel follow it.
+    let taken_back = Arc::new(std::sync::Mutex::new(HashSet::new()));
+    let outgoing_taken_back = Arc::clone(&taken_back);
     let outgoing = tokio_stream::wrappers::ReceiverStream::new(outgoing).filter_map(
-        |(mut request, ends_at): (pb::SessionRequest, Instant)| {
+        move |(mut request, ends_at): (pb::SessionRequest, Instant)| {
+            let gone = outgoing_taken_back.lock().unwrap_or_else(PoisonError::into_inner).remove(&request.id);
             if matches!(request.call, Some(Call::Cancel(_))) {
-                return Some(request);
+                return gone.then_some(request);
+            }
+            if gone {
+                return None;
             }
             let left = ends_at.saturating_duration_since(Instant::now());
             request.timeout_ms = u64::try_from(left.as_millis()).ok()?;
@@ -146,7 +155,7 @@ async fn open(
     let mut request = tonic::Request::new(outgoing);
     *request.metadata_mut() = metadata;
     let answers = gate.session(request).await?.into_inner();
-    let routes = Routes { waiting: HashMap::new(), sent: 0, aside: VecDeque::new(), requests };
+    let routes = Routes { waiting: HashMap::new(), aside: VecDeque::new(), requests, taken_back };
     tokio::spawn(routes.run(queued, cancelled, answers));
     Ok(Open { calls, cancels })
 }
@@ -155,12 +164,14 @@ async fn open(
 /// the outgoing channel.
 struct Routes {
     waiting: HashMap<u64, oneshot::Sender<Out>>,
-    sent: usize,
     /// Requests taken while `requests` was full, in order: at most one call (no other is
     /// taken from the callers' queue until it is handed over, so callers wait there), and
     /// the cancels behind it.
     aside: VecDeque<(pb::SessionRequest, Instant)>,
     requests: mpsc::Sender<(pb::SessionRequest, Instant)>,
+    /// The ids of calls cancelled after they were handed to `requests`, until the
+    /// outgoing stream meets the call (then dropped, unsent) or its cancel.
+    taken_back: Arc<std::sync::Mutex<HashSet<u64>>>,
 }
 
 impl Routes {
@@ -182,6 +193,14 @@ impl Routes {
                         return;
                     }
                 }
+                // Answers before new calls: callers waiting for answers already here
+                // must not wait on other callers' calls.
+                answer = answers.message() => {
+                    let Ok(Some(answer)) = answer else { return };
+                    if let (Some(caller), Some(result)) = (self.waiting.remove(&answer.id), answer.result) {
+                        let _ = caller.send(result);
+                    }
+                }
                 room = outgoing.reserve(), if !self.aside.is_empty() => {
                     let Ok(room) = room else { return };
                     room.send(self.aside.pop_front().expect("checked by the guard"));
@@ -192,27 +211,16 @@ impl Routes {
                         return;
                     }
                 }
-                answer = answers.message() => {
-                    let Ok(Some(answer)) = answer else { return };
-                    if let (Some(caller), Some(result)) = (self.waiting.remove(&answer.id), answer.result) {
-                        let _ = caller.send(result);
-                    }
-                }
             }
         }
     }
 
     /// Hands a caller's call to the stream; false once the stream has ended.
     fn take(&mut self, request: pb::SessionRequest, ends_at: Instant, answer: oneshot::Sender<Out>) -> bool {
-        // A caller that gave up before its call left is not waited for; nor are those that
-        // gave up since (their calls unsent or unanswered), swept once per queue's worth
-        // of calls.
+        // A caller that gave up before its call left is not waited for (one that gives up
+        // later sends a cancel, which takes it out of `waiting`).
         if answer.is_closed() {
             return true;
-        }
-        self.sent += 1;
-        if self.sent.is_multiple_of(CALLS_QUEUED_MAX) {
-            self.waiting.retain(|_, caller| !caller.is_closed());
         }
         self.waiting.insert(request.id, answer);
         self.send((request, ends_at))
@@ -229,6 +237,7 @@ impl Routes {
             self.aside.remove(at);
             return true;
         }
+        self.taken_back.lock().unwrap_or_else(PoisonError::into_inner).insert(id);
         let cancel = pb::SessionRequest { id, call: Some(Call::Cancel(pb::Cancel {})), timeout_ms: 0 };
         self.send((cancel, Instant::now()))
     }

@@ -2,11 +2,12 @@
 //! as its shard decides it (out of order), each exactly a unary call (the same
 //! [`GateService::begin`]: admission, engine, metrics, logs).
 //!
-//! One task per stream reads requests and owns the calls in flight. It reads a request
-//! only while fewer than `server.session_calls_in_flight_max` calls are in flight, and
-//! answers through a channel of that many slots, so a client that stops reading stops
+//! One task per stream reads requests and owns the calls in flight. It starts a call only
+//! while fewer than `server.session_calls_in_flight_max` calls are in flight, reading at
+//! most one request past that (so that a cancel is heard at the limit; a call read there
+//! waits unstarted), and answers through a channel of that many slots, so a client that stops reading stops
 //! the server from reading its requests: backpressure, never unbounded buffering. A
-//! call is queued on its shard as it is read (so a stream's calls reach their shards in
+//! call is queued on its shard as it is started (so a stream's calls reach their shards in
 //! the order they were sent). When the stream ends (the client goes away, or sends a
 //! message that does not decode) the task drops its calls in flight, and each is then
 //! what a unary call whose caller has gone is: one not yet decided is skipped by its
@@ -20,6 +21,8 @@
 
 use std::collections::HashMap;
 use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Poll, Waker};
 use std::time::Duration;
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
@@ -27,7 +30,7 @@ use oncegate_core::{Invalid, Tenant};
 use oncegate_proto::v1 as pb;
 use pb::session_request::Call as In;
 use pb::session_response::Result as Out;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::gate::{Call, Deadline, GateService};
@@ -35,6 +38,9 @@ use crate::status::Refusal;
 
 /// The answers of one stream, as tonic sends them.
 pub type Responses = tokio_stream::wrappers::ReceiverStream<Result<pb::SessionResponse, Status>>;
+
+/// A call's answer, once its shard decides it.
+type Answer = Pin<Box<dyn Future<Output = pb::SessionResponse> + Send>>;
 
 /// A call in flight: its answer, ready to send, or what remains of a cancelled call.
 type InFlight = Pin<Box<dyn Future<Output = Ended> + Send>>;
@@ -51,10 +57,19 @@ enum Ended {
 
 /// A call in flight as the stream knows it by id: which call it is (an id is reused once
 /// its call is cancelled, and the cancelled call may end after its successor started),
-/// and the sender whose drop cancels it.
+/// and where its answer is awaited, which a cancel empties.
 struct Started {
     started: u64,
-    _cancel: oneshot::Sender<()>,
+    slot: Arc<Mutex<Slot>>,
+}
+
+/// A call's answer as its future in flight awaits it, shared with the stream's map so that
+/// a cancel drops it at once (and with it the engine's reply channel: the shard then finds
+/// the caller gone), rather than whenever the future is next polled.
+struct Slot {
+    answer: Option<Answer>,
+    /// Who to wake once the answer is dropped.
+    waker: Option<Waker>,
 }
 
 /// Authenticates the stream once (its metadata names the tenant for every call), then
@@ -84,6 +99,7 @@ pub(crate) fn open(
         ids: HashMap::new(),
         started: 0,
         in_flight: FuturesUnordered::new(),
+        aside: None,
     };
     tokio::spawn(session.run(request.into_inner(), answers));
     Ok(Response::new(Responses::new(responses)))
@@ -98,6 +114,8 @@ struct Session {
     /// How many calls the stream started.
     started: u64,
     in_flight: FuturesUnordered<InFlight>,
+    /// A call read while the calls in flight were at their limit, not yet started.
+    aside: Option<pb::SessionRequest>,
 }
 
 impl Session {
@@ -109,51 +127,74 @@ impl Session {
         let mut reading = true;
         loop {
             // The client sent its last call and every call is answered: the stream ends.
-            if !reading && self.in_flight.is_empty() {
+            if !reading && self.aside.is_none() && self.in_flight.is_empty() {
                 return;
             }
-            let room = self.in_flight.len() < self.in_flight_max;
-            let answer = tokio::select! {
-                biased;
-                // The client has gone: returning drops every call in flight.
-                () = answers.closed() => return,
-                Some(ended) = self.in_flight.next(), if !self.in_flight.is_empty() => match ended {
-                    // A call cancelled after its answer was ready gets no answer either:
-                    // its id may name another call by now.
-                    Ended::Answered { started, answer } => {
-                        if self.ids.get(&answer.id).is_none_or(|call| call.started != started) {
-                            continue;
-                        }
-                        self.ids.remove(&answer.id);
+            let held = if self.has_room() { self.aside.take() } else { None };
+            let answer = if let Some(held) = held {
+                let Some(refused) = self.start(held) else { continue };
+                refused
+            } else {
+                tokio::select! {
+                    biased;
+                    // The client has gone: returning drops every call in flight.
+                    () = answers.closed() => return,
+                    Some(ended) = self.in_flight.next(), if !self.in_flight.is_empty() => {
+                        let Some(answer) = self.ended(ended) else { continue };
                         answer
                     }
-                    Ended::Cancelled => continue,
-                },
-                message = requests.message(), if reading && room => match message {
-                    Ok(Some(request)) => match self.start(request) {
-                        Some(refused) => refused,
-                        None => continue,
+                    message = requests.message(), if reading && self.aside.is_none() => match message {
+                        Ok(Some(request)) => {
+                            let Some(refused) = self.read(request) else { continue };
+                            refused
+                        }
+                        // The client sent its last call: answer those in flight, then end.
+                        Ok(None) => {
+                            reading = false;
+                            continue;
+                        }
+                        // A message that does not decode (or a broken stream) ends the
+                        // stream with its status. The calls in flight are dropped first, so
+                        // none is granted while the status waits for the client to read.
+                        Err(status) => {
+                            self.in_flight.clear();
+                            let _ = answers.send(Err(status)).await;
+                            return;
+                        }
                     },
-                    // The client sent its last call: answer those in flight, then end.
-                    Ok(None) => {
-                        reading = false;
-                        continue;
-                    }
-                    // A message that does not decode (or a broken stream) ends the stream
-                    // with its status. The calls in flight are dropped first, so none is
-                    // granted while the status waits for the client to read.
-                    Err(status) => {
-                        self.in_flight.clear();
-                        let _ = answers.send(Err(status)).await;
-                        return;
-                    }
-                },
-                else => return,
+                    else => return,
+                }
             };
             if answers.send(Ok(answer)).await.is_err() {
                 return;
             }
         }
+    }
+
+    fn has_room(&self) -> bool {
+        self.in_flight.len() < self.in_flight_max
+    }
+
+    /// A request just read: a cancel is done at once, a call started when there is room
+    /// and otherwise held aside, unread further, until there is. So a stream at its limit
+    /// still hears a cancel (one request past the limit is read to see whether it is one).
+    fn read(&mut self, request: pb::SessionRequest) -> Option<pb::SessionResponse> {
+        if matches!(request.call, Some(In::Cancel(_))) || self.has_room() {
+            return self.start(request);
+        }
+        self.aside = Some(request);
+        None
+    }
+
+    /// The answer a call that ended sends, if any. A call cancelled after its answer was
+    /// ready gets none either: its id may name another call by now.
+    fn ended(&mut self, ended: Ended) -> Option<pb::SessionResponse> {
+        let Ended::Answered { started, answer } = ended else { return None };
+        if self.ids.get(&answer.id).is_none_or(|call| call.started != started) {
+            return None;
+        }
+        self.ids.remove(&answer.id);
+        Some(answer)
     }
 
     /// Starts one call, or cancels one, or returns its refusal when the request itself is
@@ -163,32 +204,55 @@ impl Session {
         let Some(call) = request.call else {
             return Some(refused(id, Invalid::Rule { field: "call", rule: "must name one call" }));
         };
-        let cancels = matches!(call, In::Cancel(_));
-        if !cancels && self.ids.contains_key(&id) {
+        if let In::Cancel(_) = call {
+            self.cancel(id);
+            return None;
+        }
+        if self.ids.contains_key(&id) {
             let rule = "must be unique among the stream's calls in flight";
             return Some(refused(id, Invalid::Rule { field: "id", rule }));
         }
         let deadline = self.deadline(request.timeout_ms);
-        self.started += 1;
-        let (cancel, cancelled) = oneshot::channel();
-        let slot = Slot { id, started: self.started, cancelled };
-        let call = match call {
-            In::Reserve(m) => self.begin(slot, m, deadline, Out::Reserve),
-            In::Commit(m) => self.begin(slot, m, deadline, Out::Commit),
-            In::Release(m) => self.begin(slot, m, deadline, Out::Release),
-            In::Heartbeat(m) => self.begin(slot, m, deadline, Out::Heartbeat),
-            In::Get(m) => self.begin(slot, m, deadline, Out::Get),
-            In::Cancel(_) => {
-                // Dropping its sender ends the call at its next poll, which comes before
-                // the next request is read (the loop is biased): a call sent after a
-                // cancel reaches its shard only once the cancelled one is gone.
-                self.ids.remove(&id);
-                return None;
-            }
+        let answer = match call {
+            In::Reserve(m) => self.begin(id, m, deadline, Out::Reserve),
+            In::Commit(m) => self.begin(id, m, deadline, Out::Commit),
+            In::Release(m) => self.begin(id, m, deadline, Out::Release),
+            In::Heartbeat(m) => self.begin(id, m, deadline, Out::Heartbeat),
+            In::Get(m) => self.begin(id, m, deadline, Out::Get),
+            In::Cancel(_) => return None, // done above
         };
-        self.ids.insert(id, Started { started: self.started, _cancel: cancel });
-        self.in_flight.push(call);
+        self.started += 1;
+        let started = self.started;
+        let slot = Arc::new(Mutex::new(Slot { answer: Some(answer), waker: None }));
+        self.ids.insert(id, Started { started, slot: Arc::clone(&slot) });
+        self.in_flight.push(Box::pin(std::future::poll_fn(move |cx| {
+            let mut slot = slot.lock().unwrap_or_else(PoisonError::into_inner);
+            let Some(answer) = slot.answer.as_mut() else { return Poll::Ready(Ended::Cancelled) };
+            let polled = answer.as_mut().poll(cx);
+            if polled.is_pending() && !slot.waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                slot.waker = Some(cx.waker().clone());
+            }
+            polled.map(|answer| Ended::Answered { started, answer })
+        })));
         None
+    }
+
+    /// Cancels the call `id`: dropped here and now (its shard, deciding it later, finds
+    /// its caller gone), or never started when it was held aside.
+    fn cancel(&mut self, id: u64) {
+        if self.aside.as_ref().is_some_and(|held| held.id == id) {
+            self.aside = None;
+        }
+        let Some(call) = self.ids.remove(&id) else { return };
+        let mut slot = call.slot.lock().unwrap_or_else(PoisonError::into_inner);
+        let answer = slot.answer.take();
+        // Woken, the call's future ends (`Cancelled`) and leaves the calls in flight.
+        let waker = slot.waker.take();
+        drop(slot);
+        drop(answer);
+        if let Some(waker) = waker {
+            waker.wake();
+        }
     }
 
     /// A call's deadline: the one it asks for, within the server's request timeout.
@@ -202,37 +266,17 @@ impl Session {
         }
     }
 
-    /// One call on the unary path, its answer wrapped for the stream, unless it is
-    /// cancelled first.
-    fn begin<M: Call>(
-        &self,
-        slot: Slot,
-        message: M,
-        deadline: Deadline,
-        wrap: fn(M::Reply) -> Out,
-    ) -> InFlight {
+    /// One call on the unary path, its answer wrapped for the stream.
+    fn begin<M: Call>(&self, id: u64, message: M, deadline: Deadline, wrap: fn(M::Reply) -> Out) -> Answer {
         let answer = self.gate.begin(Ok(self.tenant.clone()), message, Some(deadline));
-        let Slot { id, started, cancelled } = slot;
         Box::pin(async move {
-            let result = tokio::select! {
-                biased;
-                answer = answer => match answer {
-                    Ok((reply, _)) => wrap(reply),
-                    Err(refusal) => Out::Refusal(refusal.to_wire()),
-                },
-                _ = cancelled => return Ended::Cancelled,
+            let result = match answer.await {
+                Ok((reply, _)) => wrap(reply),
+                Err(refusal) => Out::Refusal(refusal.to_wire()),
             };
-            Ended::Answered { started, answer: pb::SessionResponse { id, result: Some(result) } }
+            pb::SessionResponse { id, result: Some(result) }
         })
     }
-}
-
-/// Where a call's answer goes: its id, which call of the stream it is, and the receiver
-/// that hears its cancel.
-struct Slot {
-    id: u64,
-    started: u64,
-    cancelled: oneshot::Receiver<()>,
 }
 
 fn refused(id: u64, invalid: Invalid) -> pb::SessionResponse {

@@ -426,3 +426,31 @@ async fn a_cancelled_call_is_dropped_unanswered_and_its_id_is_free_again() {
     }
     server.stop().await;
 }
+
+/// A stream at its limit of calls in flight still hears a cancel: the server reads one
+/// request past the limit, and holds a call there unstarted until there is room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_at_its_limit_still_hears_a_cancel() {
+    let server = start_with(|c| {
+        c.engine.shards = 1;
+        c.server.session_calls_in_flight_max = 1;
+    })
+    .await;
+    let mut unary = server.client().await;
+    let holder = granted(&unary.reserve(reserve("k")).await.unwrap().into_inner());
+    let mut stream = Stream::open(&server).await;
+    stream.send(1, reserve_waiting("k")).await;
+    assert!(waiters(&server, 1).await, "the stream's reserve is parked");
+    stream.send(1, Call::Cancel(pb::Cancel {})).await;
+    assert!(waiters(&server, 0).await, "the cancel was read at the limit");
+    assert!(matches!(stream.call(2, get("k")).await, Out::Get(_)), "the stream goes on");
+    let release = pb::ReleaseRequest { namespace: "live".into(), key: "k".into(), token: holder };
+    unary.release(release).await.unwrap();
+    match unary.reserve(reserve("k")).await.unwrap().into_inner().outcome {
+        Some(pb::reserve_response::Outcome::Granted(g)) => {
+            assert_eq!(g.previous, pb::Previous::None as i32, "nobody held the key in between")
+        }
+        other => panic!("the cancelled call must not hold the key: {other:?}"),
+    }
+    server.stop().await;
+}
