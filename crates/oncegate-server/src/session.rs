@@ -157,7 +157,9 @@ impl Session {
                         // stream with its status. The calls in flight are dropped first, so
                         // none is granted while the status waits for the client to read.
                         Err(status) => {
+                            // The map shares each call's answer: both let go of it.
                             self.in_flight.clear();
+                            self.ids.clear();
                             let _ = answers.send(Err(status)).await;
                             return;
                         }

@@ -362,7 +362,11 @@ impl<'s> Txn<'s> {
     /// neither. The time bound keeps the high-water mark a restart reads close to the
     /// truth (the restart grace rewrites every lease that ends after it, and a stale mark
     /// would have it rewrite leases long expired, into that same last segment), at the
-    /// cost of one bare header a second at most.
+    /// cost of one bare header a second at most. At the last room not even a clean
+    /// stop's or an open's time is written: the mark then stays at the last frame's, and
+    /// a restart's grace may find leases to rewrite that ended since, which fail as full
+    /// there (the open says so, as for a log full of live records) rather than leave a
+    /// log in which no transaction can begin.
     fn may_write_nothing(&self, compaction: &Option<(Compaction, bool)>, meta: Meta) -> bool {
         let frames = self.frames.borrow();
         let [frame] = frames.as_slice() else { return false };
