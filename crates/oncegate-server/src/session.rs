@@ -45,22 +45,13 @@ type Answer = Pin<Box<dyn Future<Output = pb::SessionResponse> + Send>>;
 /// A call in flight: its answer, ready to send, or what remains of a cancelled call.
 type InFlight = Pin<Box<dyn Future<Output = Ended> + Send>>;
 
-/// How a call in flight ended.
+/// How a call in flight ended. A cancel empties its slot, so a call answered was not
+/// cancelled, and its id still names it: an answer ready in a poll is taken in the same
+/// step, before the next request (a cancel, or a call reusing the id) is read.
 enum Ended {
-    Answered {
-        started: u64,
-        answer: pb::SessionResponse,
-    },
+    Answered(pb::SessionResponse),
     /// Dropped by a cancel (its id no longer in flight), unanswered.
     Cancelled,
-}
-
-/// A call in flight as the stream knows it by id: which call it is (an id is reused once
-/// its call is cancelled, and the cancelled call may end after its successor started),
-/// and where its answer is awaited, which a cancel empties.
-struct Started {
-    started: u64,
-    slot: Arc<Mutex<Slot>>,
 }
 
 /// A call's answer as its future in flight awaits it, shared with the stream's map so that
@@ -97,7 +88,6 @@ pub(crate) fn open(
         tenant,
         in_flight_max,
         ids: HashMap::new(),
-        started: 0,
         in_flight: FuturesUnordered::new(),
         aside: None,
     };
@@ -109,10 +99,8 @@ struct Session {
     gate: GateService,
     tenant: Tenant,
     in_flight_max: usize,
-    /// The calls in flight, by id.
-    ids: HashMap<u64, Started>,
-    /// How many calls the stream started.
-    started: u64,
+    /// The calls in flight, by id: where each one's answer is awaited.
+    ids: HashMap<u64, Arc<Mutex<Slot>>>,
     in_flight: FuturesUnordered<InFlight>,
     /// A call read while the calls in flight were at their limit, not yet started.
     aside: Option<pb::SessionRequest>,
@@ -188,13 +176,9 @@ impl Session {
         None
     }
 
-    /// The answer a call that ended sends, if any. A call cancelled after its answer was
-    /// ready gets none either: its id may name another call by now.
+    /// The answer a call that ended sends: none for a cancelled one.
     fn ended(&mut self, ended: Ended) -> Option<pb::SessionResponse> {
-        let Ended::Answered { started, answer } = ended else { return None };
-        if self.ids.get(&answer.id).is_none_or(|call| call.started != started) {
-            return None;
-        }
+        let Ended::Answered(answer) = ended else { return None };
         self.ids.remove(&answer.id);
         Some(answer)
     }
@@ -223,10 +207,8 @@ impl Session {
             In::Get(m) => self.begin(id, m, deadline, Out::Get),
             In::Cancel(_) => return None, // done above
         };
-        self.started += 1;
-        let started = self.started;
         let slot = Arc::new(Mutex::new(Slot { answer: Some(answer), waker: None }));
-        self.ids.insert(id, Started { started, slot: Arc::clone(&slot) });
+        self.ids.insert(id, Arc::clone(&slot));
         self.in_flight.push(Box::pin(std::future::poll_fn(move |cx| {
             let mut slot = slot.lock().unwrap_or_else(PoisonError::into_inner);
             let Some(answer) = slot.answer.as_mut() else { return Poll::Ready(Ended::Cancelled) };
@@ -234,7 +216,7 @@ impl Session {
             if polled.is_pending() && !slot.waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
                 slot.waker = Some(cx.waker().clone());
             }
-            polled.map(|answer| Ended::Answered { started, answer })
+            polled.map(Ended::Answered)
         })));
         None
     }
@@ -246,7 +228,7 @@ impl Session {
             self.aside = None;
         }
         let Some(call) = self.ids.remove(&id) else { return };
-        let mut slot = call.slot.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut slot = call.lock().unwrap_or_else(PoisonError::into_inner);
         let answer = slot.answer.take();
         // Woken, the call's future ends (`Cancelled`) and leaves the calls in flight.
         let waker = slot.waker.take();

@@ -5,11 +5,13 @@
 use std::time::Duration;
 
 use oncegate_proto::v1 as pb;
+use oncegate_proto::v1::gate_client::GateClient;
 use oncegate_server::{TenantConfig, token_sha256};
 use pb::session_request::Call;
 use pb::session_response::Result as Out;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::Channel;
 use tonic::{Code, Request, Streaming};
 
 mod common;
@@ -95,6 +97,19 @@ async fn waiters(server: &Running, n: u64) -> bool {
     tokio::task::spawn_blocking(move || engine.wait_stats(0, Duration::from_secs(10), |s| s.waiters == n))
         .await
         .unwrap()
+}
+
+/// Releases the holder's grant of `k`, and checks that the next reserve of `k` is granted
+/// as after that holder alone: `what` (a call that went away) never held the key.
+async fn release_and_regrant(unary: &mut GateClient<Channel>, holder: u64, what: &str) {
+    let release = pb::ReleaseRequest { namespace: "live".into(), key: "k".into(), token: holder };
+    unary.release(release).await.unwrap();
+    match unary.reserve(reserve("k")).await.unwrap().into_inner().outcome {
+        Some(pb::reserve_response::Outcome::Granted(g)) => {
+            assert_eq!(g.previous, pb::Previous::None as i32, "nobody held the key in between")
+        }
+        other => panic!("{what} must not hold the key: {other:?}"),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -292,14 +307,7 @@ async fn a_call_whose_stream_went_away_is_never_granted() {
     assert!(waiters(&server, 1).await, "the stream's reserve is parked");
     drop(stream);
     assert!(waiters(&server, 0).await, "the server drops it when the stream goes");
-    let release = pb::ReleaseRequest { namespace: "live".into(), key: "k".into(), token: holder };
-    unary.release(release).await.unwrap();
-    match unary.reserve(reserve("k")).await.unwrap().into_inner().outcome {
-        Some(pb::reserve_response::Outcome::Granted(g)) => {
-            assert_eq!(g.previous, pb::Previous::None as i32, "nobody held the key in between")
-        }
-        other => panic!("the gone call must not hold the key: {other:?}"),
-    }
+    release_and_regrant(&mut unary, holder, "the gone call").await;
     server.stop().await;
 }
 
@@ -386,14 +394,7 @@ async fn a_call_past_its_timeout_is_answered_unavailable_and_never_granted() {
     assert_eq!((id, refusal.grpc_code, refusal.code.as_str()), (1, Code::Unavailable as i32, "unavailable"));
     assert!(refusal.message.contains("no answer within 300 ms (the call's timeout_ms)"), "{refusal:?}");
     assert!(waiters(&server, 0).await, "the parked reserve is dropped with its call");
-    let release = pb::ReleaseRequest { namespace: "live".into(), key: "k".into(), token: holder };
-    unary.release(release).await.unwrap();
-    match unary.reserve(reserve("k")).await.unwrap().into_inner().outcome {
-        Some(pb::reserve_response::Outcome::Granted(g)) => {
-            assert_eq!(g.previous, pb::Previous::None as i32, "nobody held the key in between")
-        }
-        other => panic!("the timed-out call must not hold the key: {other:?}"),
-    }
+    release_and_regrant(&mut unary, holder, "the timed-out call").await;
     // The stream goes on, and a call that asks for more than the server's request timeout
     // gets the server's.
     let get = pb::SessionRequest { id: 2, call: Some(get("k")), timeout_ms: u64::MAX };
@@ -416,14 +417,7 @@ async fn a_cancelled_call_is_dropped_unanswered_and_its_id_is_free_again() {
     // is the next call's: the cancelled one gets none.
     stream.send(7, Call::Cancel(pb::Cancel {})).await;
     assert!(matches!(stream.call(1, get("k")).await, Out::Get(_)));
-    let release = pb::ReleaseRequest { namespace: "live".into(), key: "k".into(), token: holder };
-    unary.release(release).await.unwrap();
-    match unary.reserve(reserve("k")).await.unwrap().into_inner().outcome {
-        Some(pb::reserve_response::Outcome::Granted(g)) => {
-            assert_eq!(g.previous, pb::Previous::None as i32, "nobody held the key in between")
-        }
-        other => panic!("the cancelled call must not hold the key: {other:?}"),
-    }
+    release_and_regrant(&mut unary, holder, "the cancelled call").await;
     server.stop().await;
 }
 
@@ -444,13 +438,6 @@ async fn a_stream_at_its_limit_still_hears_a_cancel() {
     stream.send(1, Call::Cancel(pb::Cancel {})).await;
     assert!(waiters(&server, 0).await, "the cancel was read at the limit");
     assert!(matches!(stream.call(2, get("k")).await, Out::Get(_)), "the stream goes on");
-    let release = pb::ReleaseRequest { namespace: "live".into(), key: "k".into(), token: holder };
-    unary.release(release).await.unwrap();
-    match unary.reserve(reserve("k")).await.unwrap().into_inner().outcome {
-        Some(pb::reserve_response::Outcome::Granted(g)) => {
-            assert_eq!(g.previous, pb::Previous::None as i32, "nobody held the key in between")
-        }
-        other => panic!("the cancelled call must not hold the key: {other:?}"),
-    }
+    release_and_regrant(&mut unary, holder, "the cancelled call").await;
     server.stop().await;
 }
