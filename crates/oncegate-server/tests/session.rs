@@ -112,6 +112,29 @@ async fn release_and_regrant(unary: &mut GateClient<Channel>, holder: u64, what:
     }
 }
 
+/// One shard, `key` held by a unary reserve (`holder` its token), and a stream open: where
+/// the tests of waiting calls begin. `limit` caps the stream's calls in flight.
+struct Held {
+    server: Running,
+    unary: GateClient<Channel>,
+    holder: u64,
+    stream: Stream,
+}
+
+async fn held(key: &str, limit: Option<usize>) -> Held {
+    let server = start_with(|c| {
+        c.engine.shards = 1;
+        if let Some(limit) = limit {
+            c.server.session_calls_in_flight_max = limit;
+        }
+    })
+    .await;
+    let mut unary = server.client().await;
+    let holder = granted(&unary.reserve(reserve(key)).await.unwrap().into_inner());
+    let stream = Stream::open(&server).await;
+    Held { server, unary, holder, stream }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_call_is_answered_as_its_unary_twin() {
     let server = start_with(|_| {}).await;
@@ -208,10 +231,7 @@ async fn a_refused_call_is_answered_and_the_stream_goes_on() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answers_come_as_decided_and_an_id_in_flight_is_not_reused() {
-    let server = start_with(|c| c.engine.shards = 1).await;
-    let mut unary = server.client().await;
-    let holder = granted(&unary.reserve(reserve("held")).await.unwrap().into_inner());
-    let mut stream = Stream::open(&server).await;
+    let Held { server, mut unary, holder, mut stream } = held("held", None).await;
     stream.send(1, reserve_waiting("held")).await;
     assert!(waiters(&server, 1).await, "call 1 waits for the holder");
     // Later calls are answered before call 1: out of order.
@@ -250,14 +270,7 @@ async fn answers_come_as_decided_and_an_id_in_flight_is_not_reused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_stream_reads_no_further_request_until_an_answer_drains() {
-    let server = start_with(|c| {
-        c.engine.shards = 1;
-        c.server.session_calls_in_flight_max = 2;
-    })
-    .await;
-    let mut unary = server.client().await;
-    let holder = granted(&unary.reserve(reserve("held")).await.unwrap().into_inner());
-    let mut stream = Stream::open(&server).await;
+    let Held { server, mut unary, holder, mut stream } = held("held", Some(2)).await;
     stream.send(1, reserve_waiting("held")).await;
     stream.send(2, reserve_waiting("held")).await;
     stream.send(3, get("held")).await;
@@ -382,10 +395,7 @@ async fn a_message_that_does_not_decode_ends_the_stream_with_invalid_argument() 
 /// holder) is never granted, so a client that gave up on it never holds the key unaware.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_past_its_timeout_is_answered_unavailable_and_never_granted() {
-    let server = start_with(|c| c.engine.shards = 1).await;
-    let mut unary = server.client().await;
-    let holder = granted(&unary.reserve(reserve("k")).await.unwrap().into_inner());
-    let mut stream = Stream::open(&server).await;
+    let Held { server, mut unary, holder, mut stream } = held("k", None).await;
     let waiting = pb::ReserveRequest { wait_ms: 20_000, lease_ms: 600_000, ..reserve("k") };
     let request = pb::SessionRequest { id: 1, call: Some(Call::Reserve(waiting)), timeout_ms: 300 };
     stream.requests.send(request).await.unwrap();
@@ -405,10 +415,7 @@ async fn a_call_past_its_timeout_is_answered_unavailable_and_never_granted() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancelled_call_is_dropped_unanswered_and_its_id_is_free_again() {
-    let server = start_with(|c| c.engine.shards = 1).await;
-    let mut unary = server.client().await;
-    let holder = granted(&unary.reserve(reserve("k")).await.unwrap().into_inner());
-    let mut stream = Stream::open(&server).await;
+    let Held { server, mut unary, holder, mut stream } = held("k", None).await;
     stream.send(1, reserve_waiting("k")).await;
     assert!(waiters(&server, 1).await, "the stream's reserve is parked");
     stream.send(1, Call::Cancel(pb::Cancel {})).await;
@@ -425,14 +432,7 @@ async fn a_cancelled_call_is_dropped_unanswered_and_its_id_is_free_again() {
 /// request past the limit, and holds a call there unstarted until there is room.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_at_its_limit_still_hears_a_cancel() {
-    let server = start_with(|c| {
-        c.engine.shards = 1;
-        c.server.session_calls_in_flight_max = 1;
-    })
-    .await;
-    let mut unary = server.client().await;
-    let holder = granted(&unary.reserve(reserve("k")).await.unwrap().into_inner());
-    let mut stream = Stream::open(&server).await;
+    let Held { server, mut unary, holder, mut stream } = held("k", Some(1)).await;
     stream.send(1, reserve_waiting("k")).await;
     assert!(waiters(&server, 1).await, "the stream's reserve is parked");
     stream.send(1, Call::Cancel(pb::Cancel {})).await;
