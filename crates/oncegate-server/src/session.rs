@@ -266,3 +266,94 @@ impl Session {
 fn refused(id: u64, invalid: Invalid) -> pb::SessionResponse {
     pb::SessionResponse { id, result: Some(Out::Refusal(Refusal::from(invalid).to_wire())) }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use axum::body::{Body, Bytes};
+    use oncegate_core::{Previous, ReserveReply};
+    use oncegate_engine::{Engine, EngineConfig, KeyRequest, ReserveRequest};
+    use prost::Message;
+    use tokio_stream::wrappers::ReceiverStream;
+    use tonic::codec::Codec;
+
+    use super::*;
+    use crate::auth::Auth;
+    use crate::tenants::Admit;
+
+    /// One message of a gRPC request body: uncompressed, its length before it.
+    fn frame(message: &[u8]) -> Result<Bytes, Status> {
+        let mut bytes = vec![0];
+        bytes.extend_from_slice(&(message.len() as u32).to_be_bytes());
+        bytes.extend_from_slice(message);
+        Ok(Bytes::from(bytes))
+    }
+
+    fn reserve(wait_ms: u64) -> ReserveRequest {
+        ReserveRequest { namespace: "live".into(), key: "k".into(), wait_ms, ..ReserveRequest::default() }
+    }
+
+    async fn waiters(engine: &Engine, n: u64) -> bool {
+        let engine = engine.clone();
+        tokio::task::spawn_blocking(move || engine.wait_stats(0, Duration::from_secs(10), |s| s.waiters == n))
+            .await
+            .unwrap()
+    }
+
+    /// A stream that ends on a message that does not decode, while its client reads no
+    /// answers, waits to send its status with the answers' channel full. Its calls in
+    /// flight are dropped before that wait, so that a parked reserve is never granted
+    /// to a stream that is over (the id map kept each call's answer alive until the
+    /// status was sent). Driven here below tonic's transport, so that the channel is full
+    /// by construction rather than by flow-control windows.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stream_ended_by_a_bad_message_drops_its_calls_before_its_status_waits() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = EngineConfig { data_dir: dir.path().to_owned(), shards: 1, ..EngineConfig::default() };
+        let engine = Engine::open(config).expect("the engine opens");
+        let tenant = Tenant::default_tenant();
+        let holder = match engine.reserve(&tenant, reserve(0)).await.unwrap().reply {
+            ReserveReply::Granted { token, .. } => token,
+            other => panic!("expected a grant, got {other:?}"),
+        };
+        let admit = Admit::new(64, &[], engine.clock().clone());
+        let gate = GateService::new(engine.clone(), Auth::new(&[]), admit, 1, Duration::from_secs(60));
+        let session = Session {
+            gate,
+            tenant: tenant.clone(),
+            in_flight_max: 1,
+            ids: HashMap::new(),
+            in_flight: FuturesUnordered::new(),
+            aside: None,
+        };
+        let (frames, body) = mpsc::channel(4);
+        let mut codec =
+            oncegate_proto::codec::StrictCodec::<pb::SessionResponse, pb::SessionRequest>::default();
+        let body = Body::from_stream(ReceiverStream::new(body));
+        let requests = Streaming::new_request(codec.decoder(), body, None, None);
+        let (answers, mut unread) = mpsc::channel(1);
+        answers.try_send(Ok(pb::SessionResponse::default())).expect("the channel is empty");
+        let served = tokio::spawn(session.run(requests, answers));
+
+        let waiting = pb::ReserveRequest::from(reserve(20_000));
+        let call = pb::SessionRequest { id: 1, call: Some(In::Reserve(waiting)), timeout_ms: 0 };
+        frames.send(frame(&call.encode_to_vec())).await.unwrap();
+        assert!(waiters(&engine, 1).await, "the stream's reserve is parked");
+        // A varint cut off: the message does not decode.
+        frames.send(frame(&[0xff])).await.unwrap();
+        assert!(waiters(&engine, 0).await, "the parked reserve is dropped while the status waits");
+        assert!(!served.is_finished(), "the status waits for room in the answers' channel");
+
+        let release = KeyRequest { namespace: "live".into(), key: "k".into(), token: holder, lease_ms: 0 };
+        engine.release(&tenant, release).await.unwrap();
+        match engine.reserve(&tenant, reserve(0)).await.unwrap().reply {
+            ReserveReply::Granted { previous, .. } => assert_eq!(previous, Previous::None),
+            other => panic!("the ended stream's reserve must not hold the key: {other:?}"),
+        }
+        assert!(unread.recv().await.expect("the answer put there").is_ok());
+        let status = unread.recv().await.expect("the stream's status").expect_err("a status");
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+        served.await.unwrap();
+    }
+}
