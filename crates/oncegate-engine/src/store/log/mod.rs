@@ -54,14 +54,14 @@ const FOREIGN_DELETES_PER_COMMIT: usize = 4_096;
 /// The bytes of zeros a spare segment gets between two syncs.
 const ZERO_CHUNK_BYTES: u64 = 1 << 20;
 /// The bytes of zeros one write puts in a segment: four pages. The page cache keeps a
-/// file's pages in folios as large as the writes that made them (Linux 6.x, ext4 and XFS),
-/// and a write of a few hundred bytes into a folio dirties all of it. Zero-filled by 1 MiB
-/// writes, every commit's frames marked a 1 MiB folio dirty and its `fdatasync` walked
-/// each of the folio's 256 blocks: on this machine 15–24 µs of system time per small
-/// write and sync against 9–11 µs on folios of 4 or 16 KiB, and 1 MiB of `write_bytes`
-/// counted per commit. Page-sized writes cost the filling thread 2.5 times the CPU of
-/// 1 MiB ones (46 against 19 ms per 64 MiB); 16 KiB ones 1.3–1.5 times, for the same
-/// gain per commit (docs/benchmarks.md).
+/// file's pages in folios as large as the writes that made them (XFS since Linux 5.18,
+/// ext4 since 6.16; readahead makes large ones too), and a write of a few hundred bytes
+/// into a folio dirties all of it. Zero-filled by 1 MiB writes, every commit's frames
+/// marked a 1 MiB folio dirty and its `fdatasync` walked each of the folio's 256 blocks:
+/// on this machine 15–24 µs of system time per small write and sync against 9–11 µs on
+/// folios of 4 or 16 KiB, and 1 MiB of `write_bytes` counted per commit. Page-sized
+/// writes cost the filling thread 2.5 times the CPU of 1 MiB ones (46 against 19 ms per
+/// 64 MiB); 16 KiB ones 1.3–1.5 times, for the same gain per commit (docs/benchmarks.md).
 const ZERO_WRITE_BYTES: u64 = 16 << 10;
 /// What an entry read is first tried with; a longer entry takes a second read.
 const READ_GUESS_BYTES: usize = 1024;
