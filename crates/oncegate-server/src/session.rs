@@ -83,14 +83,7 @@ pub(crate) fn open(
     };
     let in_flight_max = gate.session_calls_in_flight_max;
     let (answers, responses) = mpsc::channel(in_flight_max);
-    let session = Session {
-        gate,
-        tenant,
-        in_flight_max,
-        ids: HashMap::new(),
-        in_flight: FuturesUnordered::new(),
-        aside: None,
-    };
+    let session = Session::new(gate, tenant, in_flight_max);
     tokio::spawn(session.run(request.into_inner(), answers));
     Ok(Response::new(Responses::new(responses)))
 }
@@ -107,6 +100,18 @@ struct Session {
 }
 
 impl Session {
+    /// A stream's state before its first request: no call in flight.
+    fn new(gate: GateService, tenant: Tenant, in_flight_max: usize) -> Session {
+        Session {
+            gate,
+            tenant,
+            in_flight_max,
+            ids: HashMap::new(),
+            in_flight: FuturesUnordered::new(),
+            aside: None,
+        }
+    }
+
     async fn run(
         mut self,
         mut requests: Streaming<pb::SessionRequest>,
@@ -319,14 +324,7 @@ mod tests {
         };
         let admit = Admit::new(64, &[], engine.clock().clone());
         let gate = GateService::new(engine.clone(), Auth::new(&[]), admit, 1, Duration::from_secs(60));
-        let session = Session {
-            gate,
-            tenant: tenant.clone(),
-            in_flight_max: 1,
-            ids: HashMap::new(),
-            in_flight: FuturesUnordered::new(),
-            aside: None,
-        };
+        let session = Session::new(gate, tenant.clone(), 1);
         let (frames, body) = mpsc::channel(4);
         let mut codec =
             oncegate_proto::codec::StrictCodec::<pb::SessionResponse, pb::SessionRequest>::default();
