@@ -28,12 +28,24 @@ pub struct GateService {
     pub(crate) request_timeout: Duration,
 }
 
-/// How long a call that the front itself times out may take, and where that came from
-/// (for its refusal). Unary gRPC calls have none here: tonic's layer drops them.
+/// How long a call that the front itself times out may take, from when, and where that
+/// came from (for its refusal). Unary gRPC calls have none here: tonic's layer drops them.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Deadline {
+    /// When the call was read: a call held before it starts spends its time waiting.
+    pub from: tokio::time::Instant,
     pub within: Duration,
     pub limit: &'static str,
+}
+
+impl Deadline {
+    fn until(&self) -> tokio::time::Instant {
+        self.from + self.within
+    }
+
+    fn unanswered(&self) -> Refusal {
+        Refusal::Unanswered { within_ms: self.within.as_millis() as u64, limit: self.limit }
+    }
 }
 
 /// A short, stable digest of a key for logs: keys can carry customer data, so the raw
@@ -260,24 +272,28 @@ impl GateService {
         // The engine records the shard in, and links its batch to, the span current when
         // the call is queued.
         let entered = span.enter();
-        let (tenant, admitted) = match tenant {
-            Ok(tenant) => {
+        // A call whose deadline passed before it could start (held behind a stream's limit)
+        // is refused without reaching its shard: queued, it could take effect after its
+        // caller was told that it had not been answered in time.
+        let passed = deadline.filter(|d| d.until() <= tokio::time::Instant::now());
+        let (tenant, admitted) = match (tenant, passed) {
+            (Ok(tenant), Some(passed)) => (Some(tenant), Err(passed.unanswered())),
+            (Ok(tenant), None) => {
                 let admitted = self
                     .admit
                     .admit(&tenant, message.demand())
                     .map(|admission| (admission, message.start(&self.engine, &tenant)));
                 (Some(tenant), admitted)
             }
-            Err(refusal) => (None, Err(refusal)),
+            (Err(refusal), _) => (None, Err(refusal)),
         };
         drop(entered);
         async move {
             let answer = match (admitted, deadline) {
                 (Ok((_admission, pending)), None) => pending.await,
-                (Ok((_admission, pending)), Some(Deadline { within, limit })) => {
-                    let within_ms = within.as_millis() as u64;
-                    let late = |_| Err(Refusal::Unanswered { within_ms, limit });
-                    tokio::time::timeout(within, pending).await.unwrap_or_else(late)
+                (Ok((_admission, pending)), Some(deadline)) => {
+                    let late = |_| Err(deadline.unanswered());
+                    tokio::time::timeout_at(deadline.until(), pending).await.unwrap_or_else(late)
                 }
                 (Err(refusal), _) => Err(refusal),
             };

@@ -15,7 +15,9 @@
 //! answer is lost. A call also has a deadline, as a unary call has (its `timeout_ms`,
 //! at most `server.request_timeout_ms`): past it the call is dropped in the same way and
 //! answered `unavailable`, so that a shard that stalls never grants, long after, a
-//! reserve whose client has given up on it. And a client whose caller has gone sends a
+//! reserve whose client has given up on it. The deadline counts from when the call was
+//! read, so a call held at the limit spends its time waiting, and one whose deadline
+//! passed while it was held is refused without reaching its shard. And a client whose caller has gone sends a
 //! `cancel` for its call, which drops it in the same way, unanswered: the stream's
 //! equivalent of a unary call's reset.
 
@@ -31,6 +33,7 @@ use oncegate_proto::v1 as pb;
 use pb::session_request::Call as In;
 use pb::session_response::Result as Out;
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::gate::{Call, Deadline, GateService};
@@ -95,8 +98,9 @@ struct Session {
     /// The calls in flight, by id: where each one's answer is awaited.
     ids: HashMap<u64, Arc<Mutex<Slot>>>,
     in_flight: FuturesUnordered<InFlight>,
-    /// A call read while the calls in flight were at their limit, not yet started.
-    aside: Option<pb::SessionRequest>,
+    /// A call read while the calls in flight were at their limit, not yet started, and
+    /// when it was read (its deadline counts from then).
+    aside: Option<(pb::SessionRequest, Instant)>,
 }
 
 impl Session {
@@ -124,8 +128,8 @@ impl Session {
                 return;
             }
             let held = if self.has_room() { self.aside.take() } else { None };
-            let answer = if let Some(held) = held {
-                let Some(refused) = self.start(held) else { continue };
+            let answer = if let Some((held, read_at)) = held {
+                let Some(refused) = self.start(held, read_at) else { continue };
                 refused
             } else {
                 tokio::select! {
@@ -174,10 +178,11 @@ impl Session {
     /// and otherwise held aside, unread further, until there is. So a stream at its limit
     /// still hears a cancel (one request past the limit is read to see whether it is one).
     fn read(&mut self, request: pb::SessionRequest) -> Option<pb::SessionResponse> {
+        let read_at = Instant::now();
         if matches!(request.call, Some(In::Cancel(_))) || self.has_room() {
-            return self.start(request);
+            return self.start(request, read_at);
         }
-        self.aside = Some(request);
+        self.aside = Some((request, read_at));
         None
     }
 
@@ -190,7 +195,7 @@ impl Session {
 
     /// Starts one call, or cancels one, or returns its refusal when the request itself is
     /// wrong for a session (no call, or an id already in flight).
-    fn start(&mut self, request: pb::SessionRequest) -> Option<pb::SessionResponse> {
+    fn start(&mut self, request: pb::SessionRequest, read_at: Instant) -> Option<pb::SessionResponse> {
         let id = request.id;
         let Some(call) = request.call else {
             return Some(refused(id, Invalid::Rule { field: "call", rule: "must name one call" }));
@@ -203,7 +208,7 @@ impl Session {
             let rule = "must be unique among the stream's calls in flight";
             return Some(refused(id, Invalid::Rule { field: "id", rule }));
         }
-        let deadline = self.deadline(request.timeout_ms);
+        let deadline = self.deadline(request.timeout_ms, read_at);
         let answer = match call {
             In::Reserve(m) => self.begin(id, m, deadline, Out::Reserve),
             In::Commit(m) => self.begin(id, m, deadline, Out::Commit),
@@ -229,7 +234,7 @@ impl Session {
     /// Cancels the call `id`: dropped here and now (its shard, deciding it later, finds
     /// its caller gone), or never started when it was held aside.
     fn cancel(&mut self, id: u64) {
-        if self.aside.as_ref().is_some_and(|held| held.id == id) {
+        if self.aside.as_ref().is_some_and(|(held, _)| held.id == id) {
             self.aside = None;
         }
         let Some(call) = self.ids.remove(&id) else { return };
@@ -244,14 +249,15 @@ impl Session {
         }
     }
 
-    /// A call's deadline: the one it asks for, within the server's request timeout.
-    fn deadline(&self, timeout_ms: u64) -> Deadline {
+    /// A call's deadline: the one it asks for, within the server's request timeout,
+    /// counted from when it was read.
+    fn deadline(&self, timeout_ms: u64, from: Instant) -> Deadline {
         let most = self.gate.request_timeout;
         match Duration::from_millis(timeout_ms) {
             asked if timeout_ms > 0 && asked <= most => {
-                Deadline { within: asked, limit: "the call's timeout_ms" }
+                Deadline { from, within: asked, limit: "the call's timeout_ms" }
             }
-            _ => Deadline { within: most, limit: "server.request_timeout_ms" },
+            _ => Deadline { from, within: most, limit: "server.request_timeout_ms" },
         }
     }
 
@@ -352,6 +358,64 @@ mod tests {
         assert!(unread.recv().await.expect("the answer put there").is_ok());
         let status = unread.recv().await.expect("the stream's status").expect_err("a status");
         assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+        served.await.unwrap();
+    }
+
+    /// A call held at the stream's limit spends its deadline waiting: one whose
+    /// deadline passed while it was held is refused without reaching its shard. (The
+    /// deadline counted from when the call started, so a release held behind a parked
+    /// reserve was started with all its time still to run, long after its client had
+    /// given up, and released the key.) The clock is tokio's paused one, so the order of
+    /// the two deadlines is set by construction.
+    #[tokio::test(start_paused = true)]
+    async fn a_call_held_at_the_limit_past_its_deadline_never_reaches_its_shard() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = EngineConfig { data_dir: dir.path().to_owned(), shards: 1, ..EngineConfig::default() };
+        let engine = Engine::open(config).expect("the engine opens");
+        let tenant = Tenant::default_tenant();
+        let holder = match engine.reserve(&tenant, reserve(0)).await.unwrap().reply {
+            ReserveReply::Granted { token, .. } => token,
+            other => panic!("expected a grant, got {other:?}"),
+        };
+        let admit = Admit::new(64, &[], engine.clock().clone());
+        let gate = GateService::new(engine.clone(), Auth::new(&[]), admit, 1, Duration::from_secs(60));
+        let session = Session::new(gate, tenant.clone(), 1);
+        let (frames, body) = mpsc::channel(4);
+        let mut codec =
+            oncegate_proto::codec::StrictCodec::<pb::SessionResponse, pb::SessionRequest>::default();
+        let body = Body::from_stream(ReceiverStream::new(body));
+        let requests = Streaming::new_request(codec.decoder(), body, None, None);
+        let (answers, mut answered) = mpsc::channel(4);
+
+        // The reserve parks behind the holder and fills the stream's one place; the
+        // release, read next, is held aside until the reserve's deadline frees it.
+        let waiting = pb::ReserveRequest::from(reserve(20_000));
+        let parked = pb::SessionRequest { id: 1, call: Some(In::Reserve(waiting)), timeout_ms: 1_000 };
+        let release = KeyRequest { namespace: "live".into(), key: "k".into(), token: holder, lease_ms: 0 };
+        let release = pb::ReleaseRequest::from(release);
+        let held = pb::SessionRequest { id: 2, call: Some(In::Release(release)), timeout_ms: 50 };
+        frames.send(frame(&parked.encode_to_vec())).await.unwrap();
+        frames.send(frame(&held.encode_to_vec())).await.unwrap();
+        let served = tokio::spawn(session.run(requests, answers));
+
+        let mut ids = Vec::new();
+        for _ in 0..2 {
+            let answer = answered.recv().await.expect("an answer").expect("not a status");
+            match answer.result {
+                Some(Out::Refusal(refusal)) => {
+                    assert_eq!(refusal.grpc_code, tonic::Code::Unavailable as i32, "{refusal:?}")
+                }
+                other => panic!("call {} must be refused past its deadline: {other:?}", answer.id),
+            }
+            ids.push(answer.id);
+        }
+        ids.sort_unstable();
+        assert_eq!(ids, [1, 2]);
+        match engine.reserve(&tenant, reserve(0)).await.unwrap().reply {
+            ReserveReply::InProgress { .. } => {}
+            other => panic!("the held release must not have reached the shard: {other:?}"),
+        }
+        drop(frames);
         served.await.unwrap();
     }
 }

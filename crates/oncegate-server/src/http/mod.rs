@@ -130,9 +130,11 @@ async fn call<M: Call, A: Serialize>(
             return *refused;
         }
     };
-    let within = http.answer_within.saturating_sub(request.arrived.elapsed());
-    let deadline =
-        Deadline { within, limit: "server.request_timeout_ms less 500 ms, from the request's arrival" };
+    let deadline = Deadline {
+        from: tokio::time::Instant::from_std(request.arrived),
+        within: http.answer_within,
+        limit: "server.request_timeout_ms less 500 ms, from the request's arrival",
+    };
     match http.gate.begin(tenant, message, Some(deadline)).await {
         Ok((reply, _)) => Json(answer(reply)).into_response(),
         Err(refusal) => problem(&refusal),
