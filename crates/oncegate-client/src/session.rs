@@ -154,16 +154,33 @@ async fn open(
     );
     let mut request = tonic::Request::new(outgoing);
     *request.metadata_mut() = metadata;
-    let answers = gate.session(request).await?.into_inner();
-    let routes = Routes { waiting: HashMap::new(), aside: VecDeque::new(), requests, taken_back };
+    let response = gate.session(request).await?;
+    let in_flight_max = calls_in_flight_max(response.metadata());
+    let answers = response.into_inner();
+    let routes =
+        Routes { waiting: HashMap::new(), in_flight_max, aside: VecDeque::new(), requests, taken_back };
     tokio::spawn(routes.run(queued, cancelled, answers));
     Ok(Open { calls, cancels })
+}
+
+/// The most calls the server keeps in flight on the stream, as its response says (a
+/// server that does not say has no such limit).
+fn calls_in_flight_max(metadata: &tonic::metadata::MetadataMap) -> usize {
+    let value = metadata.get(oncegate_proto::SESSION_CALLS_IN_FLIGHT_MAX_METADATA);
+    let limit = value.and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<usize>().ok());
+    limit.filter(|&limit| limit > 0).unwrap_or(usize::MAX)
 }
 
 /// The stream task's state: the callers waiting by id, and what it could not yet hand to
 /// the outgoing channel.
 struct Routes {
     waiting: HashMap<u64, oneshot::Sender<Out>>,
+    /// The server's limit of calls in flight on the stream. No more calls than that are
+    /// waiting for answers, so the server never holds one unstarted, and a cancel (which
+    /// frees its call's place at once) is always read as soon as it arrives; a call held
+    /// there would keep a cancel behind it unread, and its reserve parked, or granted to
+    /// nobody, until the held call could start.
+    in_flight_max: usize,
     /// Requests taken while `requests` was full, in order: at most one call (no other is
     /// taken from the callers' queue until it is handed over, so callers wait there), and
     /// the cancels behind it.
@@ -179,7 +196,7 @@ impl Routes {
         mut self,
         mut queued: mpsc::Receiver<Waiting>,
         mut cancelled: mpsc::UnboundedReceiver<u64>,
-        mut answers: tonic::Streaming<pb::SessionResponse>,
+        mut answers: impl tokio_stream::Stream<Item = Result<pb::SessionResponse, tonic::Status>> + Unpin,
     ) {
         // Waiting for room borrows the sender while the other arms change `self`.
         let outgoing = self.requests.clone();
@@ -195,8 +212,8 @@ impl Routes {
                 }
                 // Answers before new calls: callers waiting for answers already here
                 // must not wait on other callers' calls.
-                answer = answers.message() => {
-                    let Ok(Some(answer)) = answer else { return };
+                answer = answers.next() => {
+                    let Some(Ok(answer)) = answer else { return };
                     if let (Some(caller), Some(result)) = (self.waiting.remove(&answer.id), answer.result) {
                         let _ = caller.send(result);
                     }
@@ -205,7 +222,7 @@ impl Routes {
                     let Ok(room) = room else { return };
                     room.send(self.aside.pop_front().expect("checked by the guard"));
                 }
-                call = queued.recv(), if self.aside.is_empty() => {
+                call = queued.recv(), if self.aside.is_empty() && self.waiting.len() < self.in_flight_max => {
                     let Some((request, ends_at, answer)) = call else { return };
                     if !self.take(request, ends_at, answer) {
                         return;
@@ -274,4 +291,58 @@ pub(crate) fn refused(refusal: pb::Refusal) -> ClientError {
         limit: named(refusal.limit),
         causes: Vec::new(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio_stream::wrappers::ReceiverStream;
+
+    use super::*;
+
+    fn get(id: u64) -> pb::SessionRequest {
+        let get = pb::GetRequest { namespace: "live".into(), key: format!("k{id}") };
+        pb::SessionRequest { id, call: Some(Call::Get(get)), timeout_ms: 0 }
+    }
+
+    /// At the server's limit of calls in flight the stream task sends no further call, so
+    /// a cancel goes out ahead of the next call and the server, which has room, reads it
+    /// at once. (The task sent every call it was given; past the limit the server held one
+    /// unstarted and read nothing behind it, so a cancel waited there, and the cancelled
+    /// reserve stayed parked, or was granted to nobody, until the held call could start.)
+    /// The runtime has one thread: the task runs until it waits each time the test waits,
+    /// so what it would send has been sent by the time the test looks.
+    #[tokio::test]
+    async fn at_the_servers_limit_a_cancel_goes_out_before_the_next_call() {
+        let (requests, mut outgoing) = mpsc::channel(CALLS_QUEUED_MAX);
+        let taken_back = Arc::default();
+        let routes = Routes {
+            waiting: HashMap::new(),
+            in_flight_max: 1,
+            aside: VecDeque::new(),
+            requests,
+            taken_back,
+        };
+        let (calls, queued) = mpsc::channel(CALLS_QUEUED_MAX);
+        let (cancels, cancelled) = mpsc::unbounded_channel();
+        let (answers, answered) = mpsc::channel(4);
+        let ends_at = deadline_from_now(Duration::from_secs(60));
+        let (first, _first_caller) = oneshot::channel();
+        let (second, second_caller) = oneshot::channel();
+        calls.send((get(1), ends_at, first)).await.unwrap();
+        calls.send((get(2), ends_at, second)).await.unwrap();
+        let task = tokio::spawn(routes.run(queued, cancelled, ReceiverStream::new(answered)));
+
+        assert_eq!(outgoing.recv().await.expect("the first call").0.id, 1);
+        assert!(outgoing.try_recv().is_err(), "the second call waits for room");
+        cancels.send(1).unwrap();
+        let cancel = outgoing.recv().await.expect("the cancel").0;
+        assert!(matches!((cancel.id, cancel.call), (1, Some(Call::Cancel(_)))), "the cancel goes first");
+        assert_eq!(outgoing.recv().await.expect("the second call").0.id, 2, "the cancel made room");
+        let answer = pb::SessionResponse { id: 2, result: Some(Out::Get(pb::GetResponse::default())) };
+        answers.send(Ok(answer)).await.unwrap();
+        assert!(matches!(second_caller.await, Ok(Out::Get(_))), "the answer reaches its caller");
+
+        drop(calls);
+        task.await.unwrap();
+    }
 }

@@ -23,3 +23,8 @@ pub const FIELD_METADATA: &str = "oncegate-field";
 /// (`waiters_per_key_max`, `tenants[].requests_per_s`, ...), so a client can tell its own
 /// quota from the server's load.
 pub const LIMIT_METADATA: &str = "oncegate-limit";
+/// The header of a `Session` stream's response that gives the most calls the server keeps
+/// in flight on it (`server.session_calls_in_flight_max`). Past that it holds one call
+/// unstarted and reads nothing more, so a cancel sent behind that call would wait for a
+/// call to end: a client that never has more in flight has every cancel read at once.
+pub const SESSION_CALLS_IN_FLIGHT_MAX_METADATA: &str = "oncegate-session-calls-in-flight-max";

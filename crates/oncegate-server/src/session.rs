@@ -5,9 +5,10 @@
 //! One task per stream reads requests and owns the calls in flight. It starts a call only
 //! while fewer than `server.session_calls_in_flight_max` calls are in flight, reading at
 //! most one request past that (so that a cancel is heard at the limit; a call read there
-//! waits unstarted), and answers through a channel of that many slots, so a client that stops reading stops
-//! the server from reading its requests: backpressure, never unbounded buffering. A
-//! call is queued on its shard as it is started (so a stream's calls reach their shards in
+//! waits unstarted; the stream's response names the limit, so that a client can keep
+//! within it and have each cancel read as it arrives), and answers through a channel of
+//! that many slots, so a client that stops reading stops the server from reading its
+//! requests: backpressure, never unbounded buffering. A call is queued on its shard as it is started (so a stream's calls reach their shards in
 //! the order they were sent). When the stream ends (the client goes away, or sends a
 //! message that does not decode) the task drops its calls in flight, and each is then
 //! what a unary call whose caller has gone is: one not yet decided is skipped by its
@@ -88,7 +89,10 @@ pub(crate) fn open(
     let (answers, responses) = mpsc::channel(in_flight_max);
     let session = Session::new(gate, tenant, in_flight_max);
     tokio::spawn(session.run(request.into_inner(), answers));
-    Ok(Response::new(Responses::new(responses)))
+    let mut response = Response::new(Responses::new(responses));
+    let limit = tonic::metadata::MetadataValue::from(in_flight_max as u64);
+    response.metadata_mut().insert(oncegate_proto::SESSION_CALLS_IN_FLIGHT_MAX_METADATA, limit);
+    Ok(response)
 }
 
 struct Session {

@@ -428,6 +428,18 @@ async fn a_cancelled_call_is_dropped_unanswered_and_its_id_is_free_again() {
     server.stop().await;
 }
 
+/// The stream's response names its limit of calls in flight, so that a client can keep
+/// within it: past it the server holds a call unstarted, and a cancel sent behind that
+/// call waits unread until the call can start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streams_response_names_its_limit_of_calls_in_flight() {
+    let server = start_with(|c| c.server.session_calls_in_flight_max = 3).await;
+    let (_requests, rx) = mpsc::channel::<pb::SessionRequest>(1);
+    let response = server.client().await.session(Request::new(ReceiverStream::new(rx))).await.unwrap();
+    let limit = response.metadata().get(oncegate_proto::SESSION_CALLS_IN_FLIGHT_MAX_METADATA);
+    assert_eq!(limit.map(|v| v.to_str().unwrap()), Some("3"), "{:?}", response.metadata());
+}
+
 /// A stream at its limit of calls in flight still hears a cancel: the server reads one
 /// request past the limit, and holds a call there unstarted until there is room.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
