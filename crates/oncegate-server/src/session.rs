@@ -316,14 +316,23 @@ mod tests {
             .unwrap()
     }
 
-    /// A stream that ends on a message that does not decode, while its client reads no
-    /// answers, waits to send its status with the answers' channel full. Its calls in
-    /// flight are dropped before that wait, so that a parked reserve is never granted
-    /// to a stream that is over (the id map kept each call's answer alive until the
-    /// status was sent). Driven here below tonic's transport, so that the channel is full
-    /// by construction rather than by flow-control windows.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_stream_ended_by_a_bad_message_drops_its_calls_before_its_status_waits() {
+    fn release(token: u64) -> KeyRequest {
+        KeyRequest { namespace: "live".into(), key: "k".into(), token, lease_ms: 0 }
+    }
+
+    /// One shard with `k` held (`holder` its token), and a stream of at most one call in
+    /// flight on it, fed frame by frame below tonic's transport.
+    struct Stand {
+        _dir: tempfile::TempDir,
+        engine: Engine,
+        tenant: Tenant,
+        holder: u64,
+        session: Session,
+        frames: mpsc::Sender<Result<Bytes, Status>>,
+        requests: Streaming<pb::SessionRequest>,
+    }
+
+    async fn stand() -> Stand {
         let dir = tempfile::tempdir().unwrap();
         let config = EngineConfig { data_dir: dir.path().to_owned(), shards: 1, ..EngineConfig::default() };
         let engine = Engine::open(config).expect("the engine opens");
@@ -340,6 +349,18 @@ mod tests {
             oncegate_proto::codec::StrictCodec::<pb::SessionResponse, pb::SessionRequest>::default();
         let body = Body::from_stream(ReceiverStream::new(body));
         let requests = Streaming::new_request(codec.decoder(), body, None, None);
+        Stand { _dir: dir, engine, tenant, holder, session, frames, requests }
+    }
+
+    /// A stream that ends on a message that does not decode, while its client reads no
+    /// answers, waits to send its status with the answers' channel full. Its calls in
+    /// flight are dropped before that wait, so that a parked reserve is never granted
+    /// to a stream that is over (the id map kept each call's answer alive until the
+    /// status was sent). Driven here below tonic's transport, so that the channel is full
+    /// by construction rather than by flow-control windows.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stream_ended_by_a_bad_message_drops_its_calls_before_its_status_waits() {
+        let Stand { _dir, engine, tenant, holder, session, frames, requests } = stand().await;
         let (answers, mut unread) = mpsc::channel(1);
         answers.try_send(Ok(pb::SessionResponse::default())).expect("the channel is empty");
         let served = tokio::spawn(session.run(requests, answers));
@@ -353,8 +374,7 @@ mod tests {
         assert!(waiters(&engine, 0).await, "the parked reserve is dropped while the status waits");
         assert!(!served.is_finished(), "the status waits for room in the answers' channel");
 
-        let release = KeyRequest { namespace: "live".into(), key: "k".into(), token: holder, lease_ms: 0 };
-        engine.release(&tenant, release).await.unwrap();
+        engine.release(&tenant, release(holder)).await.unwrap();
         match engine.reserve(&tenant, reserve(0)).await.unwrap().reply {
             ReserveReply::Granted { previous, .. } => assert_eq!(previous, Previous::None),
             other => panic!("the ended stream's reserve must not hold the key: {other:?}"),
@@ -373,30 +393,14 @@ mod tests {
     /// the two deadlines is set by construction.
     #[tokio::test(start_paused = true)]
     async fn a_call_held_at_the_limit_past_its_deadline_never_reaches_its_shard() {
-        let dir = tempfile::tempdir().unwrap();
-        let config = EngineConfig { data_dir: dir.path().to_owned(), shards: 1, ..EngineConfig::default() };
-        let engine = Engine::open(config).expect("the engine opens");
-        let tenant = Tenant::default_tenant();
-        let holder = match engine.reserve(&tenant, reserve(0)).await.unwrap().reply {
-            ReserveReply::Granted { token, .. } => token,
-            other => panic!("expected a grant, got {other:?}"),
-        };
-        let admit = Admit::new(64, &[], engine.clock().clone());
-        let gate = GateService::new(engine.clone(), Auth::new(&[]), admit, 1, Duration::from_secs(60));
-        let session = Session::new(gate, tenant.clone(), 1);
-        let (frames, body) = mpsc::channel(4);
-        let mut codec =
-            oncegate_proto::codec::StrictCodec::<pb::SessionResponse, pb::SessionRequest>::default();
-        let body = Body::from_stream(ReceiverStream::new(body));
-        let requests = Streaming::new_request(codec.decoder(), body, None, None);
+        let Stand { _dir, engine, tenant, holder, session, frames, requests } = stand().await;
         let (answers, mut answered) = mpsc::channel(4);
 
         // The reserve parks behind the holder and fills the stream's one place; the
         // release, read next, is held aside until the reserve's deadline frees it.
         let waiting = pb::ReserveRequest::from(reserve(20_000));
         let parked = pb::SessionRequest { id: 1, call: Some(In::Reserve(waiting)), timeout_ms: 1_000 };
-        let release = KeyRequest { namespace: "live".into(), key: "k".into(), token: holder, lease_ms: 0 };
-        let release = pb::ReleaseRequest::from(release);
+        let release = pb::ReleaseRequest::from(release(holder));
         let held = pb::SessionRequest { id: 2, call: Some(In::Release(release)), timeout_ms: 50 };
         frames.send(frame(&parked.encode_to_vec())).await.unwrap();
         frames.send(frame(&held.encode_to_vec())).await.unwrap();
