@@ -304,6 +304,23 @@ mod tests {
         pb::SessionRequest { id, call: Some(Call::Get(get)), timeout_ms: 0 }
     }
 
+    /// The limit is read from the stream's response header; a server that gives none,
+    /// or none that parses, is taken to have no limit.
+    #[test]
+    fn the_limit_of_calls_in_flight_is_read_from_the_response_header() {
+        let limit = |value: Option<&str>| {
+            let mut metadata = tonic::metadata::MetadataMap::new();
+            if let Some(value) = value {
+                metadata.insert(oncegate_proto::SESSION_CALLS_IN_FLIGHT_MAX_METADATA, value.parse().unwrap());
+            }
+            calls_in_flight_max(&metadata)
+        };
+        assert_eq!(limit(Some("3")), 3);
+        assert_eq!(limit(None), usize::MAX);
+        assert_eq!(limit(Some("0")), usize::MAX);
+        assert_eq!(limit(Some("many")), usize::MAX);
+    }
+
     /// At the server's limit of calls in flight the stream task sends no further call, so
     /// a cancel goes out ahead of the next call and the server, which has room, reads it
     /// at once. (The task sent every call it was given; past the limit the server held one

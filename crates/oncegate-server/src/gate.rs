@@ -46,6 +46,10 @@ impl Deadline {
     fn unanswered(&self) -> Refusal {
         Refusal::Unanswered { within_ms: self.within.as_millis() as u64, limit: self.limit }
     }
+
+    fn unstarted(&self) -> Refusal {
+        Refusal::Unstarted { within_ms: self.within.as_millis() as u64, limit: self.limit }
+    }
 }
 
 /// A short, stable digest of a key for logs: keys can carry customer data, so the raw
@@ -277,7 +281,7 @@ impl GateService {
         // caller was told that it had not been answered in time.
         let passed = deadline.filter(|d| d.until() <= tokio::time::Instant::now());
         let (tenant, admitted) = match (tenant, passed) {
-            (Ok(tenant), Some(passed)) => (Some(tenant), Err(passed.unanswered())),
+            (Ok(tenant), Some(passed)) => (Some(tenant), Err(passed.unstarted())),
             (Ok(tenant), None) => {
                 let admitted = self
                     .admit

@@ -40,6 +40,16 @@ pub enum Refusal {
         /// Where the deadline came from, in words.
         limit: &'static str,
     },
+    /// A call whose deadline passed before it could start (a `Session` call held at the
+    /// stream's limit, an HTTP request whose body took its time): it never reached its
+    /// shard, so it had no effect.
+    #[error("not started within {within_ms} ms ({limit}); the call had no effect")]
+    Unstarted {
+        /// The deadline, from when the call was read.
+        within_ms: u64,
+        /// Where the deadline came from, in words.
+        limit: &'static str,
+    },
     /// An online add-shards could not start or stopped (`Admin.AddShards`).
     #[error("adding shards: {0}")]
     AddShards(oncegate_engine::OpenError),
@@ -68,7 +78,7 @@ impl Refusal {
         match self {
             Refusal::Engine(error) => error.code(),
             Refusal::Unauthenticated(_) => Code::Unauthenticated,
-            Refusal::Unanswered { .. } => Code::Unavailable,
+            Refusal::Unanswered { .. } | Refusal::Unstarted { .. } => Code::Unavailable,
             Refusal::Exhausted { .. } | Refusal::RateLimited { .. } => Code::ResourceExhausted,
             Refusal::AddShards(oncegate_engine::OpenError::Config(_)) => Code::InvalidArgument,
             Refusal::AddShards(
@@ -100,6 +110,7 @@ impl Refusal {
             Refusal::Engine(_)
             | Refusal::Unauthenticated(_)
             | Refusal::Unanswered { .. }
+            | Refusal::Unstarted { .. }
             | Refusal::AddShards(_) => (None, None),
         }
     }

@@ -438,6 +438,8 @@ async fn a_streams_response_names_its_limit_of_calls_in_flight() {
     let response = server.client().await.session(Request::new(ReceiverStream::new(rx))).await.unwrap();
     let limit = response.metadata().get(oncegate_proto::SESSION_CALLS_IN_FLIGHT_MAX_METADATA);
     assert_eq!(limit.map(|v| v.to_str().unwrap()), Some("3"), "{:?}", response.metadata());
+    drop((response, _requests));
+    server.stop().await;
 }
 
 /// A stream at its limit of calls in flight still hears a cancel: the server reads one
