@@ -157,8 +157,7 @@ async fn open(
     let response = gate.session(request).await?;
     let in_flight_max = calls_in_flight_max(response.metadata());
     let answers = response.into_inner();
-    let routes =
-        Routes { waiting: HashMap::new(), in_flight_max, aside: VecDeque::new(), requests, taken_back };
+    let routes = Routes::new(requests, taken_back, in_flight_max);
     tokio::spawn(routes.run(queued, cancelled, answers));
     Ok(Open { calls, cancels })
 }
@@ -192,6 +191,14 @@ struct Routes {
 }
 
 impl Routes {
+    fn new(
+        requests: mpsc::Sender<(pb::SessionRequest, Instant)>,
+        taken_back: Arc<std::sync::Mutex<HashSet<u64>>>,
+        in_flight_max: usize,
+    ) -> Routes {
+        Routes { waiting: HashMap::new(), in_flight_max, aside: VecDeque::new(), requests, taken_back }
+    }
+
     async fn run(
         mut self,
         mut queued: mpsc::Receiver<Waiting>,
@@ -331,14 +338,7 @@ mod tests {
     #[tokio::test]
     async fn at_the_servers_limit_a_cancel_goes_out_before_the_next_call() {
         let (requests, mut outgoing) = mpsc::channel(CALLS_QUEUED_MAX);
-        let taken_back = Arc::default();
-        let routes = Routes {
-            waiting: HashMap::new(),
-            in_flight_max: 1,
-            aside: VecDeque::new(),
-            requests,
-            taken_back,
-        };
+        let routes = Routes::new(requests, Arc::default(), 1);
         let (calls, queued) = mpsc::channel(CALLS_QUEUED_MAX);
         let (cancels, cancelled) = mpsc::unbounded_channel();
         let (answers, answered) = mpsc::channel(4);

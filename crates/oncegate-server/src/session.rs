@@ -5,22 +5,22 @@
 //! One task per stream reads requests and owns the calls in flight. It starts a call only
 //! while fewer than `server.session_calls_in_flight_max` calls are in flight, reading at
 //! most one request past that (so that a cancel is heard at the limit; a call read there
-//! waits unstarted; the stream's response names the limit, so that a client can keep
-//! within it and have each cancel read as it arrives), and answers through a channel of
-//! that many slots, so a client that stops reading stops the server from reading its
-//! requests: backpressure, never unbounded buffering. A call is queued on its shard as it is started (so a stream's calls reach their shards in
-//! the order they were sent). When the stream ends (the client goes away, or sends a
-//! message that does not decode) the task drops its calls in flight, and each is then
-//! what a unary call whose caller has gone is: one not yet decided is skipped by its
-//! shard (never granted, never parked); one already written keeps its effect, and its
-//! answer is lost. A call also has a deadline, as a unary call has (its `timeout_ms`,
-//! at most `server.request_timeout_ms`): past it the call is dropped in the same way and
-//! answered `unavailable`, so that a shard that stalls never grants, long after, a
-//! reserve whose client has given up on it. The deadline counts from when the call was
-//! read, so a call held at the limit spends its time waiting, and one whose deadline
-//! passed while it was held is refused without reaching its shard. And a client whose caller has gone sends a
-//! `cancel` for its call, which drops it in the same way, unanswered: the stream's
-//! equivalent of a unary call's reset.
+//! waits unstarted; the stream's response names the limit, so that a client can keep within
+//! it and have each cancel read as it arrives), and answers through a channel of that many
+//! slots, so a client that stops reading stops the server from reading its requests:
+//! backpressure, never unbounded buffering. A call is queued on its shard as it is started
+//! (so a stream's calls reach their shards in the order they were sent). When the stream
+//! ends (the client goes away, or sends a message that does not decode) the task drops its
+//! calls in flight, and each is then what a unary call whose caller has gone is: one not
+//! yet decided is skipped by its shard (never granted, never parked); one already written
+//! keeps its effect, and its answer is lost. A call also has a deadline, as a unary call
+//! has (its `timeout_ms`, at most `server.request_timeout_ms`): past it the call is dropped
+//! in the same way and answered `unavailable`, so that a shard that stalls never grants,
+//! long after, a reserve whose client has given up on it. The deadline counts from when the
+//! call was read, so a call held at the limit spends its time waiting, and one whose
+//! deadline passed while it was held is refused without reaching its shard. And a client
+//! whose caller has gone sends a `cancel` for its call, which drops it in the same way,
+//! unanswered: the stream's equivalent of a unary call's reset.
 
 use std::collections::HashMap;
 use std::pin::Pin;
