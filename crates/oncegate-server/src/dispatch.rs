@@ -10,7 +10,6 @@
 
 use std::convert::Infallible;
 use std::task::{Context, Poll, ready};
-use std::time::Instant;
 
 use axum::http::{Request, Response};
 use futures_util::future::Either;
@@ -54,7 +53,7 @@ pub(crate) struct Dispatch {
 /// When a request for the router reached the port: tonic's request timeout counts from
 /// about then, and the HTTP API must answer before it does, however long the body took.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Arrived(pub Instant);
+pub(crate) struct Arrived(pub tokio::time::Instant);
 
 /// Whether `path` names a method of the `Gate` service (`/oncegate.v1.Gate/Reserve`).
 fn is_gate_call(path: &str) -> bool {
@@ -80,7 +79,7 @@ impl Service<Request<Body>> for Dispatch {
             Either::Left(self.gate.call(request))
         } else {
             let mut request = request;
-            request.extensions_mut().insert(Arrived(Instant::now()));
+            request.extensions_mut().insert(Arrived(tokio::time::Instant::now()));
             Either::Right(self.routes.call(request))
         }
     }

@@ -4,11 +4,12 @@
 use std::borrow::Cow;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use oncegate_core::Tenant;
 use oncegate_engine::{CommitRequest, Engine, KeyRequest, ReserveRequest};
 use oncegate_proto::v1 as pb;
+use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
@@ -33,13 +34,13 @@ pub struct GateService {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Deadline {
     /// When the call was read: a call held before it starts spends its time waiting.
-    pub from: tokio::time::Instant,
+    pub from: Instant,
     pub within: Duration,
     pub limit: &'static str,
 }
 
 impl Deadline {
-    fn until(&self) -> tokio::time::Instant {
+    fn until(&self) -> Instant {
         self.from + self.within
     }
 
@@ -265,7 +266,9 @@ impl GateService {
         message: M,
         deadline: Option<Deadline>,
     ) -> impl Future<Output = Answer<M::Reply>> + Send + 'static + use<M> {
-        let started = Instant::now();
+        // A call with a deadline is timed from when it was read, as its deadline is: a call
+        // held at a stream's limit, or whose HTTP body was slow, spent that time waiting.
+        let started = deadline.map_or_else(Instant::now, |d| d.from);
         let debug = tracing::enabled!(tracing::Level::DEBUG);
         let key = debug.then(|| message.key().into_owned());
         let span = if debug {
@@ -279,7 +282,7 @@ impl GateService {
         // A call whose deadline passed before it could start (held behind a stream's limit)
         // is refused without reaching its shard: queued, it could take effect after its
         // caller was told that it had not been answered in time.
-        let passed = deadline.filter(|d| d.until() <= tokio::time::Instant::now());
+        let passed = deadline.filter(|d| d.until() <= Instant::now());
         let (tenant, admitted) = match (tenant, passed) {
             (Ok(tenant), Some(passed)) => (Some(tenant), Err(passed.unstarted())),
             (Ok(tenant), None) => {

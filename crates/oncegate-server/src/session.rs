@@ -76,12 +76,7 @@ pub(crate) fn open(
     let tenant = match gate.auth().tenant(request.metadata()) {
         Ok(tenant) => tenant,
         Err(refusal) => {
-            crate::telemetry::record_call(
-                "session",
-                None,
-                refusal.code().as_str(),
-                std::time::Instant::now(),
-            );
+            crate::telemetry::record_call("session", None, refusal.code().as_str(), Instant::now());
             return Err(refusal.to_status());
         }
     };
@@ -385,15 +380,31 @@ mod tests {
         served.await.unwrap();
     }
 
+    /// How many `release` calls the process's latency histogram holds that took longer
+    /// than half a second.
+    fn slow_releases() -> u64 {
+        let text = crate::telemetry::handle().render();
+        let sample = |series: &str| {
+            text.lines()
+                .find_map(|line| line.strip_prefix(series))
+                .map_or(0, |value| value.trim().parse::<f64>().expect("a sample's value") as u64)
+        };
+        let name = "oncegate_request_duration_seconds";
+        sample(&format!("{name}_count{{rpc=\"release\"}}"))
+            - sample(&format!("{name}_bucket{{rpc=\"release\",le=\"0.5\"}}"))
+    }
+
     /// A call held at the stream's limit spends its deadline waiting: one whose
     /// deadline passed while it was held is refused without reaching its shard. (The
     /// deadline counted from when the call started, so a release held behind a parked
     /// reserve was started with all its time still to run, long after its client had
-    /// given up, and released the key.) The clock is tokio's paused one, so the order of
-    /// the two deadlines is set by construction.
+    /// given up, and released the key.) Its latency counts the wait too (it was timed from
+    /// when it started). The clock is tokio's paused one, so the order of the two
+    /// deadlines is set by construction.
     #[tokio::test(start_paused = true)]
     async fn a_call_held_at_the_limit_past_its_deadline_never_reaches_its_shard() {
         let Stand { _dir, engine, tenant, holder, session, frames, requests } = stand().await;
+        let slow_before = slow_releases();
         let (answers, mut answered) = mpsc::channel(4);
 
         // The reserve parks behind the holder and fills the stream's one place; the
@@ -420,6 +431,7 @@ mod tests {
         refused.sort_unstable();
         assert!(refused[0].1.starts_with("no answer within 1000 ms"), "{refused:?}");
         assert!(refused[1].1.starts_with("not started within 50 ms"), "the held call: {refused:?}");
+        assert!(slow_releases() > slow_before, "the held release's latency counts its second held");
         match engine.reserve(&tenant, reserve(0)).await.unwrap().reply {
             ReserveReply::InProgress { .. } => {}
             other => panic!("the held release must not have reached the shard: {other:?}"),

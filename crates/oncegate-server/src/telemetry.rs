@@ -9,13 +9,13 @@
 //! when `/metrics` is scraped.
 
 use std::sync::OnceLock;
-use std::time::Instant;
 
 use axum::http::StatusCode;
 use axum::routing::get;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use oncegate_core::Tenant;
 use oncegate_engine::{Engine, ShardState};
+use tokio::time::Instant;
 
 /// Histogram buckets for latencies, in seconds: 100 µs to 10 s.
 const SECONDS_BUCKETS: &[f64] =
@@ -65,7 +65,8 @@ pub fn handle() -> &'static PrometheusHandle {
 
 /// Counts one call and records its latency. `result` is the outcome (`granted`,
 /// `in_progress`, `completed`, `mismatch`, `granted_after_abandon`, `ok`) or the stable
-/// error code of a refusal.
+/// error code of a refusal. `started` is on tokio's clock, as every call's deadline is,
+/// so that the latency and the deadline of one call are measured alike.
 pub fn record_call(rpc: &'static str, tenant: Option<&Tenant>, result: &'static str, started: Instant) {
     let tenant = tenant.map_or_else(|| "-".to_owned(), ToString::to_string);
     metrics::counter!("oncegate_requests_total", "rpc" => rpc, "result" => result, "tenant" => tenant)

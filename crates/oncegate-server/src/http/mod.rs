@@ -12,7 +12,7 @@
 mod json;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::Json;
 use axum::extract::rejection::{JsonRejection, PathRejection};
@@ -24,6 +24,7 @@ use axum::routing::{get, post};
 use oncegate_core::{Code, Tenant};
 use oncegate_proto::v1 as pb;
 use serde::Serialize;
+use tokio::time::Instant;
 use utoipa::OpenApi;
 
 use crate::dispatch::Arrived;
@@ -131,7 +132,7 @@ async fn call<M: Call, A: Serialize>(
         }
     };
     let deadline = Deadline {
-        from: tokio::time::Instant::from_std(request.arrived),
+        from: request.arrived,
         within: http.answer_within,
         limit: "server.request_timeout_ms less 500 ms, from the request's arrival",
     };
@@ -202,7 +203,8 @@ struct Head {
     /// The header list's size as HTTP/2 counts it (RFC 9113, 6.5.2): each name and value
     /// and 32 bytes a field.
     header_bytes: usize,
-    /// When it reached the port (now, for a router used without the dispatch).
+    /// When it reached the port (now, for a router used without the dispatch), on tokio's
+    /// clock, as its deadline is.
     arrived: Instant,
 }
 
@@ -467,7 +469,51 @@ pub fn openapi_json() -> String {
 
 #[cfg(test)]
 mod tests {
+    use oncegate_core::ReserveReply;
+    use oncegate_engine::{Engine, EngineConfig, ReserveRequest};
+    use tower::ServiceExt;
+
     use super::*;
+    use crate::auth::Auth;
+    use crate::tenants::Admit;
+
+    fn reserve() -> ReserveRequest {
+        ReserveRequest { namespace: "live".into(), key: "k".into(), ..ReserveRequest::default() }
+    }
+
+    /// A request's arrival and its deadline are read from one clock, tokio's. (The
+    /// arrival was read from the standard clock, so on a tokio clock that had moved on,
+    /// paused in tests or not, a request that had just arrived was past its deadline and
+    /// refused as not started.) The clock is moved a minute ahead of the standard one and
+    /// then runs on, so that the shard's answer is awaited in real time.
+    #[tokio::test]
+    async fn a_request_is_timed_on_the_clock_its_deadline_is_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = EngineConfig { data_dir: dir.path().to_owned(), shards: 1, ..EngineConfig::default() };
+        let engine = Engine::open(config).expect("the engine opens");
+        let tenant = Tenant::default_tenant();
+        let token = match engine.reserve(&tenant, reserve()).await.unwrap().reply {
+            ReserveReply::Granted { token, .. } => token,
+            other => panic!("expected a grant, got {other:?}"),
+        };
+        let admit = Admit::new(64, &[], engine.clock().clone());
+        let gate = GateService::new(engine.clone(), Auth::new(&[]), admit, 1, Duration::from_secs(2));
+        tokio::time::pause();
+        tokio::time::advance(Duration::from_secs(60)).await;
+        tokio::time::resume();
+
+        let body = serde_json::json!({"namespace": "live", "key": "k", "token": token.to_string()});
+        let request = axum::http::Request::post("/v1/release")
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(axum::body::Body::from(body.to_string()))
+            .unwrap();
+        let answer = router(gate, 1 << 20, 16 << 10).oneshot(request).await.unwrap();
+        assert_eq!(answer.status(), StatusCode::OK, "the release is answered within its deadline");
+        match engine.reserve(&tenant, reserve()).await.unwrap().reply {
+            ReserveReply::Granted { .. } => {}
+            other => panic!("the release must have freed the key: {other:?}"),
+        }
+    }
 
     /// The configuration holds `server.request_timeout_ms` at least a second above
     /// `engine.limits.wait_ms_max`; at that least, an HTTP call still outlasts the longest
