@@ -28,6 +28,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Poll, Waker};
 use std::time::Duration;
 
+use futures_util::FutureExt;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use oncegate_core::{Invalid, Tenant};
 use oncegate_proto::v1 as pb;
@@ -263,13 +264,14 @@ impl Session {
     /// One call on the unary path, its answer wrapped for the stream.
     fn begin<M: Call>(&self, id: u64, message: M, deadline: Deadline, wrap: fn(M::Reply) -> Out) -> Answer {
         let answer = self.gate.begin(Ok(self.tenant.clone()), message, Some(deadline));
-        Box::pin(async move {
-            let result = match answer.await {
+        // A combinator, not an `async` block, which would hold `answer` twice.
+        Box::pin(answer.map(move |answer| {
+            let result = match answer {
                 Ok((reply, _)) => wrap(reply),
                 Err(refusal) => Out::Refusal(refusal.to_wire()),
             };
             pb::SessionResponse { id, result: Some(result) }
-        })
+        }))
     }
 }
 
