@@ -269,7 +269,9 @@ impl GateService {
     /// authenticated (or refused): admit, start on the engine (queued before this
     /// returns), then count, time and log the answer. The admission holds the call's
     /// slots until the engine answers. Past `deadline` the engine's answer is given up:
-    /// dropping it is what makes the shard skip a call not yet decided.
+    /// dropping it is what makes the shard skip a call not yet decided. A call with a
+    /// deadline builds its timer here, so it must begin on a tokio runtime with its time
+    /// driver (every front's calls do).
     pub(crate) fn begin<M: Call>(
         &self,
         tenant: Result<Tenant, Refusal>,

@@ -401,8 +401,8 @@ mod tests {
     /// deadline counted from when the call started, so a release held behind a parked
     /// reserve was started with all its time still to run, long after its client had
     /// given up, and released the key.) Its latency counts the wait too (it was timed from
-    /// when it started). The clock is tokio's paused one, so the order of the two
-    /// deadlines is set by construction.
+    /// when it started, so the time held went uncounted). The clock is tokio's paused one,
+    /// so the order of the two deadlines is set by construction.
     #[tokio::test(start_paused = true)]
     async fn a_call_held_at_the_limit_past_its_deadline_never_reaches_its_shard() {
         let Stand { _dir, engine, tenant, holder, session, frames, requests } = stand().await;
@@ -433,7 +433,7 @@ mod tests {
         refused.sort_unstable();
         assert!(refused[0].1.starts_with("no answer within 1000 ms"), "{refused:?}");
         assert!(refused[1].1.starts_with("not started within 50 ms"), "the held call: {refused:?}");
-        assert!(slow_releases() > slow_before, "the held release's latency counts its second held");
+        assert!(slow_releases() > slow_before, "the held release's latency counts the second it was held");
         match engine.reserve(&tenant, reserve(0)).await.unwrap().reply {
             ReserveReply::InProgress { .. } => {}
             other => panic!("the held release must not have reached the shard: {other:?}"),

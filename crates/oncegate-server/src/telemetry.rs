@@ -67,7 +67,12 @@ pub fn handle() -> &'static PrometheusHandle {
 /// `in_progress`, `completed`, `mismatch`, `granted_after_abandon`, `ok`) or the stable
 /// error code of a refusal. `started` is on tokio's clock, as every call's deadline is,
 /// so that the latency and the deadline of one call are measured alike.
-pub fn record_call(rpc: &'static str, tenant: Option<&Tenant>, result: &'static str, started: Instant) {
+pub(crate) fn record_call(
+    rpc: &'static str,
+    tenant: Option<&Tenant>,
+    result: &'static str,
+    started: Instant,
+) {
     let tenant = tenant.map_or_else(|| "-".to_owned(), ToString::to_string);
     metrics::counter!("oncegate_requests_total", "rpc" => rpc, "result" => result, "tenant" => tenant)
         .increment(1);

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use oncegate_proto::v1 as pb;
 use oncegate_proto::v1::gate_client::GateClient;
-use oncegate_server::{TenantConfig, token_sha256};
+use oncegate_server::{Config, TenantConfig, token_sha256};
 use pb::session_request::Call;
 use pb::session_response::Result as Out;
 use tokio::sync::mpsc;
@@ -16,7 +16,7 @@ use tonic::{Code, Request, Streaming};
 
 mod common;
 
-use common::{RawReserve, Running, granted, reserve, start_with};
+use common::{RawReserve, Running, exhausted, granted, reserve, start_with};
 
 /// One open stream: requests go in through `send`, answers come out of `answers`.
 struct Stream {
@@ -122,11 +122,19 @@ struct Held {
 }
 
 async fn held(key: &str, limit: Option<usize>) -> Held {
-    let server = start_with(|c| {
-        c.engine.shards = 1;
+    held_with(key, |c| {
         if let Some(limit) = limit {
             c.server.session_calls_in_flight_max = limit;
         }
+    })
+    .await
+}
+
+/// [`held`] on a server configured by `edit` as well.
+async fn held_with(key: &str, edit: impl FnOnce(&mut Config)) -> Held {
+    let server = start_with(|c| {
+        c.engine.shards = 1;
+        edit(c);
     })
     .await;
     let mut unary = server.client().await;
@@ -410,6 +418,34 @@ async fn a_call_past_its_timeout_is_answered_unavailable_and_never_granted() {
     let get = pb::SessionRequest { id: 2, call: Some(get("k")), timeout_ms: u64::MAX };
     stream.requests.send(get).await.unwrap();
     assert!(matches!(stream.next().await, (2, Out::Get(_))));
+    server.stop().await;
+}
+
+/// A call's place under `server.requests_in_flight_max` is held while it waits on its
+/// shard, and given back when the call is given up: at its deadline, before its refusal is
+/// sent, and at its cancel, before the stream reads its next request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_calls_place_in_the_servers_limit_is_held_while_it_waits_and_given_back_when_given_up() {
+    let Held { server, mut unary, holder, mut stream } =
+        held_with("k", |c| c.server.requests_in_flight_max = 1).await;
+    let other = || pb::GetRequest { namespace: "live".into(), key: "other".into() };
+    let waiting = pb::ReserveRequest { wait_ms: 20_000, ..reserve("k") };
+    let request = pb::SessionRequest { id: 1, call: Some(Call::Reserve(waiting)), timeout_ms: 300 };
+    stream.requests.send(request).await.unwrap();
+    assert!(waiters(&server, 1).await, "the stream's reserve is parked");
+    let shed = unary.get(other()).await.expect_err("the parked call holds the one place");
+    exhausted(&shed, "server.requests_in_flight_max");
+
+    let (id, answer) = stream.next().await;
+    assert_eq!((id, refusal(answer).code.as_str()), (1, "unavailable"), "the call's deadline passed");
+    unary.get(other()).await.expect("the timed-out call gave its place back");
+    assert!(waiters(&server, 0).await, "the parked reserve is dropped with its call");
+
+    stream.send(2, reserve_waiting("k")).await;
+    assert!(waiters(&server, 1).await, "the stream's second reserve is parked");
+    stream.send(2, Call::Cancel(pb::Cancel {})).await;
+    assert!(matches!(stream.call(3, get("k")).await, Out::Get(_)), "the cancelled call gave its place back");
+    release_and_regrant(&mut unary, holder, "the calls given up").await;
     server.stop().await;
 }
 
