@@ -204,6 +204,12 @@ impl Inode {
         }
     }
 
+    /// A failed writeback as Linux leaves it: the unsynced sectors stay readable, but
+    /// are marked clean, so no later sync writes them and a cut loses them.
+    fn lose_unsynced(&mut self) {
+        self.dirty.clear();
+    }
+
     /// What the file holds after a cut.
     fn survive(&mut self, cut: Cut, rng: &mut impl Rng) {
         let mut image = self.durable.clone();
@@ -279,11 +285,21 @@ pub(crate) struct State {
     /// cut keeps or undoes a rename whole, as journaling file systems do.
     rename_links: HashMap<PathBuf, u64>,
     next_link: u64,
+    /// The segment (its inode) whose next sync is planned to fail as a failed writeback
+    /// does, and how many of its writes fail after it (see [`Disk::fail_next_sync_of`]).
+    failing_sync: Option<(u64, u32)>,
+    /// That segment's writes left to fail: its inode, and how many.
+    failing_writes: (u64, u32),
     pub stats: DiskStats,
 }
 
 fn power_off() -> io::Error {
     io::Error::other("the simulated disk has no power")
+}
+
+/// A planned failure of the device (see [`Disk::fail_next_sync_of`]).
+fn io_error() -> io::Error {
+    io::Error::other("the simulated disk failed the operation (EIO)")
 }
 
 fn not_found(path: &Path) -> io::Error {
@@ -459,6 +475,8 @@ impl Disk {
             fuse: None,
             rename_links: HashMap::new(),
             next_link: 0,
+            failing_sync: None,
+            failing_writes: (0, 0),
             stats: DiskStats::default(),
         };
         let name = format!("oncegate-simdisk-{}", DISKS.fetch_add(1, Ordering::SeqCst));
@@ -489,6 +507,17 @@ impl Disk {
     /// epoch file.
     pub fn cut_after_ops(&self, ops: u64) {
         self.lock_state().fuse = Some(ops);
+    }
+
+    /// Makes the next sync of the log segment at `path` fail as a failed writeback does
+    /// on Linux: `EIO`, and what it would have made durable stays readable but is marked
+    /// clean, so no later sync writes it and a cut loses it. The `writes_after` writes of
+    /// the segment that follow fail too (a disk failing for a while).
+    pub fn fail_next_sync_of(&self, path: &Path, writes_after: u32) -> io::Result<()> {
+        let mut state = self.lock_state();
+        let inode = state.inode_of(path)?;
+        state.failing_sync = Some((inode, writes_after));
+        Ok(())
     }
 
     /// Whether the power is on.
@@ -540,6 +569,8 @@ impl Disk {
         state.locks.clear();
         state.rename_links.clear();
         state.fuse = None;
+        state.failing_sync = None;
+        state.failing_writes = (0, 0);
         state.generation += 1;
         state.powered = true;
     }
@@ -588,6 +619,10 @@ impl SegmentFile for SimSegment {
 
     fn write_at(&self, offset: u64, bytes: &[u8]) -> io::Result<()> {
         self.boot.with(|state| {
+            if state.failing_writes.0 == self.inode && state.failing_writes.1 > 0 {
+                state.failing_writes.1 -= 1;
+                return Err(io_error());
+            }
             state.write(self.inode, offset as usize, bytes);
             Ok(())
         })
@@ -595,6 +630,15 @@ impl SegmentFile for SimSegment {
 
     fn sync_data(&self) -> io::Result<()> {
         self.boot.with(|state| {
+            if let Some((inode, writes_after)) = state.failing_sync.filter(|(inode, _)| *inode == self.inode)
+            {
+                state.failing_sync = None;
+                state.failing_writes = (inode, writes_after);
+                if let Some(inode) = state.inodes.get_mut(&inode) {
+                    inode.lose_unsynced();
+                }
+                return Err(io_error());
+            }
             state.sync_inode(self.inode);
             Ok(())
         })

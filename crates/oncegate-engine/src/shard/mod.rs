@@ -181,6 +181,8 @@ pub(crate) struct Shard {
     received: std::collections::HashSet<u32>,
     backoff_ms: u64,
     reopen_at: Option<Instant>,
+    /// Zeros a failed log commit could not write, which the next open writes first.
+    owed_zeros: crate::store::log::OwedZeros,
     /// How far the store's time was ahead of the shard's frame at its last transaction
     /// (a PostgreSQL database's clock; 0 for a file), for scheduling alarms in its time.
     store_ahead_ms: i64,
@@ -240,6 +242,7 @@ impl Shard {
             handed: None,
             received: std::collections::HashSet::new(),
             reopen_at: None,
+            owed_zeros: Default::default(),
             store_ahead_ms: 0,
             polled_at_ms: 0,
         }

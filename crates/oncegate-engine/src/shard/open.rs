@@ -118,6 +118,7 @@ impl Shard {
             StoreKind::Log => {
                 let tuning = log::Tuning {
                     retired: Arc::clone(&self.shared.checkpoints),
+                    owed: self.owed_zeros.clone(),
                     ..log::Tuning::of(&self.config, Arc::clone(&self.files), Some(owned), self.slots.routing)
                 };
                 let (store, meta, created) = log::Store::open(&self.path, &tuning, &self.faults)?;

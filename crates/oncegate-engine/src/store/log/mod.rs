@@ -96,6 +96,9 @@ pub(crate) struct Tuning {
     pub routing: Routing,
     /// Where segments retired by compaction are counted (the shard's checkpoints).
     pub retired: Arc<std::sync::atomic::AtomicU64>,
+    /// Frames taken back whose zeros could not be written: kept by the shard across its
+    /// reopens, and zeroed by the next open before it reads the log.
+    pub owed: OwedZeros,
     /// The slots the shard keeps: the open deletes the records of every other slot (a
     /// slot move cut short left them). `None` keeps every record.
     pub owned: Option<crate::slots::Owned>,
@@ -117,8 +120,26 @@ impl Tuning {
             files,
             routing,
             retired: Arc::default(),
+            owed: OwedZeros::default(),
             owned,
         }
+    }
+}
+
+/// Places in the log that must be zeroed before it is read again: frames of a commit
+/// taken back after a failed sync, whose zeros could not even be written. Such a frame
+/// stays readable in the page cache, marked clean, while the disk may never get it (Linux
+/// after a failed writeback): read by the shard's reopen in this process as the log's, it
+/// would become the chain that later commits extend, and after a power cut they would
+/// stand past a frame the disk lost, which the open refuses as damage. (A process
+/// restart in between forgets them; its open then reads the page cache as this one would
+/// have.)
+#[derive(Clone, Debug, Default)]
+pub(crate) struct OwedZeros(Arc<std::sync::Mutex<Vec<(u32, u64, u64)>>>);
+
+impl OwedZeros {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(u32, u64, u64)>> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
@@ -193,6 +214,7 @@ pub(crate) struct Store {
     /// The record counts read at open, until the shard takes them.
     tally: Option<Tally>,
     retired: Arc<std::sync::atomic::AtomicU64>,
+    owed: OwedZeros,
 }
 
 impl Drop for Store {
@@ -268,7 +290,9 @@ impl Store {
             recent: Recent::default(),
             tally: None,
             retired: Arc::clone(&tuning.retired),
+            owed: tuning.owed.clone(),
         };
+        store.pay_owed_zeros()?;
         let recover::Recovered { meta, created, foreign } = store.recover(tuning.owned.as_ref())?;
         store.frame_time_ms = meta.high_water_ms;
         if created {
@@ -521,13 +545,36 @@ impl Store {
     /// would be that damage. When they cannot even be written, the frames before it are
     /// zeroed all the same: read whole by the reopen, the transaction would become the
     /// chain that later commits extend.
+    ///
+    /// A frame whose zeros cannot be written is owed them ([`OwedZeros`]): the next open
+    /// writes them before it reads the log.
     fn unwrite(&self, frames: &[txn::Pending]) {
         for frame in frames.iter().rev() {
             let file = &self.segments[&frame.seq];
-            if file.write_at(frame.start, &vec![0; frame.bytes.len()]).is_ok() && file.sync_data().is_err() {
-                return;
+            match file.write_at(frame.start, &vec![0; frame.bytes.len()]) {
+                Ok(()) if file.sync_data().is_err() => return,
+                Ok(()) => {}
+                Err(_) => {
+                    self.owed.lock().push((frame.seq, frame.start, frame.start + frame.bytes.len() as u64))
+                }
             }
         }
+    }
+
+    /// Writes and syncs the zeros an earlier store of this shard owed (in the order they
+    /// were owed: a transaction's last frame first), before the log is read. A failure
+    /// fails the open, which is tried again, and the zeros stay owed.
+    fn pay_owed_zeros(&mut self) -> Result<(), StoreError> {
+        let mut owed = self.owed.lock();
+        while let Some(&(seq, from, to)) = owed.first() {
+            // A segment no longer there was retired with its frames.
+            if let Some(file) = self.segments.get(&seq) {
+                write_zeros(&**file, from, to).map_err(io(&self.dir))?;
+                file.sync_data().map_err(io(&self.dir))?;
+            }
+            owed.remove(0);
+        }
+        Ok(())
     }
 
     /// Segments from the oldest to the head.
@@ -687,6 +734,7 @@ mod tests {
             files,
             routing: Routing::BucketBase,
             retired: Arc::default(),
+            owed: OwedZeros::default(),
             owned: None,
         }
     }

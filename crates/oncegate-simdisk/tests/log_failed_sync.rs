@@ -1,0 +1,77 @@
+//! A commit on the log whose `fdatasync` fails as Linux fails a writeback (`EIO`, and the
+//! frame left readable in the page cache but marked clean, so the disk may never get it),
+//! on a disk that then fails the zeros meant to take the frame back. The shard's reopen in
+//! the same process must not take that frame for the log's: commits chained onto it would
+//! be acknowledged, and after a power cut the log would end where the lost frame was, with
+//! their frames past that end (refused as damage, the shard down until repaired by hand).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use oncegate_core::{Outcome, ReserveReply, Tenant};
+use oncegate_engine::{
+    CommitRequest, Engine, EngineConfig, Error, Faults, ManualClock, ReserveRequest, StoreConfig, StoreKind,
+};
+use oncegate_simdisk::disk::{Cut, Disk};
+use rand::SeedableRng;
+
+fn open(disk: &Disk) -> Result<Engine, oncegate_engine::OpenError> {
+    // Small segments: the log's spares are zero-filled in memory.
+    let store =
+        StoreConfig { kind: Some(StoreKind::Log), log_segment_bytes: 320 << 10, ..StoreConfig::default() };
+    let config =
+        EngineConfig { data_dir: PathBuf::from("/data"), shards: 1, store, ..EngineConfig::default() };
+    let clock = Arc::new(ManualClock::new(1_700_000_000_000));
+    Engine::open_on(config, clock, Faults::default(), Arc::new(disk.boot()))
+}
+
+fn reserve(engine: &Engine, key: &str) -> Result<ReserveReply, Error> {
+    let request =
+        ReserveRequest { namespace: "live".into(), key: key.into(), lease_ms: 600_000, ..Default::default() };
+    engine.reserve_blocking(&Tenant::default_tenant(), request).map(|reserved| reserved.reply)
+}
+
+/// The commit taken back stores an 8 KiB response, so that its frame spans several
+/// sectors: a frame within one sector would reach the disk anyway with the next frame's
+/// write to that sector (as a page does on Linux), and nothing would be lost.
+#[test]
+fn a_commit_taken_back_after_a_failed_sync_is_not_built_on_when_its_zeros_fail_too() {
+    let disk = Disk::new();
+    let engine = open(&disk).expect("a new log opens");
+    let Ok(ReserveReply::Granted { token, .. }) = reserve(&engine, "a") else {
+        panic!("a fresh key is granted")
+    };
+
+    // The head segment's next sync fails, and so does the write of the zeros after it.
+    disk.fail_next_sync_of(Path::new("/data/shard-0000.log/00000001.seg"), 1).expect("the head segment");
+    let commit = CommitRequest {
+        namespace: "live".into(),
+        key: "a".into(),
+        token,
+        outcome: Outcome::Succeeded,
+        response: vec![7; 8 << 10],
+    };
+    let failed = engine.commit_blocking(&Tenant::default_tenant(), commit);
+    assert!(
+        matches!(failed, Err(Error::Unavailable { .. })),
+        "the failed commit is not acknowledged: {failed:?}"
+    );
+    assert!(engine.reopen_shard(0), "the shard reopens once the disk works again");
+    assert!(
+        matches!(reserve(&engine, "c"), Ok(ReserveReply::Granted { .. })),
+        "acknowledged after the reopen"
+    );
+
+    disk.cut();
+    drop(engine);
+    disk.restart(Cut::Plain, &mut rand::rngs::StdRng::seed_from_u64(1));
+    let engine = open(&disk).expect("the log opens after the cut with every acknowledged commit");
+    for held in ["a", "c"] {
+        let again = reserve(&engine, held);
+        assert!(
+            matches!(again, Ok(ReserveReply::InProgress { .. })),
+            "{held} is held by its grant: {again:?}"
+        );
+    }
+    engine.shutdown();
+}
