@@ -518,11 +518,14 @@ impl Store {
     /// shard's reopen would read them from the page cache as the log's, its own syncs
     /// would succeed on nothing, and compaction could retire the segments that hold the
     /// only durable copies of their records. The latest segment is zeroed first and each
-    /// segment's zeros synced, as [`Store::unwrite`] does and for the same reason.
+    /// segment's zeros synced, as [`Store::unwrite`] does and for the same reason, and
+    /// zeros that cannot be written are owed to the next open, as there.
     fn unwrite_unsynced(&mut self) {
         for (seq, from) in std::mem::take(&mut self.unsynced).into_iter().rev() {
             if let Some(file) = self.segments.get(&seq) {
-                let _ = write_zeros(&**file, from, self.segment_bytes);
+                if write_zeros(&**file, from, self.segment_bytes).is_err() {
+                    self.owed.lock().push((seq, from, self.segment_bytes));
+                }
                 let _ = file.sync_data();
             }
         }
