@@ -545,20 +545,22 @@ impl Store {
     /// acknowledged history. When a frame's zeros are written but cannot be synced, the
     /// frames before it are left whole: the reopen already finds the transaction
     /// without its last frame, and zeros the disk might keep ahead of the unsynced ones
-    /// would be that damage. When they cannot even be written, the frames before it are
-    /// zeroed all the same: read whole by the reopen, the transaction would become the
-    /// chain that later commits extend.
-    ///
-    /// A frame whose zeros cannot be written is owed them ([`OwedZeros`]): the next open
-    /// writes them before it reads the log.
+    /// would be that damage. When they cannot even be written, that frame and every one
+    /// before it are owed their zeros ([`OwedZeros`]), last first, and the next open
+    /// writes them before it reads the log: read whole by the reopen, the transaction
+    /// would become the chain that later commits extend, and zeroed now, the frames before
+    /// it would be zeros ahead of a frame the disk may hold whole, which recovery refuses.
+    /// Left whole until then, a cut leaves the transaction cut short, a torn end.
     fn unwrite(&self, frames: &[txn::Pending]) {
-        for frame in frames.iter().rev() {
+        for (i, frame) in frames.iter().enumerate().rev() {
             let file = &self.segments[&frame.seq];
             match file.write_at(frame.start, &vec![0; frame.bytes.len()]) {
                 Ok(()) if file.sync_data().is_err() => return,
                 Ok(()) => {}
                 Err(_) => {
-                    self.owed.lock().push((frame.seq, frame.start, frame.start + frame.bytes.len() as u64))
+                    let owed = frames[..=i].iter().rev();
+                    self.owed.lock().extend(owed.map(|f| (f.seq, f.start, f.start + f.bytes.len() as u64)));
+                    return;
                 }
             }
         }
@@ -570,7 +572,7 @@ impl Store {
     fn pay_owed_zeros(&mut self) -> Result<(), StoreError> {
         let mut owed = self.owed.lock();
         while let Some(&(seq, from, to)) = owed.first() {
-            // A segment no longer there was retired with its frames.
+            // A segment no longer there (removed from outside) has nothing left to zero.
             if let Some(file) = self.segments.get(&seq) {
                 write_zeros(&**file, from, to).map_err(io(&self.dir))?;
                 file.sync_data().map_err(io(&self.dir))?;
