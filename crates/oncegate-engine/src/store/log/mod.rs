@@ -135,10 +135,18 @@ impl Tuning {
 /// restart in between forgets them; its open then reads the page cache as this one would
 /// have.)
 #[derive(Clone, Debug, Default)]
-pub(crate) struct OwedZeros(Arc<std::sync::Mutex<Vec<(u32, u64, u64)>>>);
+pub(crate) struct OwedZeros(Arc<std::sync::Mutex<Vec<Owed>>>);
+
+/// Bytes `from..to` of segment `seq`, owed zeros.
+#[derive(Clone, Copy, Debug)]
+struct Owed {
+    seq: u32,
+    from: u64,
+    to: u64,
+}
 
 impl OwedZeros {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(u32, u64, u64)>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Owed>> {
         self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
@@ -524,7 +532,7 @@ impl Store {
         for (seq, from) in std::mem::take(&mut self.unsynced).into_iter().rev() {
             if let Some(file) = self.segments.get(&seq) {
                 if write_zeros(&**file, from, self.segment_bytes).is_err() {
-                    self.owed.lock().push((seq, from, self.segment_bytes));
+                    self.owed.lock().push(Owed { seq, from, to: self.segment_bytes });
                 }
                 let _ = file.sync_data();
             }
@@ -559,7 +567,8 @@ impl Store {
                 Ok(()) => {}
                 Err(_) => {
                     let owed = frames[..=i].iter().rev();
-                    self.owed.lock().extend(owed.map(|f| (f.seq, f.start, f.start + f.bytes.len() as u64)));
+                    let to = |f: &txn::Pending| f.start + f.bytes.len() as u64;
+                    self.owed.lock().extend(owed.map(|f| Owed { seq: f.seq, from: f.start, to: to(f) }));
                     return;
                 }
             }
@@ -571,7 +580,7 @@ impl Store {
     /// fails the open, which is tried again, and the zeros stay owed.
     fn pay_owed_zeros(&mut self) -> Result<(), StoreError> {
         let mut owed = self.owed.lock();
-        while let Some(&(seq, from, to)) = owed.first() {
+        while let Some(&Owed { seq, from, to }) = owed.first() {
             // A segment no longer there (removed from outside) has nothing left to zero.
             if let Some(file) = self.segments.get(&seq) {
                 write_zeros(&**file, from, to).map_err(io(&self.dir))?;
