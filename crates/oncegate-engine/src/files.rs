@@ -72,6 +72,11 @@ pub trait SegmentFile: Send + Sync + std::fmt::Debug {
     fn sync_data(&self) -> io::Result<()>;
     /// The file's length in bytes.
     fn size(&self) -> io::Result<u64>;
+    /// Drops the file's clean pages from the page cache (`posix_fadvise(DONTNEED)`), so
+    /// that reads after it come from the device. Pages not yet written back are kept (and
+    /// their writeback started), so nothing written is lost; the pages it drops are those
+    /// a failed writeback left marked clean, which hold what the device may not.
+    fn drop_cached(&self) -> io::Result<()>;
 }
 
 /// A segment on the operating system's files.
@@ -103,6 +108,10 @@ impl SegmentFile for OsSegment {
 
     fn size(&self) -> io::Result<u64> {
         Ok(self.0.metadata()?.len())
+    }
+
+    fn drop_cached(&self) -> io::Result<()> {
+        rustix::fs::fadvise(&self.0, 0, None, rustix::fs::Advice::DontNeed).map_err(io::Error::from)
     }
 }
 

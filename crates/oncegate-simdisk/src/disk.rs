@@ -210,6 +210,21 @@ impl Inode {
         self.dirty.clear();
     }
 
+    /// The page cache's clean pages dropped: every sector not written since the last
+    /// sync reads what the disk holds (zeros past its durable end, whose size the kernel
+    /// still knows), so what a failed writeback left readable is gone.
+    fn drop_clean(&mut self) {
+        for sector in 0..self.data.len().div_ceil(SECTOR_BYTES) {
+            if !self.dirty.contains(&sector) {
+                let start = sector * SECTOR_BYTES;
+                let end = (start + SECTOR_BYTES).min(self.data.len());
+                let durable = self.durable.get(start..end.min(self.durable.len())).unwrap_or(&[]);
+                self.data[start..start + durable.len()].copy_from_slice(durable);
+                self.data[start + durable.len()..end].fill(0);
+            }
+        }
+    }
+
     /// What the file holds after a cut.
     fn survive(&mut self, cut: Cut, rng: &mut impl Rng) {
         let mut image = self.durable.clone();
@@ -647,6 +662,15 @@ impl SegmentFile for SimSegment {
     fn size(&self) -> io::Result<u64> {
         self.boot.with(|state| Ok(state.inodes.get(&self.inode).map_or(0, |i| i.len() as u64)))
     }
+
+    fn drop_cached(&self) -> io::Result<()> {
+        self.boot.with(|state| {
+            if let Some(inode) = state.inodes.get_mut(&self.inode) {
+                inode.drop_clean();
+            }
+            Ok(())
+        })
+    }
 }
 
 /// The directory lock of a simulated disk: released when dropped.
@@ -833,6 +857,27 @@ mod tests {
         let files = disk.boot();
         assert_eq!(files.read(&dir.join("synced")).unwrap(), b"kept");
         assert!(files.read(&dir.join("unsynced-name")).is_err(), "a name not synced is lost");
+    }
+
+    #[test]
+    fn dropping_the_cache_reads_what_a_failed_writeback_left_on_disk_and_keeps_what_is_dirty() {
+        let mut inode = Inode::with(&[1; SECTOR_BYTES]);
+        inode.sync();
+        // A failed writeback of a sector rewritten and of one that grew the file.
+        inode.write(0, &[2; 2 * SECTOR_BYTES]);
+        inode.lose_unsynced();
+        // Written after it, not yet synced.
+        inode.write(2 * SECTOR_BYTES, &[3; 10]);
+        assert_eq!(inode.data[0], 2, "the page cache still reads the lost writes");
+        inode.drop_clean();
+        assert_eq!(inode.len(), 2 * SECTOR_BYTES + 10, "the size is kept");
+        assert_eq!(&inode.data[..SECTOR_BYTES], &[1; SECTOR_BYTES][..], "the disk's old sector");
+        assert_eq!(
+            &inode.data[SECTOR_BYTES..2 * SECTOR_BYTES],
+            &[0; SECTOR_BYTES][..],
+            "past its durable end"
+        );
+        assert_eq!(&inode.data[2 * SECTOR_BYTES..], &[3; 10][..], "a dirty sector is kept");
     }
 
     #[test]

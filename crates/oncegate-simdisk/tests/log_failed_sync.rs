@@ -4,6 +4,7 @@
 //! the same process must not take that frame for the log's: commits chained onto it would
 //! be acknowledged, and after a power cut the log would end where the lost frame was, with
 //! their frames past that end (refused as damage, the shard down until repaired by hand).
+//! Nor must the next process's open, which knows nothing of the zeros the last one owed.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -31,18 +32,15 @@ fn reserve(engine: &Engine, key: &str) -> Result<ReserveReply, Error> {
     engine.reserve_blocking(&Tenant::default_tenant(), request).map(|reserved| reserved.reply)
 }
 
-/// The commit taken back stores an 8 KiB response, so that its frame spans several
-/// sectors: a frame within one sector would reach the disk anyway with the next frame's
-/// write to that sector (as a page does on Linux), and nothing would be lost.
-#[test]
-fn a_commit_taken_back_after_a_failed_sync_is_not_built_on_when_its_zeros_fail_too() {
-    let disk = Disk::new();
-    let engine = open(&disk).expect("a new log opens");
-    let Ok(ReserveReply::Granted { token, .. }) = reserve(&engine, "a") else {
+/// Fails a commit of key `a` (granted first) as the module says: the head segment's sync
+/// fails, and so does the write of the zeros after it. The commit stores an 8 KiB
+/// response, so that its frame spans several sectors: a frame within one sector would
+/// reach the disk anyway with the next frame's write to that sector (as a page does on
+/// Linux), and nothing would be lost.
+fn fail_a_commit(disk: &Disk, engine: &Engine) {
+    let Ok(ReserveReply::Granted { token, .. }) = reserve(engine, "a") else {
         panic!("a fresh key is granted")
     };
-
-    // The head segment's next sync fails, and so does the write of the zeros after it.
     disk.fail_next_sync_of(Path::new("/data/shard-0000.log/00000001.seg"), 1).expect("the head segment");
     let commit = CommitRequest {
         namespace: "live".into(),
@@ -56,16 +54,19 @@ fn a_commit_taken_back_after_a_failed_sync_is_not_built_on_when_its_zeros_fail_t
         matches!(failed, Err(Error::Unavailable { .. })),
         "the failed commit is not acknowledged: {failed:?}"
     );
-    assert!(engine.reopen_shard(0), "the shard reopens once the disk works again");
+}
+
+/// Acknowledges a reserve of `c`, cuts the power, and checks that the log opens after it
+/// with `a`'s grant and `c`'s.
+fn acknowledged_commits_survive_a_cut(disk: &Disk, engine: Engine) {
     assert!(
         matches!(reserve(&engine, "c"), Ok(ReserveReply::Granted { .. })),
-        "acknowledged after the reopen"
+        "acknowledged after the failure"
     );
-
     disk.cut();
     drop(engine);
     disk.restart(Cut::Plain, &mut rand::rngs::StdRng::seed_from_u64(1));
-    let engine = open(&disk).expect("the log opens after the cut with every acknowledged commit");
+    let engine = open(disk).expect("the log opens after the cut with every acknowledged commit");
     for held in ["a", "c"] {
         let again = reserve(&engine, held);
         assert!(
@@ -74,4 +75,25 @@ fn a_commit_taken_back_after_a_failed_sync_is_not_built_on_when_its_zeros_fail_t
         );
     }
     engine.shutdown();
+}
+
+#[test]
+fn a_commit_taken_back_after_a_failed_sync_is_not_built_on_when_its_zeros_fail_too() {
+    let disk = Disk::new();
+    let engine = open(&disk).expect("a new log opens");
+    fail_a_commit(&disk, &engine);
+    assert!(engine.reopen_shard(0), "the shard reopens once the disk works again");
+    acknowledged_commits_survive_a_cut(&disk, engine);
+}
+
+/// The process ends before its shard reopens, and the zeros it owed go with it; the page
+/// cache, the disk's and not the process's, still holds the lost frame, marked clean.
+#[test]
+fn the_next_process_does_not_build_on_a_commit_whose_sync_and_zeros_failed() {
+    let disk = Disk::new();
+    let engine = open(&disk).expect("a new log opens");
+    fail_a_commit(&disk, &engine);
+    drop(engine);
+    let engine = open(&disk).expect("the next process opens the log");
+    acknowledged_commits_survive_a_cut(&disk, engine);
 }

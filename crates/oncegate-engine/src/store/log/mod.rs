@@ -132,8 +132,9 @@ impl Tuning {
 /// after a failed writeback): read by the shard's reopen in this process as the log's, it
 /// would become the chain that later commits extend, and after a power cut they would
 /// stand past a frame the disk lost, which the open refuses as damage. (A process
-/// restart in between forgets them; its open then reads the page cache as this one would
-/// have.)
+/// restart in between forgets them; its open drops the segments' cached pages instead,
+/// see [`Store::open`], which is the weaker net: what the device then returns may still
+/// sit in its own volatile cache, which the failed sync did not flush.)
 #[derive(Clone, Debug, Default)]
 pub(crate) struct OwedZeros(Arc<std::sync::Mutex<Vec<Owed>>>);
 
@@ -262,6 +263,13 @@ impl Store {
         for seq in files.list(dir).map_err(io(dir))?.iter().filter_map(|n| parse_segment_name(n)) {
             let path = dir.join(segment_name(seq));
             let file = files.open_segment(&path).map_err(io(&path))?;
+            // A failed writeback leaves pages that the device may lack in the page cache,
+            // marked clean. Read from there, a commit that was never acknowledged would
+            // become the chain that later commits extend, and a power cut would take them
+            // with it. This store's earlier ones owe such frames their zeros (see
+            // `pay_owed_zeros`), but a restart of the process forgets what was owed; read
+            // from the device, the walk finds what a power cut would leave.
+            file.drop_cached().map_err(io(&path))?;
             // Offsets were chosen for the size the segments were made with: read with a
             // smaller one, their ends would be cut off.
             let size = file.size().map_err(io(&path))?;
@@ -1205,6 +1213,9 @@ mod tests {
                 }
             }
             self.file.write_at(offset, bytes)
+        }
+        fn drop_cached(&self) -> std::io::Result<()> {
+            self.file.drop_cached()
         }
         fn sync_data(&self) -> std::io::Result<()> {
             let recovers = self.watched.recovers.load(std::sync::atomic::Ordering::SeqCst);
