@@ -1177,6 +1177,9 @@ mod tests {
         /// with `recovers`, the next one only.
         syncs_before_failing: std::sync::Mutex<Option<u32>>,
         recovers: std::sync::atomic::AtomicBool,
+        /// Set: segment writes fail too while syncs fail (`failing`), as the writes of a
+        /// disk that has begun to fail.
+        writes_fail_with_syncs: std::sync::atomic::AtomicBool,
         /// Renames and removes of segments to refuse.
         failing_retires: std::sync::atomic::AtomicU32,
         /// Segments written since their last sync (the spare thread's zero-filling aside).
@@ -1206,6 +1209,10 @@ mod tests {
             self.file.read_at(offset, buf)
         }
         fn write_at(&self, offset: u64, bytes: &[u8]) -> std::io::Result<()> {
+            let seq_cst = std::sync::atomic::Ordering::SeqCst;
+            if self.watched.writes_fail_with_syncs.load(seq_cst) && self.watched.failing.load(seq_cst) {
+                return Err(std::io::Error::other("injected: write failed"));
+            }
             if std::thread::current().name() != Some("oncegate-log-spare") {
                 self.watched.dirty.lock().unwrap().insert(self.path.clone());
                 if let Some(journal) = self.watched.journal.lock().unwrap().as_mut() {
@@ -1391,6 +1398,33 @@ mod tests {
                 "read back from the page cache"
             );
         }
+    }
+
+    /// The same failed sync under `"normal"` on a disk that then fails the zeros too: the
+    /// frames since the last good sync stay in the page cache, and the reopen in this
+    /// process read them as the log's until the zeros were owed to it (it writes them
+    /// before it reads the log).
+    #[test]
+    fn frames_a_failed_sync_under_normal_could_not_zero_are_zeroed_by_the_reopen() {
+        let (dir, watched, normal, mut store) = watched_log(Durability::Normal);
+        let seq_cst = std::sync::atomic::Ordering::SeqCst;
+        store.sync_commits(true);
+        commit_keys(&mut store, 1, "synced-").unwrap();
+        store.sync_commits(false);
+        commit_keys(&mut store, 2, "unsynced-").unwrap();
+        store.sync_commits(true);
+        watched.writes_fail_with_syncs.store(true, seq_cst);
+        *watched.syncs_before_failing.lock().unwrap() = Some(0);
+        assert!(commit_keys(&mut store, 3, "failed-").is_err(), "the injected sync failure is reported");
+        *watched.syncs_before_failing.lock().unwrap() = None;
+        watched.failing.store(false, seq_cst);
+        drop(store);
+        let (mut store, meta, _) = Store::open(dir.path(), &normal, &Faults::default()).unwrap();
+        assert_eq!(meta, Meta { next_token: 21, high_water_ms: 1 }, "the chain ends at the last good sync");
+        let txn = store.begin(4).unwrap();
+        assert!(txn.get(&scope("synced-0")).unwrap().is_some(), "a synced record was lost");
+        assert!(txn.get(&scope("unsynced-0")).unwrap().is_none(), "read back from the page cache");
+        assert!(txn.get(&scope("failed-0")).unwrap().is_none(), "the failed commit read back");
     }
 
     /// When the syncs of one retiring (or forced) commit under `"normal"` succeed for an
