@@ -75,7 +75,8 @@ pub trait SegmentFile: Send + Sync + std::fmt::Debug {
     /// Drops the file's clean pages from the page cache (`posix_fadvise(DONTNEED)`), so
     /// that reads after it come from the device. Pages not yet written back are kept (and
     /// their writeback started), so nothing written is lost; the pages it drops are those
-    /// a failed writeback left marked clean, which hold what the device may not.
+    /// a failed writeback left marked clean, which hold what the device may not. Best
+    /// effort on Linux: a page locked or under writeback at the call is kept, unreported.
     fn drop_cached(&self) -> io::Result<()>;
 }
 

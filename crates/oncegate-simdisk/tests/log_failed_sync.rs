@@ -20,8 +20,17 @@ fn open(disk: &Disk) -> Result<Engine, oncegate_engine::OpenError> {
     // Small segments: the log's spares are zero-filled in memory.
     let store =
         StoreConfig { kind: Some(StoreKind::Log), log_segment_bytes: 320 << 10, ..StoreConfig::default() };
-    let config =
-        EngineConfig { data_dir: PathBuf::from("/data"), shards: 1, store, ..EngineConfig::default() };
+    // A failed shard waits for the test to reopen it: reopened by its own backoff before
+    // the process ends, it would pay the zeros it owes, and the second case below would
+    // pass without the open's drop of the page cache.
+    let config = EngineConfig {
+        data_dir: PathBuf::from("/data"),
+        shards: 1,
+        store,
+        reopen_backoff_ms_min: 60_000,
+        reopen_backoff_ms_max: 60_000,
+        ..EngineConfig::default()
+    };
     let clock = Arc::new(ManualClock::new(1_700_000_000_000));
     Engine::open_on(config, clock, Faults::default(), Arc::new(disk.boot()))
 }

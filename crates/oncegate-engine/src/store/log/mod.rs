@@ -535,14 +535,13 @@ impl Store {
     /// would succeed on nothing, and compaction could retire the segments that hold the
     /// only durable copies of their records. The latest segment is zeroed first and each
     /// segment's zeros synced, as [`Store::unwrite`] does and for the same reason, and
-    /// zeros that cannot be written are owed to the next open, as there.
+    /// zeros that cannot be written or synced are owed to the next open, as there.
     fn unwrite_unsynced(&mut self) {
         for (seq, from) in std::mem::take(&mut self.unsynced).into_iter().rev() {
-            if let Some(file) = self.segments.get(&seq) {
-                if write_zeros(&**file, from, self.segment_bytes).is_err() {
-                    self.owed.lock().push(Owed { seq, from, to: self.segment_bytes });
-                }
-                let _ = file.sync_data();
+            if let Some(file) = self.segments.get(&seq)
+                && (write_zeros(&**file, from, self.segment_bytes).is_err() || file.sync_data().is_err())
+            {
+                self.owed.lock().push(Owed { seq, from, to: self.segment_bytes });
             }
         }
     }
@@ -559,9 +558,13 @@ impl Store {
     /// first could leave zeros followed by a whole later frame, which under `"full"` says
     /// every frame before it was durable, and recovery would refuse the log as damaged in
     /// acknowledged history. When a frame's zeros are written but cannot be synced, the
-    /// frames before it are left whole: the reopen already finds the transaction
-    /// without its last frame, and zeros the disk might keep ahead of the unsynced ones
-    /// would be that damage. When they cannot even be written, that frame and every one
+    /// frames before it are left whole (zeros the disk might keep ahead of the unsynced
+    /// ones would be that damage) and that frame's zeros are owed: the next open drops
+    /// the page cache before it reads the log ([`SegmentFile::drop_cached`]), so without
+    /// them it would read the frame from the device, whole if the failed writeback got it
+    /// there, and whether the transaction was taken back would depend on what the device
+    /// kept; paid, the open finds the transaction without its last frame and ends it
+    /// there. When the zeros cannot even be written, that frame and every one
     /// before it are owed their zeros ([`OwedZeros`]), last first, and the next open
     /// writes them before it reads the log: read whole by the reopen, the transaction
     /// would become the chain that later commits extend, and zeroed now, the frames before
@@ -570,13 +573,16 @@ impl Store {
     fn unwrite(&self, frames: &[txn::Pending]) {
         for (i, frame) in frames.iter().enumerate().rev() {
             let file = &self.segments[&frame.seq];
+            let owed =
+                |f: &txn::Pending| Owed { seq: f.seq, from: f.start, to: f.start + f.bytes.len() as u64 };
             match file.write_at(frame.start, &vec![0; frame.bytes.len()]) {
-                Ok(()) if file.sync_data().is_err() => return,
+                Ok(()) if file.sync_data().is_err() => {
+                    self.owed.lock().push(owed(frame));
+                    return;
+                }
                 Ok(()) => {}
                 Err(_) => {
-                    let owed = frames[..=i].iter().rev();
-                    let to = |f: &txn::Pending| f.start + f.bytes.len() as u64;
-                    self.owed.lock().extend(owed.map(|f| Owed { seq: f.seq, from: f.start, to: to(f) }));
+                    self.owed.lock().extend(frames[..=i].iter().rev().map(owed));
                     return;
                 }
             }
@@ -1418,12 +1424,40 @@ mod tests {
         assert!(commit_keys(&mut store, 3, "failed-").is_err(), "the injected sync failure is reported");
         *watched.syncs_before_failing.lock().unwrap() = None;
         watched.failing.store(false, seq_cst);
+        assert!(!normal.owed.lock().is_empty(), "the zeros could not be written, so they are owed");
         drop(store);
         let (mut store, meta, _) = Store::open(dir.path(), &normal, &Faults::default()).unwrap();
+        assert!(normal.owed.lock().is_empty(), "the open paid what was owed");
         assert_eq!(meta, Meta { next_token: 21, high_water_ms: 1 }, "the chain ends at the last good sync");
         let txn = store.begin(4).unwrap();
         assert!(txn.get(&scope("synced-0")).unwrap().is_some(), "a synced record was lost");
         assert!(txn.get(&scope("unsynced-0")).unwrap().is_none(), "read back from the page cache");
+        assert!(txn.get(&scope("failed-0")).unwrap().is_none(), "the failed commit read back");
+    }
+
+    /// A commit whose sync fails and whose zeros are written but cannot be synced owes
+    /// those zeros to the next open: it drops the page cache before it reads the log, and
+    /// would otherwise read the frame from the device, whole if the failed writeback got
+    /// it there (a real file system here keeps the zeros, so the debt is what is checked).
+    #[test]
+    fn zeros_that_could_not_be_synced_are_owed_to_the_next_open() {
+        let (dir, watched, tuning, mut store) = watched_log(Durability::Full);
+        commit_keys(&mut store, 1, "before-").unwrap();
+        *watched.syncs_before_failing.lock().unwrap() = Some(0);
+        assert!(commit_keys(&mut store, 2, "failed-").is_err(), "the injected sync failure is reported");
+        *watched.syncs_before_failing.lock().unwrap() = None;
+        watched.failing.store(false, std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(tuning.owed.lock().len(), 1, "the frame's zeros are owed");
+        drop(store);
+        let (mut store, meta, _) = Store::open(dir.path(), &tuning, &Faults::default()).unwrap();
+        assert!(tuning.owed.lock().is_empty(), "the open paid what was owed");
+        assert_eq!(
+            meta,
+            Meta { next_token: 21, high_water_ms: 1 },
+            "the failed commit's counters are not read"
+        );
+        let txn = store.begin(3).unwrap();
+        assert!(txn.get(&scope("before-0")).unwrap().is_some());
         assert!(txn.get(&scope("failed-0")).unwrap().is_none(), "the failed commit read back");
     }
 
