@@ -571,10 +571,9 @@ impl Store {
     /// it would be zeros ahead of a frame the disk may hold whole, which recovery refuses.
     /// Left whole until then, a cut leaves the transaction cut short, a torn end.
     fn unwrite(&self, frames: &[txn::Pending]) {
+        let owed = |f: &txn::Pending| Owed { seq: f.seq, from: f.start, to: f.start + f.bytes.len() as u64 };
         for (i, frame) in frames.iter().enumerate().rev() {
             let file = &self.segments[&frame.seq];
-            let owed =
-                |f: &txn::Pending| Owed { seq: f.seq, from: f.start, to: f.start + f.bytes.len() as u64 };
             match file.write_at(frame.start, &vec![0; frame.bytes.len()]) {
                 Ok(()) if file.sync_data().is_err() => {
                     self.owed.lock().push(owed(frame));
