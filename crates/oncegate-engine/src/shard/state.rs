@@ -52,10 +52,12 @@ impl ShardState {
 /// Counters the actor publishes for `Engine::stats` without being asked.
 #[derive(Default)]
 pub(crate) struct Shared {
-    /// The state for cheap reads; `lock` and `changed` let others wait for a change of
-    /// the state or of any counter.
+    /// The state for cheap reads; `waiting` and `changed` let others wait for a change
+    /// of the state or of any counter. `waiting` counts the threads in
+    /// [`Shared::wait_until`]: a condition variable's notification is a system call
+    /// whether anyone waits or not, and the shard publishes after every batch.
     state: AtomicU8,
-    lock: Mutex<()>,
+    waiting: Mutex<usize>,
     changed: Condvar,
     pub batches: AtomicU64,
     pub commands: AtomicU64,
@@ -80,25 +82,34 @@ impl Shared {
     }
 
     pub fn set_state(&self, state: ShardState) {
-        let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        let waiting = self.waiting.lock().unwrap_or_else(|p| p.into_inner());
         self.state.store(state as u8, Ordering::Release);
-        self.changed.notify_all();
+        if *waiting > 0 {
+            self.changed.notify_all();
+        }
     }
 
     /// Wakes whoever waits in [`Shared::wait_until`]: counters changed.
     pub fn publish(&self) {
-        let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
-        self.changed.notify_all();
+        // A waiter counts itself under the lock before it checks its condition, and
+        // the counters were stored before this lock is taken: either it sees them, or
+        // it is counted here and woken.
+        let waiting = self.waiting.lock().unwrap_or_else(|p| p.into_inner());
+        if *waiting > 0 {
+            self.changed.notify_all();
+        }
     }
 
     /// Blocks until `done` holds (checked at each state change or publication) or
     /// `timeout` passes; returns whether it held.
     pub fn wait_until(&self, timeout: Duration, done: impl Fn(&Shared) -> bool) -> bool {
-        let guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
-        let (_guard, result) = self
+        let mut waiting = self.waiting.lock().unwrap_or_else(|p| p.into_inner());
+        *waiting += 1;
+        let (mut waiting, result) = self
             .changed
-            .wait_timeout_while(guard, timeout, |_| !done(self))
+            .wait_timeout_while(waiting, timeout, |_| !done(self))
             .unwrap_or_else(|p| p.into_inner());
+        *waiting -= 1;
         !result.timed_out()
     }
 
@@ -223,5 +234,36 @@ impl Drop for Arrival {
         if self.pending {
             self.marks.leave_locked(&mut self.marks.state());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Publishing notifies only when someone waits; one who is waiting must still hear it.
+    #[test]
+    fn a_waiter_already_waiting_is_woken_by_a_publication() {
+        let shared = Arc::new(Shared::default());
+        let (woken_tx, woken) = std::sync::mpsc::channel();
+        {
+            let shared = Arc::clone(&shared);
+            std::thread::spawn(move || {
+                // Its own timeout is out of reach: only the publication can end the wait.
+                let held = shared.wait_until(Duration::from_secs(3_600), |s| s.commands.load(Ordering::Relaxed) > 0);
+                let _ = woken_tx.send(held);
+            });
+        }
+        // The count is raised under the lock, which the waiter gives up only inside the
+        // condition variable's wait: once it reads 1 here, the waiter is waiting.
+        while *shared.waiting.lock().unwrap() == 0 {
+            std::thread::yield_now();
+        }
+        shared.commands.store(1, Ordering::Relaxed);
+        shared.publish();
+        // A bound on the wait, not on its speed: a lost notification would wait an hour.
+        let held = woken.recv_timeout(Duration::from_secs(60)).expect("the publication woke the waiter");
+        assert!(held);
+        assert_eq!(*shared.waiting.lock().unwrap(), 0, "the waiter counted itself out");
     }
 }
