@@ -27,6 +27,10 @@ pub struct Report {
     pub batch_len_mean: Option<f64>,
     /// What the server spent, where the tool could read it.
     pub cost: Option<Cost>,
+    /// The tool's own CPU per pair, in microseconds, when the server is another process:
+    /// the load generator shares the machine's cores with the server, so a client that
+    /// costs more leaves the server less.
+    pub load_cpu_us_per_pair: Option<f64>,
 }
 
 /// Renders reports as a markdown table, with a column for the round when there were
@@ -35,8 +39,8 @@ pub fn markdown(reports: &[Report]) -> String {
     let rounds = reports.iter().any(|r| r.round > 0);
     let (head, rule) = if rounds { ("| round ", "| --- ") } else { ("", "") };
     let mut out = format!(
-        "{head}| target | in flight | pairs/s | p50 (ms) | p99 (ms) | p99.9 (ms) | errors | replays | commands per batch | server CPU µs/pair | shard CPU µs/command | disk bytes/pair | device bytes/pair |\n\
-         {rule}| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
+        "{head}| target | in flight | pairs/s | p50 (ms) | p99 (ms) | p99.9 (ms) | errors | replays | commands per batch | server CPU µs/pair | shard CPU µs/command | disk bytes/pair | device bytes/pair | load generator CPU µs/pair |\n\
+         {rule}| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
     );
     for r in reports {
         let cost =
@@ -45,7 +49,7 @@ pub fn markdown(reports: &[Report]) -> String {
             out.push_str(&format!("| {} ", r.round + 1));
         }
         out.push_str(&format!(
-            "| {} | {} | {:.0} | {:.2} | {:.2} | {:.2} | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {} | {:.0} | {:.2} | {:.2} | {:.2} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             r.target,
             r.in_flight,
             r.pairs_per_s,
@@ -59,6 +63,7 @@ pub fn markdown(reports: &[Report]) -> String {
             cost(|c| c.shard_cpu_us_per_command),
             cost(|c| c.disk_bytes_per_pair),
             cost(|c| c.device_bytes_per_pair),
+            r.load_cpu_us_per_pair.map_or_else(|| "-".to_owned(), |l| format!("{l:.1}")),
         ));
     }
     out
@@ -93,6 +98,7 @@ fn median_report(runs: &[&Report]) -> Report {
         }
     });
     let batches: Option<Vec<f64>> = runs.iter().map(|r| r.batch_len_mean).collect();
+    let loads: Option<Vec<f64>> = runs.iter().map(|r| r.load_cpu_us_per_pair).collect();
     Report {
         target: runs[0].target.clone(),
         round: 0,
@@ -105,6 +111,7 @@ fn median_report(runs: &[&Report]) -> Report {
         replays: runs.iter().map(|r| r.replays).sum(),
         batch_len_mean: batches.map(|b| median(b.into_iter())),
         cost,
+        load_cpu_us_per_pair: loads.map(|l| median(l.into_iter())),
     }
 }
 
@@ -213,6 +220,7 @@ mod tests {
             replays: 10,
             batch_len_mean: None,
             cost: Some(Cost { cpu_us_per_pair: cpu, ..Cost::default() }),
+            load_cpu_us_per_pair: None,
         }
     }
 
@@ -238,6 +246,23 @@ mod tests {
         assert_eq!(medians[0].errors, 3, "errors are summed, never hidden by a median");
         assert_eq!(medians[0].cost.map(|c| c.cpu_us_per_pair), Some(30.0));
         assert_eq!(medians[1].pairs_per_s, 200.0);
+    }
+
+    #[test]
+    fn the_load_generators_cpu_is_a_median_and_a_dash_where_it_was_not_read() {
+        let mut rounds = three_rounds();
+        for (report, load) in rounds.iter_mut().step_by(2).zip([9.0, 3.0, 6.0]) {
+            report.load_cpu_us_per_pair = Some(load);
+        }
+        let medians = medians(&rounds);
+        assert_eq!(medians[0].load_cpu_us_per_pair, Some(6.0));
+        assert_eq!(medians[1].load_cpu_us_per_pair, None, "Redis's runs did not read it");
+        let table = markdown(&medians);
+        let grpc = table.lines().find(|l| l.starts_with("| oncegate-grpc")).expect("a row");
+        let redis = table.lines().find(|l| l.starts_with("| redis")).expect("a row");
+        assert!(grpc.ends_with("| 6.0 |"), "{grpc}");
+        assert!(redis.ends_with("| - |"), "{redis}");
+        assert!(table.lines().next().expect("a header").ends_with("| load generator CPU µs/pair |"));
     }
 
     #[test]

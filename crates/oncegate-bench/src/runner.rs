@@ -74,7 +74,11 @@ pub async fn run<T: Target + Clone>(
             tokio::spawn(work_loop(target.clone(), work.clone(), Arc::clone(&shared), worker, run_id))
         })
         .collect();
+    // The tool's own process is the load generator, unless it is the server too.
+    let own = std::process::id();
+    let load_probe = if probe.is_some_and(|p| p.pid == own) { None } else { Some(Probe::of(own)) };
     tokio::time::sleep(load.warm_up).await;
+    let load_before = load_probe.map(|p| p.sample());
     let (batches_before, cost_before) = (target.batches(), probe.map(|p| p.sample()));
     shared.measuring.store(true, Ordering::Relaxed);
     let started = Instant::now();
@@ -85,6 +89,7 @@ pub async fn run<T: Target + Clone>(
     shared.measuring.store(false, Ordering::Relaxed);
     let elapsed = started.elapsed();
     let (batches_after, cost_after) = (target.batches(), probe.map(|p| p.sample()));
+    let load_after = load_probe.map(|p| p.sample());
     shared.stop.store(true, Ordering::Relaxed);
     let mut latencies = histogram();
     for worker in workers {
@@ -99,6 +104,9 @@ pub async fn run<T: Target + Clone>(
         _ => (None, (2 * done).saturating_sub(replays)),
     };
     let cost = cost_before.zip(cost_after).map(|(before, after)| before.cost_to(&after, done, commands));
+    let load_cpu_us_per_pair = load_before
+        .zip(load_after)
+        .map(|(before, after)| before.cost_to(&after, done, commands).cpu_us_per_pair);
     Report {
         target: target.name().to_owned(),
         round: 0,
@@ -111,6 +119,7 @@ pub async fn run<T: Target + Clone>(
         replays,
         batch_len_mean,
         cost,
+        load_cpu_us_per_pair,
     }
 }
 

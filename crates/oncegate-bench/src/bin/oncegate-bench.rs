@@ -22,7 +22,7 @@ use std::time::Duration;
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use oncegate_bench::cost::Probe;
-use oncegate_bench::targets::{Embedded, Grpc, Kind, Postgres, Redis, Session, Target};
+use oncegate_bench::targets::{Embedded, Floor, Grpc, Kind, Postgres, Redis, Session, Target};
 use oncegate_bench::{ChildMode, Load, Report, Work, markdown, medians, ratios};
 
 #[derive(Parser)]
@@ -186,6 +186,12 @@ impl Bench {
             Kind::GrpcSession => {
                 let (addrs, pid) = self.server_addrs()?;
                 let target = self.runtime.block_on(Session::connect(&addrs, self.cli.connections))?;
+                let probe = pid.map(Probe::of);
+                Ok(self.run(target, in_flight, probe))
+            }
+            Kind::GrpcFloor => {
+                let (addrs, pid) = self.server_addrs()?;
+                let target = self.runtime.block_on(Floor::connect(&addrs, self.cli.connections))?;
                 let probe = pid.map(Probe::of);
                 Ok(self.run(target, in_flight, probe))
             }

@@ -3,6 +3,7 @@
 //! the stored response).
 
 mod embedded;
+mod floor;
 mod grpc;
 mod postgres;
 mod redis;
@@ -11,6 +12,7 @@ mod session;
 use std::future::Future;
 
 pub use embedded::Embedded;
+pub use floor::Floor;
 pub use grpc::Grpc;
 pub use postgres::Postgres;
 pub use redis::Redis;
@@ -66,6 +68,9 @@ pub enum Kind {
     Grpc,
     /// oncegate over gRPC, calls multiplexed over one `Session` stream per connection.
     GrpcSession,
+    /// The floor under a unary call: two gRPC health checks per pair on the same server
+    /// and connections, with no storage behind them.
+    GrpcFloor,
     /// oncegate in-process.
     Embedded,
     /// Redis with `appendfsync always`.

@@ -250,7 +250,8 @@ mod tests {
             let shared = Arc::clone(&shared);
             std::thread::spawn(move || {
                 // Its own timeout is out of reach: only the publication can end the wait.
-                let held = shared.wait_until(Duration::from_secs(3_600), |s| s.commands.load(Ordering::Relaxed) > 0);
+                let held =
+                    shared.wait_until(Duration::from_secs(3_600), |s| s.commands.load(Ordering::Relaxed) > 0);
                 let _ = woken_tx.send(held);
             });
         }

@@ -1,0 +1,60 @@
+//! The floor under a unary call: the gRPC health check on the same server, over the same
+//! client stack and connections as the unary target, with no storage behind it. A pair
+//! is two checks, so its rate is what two unary calls can reach on this machine before
+//! any of oncegate's work, and its CPU per pair is the front's fixed cost. The check
+//! goes through the port's router (it is not a `Gate` call), which costs a little more
+//! per call than the `Gate` path: the floor is, if anything, slightly low.
+
+use tonic::transport::Channel;
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_client::HealthClient;
+
+use super::{Reserved, Target};
+use crate::Work;
+
+/// Connected health clients.
+#[derive(Clone)]
+pub struct Floor {
+    clients: Vec<HealthClient<Channel>>,
+}
+
+impl Floor {
+    /// Connects to `addrs` with `connections` HTTP/2 connections, as [`super::Grpc`] does.
+    pub async fn connect(addrs: &[String], connections: usize) -> anyhow::Result<Floor> {
+        let mut clients = Vec::new();
+        for n in 0..connections.max(addrs.len()) {
+            let channel = Channel::from_shared(addrs[n % addrs.len()].clone())?.connect().await?;
+            clients.push(HealthClient::new(channel));
+        }
+        Ok(Floor { clients })
+    }
+
+    /// One check of the server's overall health, as each half of a pair.
+    async fn check(&self, worker: usize) -> anyhow::Result<()> {
+        let mut client = self.clients[worker % self.clients.len()].clone();
+        client.check(HealthCheckRequest { service: String::new() }).await?;
+        Ok(())
+    }
+}
+
+impl Target for Floor {
+    fn name(&self) -> &'static str {
+        "grpc-floor"
+    }
+
+    async fn reserve(&self, worker: usize, _key: &str, token: u64, _work: &Work) -> anyhow::Result<Reserved> {
+        self.check(worker).await?;
+        Ok(Reserved::Granted(token))
+    }
+
+    async fn commit(
+        &self,
+        worker: usize,
+        _key: &str,
+        _token: u64,
+        _response: &[u8],
+        _work: &Work,
+    ) -> anyhow::Result<()> {
+        self.check(worker).await
+    }
+}
