@@ -1,9 +1,12 @@
 //! The floor under a unary call: the gRPC health check on the same server, over the same
 //! client stack and connections as the unary target, with no storage behind it. A pair
 //! is two checks, so its rate is what two unary calls can reach on this machine before
-//! any of oncegate's work, and its CPU per pair is the front's fixed cost. The check
-//! goes through the port's router (it is not a `Gate` call), which costs a little more
-//! per call than the `Gate` path: the floor is, if anything, slightly low.
+//! any of oncegate's work, and its CPU per pair is the front's fixed cost. It is not
+//! quite the same call without the storage, and the differences pull both ways: the
+//! check goes through the port's router (it is not a `Gate` call) and a floor pair is
+//! always two calls, but its messages are empty and it has no tenant to authenticate.
+//! Its name does not start with "oncegate", so the tool prints oncegate's targets'
+//! ratios to it as to any peer.
 
 use tonic::transport::Channel;
 use tonic_health::pb::HealthCheckRequest;

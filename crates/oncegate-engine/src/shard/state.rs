@@ -257,7 +257,9 @@ mod tests {
         }
         // The count is raised under the lock, which the waiter gives up only inside the
         // condition variable's wait: once it reads 1 here, the waiter is waiting.
+        let counted_by = std::time::Instant::now() + Duration::from_secs(60);
         while *shared.waiting.lock().unwrap() == 0 {
+            assert!(std::time::Instant::now() < counted_by, "the waiter never counted itself in");
             std::thread::yield_now();
         }
         shared.commands.store(1, Ordering::Relaxed);
