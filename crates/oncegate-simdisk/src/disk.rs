@@ -39,6 +39,17 @@ pub enum Cut {
     Torn,
 }
 
+/// Where a failed writeback's data ended up (see [`Disk::fail_next_sync_of`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Writeback {
+    /// Not on the device: the sectors stay readable but are marked clean, so no later
+    /// sync writes them and a cut or a drop of the page cache loses them.
+    Lost,
+    /// On the device despite the error (the data reached it and the cache flush, or its
+    /// report, failed): the next process reads it back.
+    Reached,
+}
+
 /// An entry of the namespace.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Node {
@@ -301,8 +312,9 @@ pub(crate) struct State {
     rename_links: HashMap<PathBuf, u64>,
     next_link: u64,
     /// The segment (its inode) whose next sync is planned to fail as a failed writeback
-    /// does, and how many of its writes fail after it (see [`Disk::fail_next_sync_of`]).
-    failing_sync: Option<(u64, u32)>,
+    /// does, how many of its writes fail after it, and where the writeback's data ends up
+    /// (see [`Disk::fail_next_sync_of`]).
+    failing_sync: Option<(u64, u32, Writeback)>,
     /// That segment's writes left to fail: its inode, and how many.
     failing_writes: (u64, u32),
     pub stats: DiskStats,
@@ -525,13 +537,15 @@ impl Disk {
     }
 
     /// Makes the next sync of the log segment at `path` fail as a failed writeback does
-    /// on Linux: `EIO`, and what it would have made durable stays readable but is marked
-    /// clean, so no later sync writes it and a cut loses it. The `writes_after` writes of
-    /// the segment that follow fail too (a disk failing for a while).
-    pub fn fail_next_sync_of(&self, path: &Path, writes_after: u32) -> io::Result<()> {
+    /// on Linux: `EIO`, and what it would have made durable either stays readable but is
+    /// marked clean, so no later sync writes it and a cut loses it ([`Writeback::Lost`]),
+    /// or is on the device all the same ([`Writeback::Reached`]): the error does not say
+    /// which. The `writes_after` writes of the segment that follow fail too (a disk
+    /// failing for a while).
+    pub fn fail_next_sync_of(&self, path: &Path, writes_after: u32, writeback: Writeback) -> io::Result<()> {
         let mut state = self.lock_state();
         let inode = state.inode_of(path)?;
-        state.failing_sync = Some((inode, writes_after));
+        state.failing_sync = Some((inode, writes_after, writeback));
         Ok(())
     }
 
@@ -645,12 +659,16 @@ impl SegmentFile for SimSegment {
 
     fn sync_data(&self) -> io::Result<()> {
         self.boot.with(|state| {
-            if let Some((inode, writes_after)) = state.failing_sync.filter(|(inode, _)| *inode == self.inode)
+            if let Some((inode, writes_after, writeback)) =
+                state.failing_sync.filter(|(inode, ..)| *inode == self.inode)
             {
                 state.failing_sync = None;
                 state.failing_writes = (inode, writes_after);
                 if let Some(inode) = state.inodes.get_mut(&inode) {
-                    inode.lose_unsynced();
+                    match writeback {
+                        Writeback::Lost => inode.lose_unsynced(),
+                        Writeback::Reached => inode.sync(),
+                    }
                 }
                 return Err(io_error());
             }

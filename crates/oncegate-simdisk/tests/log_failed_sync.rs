@@ -5,6 +5,11 @@
 //! be acknowledged, and after a power cut the log would end where the lost frame was, with
 //! their frames past that end (refused as damage, the shard down until repaired by hand).
 //! Nor must the next process's open, which knows nothing of the zeros the last one owed.
+//!
+//! The error does not say whether the frame reached the device. When it did, the commit
+//! (answered `unavailable`) may come back, which the contract allows: the shard's reopen
+//! takes it back with the zeros it owes, and the next process, which owes none, reads it
+//! whole. Either way the log opens, and every acknowledged commit survives a cut.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -13,7 +18,7 @@ use oncegate_core::{Outcome, ReserveReply, Tenant};
 use oncegate_engine::{
     CommitRequest, Engine, EngineConfig, Error, Faults, ManualClock, ReserveRequest, StoreConfig, StoreKind,
 };
-use oncegate_simdisk::disk::{Cut, Disk};
+use oncegate_simdisk::disk::{Cut, Disk, Writeback};
 use rand::SeedableRng;
 
 fn open(disk: &Disk) -> Result<Engine, oncegate_engine::OpenError> {
@@ -46,11 +51,12 @@ fn reserve(engine: &Engine, key: &str) -> Result<ReserveReply, Error> {
 /// response, so that its frame spans several sectors: a frame within one sector would
 /// reach the disk anyway with the next frame's write to that sector (as a page does on
 /// Linux), and nothing would be lost.
-fn fail_a_commit(disk: &Disk, engine: &Engine) {
+fn fail_a_commit(disk: &Disk, engine: &Engine, writeback: Writeback) {
     let Ok(ReserveReply::Granted { token, .. }) = reserve(engine, "a") else {
         panic!("a fresh key is granted")
     };
-    disk.fail_next_sync_of(Path::new("/data/shard-0000.log/00000001.seg"), 1).expect("the head segment");
+    disk.fail_next_sync_of(Path::new("/data/shard-0000.log/00000001.seg"), 1, writeback)
+        .expect("the head segment");
     let commit = CommitRequest {
         namespace: "live".into(),
         key: "a".into(),
@@ -65,9 +71,16 @@ fn fail_a_commit(disk: &Disk, engine: &Engine) {
     );
 }
 
+/// What `a`'s failed commit left: taken back (its grant alone), or come back whole.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FailedCommit {
+    TakenBack,
+    CameBack,
+}
+
 /// Acknowledges a reserve of `c`, cuts the power, and checks that the log opens after it
-/// with `a`'s grant and `c`'s.
-fn acknowledged_commits_survive_a_cut(disk: &Disk, engine: Engine) {
+/// with `c`'s grant, and `a` as its failed commit left it.
+fn acknowledged_commits_survive_a_cut(disk: &Disk, engine: Engine, a: FailedCommit) {
     assert!(
         matches!(reserve(&engine, "c"), Ok(ReserveReply::Granted { .. })),
         "acknowledged after the failure"
@@ -76,33 +89,72 @@ fn acknowledged_commits_survive_a_cut(disk: &Disk, engine: Engine) {
     drop(engine);
     disk.restart(Cut::Plain, &mut rand::rngs::StdRng::seed_from_u64(1));
     let engine = open(disk).expect("the log opens after the cut with every acknowledged commit");
-    for held in ["a", "c"] {
-        let again = reserve(&engine, held);
-        assert!(
-            matches!(again, Ok(ReserveReply::InProgress { .. })),
-            "{held} is held by its grant: {again:?}"
-        );
+    let again = reserve(&engine, "c");
+    assert!(matches!(again, Ok(ReserveReply::InProgress { .. })), "c is held by its grant: {again:?}");
+    let again = reserve(&engine, "a");
+    match a {
+        FailedCommit::TakenBack => {
+            assert!(matches!(again, Ok(ReserveReply::InProgress { .. })), "a is held by its grant: {again:?}")
+        }
+        FailedCommit::CameBack => {
+            assert!(matches!(again, Ok(ReserveReply::Completed { .. })), "a's commit came back: {again:?}")
+        }
     }
     engine.shutdown();
 }
 
-#[test]
-fn a_commit_taken_back_after_a_failed_sync_is_not_built_on_when_its_zeros_fail_too() {
+/// Who opens the log next after the failed commit.
+#[derive(Clone, Copy, Debug)]
+enum Next {
+    /// The shard's reopen in the same process, which pays the zeros it owes.
+    Reopen,
+    /// The next process, which knows nothing of them.
+    Process,
+}
+
+/// Fails `a`'s commit with its frame lost or on the device, opens the log as `next` does,
+/// and checks what came of the commit and that acknowledged commits survive a cut.
+fn fail_then_open(writeback: Writeback, next: Next, a: FailedCommit) {
     let disk = Disk::new();
     let engine = open(&disk).expect("a new log opens");
-    fail_a_commit(&disk, &engine);
-    assert!(engine.reopen_shard(0), "the shard reopens once the disk works again");
-    acknowledged_commits_survive_a_cut(&disk, engine);
+    fail_a_commit(&disk, &engine, writeback);
+    let engine = match next {
+        Next::Reopen => {
+            assert!(engine.reopen_shard(0), "the shard reopens once the disk works again");
+            engine
+        }
+        Next::Process => {
+            drop(engine);
+            open(&disk).expect("the next process opens the log")
+        }
+    };
+    acknowledged_commits_survive_a_cut(&disk, engine, a);
+}
+
+#[test]
+fn a_commit_taken_back_after_a_failed_sync_is_not_built_on_when_its_zeros_fail_too() {
+    fail_then_open(Writeback::Lost, Next::Reopen, FailedCommit::TakenBack);
 }
 
 /// The process ends before its shard reopens, and the zeros it owed go with it; the page
 /// cache, the disk's and not the process's, still holds the lost frame, marked clean.
 #[test]
 fn the_next_process_does_not_build_on_a_commit_whose_sync_and_zeros_failed() {
-    let disk = Disk::new();
-    let engine = open(&disk).expect("a new log opens");
-    fail_a_commit(&disk, &engine);
-    drop(engine);
-    let engine = open(&disk).expect("the next process opens the log");
-    acknowledged_commits_survive_a_cut(&disk, engine);
+    fail_then_open(Writeback::Lost, Next::Process, FailedCommit::TakenBack);
+}
+
+/// The frame reached the device despite the error: the reopen's zeros, owed since their
+/// write failed, take it back there too, so the shard does not answer `a` as committed
+/// after reporting its commit as failed.
+#[test]
+fn a_commit_whose_failed_sync_reached_the_disk_is_taken_back_by_the_reopen() {
+    fail_then_open(Writeback::Reached, Next::Reopen, FailedCommit::TakenBack);
+}
+
+/// The process ends before its shard reopens, owing the zeros; the next one finds the
+/// frame whole on the device and keeps the commit, which the contract allows of a call
+/// answered `unavailable`, and builds on it: the log opens after a cut with both.
+#[test]
+fn the_next_process_keeps_a_commit_whose_failed_sync_reached_the_disk() {
+    fail_then_open(Writeback::Reached, Next::Process, FailedCommit::CameBack);
 }
