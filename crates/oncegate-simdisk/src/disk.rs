@@ -45,8 +45,8 @@ pub enum Writeback {
     /// Not on the device: the sectors stay readable but are marked clean, so no later
     /// sync writes them and a cut or a drop of the page cache loses them.
     Lost,
-    /// On the device despite the error (the data reached it and the cache flush, or its
-    /// report, failed): the next process reads it back.
+    /// On the device despite the error (the data and the flush reached it, and the
+    /// report failed): durable at once, so the next process reads it back.
     Reached,
 }
 

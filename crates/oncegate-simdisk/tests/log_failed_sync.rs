@@ -9,7 +9,9 @@
 //! The error does not say whether the frame reached the device. When it did, the commit
 //! (answered `unavailable`) may come back, which the contract allows: the shard's reopen
 //! takes it back with the zeros it owes, and the next process, which owes none, reads it
-//! whole. Either way the log opens, and every acknowledged commit survives a cut.
+//! whole. Either way the log opens, and every acknowledged commit survives a cut. Every
+//! open drops the segments' clean cached pages first, and that is what the cases with
+//! the frame lost rest on now, the reopen's included.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -144,8 +146,9 @@ fn the_next_process_does_not_build_on_a_commit_whose_sync_and_zeros_failed() {
 }
 
 /// The frame reached the device despite the error: the reopen's zeros, owed since their
-/// write failed, take it back there too, so the shard does not answer `a` as committed
-/// after reporting its commit as failed.
+/// write failed, take it back there too. The contract would allow the commit back (the
+/// next case keeps it); the owed zeros give the process that saw the failure one outcome,
+/// and without them the reopen answers `a` as committed.
 #[test]
 fn a_commit_whose_failed_sync_reached_the_disk_is_taken_back_by_the_reopen() {
     fail_then_open(Writeback::Reached, Next::Reopen, FailedCommit::TakenBack);
