@@ -48,6 +48,10 @@ pub enum Writeback {
     /// On the device despite the error (the data and the flush reached it, and the
     /// report failed): durable at once, so the next process reads it back.
     Reached,
+    /// In the device's volatile cache and nowhere else: reads return it, the page cache
+    /// dropped or not, but no later sync makes it durable and a cut loses it. The worst a
+    /// device can do, and what a reopen must not build on.
+    Cached,
 }
 
 /// An entry of the namespace.
@@ -70,6 +74,10 @@ pub(crate) struct Inode {
     durable: Vec<u8>,
     /// Sectors written (or exposed by growing) since the last sync.
     dirty: BTreeSet<usize>,
+    /// Sectors a failed sync left in the device's volatile cache ([`Writeback::Cached`]):
+    /// read back whole, even past a drop of the page cache, never made durable by a later
+    /// sync, and lost at a cut; a new write of the sector replaces them.
+    cached: BTreeSet<usize>,
     /// The WAL index, volatile by nature.
     pub shm: Shm,
     /// Connections that have it open as a main database (a shard's and its
@@ -189,7 +197,11 @@ impl Inode {
         }
         self.data[offset..end].copy_from_slice(bytes);
         if !bytes.is_empty() {
-            self.dirty.extend(offset / SECTOR_BYTES..=(end - 1) / SECTOR_BYTES);
+            let sectors = offset / SECTOR_BYTES..=(end - 1) / SECTOR_BYTES;
+            for sector in sectors.clone() {
+                self.cached.remove(&sector);
+            }
+            self.dirty.extend(sectors);
         }
     }
 
@@ -221,12 +233,18 @@ impl Inode {
         self.dirty.clear();
     }
 
+    /// A failed sync whose data the device keeps in its volatile cache only: readable as
+    /// it is, never durable (see [`Writeback::Cached`]).
+    fn cache_unsynced(&mut self) {
+        self.cached.append(&mut self.dirty);
+    }
+
     /// The page cache's clean pages dropped: every sector not written since the last
     /// sync reads what the disk holds (zeros past its durable end, whose size the kernel
     /// still knows), so what a failed writeback left readable is gone.
     fn drop_clean(&mut self) {
         for sector in 0..self.data.len().div_ceil(SECTOR_BYTES) {
-            if !self.dirty.contains(&sector) {
+            if !self.dirty.contains(&sector) && !self.cached.contains(&sector) {
                 let start = sector * SECTOR_BYTES;
                 let end = (start + SECTOR_BYTES).min(self.data.len());
                 let durable = self.durable.get(start..end.min(self.durable.len())).unwrap_or(&[]);
@@ -252,6 +270,7 @@ impl Inode {
         self.data = image.clone();
         self.durable = image;
         self.dirty.clear();
+        self.cached.clear();
         self.shm = Shm::default();
         self.db_opens = 0;
         self.locks = Locks::default();
@@ -668,6 +687,7 @@ impl SegmentFile for SimSegment {
                     match writeback {
                         Writeback::Lost => inode.lose_unsynced(),
                         Writeback::Reached => inode.sync(),
+                        Writeback::Cached => inode.cache_unsynced(),
                     }
                 }
                 return Err(io_error());
@@ -896,6 +916,22 @@ mod tests {
             "past its durable end"
         );
         assert_eq!(&inode.data[2 * SECTOR_BYTES..], &[3; 10][..], "a dirty sector is kept");
+    }
+
+    #[test]
+    fn a_sync_failed_into_the_devices_cache_reads_back_until_a_cut_and_no_sync_keeps_it() {
+        let mut inode = Inode::with(&[1; 2 * SECTOR_BYTES]);
+        inode.sync();
+        inode.write(0, &[2; 2 * SECTOR_BYTES]);
+        inode.cache_unsynced();
+        // A new write replaces the device's cached copy of its sector.
+        inode.write(SECTOR_BYTES, &[3; SECTOR_BYTES]);
+        inode.drop_clean();
+        assert_eq!(inode.data[0], 2, "the device still returns its cached sector");
+        inode.sync();
+        inode.survive(Cut::Plain, &mut rng());
+        assert_eq!(&inode.data[..SECTOR_BYTES], &[1; SECTOR_BYTES][..], "no sync made it durable");
+        assert_eq!(&inode.data[SECTOR_BYTES..], &[3; SECTOR_BYTES][..], "the sector written again was");
     }
 
     #[test]

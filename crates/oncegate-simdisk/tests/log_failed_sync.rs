@@ -9,7 +9,9 @@
 //! The error does not say whether the frame reached the device. When it did, the commit
 //! (answered `unavailable`) may come back, which the contract allows: the shard's reopen
 //! takes it back with the zeros it owes, and the next process, which owes none, reads it
-//! whole. Either way the log opens, and every acknowledged commit survives a cut. Every
+//! whole. Either way the log opens, and every acknowledged commit survives a cut. A
+//! device may also keep the frame in its volatile cache only, read back until a cut
+//! loses it: the reopen must not build on it (the last case). Every
 //! open drops the segments' clean cached pages first, and that is what the cases with
 //! the frame lost rest on now, the reopen's included.
 
@@ -160,4 +162,15 @@ fn a_commit_whose_failed_sync_reached_the_disk_is_taken_back_by_the_reopen() {
 #[test]
 fn the_next_process_keeps_a_commit_whose_failed_sync_reached_the_disk() {
     fail_then_open(Writeback::Reached, Next::Process, FailedCommit::CameBack);
+}
+
+/// The device keeps the frame in its volatile cache only: every read returns it, the
+/// page cache dropped or not, and a cut loses it. This is the frame the owed zeros are
+/// for: read by the reopen, `c`'s commit would chain onto it, and after the cut the log
+/// would end where the frame was, with `c`'s frame past that end. The next process
+/// cannot tell such a frame from a durable one, since nothing it can read or sync shows
+/// the difference, so that case has no test: the zeros are owed only to this process.
+#[test]
+fn a_commit_whose_failed_sync_left_it_in_the_devices_cache_is_taken_back_by_the_reopen() {
+    fail_then_open(Writeback::Cached, Next::Reopen, FailedCommit::TakenBack);
 }
