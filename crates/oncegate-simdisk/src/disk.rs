@@ -556,9 +556,8 @@ impl Disk {
     }
 
     /// Makes the next sync of the log segment at `path` fail as a failed writeback does
-    /// on Linux: `EIO`, and what it would have made durable either stays readable but is
-    /// marked clean, so no later sync writes it and a cut loses it ([`Writeback::Lost`]),
-    /// or is on the device all the same ([`Writeback::Reached`]): the error does not say
+    /// on Linux: `EIO`, and what it would have made durable ends up where `writeback`
+    /// says (lost, on the device, or in its volatile cache only): the error does not say
     /// which. The `writes_after` writes of the segment that follow fail too (a disk
     /// failing for a while).
     pub fn fail_next_sync_of(&self, path: &Path, writes_after: u32, writeback: Writeback) -> io::Result<()> {

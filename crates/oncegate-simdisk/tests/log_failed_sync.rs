@@ -11,9 +11,9 @@
 //! takes it back with the zeros it owes, and the next process, which owes none, reads it
 //! whole. Either way the log opens, and every acknowledged commit survives a cut. A
 //! device may also keep the frame in its volatile cache only, read back until a cut
-//! loses it: the reopen must not build on it (the last case). Every
-//! open drops the segments' clean cached pages first, and that is what the cases with
-//! the frame lost rest on now, the reopen's included.
+//! loses it: the reopen must not build on it (the last case). Every open drops the
+//! segments' clean cached pages first, and that is what the cases with the frame lost
+//! rest on now, the reopen's included.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -24,11 +24,7 @@ pub struct Floor {
 impl Floor {
     /// Connects to `addrs` with `connections` HTTP/2 connections, as [`super::Grpc`] does.
     pub async fn connect(addrs: &[String], connections: usize) -> anyhow::Result<Floor> {
-        let mut clients = Vec::new();
-        for n in 0..connections.max(addrs.len()) {
-            let channel = Channel::from_shared(addrs[n % addrs.len()].clone())?.connect().await?;
-            clients.push(HealthClient::new(channel));
-        }
+        let clients = super::channels(addrs, connections).await?.into_iter().map(HealthClient::new).collect();
         Ok(Floor { clients })
     }
 

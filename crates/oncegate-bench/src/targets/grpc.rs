@@ -16,12 +16,7 @@ pub struct Grpc {
 impl Grpc {
     /// Connects to `addr` with `connections` HTTP/2 connections.
     pub async fn connect(addrs: &[String], connections: usize) -> anyhow::Result<Grpc> {
-        let mut clients = Vec::new();
-        for n in 0..connections.max(addrs.len()) {
-            // Connections go round the servers (several nodes on one database).
-            let channel = Channel::from_shared(addrs[n % addrs.len()].clone())?.connect().await?;
-            clients.push(GateClient::new(channel));
-        }
+        let clients = super::channels(addrs, connections).await?.into_iter().map(GateClient::new).collect();
         Ok(Grpc { clients })
     }
 

@@ -20,6 +20,17 @@ pub use session::Session;
 
 use crate::Work;
 
+/// `connections` gRPC channels, going round the servers in `addrs` (several nodes on one
+/// database), for the targets that make their own clients of them.
+async fn channels(addrs: &[String], connections: usize) -> anyhow::Result<Vec<tonic::transport::Channel>> {
+    let mut channels = Vec::new();
+    for n in 0..connections.max(addrs.len()) {
+        channels
+            .push(tonic::transport::Channel::from_shared(addrs[n % addrs.len()].clone())?.connect().await?);
+    }
+    Ok(channels)
+}
+
 /// What one reserve answered.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reserved {
