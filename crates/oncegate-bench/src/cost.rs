@@ -42,6 +42,11 @@ pub struct Cost {
     pub cpu_us_per_pair: f64,
     /// CPU time of the shard threads per command, in microseconds.
     pub shard_cpu_us_per_command: f64,
+    /// CPU time of every other thread of the server per command, in microseconds: for a
+    /// server that the tool calls, what one call costs it between the socket and the
+    /// shard and back (the front path's own figure). A duplicate answered from its stored
+    /// response is one command, a pair two, so this is not half the CPU per pair.
+    pub front_cpu_us_per_command: f64,
     /// Bytes written to disk per pair, as the kernel counts them against the process
     /// (`write_bytes`: pages as they are dirtied).
     pub disk_bytes_per_pair: f64,
@@ -102,10 +107,13 @@ impl Sample {
         let us = |ticks: u64| ticks as f64 / TICKS_PER_S * 1e6;
         // Saturating: a sum over live threads or children drops one that ended in the
         // window, and can then go down.
+        let cpu = after.cpu_ticks.saturating_sub(self.cpu_ticks);
+        let shard_cpu = after.shard_cpu_ticks.saturating_sub(self.shard_cpu_ticks);
+        let per_command = |ticks: u64| us(ticks) / commands.max(1) as f64;
         Cost {
-            cpu_us_per_pair: us(after.cpu_ticks.saturating_sub(self.cpu_ticks)) / pairs.max(1) as f64,
-            shard_cpu_us_per_command: us(after.shard_cpu_ticks.saturating_sub(self.shard_cpu_ticks))
-                / commands.max(1) as f64,
+            cpu_us_per_pair: us(cpu) / pairs.max(1) as f64,
+            shard_cpu_us_per_command: per_command(shard_cpu),
+            front_cpu_us_per_command: per_command(cpu.saturating_sub(shard_cpu)),
             disk_bytes_per_pair: per(after.write_bytes.saturating_sub(self.write_bytes), pairs),
             device_bytes_per_pair: per(after.device_bytes.saturating_sub(self.device_bytes), pairs),
         }
@@ -217,5 +225,16 @@ mod tests {
         assert_eq!(reaped_children_ticks(line), Some(0));
         let parent = "7 (postgres) S 1 7 7 0 -1 4194368 10 0 0 0 150 25 40 2 20 0 1 0 100 0 0";
         assert_eq!(reaped_children_ticks(parent), Some(42));
+    }
+
+    #[test]
+    fn the_front_path_is_the_cpu_outside_the_shards_per_command() {
+        let before = Sample { cpu_ticks: 100, shard_cpu_ticks: 40, ..Sample::default() };
+        let after = Sample { cpu_ticks: 290, shard_cpu_ticks: 80, ..Sample::default() };
+        // 100 pairs, 10 of them duplicates answered with one command: 190 commands.
+        let cost = before.cost_to(&after, 100, 190);
+        assert_eq!(cost.cpu_us_per_pair, 19_000.0);
+        assert_eq!(cost.shard_cpu_us_per_command, 400_000.0 / 190.0);
+        assert_eq!(cost.front_cpu_us_per_command, 1_500_000.0 / 190.0);
     }
 }

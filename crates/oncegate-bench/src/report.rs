@@ -39,8 +39,8 @@ pub fn markdown(reports: &[Report]) -> String {
     let rounds = reports.iter().any(|r| r.round > 0);
     let (head, rule) = if rounds { ("| round ", "| --- ") } else { ("", "") };
     let mut out = format!(
-        "{head}| target | in flight | pairs/s | p50 (ms) | p99 (ms) | p99.9 (ms) | errors | replays | commands per batch | server CPU µs/pair | shard CPU µs/command | disk bytes/pair | device bytes/pair | load generator CPU µs/pair |\n\
-         {rule}| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
+        "{head}| target | in flight | pairs/s | p50 (ms) | p99 (ms) | p99.9 (ms) | errors | replays | commands per batch | server CPU µs/pair | shard CPU µs/command | front CPU µs/command | disk bytes/pair | device bytes/pair | load generator CPU µs/pair |\n\
+         {rule}| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
     );
     for r in reports {
         let cost =
@@ -49,7 +49,7 @@ pub fn markdown(reports: &[Report]) -> String {
             out.push_str(&format!("| {} ", r.round + 1));
         }
         out.push_str(&format!(
-            "| {} | {} | {:.0} | {:.2} | {:.2} | {:.2} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {} | {:.0} | {:.2} | {:.2} | {:.2} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             r.target,
             r.in_flight,
             r.pairs_per_s,
@@ -61,6 +61,7 @@ pub fn markdown(reports: &[Report]) -> String {
             r.batch_len_mean.map_or_else(|| "-".to_owned(), |b| format!("{b:.1}")),
             cost(|c| c.cpu_us_per_pair),
             cost(|c| c.shard_cpu_us_per_command),
+            cost(|c| c.front_cpu_us_per_command),
             cost(|c| c.disk_bytes_per_pair),
             cost(|c| c.device_bytes_per_pair),
             r.load_cpu_us_per_pair.map_or_else(|| "-".to_owned(), |l| format!("{l:.1}")),
@@ -93,6 +94,7 @@ fn median_report(runs: &[&Report]) -> Report {
         Cost {
             cpu_us_per_pair: of(|c| c.cpu_us_per_pair),
             shard_cpu_us_per_command: of(|c| c.shard_cpu_us_per_command),
+            front_cpu_us_per_command: of(|c| c.front_cpu_us_per_command),
             disk_bytes_per_pair: of(|c| c.disk_bytes_per_pair),
             device_bytes_per_pair: of(|c| c.device_bytes_per_pair),
         }
