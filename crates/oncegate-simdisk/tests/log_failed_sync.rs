@@ -116,8 +116,9 @@ enum Next {
     Process,
 }
 
-/// Fails `a`'s commit with its frame lost or on the device, opens the log as `next` does,
-/// and checks what came of the commit and that acknowledged commits survive a cut.
+/// Fails `a`'s commit with its frame where `writeback` leaves it (lost, on the device, or
+/// in the device's cache only), opens the log as `next` does, and checks what came of the
+/// commit and that acknowledged commits survive a cut.
 fn fail_then_open(writeback: Writeback, next: Next, a: FailedCommit) {
     let disk = Disk::new();
     let engine = open(&disk).expect("a new log opens");
