@@ -7,8 +7,10 @@
 //! most one request past that (so that a cancel is heard at the limit; a call read there
 //! waits unstarted; the stream's response names the limit, so that a client can keep within
 //! it and have each cancel read as it arrives), and answers through a channel of that many
-//! slots, so a client that stops reading stops the server from reading its requests:
-//! backpressure, never unbounded buffering. A call is queued on its shard as it is started
+//! slots. An answer the channel has no room for keeps its call's place until it is sent,
+//! so a client that stops reading stops the server from starting its calls: backpressure,
+//! never unbounded buffering; meanwhile the calls in flight are still polled, so their
+//! deadlines hold and cancels are read. A call is queued on its shard as it is started
 //! (so a stream's calls reach their shards in the order they were sent). When the stream
 //! ends (the client goes away, or sends a message that does not decode) the task drops its
 //! calls in flight, and each is then what a unary call whose caller has gone is: one not
@@ -22,7 +24,7 @@
 //! whose caller has gone sends a `cancel` for its call, which drops it in the same way,
 //! unanswered: the stream's equivalent of a unary call's reset.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Poll, Waker};
@@ -101,6 +103,9 @@ struct Session {
     /// A call read while the calls in flight were at their limit, not yet started, and
     /// when it was read (its deadline counts from then).
     aside: Option<(pb::SessionRequest, Instant)>,
+    /// Answers ready and not yet sent (the answers' channel was full): at most
+    /// `in_flight_max`, since they take the places of the calls they answer.
+    ready: VecDeque<pb::SessionResponse>,
 }
 
 impl Session {
@@ -113,6 +118,7 @@ impl Session {
             ids: HashMap::new(),
             in_flight: FuturesUnordered::new(),
             aside: None,
+            ready: VecDeque::new(),
         }
     }
 
@@ -124,54 +130,64 @@ impl Session {
         let mut reading = true;
         loop {
             // The client sent its last call and every call is answered: the stream ends.
-            if !reading && self.aside.is_none() && self.in_flight.is_empty() {
+            if !reading && self.aside.is_none() && self.in_flight.is_empty() && self.ready.is_empty() {
                 return;
             }
-            let held = if self.has_room() { self.aside.take() } else { None };
-            let answer = if let Some((held, read_at)) = held {
-                let Some(refused) = self.start(held, read_at) else { continue };
-                refused
-            } else {
-                tokio::select! {
-                    biased;
-                    // The client has gone: returning drops every call in flight.
-                    () = answers.closed() => return,
-                    Some(ended) = self.in_flight.next(), if !self.in_flight.is_empty() => {
-                        let Some(answer) = self.ended(ended) else { continue };
-                        answer
-                    }
-                    message = requests.message(), if reading && self.aside.is_none() => match message {
-                        Ok(Some(request)) => {
-                            let Some(refused) = self.read(request) else { continue };
-                            refused
-                        }
-                        // The client sent its last call: answer those in flight, then end.
-                        Ok(None) => {
-                            reading = false;
-                            continue;
-                        }
-                        // A message that does not decode (or a broken stream) ends the
-                        // stream with its status. The calls in flight are dropped first, so
-                        // none is granted while the status waits for the client to read.
-                        Err(status) => {
-                            // The map shares each call's answer: both let go of it.
-                            self.in_flight.clear();
-                            self.ids.clear();
-                            let _ = answers.send(Err(status)).await;
-                            return;
-                        }
-                    },
-                    else => return,
+            if self.has_room()
+                && let Some((held, read_at)) = self.aside.take()
+            {
+                let refused = self.start(held, read_at);
+                self.ready.extend(refused);
+                continue;
+            }
+            // Sending is one arm among the others, never a wait of its own: while a client
+            // reads slowly, the calls in flight are still polled, and polling is what drops
+            // a call at its deadline (a call not polled past it could still be granted).
+            tokio::select! {
+                biased;
+                // The client has gone: returning drops every call in flight.
+                () = answers.closed() => return,
+                permit = answers.reserve(), if !self.ready.is_empty() => {
+                    let Ok(permit) = permit else { return };
+                    permit.send(Ok(self.ready.pop_front().expect("an answer is ready")));
                 }
-            };
-            if answers.send(Ok(answer)).await.is_err() {
-                return;
+                Some(ended) = self.in_flight.next(), if !self.in_flight.is_empty() => {
+                    let answer = self.ended(ended);
+                    self.ready.extend(answer);
+                }
+                message = requests.message(), if reading && self.aside.is_none() => match message {
+                    Ok(Some(request)) => {
+                        let refused = self.read(request);
+                        self.ready.extend(refused);
+                    }
+                    // The client sent its last call: answer those in flight, then end.
+                    Ok(None) => reading = false,
+                    // A message that does not decode (or a broken stream) ends the stream
+                    // with its status, after the answers already ready. The calls in
+                    // flight are dropped first, so none is granted while the status waits
+                    // for the client to read.
+                    Err(status) => {
+                        // The map shares each call's answer: both let go of it.
+                        self.in_flight.clear();
+                        self.ids.clear();
+                        for answer in std::mem::take(&mut self.ready) {
+                            if answers.send(Ok(answer)).await.is_err() {
+                                return;
+                            }
+                        }
+                        let _ = answers.send(Err(status)).await;
+                        return;
+                    }
+                },
+                else => return,
             }
         }
     }
 
+    /// Whether another call may start: the calls in flight and the answers not yet sent
+    /// count alike, so a client that stops reading stops the stream from starting calls.
     fn has_room(&self) -> bool {
-        self.in_flight.len() < self.in_flight_max
+        self.in_flight.len() + self.ready.len() < self.in_flight_max
     }
 
     /// A request just read: a cancel is done at once, a call started when there is room
@@ -317,8 +333,8 @@ mod tests {
         KeyRequest { namespace: "live".into(), key: "k".into(), token, lease_ms: 0 }
     }
 
-    /// One shard with `k` held (`holder` its token), and a stream of at most one call in
-    /// flight on it, fed frame by frame below tonic's transport.
+    /// One shard with `k` held (`holder` its token), and a stream of at most
+    /// `in_flight_max` calls in flight on it, fed frame by frame below tonic's transport.
     struct Stand {
         _dir: tempfile::TempDir,
         engine: Engine,
@@ -329,7 +345,7 @@ mod tests {
         requests: Streaming<pb::SessionRequest>,
     }
 
-    async fn stand() -> Stand {
+    async fn stand(in_flight_max: usize) -> Stand {
         let dir = tempfile::tempdir().unwrap();
         let config = EngineConfig { data_dir: dir.path().to_owned(), shards: 1, ..EngineConfig::default() };
         let engine = Engine::open(config).expect("the engine opens");
@@ -339,8 +355,9 @@ mod tests {
             other => panic!("expected a grant, got {other:?}"),
         };
         let admit = Admit::new(64, &[], engine.clock().clone());
-        let gate = GateService::new(engine.clone(), Auth::new(&[]), admit, 1, Duration::from_secs(60));
-        let session = Session::new(gate, tenant.clone(), 1);
+        let gate =
+            GateService::new(engine.clone(), Auth::new(&[]), admit, in_flight_max, Duration::from_secs(60));
+        let session = Session::new(gate, tenant.clone(), in_flight_max);
         let (frames, body) = mpsc::channel(4);
         let mut codec =
             oncegate_proto::codec::StrictCodec::<pb::SessionResponse, pb::SessionRequest>::default();
@@ -357,7 +374,7 @@ mod tests {
     /// by construction rather than by flow-control windows.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_stream_ended_by_a_bad_message_drops_its_calls_before_its_status_waits() {
-        let Stand { _dir, engine, tenant, holder, session, frames, requests } = stand().await;
+        let Stand { _dir, engine, tenant, holder, session, frames, requests } = stand(1).await;
         let (answers, mut unread) = mpsc::channel(1);
         answers.try_send(Ok(pb::SessionResponse::default())).expect("the channel is empty");
         let served = tokio::spawn(session.run(requests, answers));
@@ -405,7 +422,7 @@ mod tests {
     /// so the order of the two deadlines is set by construction.
     #[tokio::test(start_paused = true)]
     async fn a_call_held_at_the_limit_past_its_deadline_never_reaches_its_shard() {
-        let Stand { _dir, engine, tenant, holder, session, frames, requests } = stand().await;
+        let Stand { _dir, engine, tenant, holder, session, frames, requests } = stand(1).await;
         let slow_before = slow_releases();
         let (answers, mut answered) = mpsc::channel(4);
 
@@ -438,6 +455,55 @@ mod tests {
             ReserveReply::InProgress { .. } => {}
             other => panic!("the held release must not have reached the shard: {other:?}"),
         }
+        drop(frames);
+        served.await.unwrap();
+    }
+
+    /// A call's deadline holds while the stream waits for its client to read: the calls in
+    /// flight are still polled, so a parked reserve is dropped at its deadline, never
+    /// granted to a caller that gave up on it. (The stream waited for room in the answers'
+    /// channel with nothing else polled: a reserve parked there past its deadline stayed
+    /// parked, was granted once its key was released, and was answered as granted when
+    /// the client read again, long after that client had given up.) The refusal that
+    /// fills the channel is made without the engine, and the clock is tokio's paused one,
+    /// so the deadline passes only once the stream waits.
+    #[tokio::test(start_paused = true)]
+    async fn a_call_past_its_deadline_is_dropped_while_its_stream_waits_to_send() {
+        let Stand { _dir, engine, tenant, holder, session, frames, requests } = stand(2).await;
+        let (answers, mut unread) = mpsc::channel(1);
+        answers.try_send(Ok(pb::SessionResponse::default())).expect("the channel is empty");
+        let served = tokio::spawn(session.run(requests, answers));
+
+        let waiting = pb::ReserveRequest::from(reserve(20_000));
+        let parked = pb::SessionRequest { id: 1, call: Some(In::Reserve(waiting)), timeout_ms: 1_000 };
+        frames.send(frame(&parked.encode_to_vec())).await.unwrap();
+        assert!(waiters(&engine, 1).await, "the stream's reserve is parked");
+        // No call: refused at once, and the refusal waits for room in the channel.
+        let empty = pb::SessionRequest { id: 2, call: None, timeout_ms: 0 };
+        frames.send(frame(&empty.encode_to_vec())).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        assert!(waiters(&engine, 0).await, "the parked reserve is dropped at its deadline");
+
+        engine.release(&tenant, release(holder)).await.unwrap();
+        match engine.reserve(&tenant, reserve(0)).await.unwrap().reply {
+            ReserveReply::Granted { previous, .. } => assert_eq!(previous, Previous::None),
+            other => panic!("the reserve past its deadline must not hold the key: {other:?}"),
+        }
+        assert!(unread.recv().await.expect("the answer put there").is_ok());
+        let mut ids = Vec::new();
+        for _ in 0..2 {
+            let answer = unread.recv().await.expect("an answer").expect("not a status");
+            let Some(Out::Refusal(refusal)) = answer.result else {
+                panic!("call {} must be refused: {:?}", answer.id, answer.result)
+            };
+            if answer.id == 1 {
+                assert_eq!(refusal.grpc_code, tonic::Code::Unavailable as i32, "{refusal:?}");
+                assert!(refusal.message.starts_with("no answer within 1000 ms"), "{refusal:?}");
+            }
+            ids.push(answer.id);
+        }
+        ids.sort_unstable();
+        assert_eq!(ids, [1, 2]);
         drop(frames);
         served.await.unwrap();
     }
