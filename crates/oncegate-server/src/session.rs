@@ -129,6 +129,9 @@ impl Session {
     ) {
         let mut reading = true;
         loop {
+            if !self.send_ready(&answers) {
+                return;
+            }
             // The client sent its last call and every call is answered: the stream ends.
             if !reading && self.aside.is_none() && self.in_flight.is_empty() && self.ready.is_empty() {
                 return;
@@ -140,9 +143,10 @@ impl Session {
                 self.ready.extend(refused);
                 continue;
             }
-            // Sending is one arm among the others, never a wait of its own: while a client
-            // reads slowly, the calls in flight are still polled, and polling is what drops
-            // a call at its deadline (a call not polled past it could still be granted).
+            // Waiting for room to send is one arm among the others, never a wait of its own:
+            // while a client reads slowly, the calls in flight are still polled, and polling
+            // is what drops a call at its deadline (a call not polled past it could still be
+            // granted).
             tokio::select! {
                 biased;
                 // The client has gone: returning drops every call in flight.
@@ -182,6 +186,20 @@ impl Session {
                 else => return,
             }
         }
+    }
+
+    /// Sends the ready answers the channel has room for, without waiting (most answers
+    /// go out here, without a turn of the loop's `select!` of their own); false once the
+    /// client has gone.
+    fn send_ready(&mut self, answers: &mpsc::Sender<Result<pb::SessionResponse, Status>>) -> bool {
+        while !self.ready.is_empty() {
+            match answers.try_reserve() {
+                Ok(permit) => permit.send(Ok(self.ready.pop_front().expect("an answer is ready"))),
+                Err(mpsc::error::TrySendError::Full(())) => return true,
+                Err(mpsc::error::TrySendError::Closed(())) => return false,
+            }
+        }
+        true
     }
 
     /// Whether another call may start: the calls in flight and the answers not yet sent
