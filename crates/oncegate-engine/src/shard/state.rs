@@ -105,16 +105,28 @@ impl Shared {
     pub fn wait_until(&self, timeout: Duration, done: impl Fn(&Shared) -> bool) -> bool {
         let mut waiting = self.waiting.lock().unwrap_or_else(|p| p.into_inner());
         *waiting += 1;
-        let (mut waiting, result) = self
+        // Counted out however the wait ends, a panic of `done` included: a count left
+        // raised would make every later publication a system call for nobody.
+        let _counted = CountedIn(self);
+        let (_waiting, result) = self
             .changed
             .wait_timeout_while(waiting, timeout, |_| !done(self))
             .unwrap_or_else(|p| p.into_inner());
-        *waiting -= 1;
         !result.timed_out()
     }
 
     pub fn set_last_error(&self, error: String) {
         *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(error);
+    }
+}
+
+/// A thread counted in [`Shared::waiting`]; dropping it counts the thread out. It takes
+/// the lock again, so it must be dropped after the guard of the wait.
+struct CountedIn<'a>(&'a Shared);
+
+impl Drop for CountedIn<'_> {
+    fn drop(&mut self) {
+        *self.0.waiting.lock().unwrap_or_else(|p| p.into_inner()) -= 1;
     }
 }
 
@@ -268,5 +280,17 @@ mod tests {
         let held = woken.recv_timeout(Duration::from_secs(60)).expect("the publication woke the waiter");
         assert!(held);
         assert_eq!(*shared.waiting.lock().unwrap(), 0, "the waiter counted itself out");
+    }
+
+    /// A condition that panics leaves no waiter counted, so publications do not go on
+    /// notifying for nobody. (The count was lowered only on a normal return.)
+    #[test]
+    fn a_wait_whose_condition_panics_counts_itself_out() {
+        let shared = Shared::default();
+        let waited = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            shared.wait_until(Duration::from_secs(3_600), |_| panic!("the condition fails"))
+        }));
+        assert!(waited.is_err(), "the condition's panic reaches the caller");
+        assert_eq!(*shared.waiting.lock().unwrap_or_else(|p| p.into_inner()), 0);
     }
 }
