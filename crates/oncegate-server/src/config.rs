@@ -116,8 +116,9 @@ pub struct ServerConfig {
     /// Calls served at once across all connections; more are refused with
     /// `RESOURCE_EXHAUSTED` (load shedding).
     pub requests_in_flight_max: usize,
-    /// Calls in flight on one `Session` stream; the server reads no further request of
-    /// the stream until an answer goes out (backpressure, not buffering).
+    /// Calls in flight on one `Session` stream, an answer not yet sent counted with its
+    /// call; the server reads no further request of the stream until an answer goes out
+    /// (backpressure: what a stream holds is bounded by this, whatever its client does).
     pub session_calls_in_flight_max: usize,
     /// How often the health service looks at the shards' states.
     pub health_poll_ms: u64,

@@ -10,7 +10,7 @@
 //! slots. An answer the channel has no room for keeps its call's place until it is sent,
 //! so a client that stops reading stops the server from starting its calls: backpressure,
 //! never unbounded buffering; meanwhile the calls in flight are still polled, so their
-//! deadlines hold and cancels are read. A call is queued on its shard as it is started
+//! deadlines hold and cancels are read (as far as the limit lets requests be read). A call is queued on its shard as it is started
 //! (so a stream's calls reach their shards in the order they were sent). When the stream
 //! ends (the client goes away, or sends a message that does not decode) the task drops its
 //! calls in flight, and each is then what a unary call whose caller has gone is: one not
@@ -482,8 +482,8 @@ mod tests {
     /// granted to a caller that gave up on it. (The stream waited for room in the answers'
     /// channel with nothing else polled: a reserve parked there past its deadline stayed
     /// parked, was granted once its key was released, and was answered as granted when
-    /// the client read again, long after that client had given up.) The refusal that
-    /// fills the channel is made without the engine, and the clock is tokio's paused one,
+    /// the client read again, long after that client had given up.) The channel is full
+    /// from the start, and the refusal that then waits for room is made without the engine, and the clock is tokio's paused one,
     /// so the deadline passes only once the stream waits.
     #[tokio::test(start_paused = true)]
     async fn a_call_past_its_deadline_is_dropped_while_its_stream_waits_to_send() {
