@@ -167,8 +167,13 @@ fn place(
         }
         StoreKind::Postgres => {
             let node = manifest::node_name(files, &config.data_dir)?;
-            let pg = store::postgres::Postgres::new(&config.store, node.clone(), Arc::clone(clock))
-                .map_err(|e| OpenError::Postgres { reason: e.to_string() })?;
+            let pg = store::postgres::Postgres::new(
+                &config.store,
+                config.durability,
+                node.clone(),
+                Arc::clone(clock),
+            )
+            .map_err(|e| OpenError::Postgres { reason: e.to_string() })?;
             tracing::info!(database = %pg.display, node = %node, shards = config.shards, "records in PostgreSQL");
             Placement {
                 map: slots::SlotMap::even(config.shards),

@@ -6,15 +6,15 @@
 
 mod common;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
 use common::pg::{Cluster, shared};
 use common::*;
 use oncegate_core::{Code, ReserveReply, State};
 use oncegate_engine::{
-    Clock, Engine, EngineConfig, Faults, KeyRequest, ManualClock, PgClock, ShardState, StoreConfig,
-    StoreKind, SystemClock,
+    Clock, Durability, Engine, EngineConfig, Faults, KeyRequest, ManualClock, PgClock, ShardState,
+    StoreConfig, StoreKind, SystemClock,
 };
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -385,6 +385,69 @@ fn a_read_only_database_is_refused_and_a_newer_schema_too() {
     let engine = node(dir.path(), &url, PgClock::Engine, time);
     let error = engine.stats()[0].last_error.clone().unwrap_or_default();
     assert!(error.contains("schema version 99 is unknown"), "{error}");
+}
+
+/// What the process logged at INFO and above, from every thread, since the first call.
+/// (The node reports its database's durability from its shard's thread, so a subscriber
+/// for one thread would not see it.)
+fn logs() -> &'static Mutex<Vec<u8>> {
+    static LOGS: OnceLock<&'static Mutex<Vec<u8>>> = OnceLock::new();
+    LOGS.get_or_init(|| {
+        let logs: &'static Mutex<Vec<u8>> = Box::leak(Box::default());
+        tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::INFO)
+            .with_ansi(false)
+            .with_writer(move || Captured(logs))
+            .init();
+        logs
+    })
+}
+
+/// Where [`logs`] writes.
+struct Captured(&'static Mutex<Vec<u8>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Under `durability = "full"` (the default) an answer leaves once its commit is flushed,
+/// even on a database whose own default is `synchronous_commit = off`: each of the node's
+/// sessions raises it to `on`, and the node's report, read from its session, says so.
+/// Under `normal` the database's setting stands, with a warning. (The node only warned,
+/// and answered from commits a crash of the database could forget.)
+#[test]
+fn a_node_flushes_its_commits_where_the_database_would_not() {
+    let Some(cluster) = shared() else { return };
+    let logs = logs();
+    for (name, durability, session) in
+        [("sync_off_full", Durability::Full, "on"), ("sync_off_normal", Durability::Normal, "off")]
+    {
+        let url = cluster.database(name);
+        sql(&cluster.url("postgres"), &format!("ALTER DATABASE {name} SET synchronous_commit = off"));
+        let dir = tempfile::tempdir().unwrap();
+        let config = EngineConfig { durability, ..one_shard(dir.path(), &url, |_| {}) };
+        let engine = Engine::open(config).expect("node opens");
+        let reply = engine.reserve_blocking(&tenant(), reserve("k")).unwrap().reply;
+        assert!(matches!(reply, ReserveReply::Granted { .. }), "{reply:?}");
+        drop(engine);
+        // The report comes before the shard serves, so it is logged by now.
+        let text = String::from_utf8(logs.lock().unwrap_or_else(PoisonError::into_inner).clone()).unwrap();
+        let database = format!("dbname={name} ");
+        let reported: Vec<&str> = text
+            .lines()
+            .filter(|line| line.contains(&database) && line.contains(" synchronous_commit="))
+            .collect();
+        let wanted = format!(" synchronous_commit={session}");
+        assert!(!reported.is_empty(), "no report of {name}'s durability in:\n{text}");
+        assert!(reported.iter().all(|line| line.contains(&wanted)), "{durability:?}: {reported:#?}");
+    }
 }
 
 /// Nodes on one database use the tables of `postgres_schema`, whatever their roles'

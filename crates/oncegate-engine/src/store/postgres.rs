@@ -44,7 +44,7 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::{Row, Statement};
 
 use super::{Meta, StoreError, decode_history, encode_history, stored_scope, stored_tenant};
-use crate::config::{PgClock, StoreConfig};
+use crate::config::{Durability, PgClock, StoreConfig};
 use crate::quota::Tally;
 use crate::{Faults, slots};
 
@@ -194,6 +194,9 @@ pub(crate) struct Postgres {
     /// The node's name; each shard's clock mark is the row `{node}/{shard}`.
     node: String,
     config: StoreConfig,
+    /// The engine's `durability`: under `full`, each session commits with at least
+    /// `synchronous_commit = on` ([`session_synchronous_commit`]).
+    durability: Durability,
     /// Where the database is, without the password, for logs.
     pub display: String,
     /// Each lane's last `(time, monotonic reading)` ([`Store::last_now`]), kept here
@@ -329,6 +332,14 @@ impl Postgres {
                 .await
                 .map_err(pg_error)?;
             check_schema_named(&client, schema).await?;
+            let database: String =
+                client.query_one("SHOW synchronous_commit", &[]).await.map_err(pg_error)?.get(0);
+            if let Some(setting) = session_synchronous_commit(self.durability, &database) {
+                client
+                    .query("SELECT set_config('synchronous_commit', $1, false)", &[&setting])
+                    .await
+                    .map_err(pg_error)?;
+            }
             let read_only: String =
                 client.query_one("SHOW transaction_read_only", &[]).await.map_err(pg_error)?.get(0);
             if read_only == "on" {
@@ -339,7 +350,7 @@ impl Postgres {
             migrate(&client, schema).await?;
             check_sequence(&client).await?;
             if report {
-                report_durability(&client).await?;
+                report_durability(&client, &self.display, &database).await?;
             }
             Statements::prepare(&client).await
         });
@@ -356,6 +367,7 @@ impl Postgres {
     /// database fails the shards, which retry, rather than the engine's start).
     pub fn new(
         config: &StoreConfig,
+        durability: Durability,
         node: String,
         clock: Arc<dyn crate::Clock>,
     ) -> Result<Postgres, StoreError> {
@@ -389,6 +401,7 @@ impl Postgres {
             node,
             display: redact(&config.postgres_url),
             config: config.clone(),
+            durability,
             paces: std::sync::Mutex::default(),
             clock,
         })
@@ -788,10 +801,22 @@ enum Retry {
     Fail(StoreError),
 }
 
-/// Logs what the database's settings make of an acknowledgement: lost at a crash when
-/// commits are not flushed, and lost at a fail-over when standbys stream asynchronously
-/// (a promoted one lacks the last commits: their keys would be granted again).
-async fn report_durability(client: &Object) -> Result<(), StoreError> {
+/// The `synchronous_commit` a session sets for itself, if the database's own
+/// (`database`) will not do for `durability`. Under `full` an answer leaves once `COMMIT`
+/// returned, which must mean the commit is flushed on the primary: every setting but `off`
+/// gives that (the standbys' part stays the database's, and a stronger setting is kept),
+/// so only `off` is raised, to `on`. Under `normal` the database's setting stands: the
+/// operator chose to trade a crash's last commits for speed.
+fn session_synchronous_commit(durability: Durability, database: &str) -> Option<&'static str> {
+    (durability == Durability::Full && database == "off").then_some("on")
+}
+
+/// Logs what the database's settings make of an acknowledgement, read from the session
+/// (after [`session_synchronous_commit`]; `default` is the database's own setting): lost
+/// at a crash when commits are not flushed, and lost at a fail-over when standbys stream
+/// asynchronously (a promoted one lacks the last commits: their keys would be granted
+/// again).
+async fn report_durability(client: &Object, shown: &str, default: &str) -> Result<(), StoreError> {
     let row = client
         .query_one(
             "SELECT current_setting('synchronous_commit'), current_setting('synchronous_standby_names'), \
@@ -801,15 +826,20 @@ async fn report_durability(client: &Object) -> Result<(), StoreError> {
         .await
         .map_err(pg_error)?;
     let (sync, standby_names, standbys): (String, String, i64) = (row.get(0), row.get(1), row.get(2));
-    if sync == "off" || sync == "local" {
-        tracing::warn!(synchronous_commit = %sync, "acknowledged decisions may be lost if the database crashes or fails over: set synchronous_commit = on (or remote_apply with standbys)");
-    } else if standbys > 0 && standby_names.is_empty() {
+    if sync != default {
+        tracing::info!(database = %shown, database_default = %default, synchronous_commit = %sync, "the database does not flush commits by default; oncegate's sessions do (durability = \"full\")");
+    }
+    if sync == "off" {
+        tracing::warn!(database = %shown, synchronous_commit = %sync, "acknowledged decisions may be lost if the database crashes or fails over (durability = \"normal\" leaves the database's synchronous_commit as it is)");
+    } else if standbys > 0 && (standby_names.is_empty() || sync == "local") {
         tracing::warn!(
+            database = %shown,
             standbys,
-            "standbys replicate asynchronously: a fail-over to one may lose acknowledged decisions; name them in synchronous_standby_names"
+            synchronous_commit = %sync,
+            "standbys replicate asynchronously: a fail-over to one may lose acknowledged decisions; name them in synchronous_standby_names (and set synchronous_commit = on or remote_apply)"
         );
     } else {
-        tracing::info!(synchronous_commit = %sync, synchronous_standby_names = %standby_names, standbys, "the database's durability");
+        tracing::info!(database = %shown, synchronous_commit = %sync, synchronous_standby_names = %standby_names, standbys, "the database's durability");
     }
     Ok(())
 }
@@ -1273,6 +1303,29 @@ async fn write_changes(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Under `durability = "full"` only `off` is raised (to `on`); every other setting
+    /// already flushes on the primary, and a stronger one is kept. Under `normal` the
+    /// database's setting stands.
+    #[test]
+    fn a_session_raises_synchronous_commit_only_from_off_and_only_under_full_durability() {
+        let cases = [
+            (Durability::Full, "off", Some("on")),
+            (Durability::Full, "local", None),
+            (Durability::Full, "remote_write", None),
+            (Durability::Full, "on", None),
+            (Durability::Full, "remote_apply", None),
+            (Durability::Normal, "off", None),
+            (Durability::Normal, "on", None),
+        ];
+        for (durability, database, raised) in cases {
+            assert_eq!(
+                session_synchronous_commit(durability, database),
+                raised,
+                "{durability:?}, {database}"
+            );
+        }
+    }
 
     /// Configurations are logged at start and errors carry where the database is: the
     /// password appears in neither, in either form of connection string.
