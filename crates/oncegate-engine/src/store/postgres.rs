@@ -332,9 +332,9 @@ impl Postgres {
                 .await
                 .map_err(pg_error)?;
             check_schema_named(&client, schema).await?;
-            let database: String =
+            let inherited: String =
                 client.query_one("SHOW synchronous_commit", &[]).await.map_err(pg_error)?.get(0);
-            if let Some(setting) = session_synchronous_commit(self.durability, &database) {
+            if let Some(setting) = session_synchronous_commit(self.durability, &inherited) {
                 client
                     .query("SELECT set_config('synchronous_commit', $1, false)", &[&setting])
                     .await
@@ -350,7 +350,7 @@ impl Postgres {
             migrate(&client, schema).await?;
             check_sequence(&client).await?;
             if report {
-                report_durability(&client, &self.display, &database).await?;
+                report_durability(&client, &self.display, &inherited).await?;
             }
             Statements::prepare(&client).await
         });
@@ -801,22 +801,28 @@ enum Retry {
     Fail(StoreError),
 }
 
-/// The `synchronous_commit` a session sets for itself, if the database's own
-/// (`database`) will not do for `durability`. Under `full` an answer leaves once `COMMIT`
-/// returned, which must mean the commit is flushed on the primary: every setting but `off`
-/// gives that (the standbys' part stays the database's, and a stronger setting is kept),
-/// so only `off` is raised, to `on`. Under `normal` the database's setting stands: the
-/// operator chose to trade a crash's last commits for speed.
-fn session_synchronous_commit(durability: Durability, database: &str) -> Option<&'static str> {
-    (durability == Durability::Full && database == "off").then_some("on")
+/// The `synchronous_commit` a session sets for itself, given the one it `inherited` (the
+/// database's, its role's or the connection string's). Under `full` an answer leaves once
+/// `COMMIT` returned, which must mean the commit is flushed on the primary: every setting
+/// but `off` gives that (the standbys' part stays the operator's, and a stronger setting
+/// is kept), so `off` is raised to `on`, and any other is set as the session's own, so that
+/// a reload of the server's configuration to `off` later cannot reach an open session.
+/// Under `normal` the inherited setting stands: the operator chose to trade a crash's last
+/// commits for speed.
+fn session_synchronous_commit(durability: Durability, inherited: &str) -> Option<&str> {
+    match durability {
+        Durability::Full if inherited == "off" => Some("on"),
+        Durability::Full => Some(inherited),
+        Durability::Normal => None,
+    }
 }
 
 /// Logs what the database's settings make of an acknowledgement, read from the session
-/// (after [`session_synchronous_commit`]; `default` is the database's own setting): lost
+/// (after [`session_synchronous_commit`]; `inherited` is the setting before it): lost
 /// at a crash when commits are not flushed, and lost at a fail-over when standbys stream
 /// asynchronously (a promoted one lacks the last commits: their keys would be granted
 /// again).
-async fn report_durability(client: &Object, shown: &str, default: &str) -> Result<(), StoreError> {
+async fn report_durability(client: &Object, shown: &str, inherited: &str) -> Result<(), StoreError> {
     let row = client
         .query_one(
             "SELECT current_setting('synchronous_commit'), current_setting('synchronous_standby_names'), \
@@ -826,8 +832,8 @@ async fn report_durability(client: &Object, shown: &str, default: &str) -> Resul
         .await
         .map_err(pg_error)?;
     let (sync, standby_names, standbys): (String, String, i64) = (row.get(0), row.get(1), row.get(2));
-    if sync != default {
-        tracing::info!(database = %shown, database_default = %default, synchronous_commit = %sync, "the database does not flush commits by default; oncegate's sessions do (durability = \"full\")");
+    if sync != inherited {
+        tracing::info!(database = %shown, inherited_synchronous_commit = %inherited, synchronous_commit = %sync, "the session would not have flushed its commits; oncegate's sessions do (durability = \"full\")");
     }
     if sync == "off" {
         tracing::warn!(database = %shown, synchronous_commit = %sync, "acknowledged decisions may be lost if the database crashes or fails over (durability = \"normal\" leaves the database's synchronous_commit as it is)");
@@ -1304,17 +1310,17 @@ async fn write_changes(
 mod tests {
     use super::*;
 
-    /// Under `durability = "full"` only `off` is raised (to `on`); every other setting
-    /// already flushes on the primary, and a stronger one is kept. Under `normal` the
-    /// database's setting stands.
+    /// Under `durability = "full"` `off` is raised to `on`, and every other setting, which
+    /// already flushes on the primary, is kept as the session's own (a reload to `off`
+    /// cannot reach it then). Under `normal` the inherited setting stands.
     #[test]
-    fn a_session_raises_synchronous_commit_only_from_off_and_only_under_full_durability() {
+    fn a_session_raises_synchronous_commit_from_off_and_pins_it_under_full_durability() {
         let cases = [
             (Durability::Full, "off", Some("on")),
-            (Durability::Full, "local", None),
-            (Durability::Full, "remote_write", None),
-            (Durability::Full, "on", None),
-            (Durability::Full, "remote_apply", None),
+            (Durability::Full, "local", Some("local")),
+            (Durability::Full, "remote_write", Some("remote_write")),
+            (Durability::Full, "on", Some("on")),
+            (Durability::Full, "remote_apply", Some("remote_apply")),
             (Durability::Normal, "off", None),
             (Durability::Normal, "on", None),
         ];
