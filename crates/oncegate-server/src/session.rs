@@ -10,8 +10,9 @@
 //! slots. An answer the channel has no room for keeps its call's place until it is sent,
 //! so a client that stops reading stops the server from starting its calls: backpressure,
 //! never unbounded buffering; meanwhile the calls in flight are still polled, so their
-//! deadlines hold and cancels are read (as far as the limit lets requests be read). A call is queued on its shard as it is started
-//! (so a stream's calls reach their shards in the order they were sent). When the stream
+//! deadlines hold and cancels are read (as far as the limit lets requests be read). A call
+//! is queued on its shard as it is started (so a stream's calls reach their shards in the
+//! order they were sent). When the stream
 //! ends (the client goes away, or sends a message that does not decode) the task drops its
 //! calls in flight, and each is then what a unary call whose caller has gone is: one not
 //! yet decided is skipped by its shard (never granted, never parked); one already written
@@ -166,26 +167,30 @@ impl Session {
                     }
                     // The client sent its last call: answer those in flight, then end.
                     Ok(None) => reading = false,
-                    // A message that does not decode (or a broken stream) ends the stream
-                    // with its status, after the answers already ready. The calls in
-                    // flight are dropped first, so none is granted while the status waits
-                    // for the client to read.
-                    Err(status) => {
-                        // The map shares each call's answer: both let go of it.
-                        self.in_flight.clear();
-                        self.ids.clear();
-                        for answer in std::mem::take(&mut self.ready) {
-                            if answers.send(Ok(answer)).await.is_err() {
-                                return;
-                            }
-                        }
-                        let _ = answers.send(Err(status)).await;
-                        return;
-                    }
+                    Err(status) => return self.end_with(status, &answers).await,
                 },
                 else => return,
             }
         }
+    }
+
+    /// Ends the stream on a message that does not decode (or a broken stream) with its
+    /// status, after the answers already ready. The calls in flight are dropped first, so
+    /// none is granted while the status waits for the client to read.
+    async fn end_with(
+        &mut self,
+        status: Status,
+        answers: &mpsc::Sender<Result<pb::SessionResponse, Status>>,
+    ) {
+        // The map shares each call's answer: both let go of it.
+        self.in_flight.clear();
+        self.ids.clear();
+        for answer in std::mem::take(&mut self.ready) {
+            if answers.send(Ok(answer)).await.is_err() {
+                return;
+            }
+        }
+        let _ = answers.send(Err(status)).await;
     }
 
     /// Sends the ready answers the channel has room for, without waiting (most answers
