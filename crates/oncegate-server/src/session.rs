@@ -389,6 +389,27 @@ mod tests {
         Stand { _dir: dir, engine, tenant, holder, session, frames, requests }
     }
 
+    /// Runs `session` with an answers' channel of one place, full from the start (the test
+    /// reads that answer first), so that every answer the stream makes waits for room.
+    fn serve_unread(
+        session: Session,
+        requests: Streaming<pb::SessionRequest>,
+    ) -> (tokio::task::JoinHandle<()>, mpsc::Receiver<Result<pb::SessionResponse, Status>>) {
+        let (answers, unread) = mpsc::channel(1);
+        answers.try_send(Ok(pb::SessionResponse::default())).expect("the channel is empty");
+        (tokio::spawn(session.run(requests, answers)), unread)
+    }
+
+    /// Releases `k` and checks that the next reserve is a first grant: `what` never held
+    /// the key.
+    async fn first_grant_after_release(engine: &Engine, tenant: &Tenant, holder: u64, what: &str) {
+        engine.release(tenant, release(holder)).await.unwrap();
+        match engine.reserve(tenant, reserve(0)).await.unwrap().reply {
+            ReserveReply::Granted { previous, .. } => assert_eq!(previous, Previous::None),
+            other => panic!("{what} must not hold the key: {other:?}"),
+        }
+    }
+
     /// A stream that ends on a message that does not decode, while its client reads no
     /// answers, waits to send its status with the answers' channel full. Its calls in
     /// flight are dropped before that wait, so that a parked reserve is never granted
@@ -398,9 +419,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_stream_ended_by_a_bad_message_drops_its_calls_before_its_status_waits() {
         let Stand { _dir, engine, tenant, holder, session, frames, requests } = stand(1).await;
-        let (answers, mut unread) = mpsc::channel(1);
-        answers.try_send(Ok(pb::SessionResponse::default())).expect("the channel is empty");
-        let served = tokio::spawn(session.run(requests, answers));
+        let (served, mut unread) = serve_unread(session, requests);
 
         let waiting = pb::ReserveRequest::from(reserve(20_000));
         let call = pb::SessionRequest { id: 1, call: Some(In::Reserve(waiting)), timeout_ms: 0 };
@@ -411,11 +430,7 @@ mod tests {
         assert!(waiters(&engine, 0).await, "the parked reserve is dropped while the status waits");
         assert!(!served.is_finished(), "the status waits for room in the answers' channel");
 
-        engine.release(&tenant, release(holder)).await.unwrap();
-        match engine.reserve(&tenant, reserve(0)).await.unwrap().reply {
-            ReserveReply::Granted { previous, .. } => assert_eq!(previous, Previous::None),
-            other => panic!("the ended stream's reserve must not hold the key: {other:?}"),
-        }
+        first_grant_after_release(&engine, &tenant, holder, "the ended stream's reserve").await;
         assert!(unread.recv().await.expect("the answer put there").is_ok());
         let status = unread.recv().await.expect("the stream's status").expect_err("a status");
         assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
@@ -488,14 +503,13 @@ mod tests {
     /// channel with nothing else polled: a reserve parked there past its deadline stayed
     /// parked, was granted once its key was released, and was answered as granted when
     /// the client read again, long after that client had given up.) The channel is full
-    /// from the start, and the refusal that then waits for room is made without the engine, and the clock is tokio's paused one,
-    /// so the deadline passes only once the stream waits.
+    /// from the start, the refusal that then waits for room is made without the engine,
+    /// and the clock is tokio's paused one, so the deadline passes only once the stream
+    /// waits.
     #[tokio::test(start_paused = true)]
     async fn a_call_past_its_deadline_is_dropped_while_its_stream_waits_to_send() {
         let Stand { _dir, engine, tenant, holder, session, frames, requests } = stand(2).await;
-        let (answers, mut unread) = mpsc::channel(1);
-        answers.try_send(Ok(pb::SessionResponse::default())).expect("the channel is empty");
-        let served = tokio::spawn(session.run(requests, answers));
+        let (served, mut unread) = serve_unread(session, requests);
 
         let waiting = pb::ReserveRequest::from(reserve(20_000));
         let parked = pb::SessionRequest { id: 1, call: Some(In::Reserve(waiting)), timeout_ms: 1_000 };
@@ -507,11 +521,7 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(1_500)).await;
         assert!(waiters(&engine, 0).await, "the parked reserve is dropped at its deadline");
 
-        engine.release(&tenant, release(holder)).await.unwrap();
-        match engine.reserve(&tenant, reserve(0)).await.unwrap().reply {
-            ReserveReply::Granted { previous, .. } => assert_eq!(previous, Previous::None),
-            other => panic!("the reserve past its deadline must not hold the key: {other:?}"),
-        }
+        first_grant_after_release(&engine, &tenant, holder, "the reserve past its deadline").await;
         assert!(unread.recv().await.expect("the answer put there").is_ok());
         let mut ids = Vec::new();
         for _ in 0..2 {

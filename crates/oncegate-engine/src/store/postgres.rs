@@ -322,18 +322,18 @@ impl Postgres {
         let schema = &self.config.postgres_schema;
         let ready = self.run(async {
             let limit = format!("{timeout_ms}ms");
-            client
-                .query(
+            let inherited: String = client
+                .query_one(
                     "SELECT set_config('statement_timeout', $1, false), \
                      set_config('idle_in_transaction_session_timeout', $1, false), \
-                     set_config('search_path', quote_ident($2), false)",
+                     set_config('search_path', quote_ident($2), false), \
+                     current_setting('synchronous_commit')",
                     &[&limit, schema],
                 )
                 .await
-                .map_err(pg_error)?;
+                .map_err(pg_error)?
+                .get(3);
             check_schema_named(&client, schema).await?;
-            let inherited: String =
-                client.query_one("SHOW synchronous_commit", &[]).await.map_err(pg_error)?.get(0);
             if let Some(setting) = session_synchronous_commit(self.durability, &inherited) {
                 client
                     .query("SELECT set_config('synchronous_commit', $1, false)", &[&setting])
