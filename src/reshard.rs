@@ -17,9 +17,9 @@ pub struct ReshardArgs {
     /// The shard count to reach; shards are only ever added.
     #[arg(long)]
     to: u32,
-    /// The server's TOML configuration file, for its store settings (a log's
-    /// `store.log_segment_bytes` and `engine.shard_file_bytes_max`). The store kind is
-    /// always the directory's own.
+    /// The server's TOML configuration file, for its engine settings
+    /// (`engine.shard_file_bytes_max`, the page cache). The store kind is always the
+    /// directory's own.
     #[arg(long, env = "ONCEGATE_CONFIG")]
     config: Option<PathBuf>,
 }

@@ -27,8 +27,8 @@ pub struct ServeArgs {
     /// Shards for a new data directory (`engine.shards`).
     #[arg(long, env = "ONCEGATE_SHARDS")]
     shards: Option<u32>,
-    /// Where the records live: `log`, `sqlite` or `postgres` (`store.kind`). Unset, the
-    /// data directory's own store, or the log for a new directory.
+    /// Where the records live: `sqlite` or `postgres` (`store.kind`). Unset, the data
+    /// directory's own store, or SQLite for a new directory.
     #[arg(long, env = "ONCEGATE_STORE", value_parser = clap::value_parser!(StoreKind))]
     store: Option<StoreKind>,
     /// The PostgreSQL connection string (`store.postgres_url`); `sslmode=require` asks

@@ -295,11 +295,6 @@ fn reshard_adds_shards_to_a_stopped_directory_and_keys_stay_answered() {
 }
 
 #[test]
-fn reshard_adds_shards_to_a_stopped_log_directory_and_keys_stay_answered() {
-    reshard_keeps_keys_answered(&["--store", "log"]);
-}
-
-#[test]
 fn admin_add_shards_spreads_the_slots_of_a_running_server() {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("fast-moves.toml");

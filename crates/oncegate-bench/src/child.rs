@@ -15,7 +15,7 @@ pub enum ChildMode {
         /// Shards, for a new directory.
         #[arg(long)]
         shards: u32,
-        /// Where the records live (`sqlite`, `log`, or `postgres` with `--postgres-url`).
+        /// Where the records live (`sqlite`, or `postgres` with `--postgres-url`).
         #[arg(long, default_value = "sqlite", value_parser = clap::value_parser!(oncegate_engine::StoreKind))]
         store: oncegate_engine::StoreKind,
         /// The PostgreSQL database of `--store postgres`.

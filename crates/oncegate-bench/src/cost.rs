@@ -53,7 +53,7 @@ pub struct Cost {
     /// Bytes the block device wrote per pair: what reached the disk, the file system's
     /// journal included (and anything else written meanwhile). `write_bytes` counts a
     /// page each time a write dirties it again, which overcounts a file overwritten in
-    /// place (a log's preallocated segments) many times over; the device does not.
+    /// place many times over; the device does not.
     pub device_bytes_per_pair: f64,
 }
 
@@ -121,8 +121,7 @@ impl Sample {
 }
 
 /// The process's CPU from its own `stat` (which keeps the time of threads that have
-/// exited, such as the log store's spare-segment helpers; a sum over `task/` would drop
-/// it), and its shard threads' from theirs.
+/// exited; a sum over `task/` would drop it), and its shard threads' from theirs.
 fn read_process(pid: u32) -> Sample {
     let mut sample = Sample::default();
     let process = Path::new("/proc").join(pid.to_string());

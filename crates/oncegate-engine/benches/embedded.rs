@@ -5,15 +5,14 @@
 //! figures of every run and their median, and the mean batch length (commands per
 //! fsync). Environment: `BENCH_SECONDS` (per run, default 3), `BENCH_RUNS` (default 3),
 //! `BENCH_IN_FLIGHT` (default 256), `BENCH_DIR` (where the data directories go; default
-//! the system temp dir, which must be a real disk for the figures to mean anything),
-//! `BENCH_STORE` (`sqlite` or `log`; unset, a new directory's default, the log).
+//! the system temp dir, which must be a real disk for the figures to mean anything).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use oncegate_core::{Outcome, ReserveReply, Tenant};
-use oncegate_engine::{CommitRequest, Engine, EngineConfig, ReserveRequest, StoreConfig};
+use oncegate_engine::{CommitRequest, Engine, EngineConfig, ReserveRequest};
 
 fn env_or(name: &str, default: u64) -> u64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
@@ -27,10 +26,7 @@ struct Run {
 fn run(shards: u32, seconds: u64, in_flight: u64) -> Run {
     let base = std::env::var_os("BENCH_DIR").map(std::path::PathBuf::from).unwrap_or_else(std::env::temp_dir);
     let dir = tempfile::tempdir_in(base).expect("temp dir");
-    let kind =
-        std::env::var("BENCH_STORE").ok().map(|name| name.parse().expect("BENCH_STORE is sqlite or log"));
-    let store = StoreConfig { kind, ..StoreConfig::default() };
-    let config = EngineConfig { data_dir: dir.path().to_owned(), shards, store, ..EngineConfig::default() };
+    let config = EngineConfig { data_dir: dir.path().to_owned(), shards, ..EngineConfig::default() };
     let engine = Engine::open(config).expect("open");
     let runtime = tokio::runtime::Builder::new_current_thread().enable_time().build().expect("runtime");
     let pairs = Arc::new(AtomicU64::new(0));

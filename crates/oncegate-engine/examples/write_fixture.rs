@@ -22,7 +22,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if dir.exists() {
         return Err(format!("{} exists; a fixture is written once", dir.display()).into());
     }
-    // The fixtures are SQLite files of each schema version (the log has its own tests).
+    // The fixtures are SQLite files of each schema version.
     let store = StoreConfig { kind: Some(StoreKind::Sqlite), ..StoreConfig::default() };
     let config = EngineConfig { data_dir: dir.clone(), shards: 2, store, ..EngineConfig::default() };
     let engine = Engine::open_with(config, Arc::new(ManualClock::new(T0)), Faults::default())?;

@@ -22,14 +22,11 @@ pub enum Durability {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum StoreKind {
-    /// One SQLite file per shard in the data directory.
+    /// One SQLite file per shard in the data directory (the default).
+    #[default]
     Sqlite,
     /// One table in a PostgreSQL database, shared by every node pointed at it.
     Postgres,
-    /// One log of fixed-size segment files per shard in the data directory (a store of
-    /// oncegate's own): what a new data directory gets when no kind is configured.
-    #[default]
-    Log,
 }
 
 impl StoreKind {
@@ -38,7 +35,6 @@ impl StoreKind {
         match self {
             StoreKind::Sqlite => "sqlite",
             StoreKind::Postgres => "postgres",
-            StoreKind::Log => "log",
         }
     }
 }
@@ -50,8 +46,7 @@ impl std::str::FromStr for StoreKind {
         match name {
             "sqlite" => Ok(StoreKind::Sqlite),
             "postgres" => Ok(StoreKind::Postgres),
-            "log" => Ok(StoreKind::Log),
-            other => Err(format!("unknown store kind {other:?}; sqlite, postgres or log")),
+            other => Err(format!("unknown store kind {other:?}; sqlite or postgres")),
         }
     }
 }
@@ -72,8 +67,8 @@ pub enum PgClock {
 #[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct StoreConfig {
-    /// `log`, `sqlite` or `postgres`. Unset, an existing data directory keeps the store
-    /// that wrote it and a new one gets the log ([`StoreConfig::kind`]).
+    /// `sqlite` or `postgres`. Unset, an existing data directory keeps the store that
+    /// wrote it and a new one gets SQLite ([`StoreConfig::kind`]).
     pub kind: Option<StoreKind>,
     /// The PostgreSQL connection string (URL or `key=value` form); `sslmode=require`
     /// asks for TLS. Never logged with its password.
@@ -97,8 +92,6 @@ pub struct StoreConfig {
     /// every node on one database must use the same tables, whatever its role's own
     /// `search_path` would choose (`"$user", public` picks a schema named after the role).
     pub postgres_schema: String,
-    /// The size of each segment file of a shard's log (`kind = "log"`).
-    pub log_segment_bytes: u64,
 }
 
 impl Default for StoreConfig {
@@ -113,7 +106,6 @@ impl Default for StoreConfig {
             postgres_waiters_poll_ms: 50,
             postgres_clock: PgClock::Database,
             postgres_schema: "public".to_owned(),
-            log_segment_bytes: 64 << 20,
         }
     }
 }
@@ -131,7 +123,6 @@ impl std::fmt::Debug for StoreConfig {
             .field("postgres_waiters_poll_ms", &self.postgres_waiters_poll_ms)
             .field("postgres_clock", &self.postgres_clock)
             .field("postgres_schema", &self.postgres_schema)
-            .field("log_segment_bytes", &self.log_segment_bytes)
             .finish()
     }
 }
@@ -307,36 +298,7 @@ impl EngineConfig {
         if let Err(store) = self.store.check(self.shards) {
             problems.extend_under("store", store);
         }
-        // An unset kind is checked once `Engine::open` has settled it: an existing SQLite
-        // directory must not be refused for the log's sizes.
-        if self.store.kind == Some(StoreKind::Log) {
-            self.check_log(&mut problems);
-        }
         problems.into_result()
-    }
-
-    /// The log store's sizes, which depend on the limits: a segment holds at least two of
-    /// the largest records with their frames (one record never spans segments), and the
-    /// log at least two segments.
-    fn check_log(&self, problems: &mut Problems) {
-        let record_bytes_max =
-            (self.limits.response_bytes_max + self.limits.key_bytes_max) as u64 + (64 << 10);
-        problems.within_because(
-            "store.log_segment_bytes",
-            self.store.log_segment_bytes,
-            (2 * record_bytes_max).max(256 << 10),
-            1 << 30,
-            Unit::Bytes,
-            " (twice the largest record: response_bytes_max and key_bytes_max with 64 KiB for the rest)",
-        );
-        problems.within_because(
-            "shard_file_bytes_max",
-            self.shard_file_bytes_max,
-            2 * self.store.log_segment_bytes,
-            u64::MAX,
-            Unit::Bytes,
-            " (two log segments)",
-        );
     }
 
     /// The shard files' settings: their size, cache, checkpoints and slot moves.

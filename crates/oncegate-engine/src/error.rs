@@ -180,18 +180,16 @@ pub enum OpenError {
         /// The configured kind's name in quotes, or `unset`.
         configured: String,
     },
-    /// The data directory holds shards of both of the engine's own stores: no kind opens
-    /// it without hiding one's records.
+    /// The data directory holds a shard of the log store that versions before
+    /// SQLite-only wrote: this version cannot read its records.
     #[error(
-        "{dir} holds shards of both the log store ({log}) and the sqlite store ({sqlite}); no store.kind opens it without hiding one's records: move the shards that do not belong out of it"
+        "{dir} holds {example}, a shard of the log store that earlier versions of oncegate wrote; this version reads only SQLite and PostgreSQL stores"
     )]
-    BothStores {
+    LogStore {
         /// The data directory.
         dir: std::path::PathBuf,
-        /// One of its log shards.
-        log: String,
-        /// One of its SQLite shards.
-        sqlite: String,
+        /// The first of its log shards.
+        example: String,
     },
     /// The slot map cannot be read or is damaged.
     #[error(transparent)]

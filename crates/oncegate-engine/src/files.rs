@@ -51,68 +51,16 @@ pub trait Files: Send + Sync + std::fmt::Debug + 'static {
     fn lock(&self, dir: &Path) -> io::Result<Option<LockGuard>>;
     /// Takes group and other access away from a file made before modes were enforced.
     fn restrict(&self, path: &Path) -> io::Result<()>;
-    /// Opens `path` for reading and writing at offsets, creating it empty and owner-only
-    /// if it does not exist (its name is then durable only once its directory is synced).
-    fn open_segment(&self, path: &Path) -> io::Result<Box<dyn SegmentFile>>;
+    /// Drops a file's clean pages from the page cache (`posix_fadvise(DONTNEED)`), so
+    /// that reads after it come from the device; a file that does not exist is not an
+    /// error. Pages not yet written back are kept (and their writeback started), so
+    /// nothing written is lost; the pages it drops are those a failed writeback left
+    /// marked clean, which hold what the device may not. Best effort on Linux: a page
+    /// locked or under writeback at the call is kept, unreported.
+    fn drop_cached(&self, path: &Path) -> io::Result<()>;
     /// The SQLite VFS that shard files are opened with; `None` is SQLite's default.
     fn sqlite_vfs(&self) -> Option<&str> {
         None
-    }
-}
-
-/// A file the engine reads and writes at offsets of its choosing: a segment of the log
-/// store. Nothing written is durable until [`SegmentFile::sync_data`].
-pub trait SegmentFile: Send + Sync + std::fmt::Debug {
-    /// Reads into `buf` from `offset`; returns the bytes read, fewer only at the end of
-    /// the file.
-    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<usize>;
-    /// Writes all of `bytes` at `offset`, growing the file if it ends before.
-    fn write_at(&self, offset: u64, bytes: &[u8]) -> io::Result<()>;
-    /// Makes the file's contents durable (its size too when a write grew it).
-    fn sync_data(&self) -> io::Result<()>;
-    /// The file's length in bytes.
-    fn size(&self) -> io::Result<u64>;
-    /// Drops the file's clean pages from the page cache (`posix_fadvise(DONTNEED)`), so
-    /// that reads after it come from the device. Pages not yet written back are kept (and
-    /// their writeback started), so nothing written is lost; the pages it drops are those
-    /// a failed writeback left marked clean, which hold what the device may not. Best
-    /// effort on Linux: a page locked or under writeback at the call is kept, unreported.
-    fn drop_cached(&self) -> io::Result<()>;
-}
-
-/// A segment on the operating system's files.
-#[derive(Debug)]
-struct OsSegment(std::fs::File);
-
-impl SegmentFile for OsSegment {
-    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<usize> {
-        use std::os::unix::fs::FileExt;
-        let mut read = 0;
-        while read < buf.len() {
-            match self.0.read_at(&mut buf[read..], offset + read as u64) {
-                Ok(0) => break,
-                Ok(n) => read += n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(read)
-    }
-
-    fn write_at(&self, offset: u64, bytes: &[u8]) -> io::Result<()> {
-        std::os::unix::fs::FileExt::write_all_at(&self.0, bytes, offset)
-    }
-
-    fn sync_data(&self) -> io::Result<()> {
-        self.0.sync_data()
-    }
-
-    fn size(&self) -> io::Result<u64> {
-        Ok(self.0.metadata()?.len())
-    }
-
-    fn drop_cached(&self) -> io::Result<()> {
-        rustix::fs::fadvise(&self.0, 0, None, rustix::fs::Advice::DontNeed).map_err(io::Error::from)
     }
 }
 
@@ -211,9 +159,14 @@ impl Files for OsFiles {
         }
     }
 
-    fn open_segment(&self, path: &Path) -> io::Result<Box<dyn SegmentFile>> {
-        let file = options().read(true).write(true).create(true).truncate(false).open(path)?;
-        Ok(Box::new(OsSegment(file)))
+    fn drop_cached(&self, path: &Path) -> io::Result<()> {
+        match std::fs::File::open(path) {
+            Ok(file) => {
+                rustix::fs::fadvise(&file, 0, None, rustix::fs::Advice::DontNeed).map_err(io::Error::from)
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(e),
+        }
     }
 
     fn restrict(&self, path: &Path) -> io::Result<()> {

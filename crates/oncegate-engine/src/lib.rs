@@ -1,9 +1,8 @@
 //! The oncegate shard engine and its embedded API.
 //!
 //! Each key hashes (see `oncegate_core::route`) to one shard. A shard is an actor: one OS
-//! thread that alone owns its store (a log of segment files of its own, the default for a
-//! new directory; one SQLite file in WAL mode; or one connection to the PostgreSQL table
-//! every node shares; `store/`) and is fed through a bounded
+//! thread that alone owns its store (one SQLite file in WAL mode, or one connection to
+//! the PostgreSQL table every node shares; `store/`) and is fed through a bounded
 //! crossbeam-channel mailbox. It applies a drained batch in one transaction and answers
 //! only after the commit is durable. See `docs/ARCHITECTURE.md` for the protocol.
 //!
@@ -85,8 +84,7 @@ pub struct ShardStats {
     pub reclaimed: u64,
     /// Alarm ticks run (each reclaims at most `reclaim_batch_max` records).
     pub alarms: u64,
-    /// WAL checkpoints of the shard file, or segments of the shard's log retired by
-    /// compaction (none on PostgreSQL).
+    /// WAL checkpoints of the shard file (none on PostgreSQL).
     pub checkpoints: u64,
     /// Reserves parked now.
     pub waiters: u64,
@@ -161,7 +159,7 @@ fn place(
     clock: &Arc<dyn Clock>,
 ) -> Result<Placement, OpenError> {
     let placement = match kind {
-        StoreKind::Sqlite | StoreKind::Log => {
+        StoreKind::Sqlite => {
             let (map, shards, routing) = manifest::open_or_create(files, &config.data_dir, config.shards)?;
             Placement { map, shards, routing, postgres: None }
         }
@@ -422,8 +420,6 @@ impl Engine {
         let lock = manifest::lock(&*files, &config.data_dir)?;
         let mut config = config;
         let kind = manifest::settle_store_kind(&*files, &mut config)?;
-        // Settled, the kind's own rules apply (the log's sizes, for a kind left unset).
-        config.check().map_err(OpenError::Config)?;
         let Placement { map, shards, routing, postgres } = place(&config, kind, &*files, &clock)?;
         let config = Arc::new(config);
         // The one wall-clock reading of the process: every shard's frame, and the frame of

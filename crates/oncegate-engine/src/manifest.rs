@@ -64,11 +64,6 @@ impl Manifest {
     }
 }
 
-/// The directory of a shard's log (`store.kind = "log"`): `shard-NNNN.log`.
-pub fn shard_log_dir(data_dir: &Path, shard: u32) -> PathBuf {
-    data_dir.join(format!("shard-{shard:04}.log"))
-}
-
 /// The shard file name for a shard number: `shard-NNNN.sqlite`.
 pub fn shard_file(data_dir: &Path, shard: u32) -> PathBuf {
     data_dir.join(format!("shard-{shard:04}.sqlite"))
@@ -123,10 +118,10 @@ pub fn node_name(files: &dyn Files, data_dir: &Path) -> Result<String, OpenError
 }
 
 /// Settles `config`'s store kind for its data directory and returns it: the configured
-/// kind, else the store that wrote the directory, else the log for a new one. Refused,
-/// before anything is created: a directory whose records another store holds (the other
-/// own store's shards, a PostgreSQL node's name under an own store, own shards under
-/// PostgreSQL), and one holding shards of both own stores, whichever is configured:
+/// kind, else the store that wrote the directory, else SQLite for a new one. Refused,
+/// before anything is created: a directory whose records another store holds (SQLite
+/// shards under PostgreSQL, a PostgreSQL node's name under SQLite), and one holding a
+/// shard of the log store that earlier versions wrote, which this version cannot read:
 /// opened under the wrong store, its records would be invisible and their keys granted
 /// again. Called with the directory's lock held, so that no other process creates
 /// shards between the look and the open.
@@ -134,12 +129,11 @@ pub fn settle_store_kind(
     files: &dyn Files,
     config: &mut crate::EngineConfig,
 ) -> Result<crate::StoreKind, OpenError> {
-    use crate::StoreKind::{Log, Postgres, Sqlite};
+    use crate::StoreKind::{Postgres, Sqlite};
     let dir = &config.data_dir;
     let shards = shard_names(files, dir)?;
-    let example = |kind| shards.iter().find(|(_, k)| *k == kind).map(|(name, _)| name.clone());
-    if let (Some(log), Some(sqlite)) = (example(Log), example(Sqlite)) {
-        return Err(OpenError::BothStores { dir: dir.clone(), log, sqlite });
+    if let Some(log) = shards.iter().find(|name| name.ends_with(LOG_SHARD_SUFFIX)) {
+        return Err(OpenError::LogStore { dir: dir.clone(), example: log.clone() });
     }
     let node = is_node_dir(files, dir)?;
     let configured =
@@ -151,12 +145,10 @@ pub fn settle_store_kind(
         configured: configured.clone(),
     };
     let kind = match (config.store.kind, shards.first()) {
-        (Some(Postgres), Some((name, kind))) => return Err(refuse(*kind, name)),
+        (Some(Postgres), Some(name)) => return Err(refuse(Sqlite, name)),
         (Some(Postgres), None) => Postgres,
         (_, _) if node => return Err(refuse(Postgres, NODE_FILE)),
-        (Some(own), Some((name, kind))) if own != *kind => return Err(refuse(*kind, name)),
-        (Some(own), _) => own,
-        (None, found) => found.map_or(Log, |(_, kind)| *kind),
+        (_, _) => Sqlite,
     };
     config.store.kind = Some(kind);
     Ok(kind)
@@ -173,28 +165,30 @@ pub(crate) fn is_node_dir(files: &dyn Files, dir: &Path) -> Result<bool, OpenErr
     }
 }
 
-/// How many shards (`shard-*.sqlite` files, `shard-*.log` directories) a data directory holds.
+/// The name ending of a shard of the log store that versions before SQLite-only wrote
+/// (`shard-NNNN.log`, a directory of segment files).
+const LOG_SHARD_SUFFIX: &str = ".log";
+
+/// How many shards (`shard-*.sqlite` files) a data directory holds.
 fn shard_file_count(files: &dyn Files, data_dir: &Path) -> Result<usize, OpenError> {
-    Ok(shard_names(files, data_dir)?.len())
+    Ok(shard_names(files, data_dir)?.iter().filter(|name| name.ends_with(".sqlite")).count())
 }
 
-/// The shards in a data directory (none when it does not exist), each with the store
-/// that wrote it: `shard-*.sqlite` files and `shard-*.log` directories.
-fn shard_names(files: &dyn Files, data_dir: &Path) -> Result<Vec<(String, crate::StoreKind)>, OpenError> {
+/// The shards in a data directory (none when it does not exist), sorted:
+/// `shard-*.sqlite` files, and `shard-*.log` directories of the log store.
+fn shard_names(files: &dyn Files, data_dir: &Path) -> Result<Vec<String>, OpenError> {
     let names = match files.list(data_dir) {
         Ok(names) => names,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(io(data_dir)(e)),
     };
-    let kind_of = |name: &str| match name.strip_prefix("shard-")? {
-        rest if rest.ends_with(".log") => Some(crate::StoreKind::Log),
-        rest if rest.ends_with(".sqlite") => Some(crate::StoreKind::Sqlite),
-        _ => None,
+    let is_shard = |name: &str| {
+        name.strip_prefix("shard-")
+            .is_some_and(|rest| rest.ends_with(".sqlite") || rest.ends_with(LOG_SHARD_SUFFIX))
     };
     // Sorted, so that the shard an error names is the same from one run to the next.
-    let mut shards: Vec<_> =
-        names.into_iter().filter_map(|name| kind_of(&name).map(|kind| (name, kind))).collect();
-    shards.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut shards: Vec<_> = names.into_iter().filter(|name| is_shard(name)).collect();
+    shards.sort();
     Ok(shards)
 }
 

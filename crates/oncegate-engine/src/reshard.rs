@@ -71,21 +71,19 @@ pub type Progress<'a> = &'a mut dyn FnMut(u32, u32);
 /// Adds shards to the stopped directory of `config` (its `shards` is ignored: the
 /// directory's manifest says how many it has) until it has `to`.
 pub fn add_shards(config: &EngineConfig, to: u32, progress: Progress<'_>) -> Result<Resharded, OpenError> {
-    add_shards_on(config, to, Arc::new(OsFiles), Arc::new(crate::SystemClock), &Faults::default(), progress)
+    add_shards_on(config, to, Arc::new(OsFiles), &Faults::default(), progress)
 }
 
-/// [`add_shards`] on a files seam, with the clock (a log directory's moves run in an
-/// engine, whose alarms read it) and the faults a test injects (`Faults::fail_op_after`
-/// stops it after that many durable steps).
+/// [`add_shards`] on a files seam, with the faults a test injects
+/// (`Faults::fail_op_after` stops it after that many durable steps).
 pub fn add_shards_on(
     config: &EngineConfig,
     to: u32,
     files: Arc<dyn Files>,
-    clock: Arc<dyn crate::Clock>,
     faults: &Faults,
     progress: Progress<'_>,
 ) -> Result<Resharded, OpenError> {
-    let lock = manifest::lock(&*files, &config.data_dir)?;
+    let _lock = manifest::lock(&*files, &config.data_dir)?;
     // Under the other store's settings the copies would go to files of the wrong kind,
     // and the map would send slots to shards that hold none of their records. Settled
     // first, so that a PostgreSQL node's directory (no manifest) hears why, whatever
@@ -103,10 +101,6 @@ pub fn add_shards_on(
         path: dir.join(manifest::MANIFEST_FILE),
         reason: "not found: this is not a data directory".to_owned(),
     })?;
-    if kind == crate::StoreKind::Log {
-        drop(lock);
-        return add_shards_by_engine(&config, to, files, clock, faults, progress);
-    }
     let config = &config;
     let before = manifest.shards;
     if to < before || to > crate::config::SHARDS_MAX {
@@ -145,25 +139,6 @@ pub fn add_shards_on(
         map_version: map.version,
         pauses: None,
     })
-}
-
-/// [`add_shards`] on a log directory: a log has no copy between stopped files, so the
-/// directory is opened as an engine that serves nobody and its online mover moves the
-/// slots (the same durable steps, and the same resumption after a crash, as
-/// `oncegate admin add-shards` on a running server). Moves are not paced here.
-fn add_shards_by_engine(
-    config: &EngineConfig,
-    to: u32,
-    files: Arc<dyn Files>,
-    clock: Arc<dyn crate::Clock>,
-    faults: &Faults,
-    progress: Progress<'_>,
-) -> Result<Resharded, OpenError> {
-    let config = EngineConfig { slot_moves_per_second_max: 0, ..config.clone() };
-    let engine = crate::Engine::open_on(config, clock, faults.clone(), files)?;
-    let added = engine.add_shards(to, progress);
-    engine.shutdown();
-    added
 }
 
 /// Makes shards `manifest.shards..to` part of the directory: their token epochs above

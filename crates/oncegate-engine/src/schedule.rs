@@ -9,10 +9,7 @@
 //! rows are appended in arrival order and most records of a window arrived together with
 //! the same ttl, so a window is usually a few runs whatever its size (10 million live
 //! records cost kilobytes here, not the 80 MB a list of ids would). An id that starts no
-//! run is kept alone, in 8 bytes. The log store files keys (their hash, top bit cleared),
-//! resolved through its index when the window comes, rather than positions: a position
-//! changes at every rewrite and every compaction copy, a key does not, so a key has one
-//! entry per window it moves to instead of one per write (hashes seldom form runs).
+//! run is kept alone, in 8 bytes.
 //!
 //! Entries are hints, never the truth: the row's own `reclaim_at_ms` decides, in the
 //! `DELETE` that reclaims it. A row whose deadline moved to another window gets a new
@@ -31,10 +28,9 @@ pub(crate) struct Schedule {
 }
 
 /// One window's ids, as items: an item `>= 0` is an id alone; an item `< 0` is `!first`,
-/// the start of the run `first ..= last` whose `last` is the next item. Ids are never
-/// negative (SQLite's row ids, the log's key hashes with the top bit cleared), so the two
-/// never mix up, and an
-/// entry is a run exactly when the item before its last is negative.
+/// the start of the run `first ..= last` whose `last` is the next item. Ids (SQLite's
+/// row ids) are never negative, so the two never mix up, and an entry is a run exactly
+/// when the item before its last is negative.
 #[derive(Debug, Default)]
 struct Window {
     items: Vec<i64>,
@@ -100,14 +96,6 @@ impl Schedule {
     /// Files row `id` under the window of `reclaim_at_ms`.
     pub fn add(&mut self, reclaim_at_ms: u64, id: i64) {
         self.windows.entry(self.due_ms(reclaim_at_ms)).or_default().add(id);
-    }
-
-    /// Gives back the memory the windows hold beyond their entries (after an open has
-    /// filed every record, in no particular order).
-    pub fn shrink_to_fit(&mut self) {
-        for window in self.windows.values_mut() {
-            window.items.shrink_to_fit();
-        }
     }
 
     pub fn next_ms(&self) -> Option<u64> {
@@ -224,7 +212,7 @@ mod tests {
         assert_eq!(schedule.next_ms(), None);
     }
 
-    /// Ids that start no run (the log's key hashes, mostly) take 8 bytes each, and a run formed
+    /// Ids that start no run take 8 bytes each, and a run formed
     /// from either end takes 16 whatever its length; every id comes back out once.
     #[test]
     fn lone_ids_take_one_item_and_runs_two() {
@@ -238,7 +226,6 @@ mod tests {
         }
         schedule.add(5_000, 100_001);
         assert_eq!((schedule.len(), schedule.runs(), schedule.entry_bytes()), (1_004, 1_001, 8_016));
-        schedule.shrink_to_fit();
         let mut taken: Vec<i64> =
             schedule.take_due(5_000, usize::MAX).into_iter().map(|(_, id)| id).collect();
         assert_eq!(&taken[..5], &[100_002, 100_001, 100_000, 99_999, 99_900]);

@@ -3,8 +3,6 @@
 //! moment, reopens the data directory and checks that every acknowledged grant and commit
 //! is there. Several kill cycles run on the same directory.
 //!
-//! Both run on the SQLite file and on the log.
-//!
 //! A second run does the same while the child adds shards online (`add_shards` to
 //! [`GROW_TO`]): each kill lands after a random number of slot moves, every restart
 //! resumes the moves, and at the end the slots are spread and every acknowledged grant
@@ -19,15 +17,11 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 
 use oncegate_core::{Outcome, ReserveReply, State, Tenant};
-use oncegate_engine::{
-    CommitRequest, Engine, EngineConfig, KeyRequest, ReserveRequest, StoreConfig, StoreKind,
-};
+use oncegate_engine::{CommitRequest, Engine, EngineConfig, KeyRequest, ReserveRequest};
 
 const CHILD_ENV: &str = "ONCEGATE_CRASH_CHILD";
 /// Set in the child of the second run: it adds shards up to this count under the load.
 const GROW_ENV: &str = "ONCEGATE_CRASH_GROW";
-/// Which store the child runs on (`sqlite` or `log`); the parent's config says the same.
-const STORE_ENV: &str = "ONCEGATE_CRASH_STORE";
 const GROW_TO: u32 = 8;
 /// The parent kills a growing child after a number of slot moves below this.
 const MOVES_BEFORE_KILL_SPREAD: usize = 300;
@@ -38,18 +32,17 @@ const THREADS: usize = 8;
 const COMMITS_BEFORE_KILL_MIN: usize = 100;
 const COMMITS_BEFORE_KILL_SPREAD: usize = 500;
 
-fn config(dir: &Path, kind: StoreKind) -> EngineConfig {
+fn config(dir: &Path) -> EngineConfig {
     EngineConfig {
         data_dir: dir.to_owned(),
-        store: StoreConfig { kind: Some(kind), log_segment_bytes: 1 << 20, ..StoreConfig::default() },
         shards: 2,
         slot_moves_per_second_max: 0,
         ..EngineConfig::default()
     }
 }
 
-fn child(dir: &Path, cycle: &str, grow: bool, kind: StoreKind) {
-    let engine = Engine::open(config(dir, kind)).expect("child opens the engine");
+fn child(dir: &Path, cycle: &str, grow: bool) {
+    let engine = Engine::open(config(dir)).expect("child opens the engine");
     let tenant = Tenant::default_tenant();
     std::thread::scope(|s| {
         if grow {
@@ -98,10 +91,9 @@ fn child(dir: &Path, cycle: &str, grow: bool, kind: StoreKind) {
 /// Acknowledgements the child printed: key -> (token, committed).
 type Acks = HashMap<String, (u64, bool)>;
 
-fn run_cycle(dir: &Path, cycle: usize, acks: &mut Acks, grow: bool, kind: StoreKind) {
+fn run_cycle(dir: &Path, cycle: usize, acks: &mut Acks, grow: bool) {
     let exe = std::env::current_exe().expect("own path");
     let mut command = Command::new(exe);
-    command.env(STORE_ENV, kind.name());
     if grow {
         command.env(GROW_ENV, "1");
     }
@@ -156,8 +148,8 @@ fn run_cycle(dir: &Path, cycle: usize, acks: &mut Acks, grow: bool, kind: StoreK
     assert!(killed, "the child exited by itself: {status}");
 }
 
-fn verify(dir: &Path, acks: &Acks, kind: StoreKind) -> Engine {
-    let engine = Engine::open(config(dir, kind)).expect("reopen after the crash");
+fn verify(dir: &Path, acks: &Acks) -> Engine {
+    let engine = Engine::open(config(dir)).expect("reopen after the crash");
     let tenant = Tenant::default_tenant();
     for (key, (token, committed)) in acks {
         let request = KeyRequest { namespace: "live".into(), key: key.clone(), ..Default::default() };
@@ -180,50 +172,42 @@ fn verify(dir: &Path, acks: &Acks, kind: StoreKind) -> Engine {
 fn main() {
     if let Ok(dir) = std::env::var(CHILD_ENV) {
         let cycle = std::env::var("ONCEGATE_CRASH_CYCLE").expect("cycle name");
-        let kind = std::env::var(STORE_ENV).expect("store kind").parse().expect("a store kind");
-        child(Path::new(&dir), &cycle, std::env::var_os(GROW_ENV).is_some(), kind);
+        child(Path::new(&dir), &cycle, std::env::var_os(GROW_ENV).is_some());
         return;
     }
-    for kind in [StoreKind::Sqlite, StoreKind::Log] {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let mut acks = Acks::new();
-        for cycle in 0..CYCLES {
-            run_cycle(dir.path(), cycle, &mut acks, false, kind);
-            verify(dir.path(), &acks, kind);
-            let committed = acks.values().filter(|(_, c)| *c).count();
-            println!(
-                "crash cycle {cycle} ({kind:?}): {} grants and {committed} commits acknowledged, all found after SIGKILL",
-                acks.len()
-            );
-        }
-        std::io::stdout().flush().expect("flush");
-        println!("crash_durability ({kind:?}): 1 passed, 0 failed");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut acks = Acks::new();
+    for cycle in 0..CYCLES {
+        run_cycle(dir.path(), cycle, &mut acks, false);
+        verify(dir.path(), &acks);
+        let committed = acks.values().filter(|(_, c)| *c).count();
+        println!(
+            "crash cycle {cycle}: {} grants and {committed} commits acknowledged, all found after SIGKILL",
+            acks.len()
+        );
     }
-    for kind in [StoreKind::Sqlite, StoreKind::Log] {
-        grow_under_kills(kind);
-        println!("crash_during_add_shards ({kind:?}): 1 passed, 0 failed");
-    }
+    std::io::stdout().flush().expect("flush");
+    println!("crash_durability: 1 passed, 0 failed");
+    grow_under_kills();
+    println!("crash_during_add_shards: 1 passed, 0 failed");
 }
 
 /// Kills the child while it adds shards under load; each restart checks every
 /// acknowledgement, and the last one finishes the add and checks again.
-fn grow_under_kills(kind: StoreKind) {
+fn grow_under_kills() {
     let dir = tempfile::tempdir().expect("temp dir");
     let mut acks = Acks::new();
     for cycle in 0..CYCLES {
-        run_cycle(dir.path(), cycle, &mut acks, true, kind);
-        let engine = verify(dir.path(), &acks, kind);
+        run_cycle(dir.path(), cycle, &mut acks, true);
+        let engine = verify(dir.path(), &acks);
         let shards = engine.stats().len();
-        println!(
-            "add-shards kill {cycle} ({kind:?}): {} acknowledgements found on {shards} shards",
-            acks.len()
-        );
+        println!("add-shards kill {cycle}: {} acknowledgements found on {shards} shards", acks.len());
     }
-    let engine = verify(dir.path(), &acks, kind);
+    let engine = verify(dir.path(), &acks);
     engine.add_shards(GROW_TO, &mut |_, _| {}).expect("the add resumes and finishes");
     let slots: Vec<u32> = engine.stats().iter().map(|s| s.slots).collect();
     assert_eq!(slots, vec![16_384 / GROW_TO; GROW_TO as usize]);
     engine.shutdown();
     drop(engine);
-    verify(dir.path(), &acks, kind);
+    verify(dir.path(), &acks);
 }

@@ -579,3 +579,32 @@ on_each_store! {
         assert!(engine.reserve_blocking(&acme, reserve("a4")).is_err(), "at the quota again");
     }
 }
+
+/// A new data directory of the default store and shard count takes at most 1 MiB on disk
+/// until records arrive (the log store it replaced preallocated 129 MiB), counted both as
+/// the files' lengths and as the blocks the file system gave them.
+#[test]
+fn an_empty_data_directory_takes_at_most_one_mib() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = tempfile::tempdir().unwrap();
+    let config = EngineConfig { data_dir: dir.path().join("data"), ..EngineConfig::default() };
+    let engine = Engine::open(config.clone()).expect("opens");
+    assert_eq!(engine.stats().len(), oncegate_engine::SHARDS_DEFAULT as usize);
+    let measure = || {
+        let (mut bytes, mut allocated) = (0, 0);
+        for entry in std::fs::read_dir(&config.data_dir).unwrap() {
+            let meta = entry.unwrap().metadata().unwrap();
+            assert!(meta.is_file(), "only files in a SQLite data directory");
+            bytes += meta.len();
+            allocated += meta.blocks() * 512;
+        }
+        (bytes, allocated)
+    };
+    let open = measure();
+    engine.shutdown();
+    drop(engine);
+    let closed = measure();
+    for (when, (bytes, allocated)) in [("open", open), ("closed", closed)] {
+        assert!(bytes <= 1 << 20 && allocated <= 1 << 20, "{when}: {bytes} bytes, {allocated} allocated");
+    }
+}

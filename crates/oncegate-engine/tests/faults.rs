@@ -8,9 +8,7 @@ use std::time::Duration;
 
 use common::*;
 use oncegate_core::{Code, Key, Namespace, ReserveReply, Scope, State};
-use oncegate_engine::{
-    Durability, Engine, EngineConfig, Error, Faults, ManualClock, ShardState, StoreConfig, StoreKind,
-};
+use oncegate_engine::{Engine, EngineConfig, Error, Faults, ManualClock, ShardState};
 
 /// Finds a key that routes to `shard` of `shards`.
 fn key_on(engine: &Engine, shard: u32, prefix: &str) -> String {
@@ -243,90 +241,6 @@ fn a_full_shard_file_refuses_only_the_write_that_does_not_fit() {
         assert_eq!((view.state, view.response.len()), (State::Completed, response.len()), "{name}");
     }
     assert_eq!(engine.get_blocking(&t, key("holder-b", 0)).unwrap().response, b"ok");
-}
-
-/// A log full of live records rides out a storm of refused calls and comes back once
-/// they expire. Every batch that wrote nothing still wrote a frame header: the storm
-/// moved the log into its last segment (kept for the writes that free room) and filled
-/// that with headers, after which no transaction could begin, the reclaim alarm's
-/// neither, and the shard failed and reopened for good. And compaction, due near the
-/// limit whether or not it could free anything, copied the oldest segment's live records
-/// to the head on every such commit: thousands of segments written for nothing.
-#[test]
-fn a_log_its_refusals_filled_frees_itself_when_its_records_expire() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = ManualClock::new(T0);
-    let segment_bytes: u64 = 384 << 10;
-    let config = EngineConfig {
-        shards: 1,
-        shard_file_bytes_max: 3 * segment_bytes,
-        durability: Durability::Normal,
-        store: StoreConfig {
-            kind: Some(StoreKind::Log),
-            log_segment_bytes: segment_bytes,
-            ..StoreConfig::default()
-        },
-        ..config(dir.path())
-    };
-    let engine = open(config, &clock, &Faults::default());
-    let t = tenant();
-    // Held records with long keys, 64 a batch (so that frame headers waste little: the
-    // log's bytes are live records), until the log refuses a whole batch.
-    let long = "k".repeat(400);
-    let mut held = Vec::new();
-    for round in 0.. {
-        let names: Vec<String> = (0..64).map(|i| format!("{long}-{round}-{i}")).collect();
-        let answers = block_on(async {
-            let mut calls = tokio::task::JoinSet::new();
-            for name in &names {
-                let reserved = engine.reserve(&t, reserve_for(name, 60_000, 60_000, 0));
-                let name = name.clone();
-                calls.spawn(async move { (name, reserved.await) });
-            }
-            calls.join_all().await
-        });
-        let before = held.len();
-        for (name, answer) in answers {
-            match answer {
-                Ok(r) => {
-                    granted(&r.reply);
-                    held.push(name);
-                }
-                Err(e) => assert_eq!(e.code(), Code::ResourceExhausted, "{e}"),
-            }
-        }
-        if held.len() == before {
-            break;
-        }
-        assert!(held.len() < 100_000, "the log's limit never bit");
-    }
-
-    let retired = engine.stats()[0].checkpoints;
-    // Enough batches that write nothing, one at a time and two a round, to fill two
-    // segments with 56-byte frame headers: the rest of the requests' last segment and
-    // the whole of the log's last. Their keys are longer than any refused above: the room
-    // the last round left (it depends on how its calls fell into batches) may still hold a
-    // shorter record.
-    for n in 0..segment_bytes / 56 + 100 {
-        match engine.reserve_blocking(&t, reserve_for(&format!("{long}-storm-{n}"), 60_000, 60_000, 0)) {
-            Err(e) if e.code() == Code::ResourceExhausted => {}
-            other => panic!("refused batch {n} was answered {other:?}; {:?}", engine.stats()),
-        }
-        // A reserve of a held key is refused `in progress` and writes nothing either.
-        let busy = engine.reserve_blocking(&t, reserve_for(&held[0], 60_000, 60_000, 0)).unwrap();
-        assert!(matches!(busy.reply, ReserveReply::InProgress { .. }), "{:?}", busy.reply);
-    }
-    assert_eq!(engine.stats()[0].state, ShardState::Serving);
-    assert_eq!(engine.stats()[0].checkpoints, retired, "a log of live records compacted for nothing");
-
-    // Once every record has expired, the reclaim alarm and compaction free the log.
-    clock.advance(600_000);
-    for _ in 0..4 {
-        engine.run_alarms();
-    }
-    assert_eq!(engine.stats()[0].state, ShardState::Serving, "{:?}", engine.stats());
-    let fresh = engine.reserve_blocking(&t, reserve("after-expiry")).unwrap();
-    granted(&fresh.reply);
 }
 
 #[test]

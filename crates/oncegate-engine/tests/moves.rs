@@ -2,7 +2,6 @@
 //! while the engine serves, every key answers as before, a race on a key whose slot is
 //! moving grants once, a parked waiter follows its key, tokens of moved keys keep
 //! increasing, and a move stopped dead at any step restarts into a correct directory.
-//! Each runs on the SQLite file and on the log.
 
 mod common;
 
@@ -358,11 +357,8 @@ impl oncegate_engine::files::Files for MapWritesFail {
     fn lock(&self, dir: &std::path::Path) -> std::io::Result<Option<oncegate_engine::files::LockGuard>> {
         oncegate_engine::files::OsFiles.lock(dir)
     }
-    fn open_segment(
-        &self,
-        path: &std::path::Path,
-    ) -> std::io::Result<Box<dyn oncegate_engine::files::SegmentFile>> {
-        oncegate_engine::files::OsFiles.open_segment(path)
+    fn drop_cached(&self, path: &std::path::Path) -> std::io::Result<()> {
+        oncegate_engine::files::OsFiles.drop_cached(path)
     }
     fn restrict(&self, path: &std::path::Path) -> std::io::Result<()> {
         oncegate_engine::files::OsFiles.restrict(path)

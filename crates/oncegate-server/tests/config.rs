@@ -66,7 +66,7 @@ fn optional_keys_load() {
     let config = Config::from_toml(text, "test").unwrap();
     assert_eq!(config.store.kind, Some(oncegate_engine::StoreKind::Sqlite));
     assert_eq!(config.store.postgres_tls_ca_path, Some("/etc/oncegate/ca.crt".into()));
-    assert_eq!(Config::default().store.kind, None, "unset: the directory's own store, or the log");
+    assert_eq!(Config::default().store.kind, None, "unset: the directory's own store, or SQLite");
 }
 
 #[test]

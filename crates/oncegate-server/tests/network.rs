@@ -287,25 +287,19 @@ fn owner_only_names(dir: &Path) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_data_directory_and_every_file_in_it_are_owner_only() {
-    use oncegate_engine::StoreKind;
-    let sqlite_files =
+    let expected =
         ["shard-0000.sqlite", "shard-0000.sqlite-wal", "shard-0000.sqlite-shm", "shard-0000.epoch"];
-    let log_files = ["shard-0000.log", "shard-0000.log/00000001.seg", "shard-0000.epoch"];
-    for (kind, expected) in [(None, &log_files[..]), (Some(StoreKind::Sqlite), &sqlite_files[..])] {
-        let parent = tempfile::tempdir().unwrap();
-        let data = parent.path().join("created-by-oncegate").join("data");
-        let mut config = config_in(&data);
-        config.store.kind = kind;
-        let server = start_in(config, None).await;
-        let mut client = server.client().await;
-        granted(&client.reserve(reserve("mode")).await.unwrap().into_inner());
-        assert_eq!(mode(&data), 0o700, "{}", data.display());
-        assert_eq!(mode(data.parent().unwrap()), 0o700, "a parent oncegate created");
-        let names = owner_only_names(&data);
-        for name in expected {
-            assert!(names.iter().any(|f| f == name), "{name} in {names:?} ({kind:?})");
-        }
-        drop(client);
-        server.stop().await;
+    let parent = tempfile::tempdir().unwrap();
+    let data = parent.path().join("created-by-oncegate").join("data");
+    let server = start_in(config_in(&data), None).await;
+    let mut client = server.client().await;
+    granted(&client.reserve(reserve("mode")).await.unwrap().into_inner());
+    assert_eq!(mode(&data), 0o700, "{}", data.display());
+    assert_eq!(mode(data.parent().unwrap()), 0o700, "a parent oncegate created");
+    let names = owner_only_names(&data);
+    for name in expected {
+        assert!(names.iter().any(|f| f == name), "{name} in {names:?}");
     }
+    drop(client);
+    server.stop().await;
 }

@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use oncegate_engine::files::{Files, LockGuard, SegmentFile};
+use oncegate_engine::files::{Files, LockGuard};
 use rand::Rng;
 
 /// The unit of atomicity of the simulated disk.
@@ -330,22 +330,17 @@ pub(crate) struct State {
     /// cut keeps or undoes a rename whole, as journaling file systems do.
     rename_links: HashMap<PathBuf, u64>,
     next_link: u64,
-    /// The segment (its inode) whose next sync is planned to fail as a failed writeback
+    /// The file (its inode) whose next sync is planned to fail as a failed writeback
     /// does, how many of its writes fail after it, and where the writeback's data ends up
     /// (see [`Disk::fail_next_sync_of`]).
     failing_sync: Option<(u64, u32, Writeback)>,
-    /// That segment's writes left to fail: its inode, and how many.
+    /// That file's writes left to fail: its inode, and how many.
     failing_writes: (u64, u32),
     pub stats: DiskStats,
 }
 
 fn power_off() -> io::Error {
     io::Error::other("the simulated disk has no power")
-}
-
-/// A planned failure of the device (see [`Disk::fail_next_sync_of`]).
-fn io_error() -> io::Error {
-    io::Error::other("the simulated disk failed the operation (EIO)")
 }
 
 fn not_found(path: &Path) -> io::Error {
@@ -438,6 +433,49 @@ impl State {
         if let Some(inode) = self.inodes.get_mut(&inode) {
             inode.sync();
         }
+    }
+
+    /// Fails the sync of `inode` if one was planned ([`Disk::fail_next_sync_of`]): its
+    /// unsynced data goes where the plan says, and its next writes fail. Returns whether
+    /// it did.
+    pub fn fail_planned_sync(&mut self, inode: u64) -> bool {
+        let Some((_, writes_after, writeback)) = self.failing_sync.filter(|(planned, ..)| *planned == inode)
+        else {
+            return false;
+        };
+        self.failing_sync = None;
+        self.failing_writes = (inode, writes_after);
+        if let Some(file) = self.inodes.get_mut(&inode) {
+            match writeback {
+                Writeback::Lost => file.lose_unsynced(),
+                Writeback::Reached => file.sync(),
+                Writeback::Cached => file.cache_unsynced(),
+            }
+        }
+        true
+    }
+
+    /// Whether this write of `inode` fails, as the writes after a failed sync do.
+    pub fn fail_planned_write(&mut self, inode: u64) -> bool {
+        let (failing, left) = &mut self.failing_writes;
+        if *failing != inode || *left == 0 {
+            return false;
+        }
+        *left -= 1;
+        true
+    }
+
+    /// Drops the clean cached pages of the file at `path` (see [`Files::drop_cached`]).
+    fn drop_cached(&mut self, path: &Path) -> io::Result<()> {
+        let inode = match self.inode_of(path) {
+            Ok(inode) => inode,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        if let Some(file) = self.inodes.get_mut(&inode) {
+            file.drop_clean();
+        }
+        Ok(())
     }
 
     pub fn write(&mut self, inode: u64, offset: usize, bytes: &[u8]) {
@@ -555,11 +593,11 @@ impl Disk {
         self.lock_state().fuse = Some(ops);
     }
 
-    /// Makes the next sync of the log segment at `path` fail as a failed writeback does
-    /// on Linux: `EIO`, and what it would have made durable ends up where `writeback`
-    /// says (lost, on the device, or in its volatile cache only): the error does not say
-    /// which. The `writes_after` writes of the segment that follow fail too (a disk
-    /// failing for a while).
+    /// Makes the next sync of the file at `path` (a shard's `-wal`, say) fail as a failed
+    /// writeback does on Linux: `EIO` (SQLite's `SQLITE_IOERR_FSYNC`), and what it would
+    /// have made durable ends up where `writeback` says (lost, on the device, or in its
+    /// volatile cache only): the error does not say which. The `writes_after` writes of
+    /// the file that follow fail too (a disk failing for a while).
     pub fn fail_next_sync_of(&self, path: &Path, writes_after: u32, writeback: Writeback) -> io::Result<()> {
         let mut state = self.lock_state();
         let inode = state.inode_of(path)?;
@@ -648,65 +686,6 @@ impl Boot {
         let mut state = self.disk.lock_state();
         state.check(self.generation)?;
         op(&mut state)
-    }
-}
-
-/// A segment file of the log store on the simulated disk: its inode, through one boot
-/// (after a restart every operation of it fails, as the old process's would).
-#[derive(Debug)]
-struct SimSegment {
-    boot: Boot,
-    inode: u64,
-}
-
-impl SegmentFile for SimSegment {
-    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<usize> {
-        self.boot.with(|state| Ok(state.inodes.get(&self.inode).map_or(0, |i| i.read(offset as usize, buf))))
-    }
-
-    fn write_at(&self, offset: u64, bytes: &[u8]) -> io::Result<()> {
-        self.boot.with(|state| {
-            if state.failing_writes.0 == self.inode && state.failing_writes.1 > 0 {
-                state.failing_writes.1 -= 1;
-                return Err(io_error());
-            }
-            state.write(self.inode, offset as usize, bytes);
-            Ok(())
-        })
-    }
-
-    fn sync_data(&self) -> io::Result<()> {
-        self.boot.with(|state| {
-            if let Some((inode, writes_after, writeback)) =
-                state.failing_sync.filter(|(inode, ..)| *inode == self.inode)
-            {
-                state.failing_sync = None;
-                state.failing_writes = (inode, writes_after);
-                if let Some(inode) = state.inodes.get_mut(&inode) {
-                    match writeback {
-                        Writeback::Lost => inode.lose_unsynced(),
-                        Writeback::Reached => inode.sync(),
-                        Writeback::Cached => inode.cache_unsynced(),
-                    }
-                }
-                return Err(io_error());
-            }
-            state.sync_inode(self.inode);
-            Ok(())
-        })
-    }
-
-    fn size(&self) -> io::Result<u64> {
-        self.boot.with(|state| Ok(state.inodes.get(&self.inode).map_or(0, |i| i.len() as u64)))
-    }
-
-    fn drop_cached(&self) -> io::Result<()> {
-        self.boot.with(|state| {
-            if let Some(inode) = state.inodes.get_mut(&self.inode) {
-                inode.drop_clean();
-            }
-            Ok(())
-        })
     }
 }
 
@@ -822,13 +801,8 @@ impl Files for Boot {
         Ok(())
     }
 
-    fn open_segment(&self, path: &Path) -> io::Result<Box<dyn SegmentFile>> {
-        let inode = self.with(|state| match state.inode_of(path) {
-            Ok(inode) => Ok(inode),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => state.create_file(path, Inode::default()),
-            Err(e) => Err(e),
-        })?;
-        Ok(Box::new(SimSegment { boot: self.clone(), inode }))
+    fn drop_cached(&self, path: &Path) -> io::Result<()> {
+        self.with(|state| state.drop_cached(path))
     }
 
     fn sqlite_vfs(&self) -> Option<&str> {

@@ -57,10 +57,6 @@ pub struct Plan {
     pub ack_before_commit: bool,
     /// WAL pages between checkpoints (small, so that cuts land around checkpoints).
     pub checkpoint_pages: u64,
-    /// Which of the engine's own stores keeps the records: its SQLite files or its log
-    /// (whose segments are then 320 KiB, near the smallest allowed, and at most six of them a
-    /// shard, so that cuts land around segment changes and compaction).
-    pub store: StoreKind,
     /// The most keys a client ever works on. A client at it moves on from no completed
     /// key and commits no more: its held keys are heartbeated and released and granted
     /// again, so the shards keep writing while their live records stop growing (a store
@@ -84,7 +80,6 @@ impl Default for Plan {
             durability: Durability::Full,
             ack_before_commit: false,
             checkpoint_pages: 4,
-            store: StoreKind::Sqlite,
             client_keys_max: u64::MAX,
             violations_max: 20,
             seed: 1,
@@ -142,8 +137,7 @@ pub struct Report {
     pub cut_mid_checkpoint: u64,
     /// Syncs of shard files: checkpoints, mostly.
     pub checkpoints: u64,
-    /// What the engine's shards counted as checkpoints: SQLite's WAL checkpoints, or log
-    /// segments retired by compaction.
+    /// What the engine's shards counted as SQLite WAL checkpoints.
     pub engine_checkpoints: u64,
     /// Calls acknowledged before the cuts.
     pub acknowledged: u64,
@@ -438,16 +432,7 @@ impl Run<'_> {
             shards: self.plan.shards,
             durability: self.plan.durability,
             batch_len_max: [1, 4, 64, 256][self.rng.random_range(0..4)],
-            store: StoreConfig {
-                kind: Some(self.plan.store),
-                log_segment_bytes: 320 << 10,
-                ..StoreConfig::default()
-            },
-            shard_file_bytes_max: if self.plan.store == StoreKind::Log {
-                6 * (320 << 10)
-            } else {
-                EngineConfig::default().shard_file_bytes_max
-            },
+            store: StoreConfig { kind: Some(StoreKind::Sqlite), ..StoreConfig::default() },
             ..EngineConfig::default()
         };
         let clock = Arc::new(self.clock.clone());

@@ -392,9 +392,14 @@ unsafe extern "C" fn x_write(
     unsafe {
         let bytes = std::slice::from_raw_parts(buf.cast::<u8>(), amount as usize);
         match with_file(handle(file), ffi::SQLITE_IOERR_WRITE, |state, inode| {
-            state.write(inode, offset as usize, bytes)
+            if state.fail_planned_write(inode) {
+                return false;
+            }
+            state.write(inode, offset as usize, bytes);
+            true
         }) {
-            Ok(()) => ffi::SQLITE_OK,
+            Ok(true) => ffi::SQLITE_OK,
+            Ok(false) => ffi::SQLITE_IOERR_WRITE,
             Err(code) => code,
         }
     }
@@ -417,13 +422,25 @@ unsafe extern "C" fn x_sync(file: *mut ffi::sqlite3_file, _flags: c_int) -> c_in
     let sync_dir = std::mem::take(&mut handle.sync_dir_pending);
     let checkpoint = handle.path.as_ref().is_some_and(|p| p.extension().is_some_and(|e| e == "sqlite"));
     let synced = with_file(handle, ffi::SQLITE_IOERR_FSYNC, |state, inode| {
+        if state.fail_planned_sync(inode) {
+            return false;
+        }
         state.sync_inode(inode);
         state.stats.checkpoints += u64::from(checkpoint);
         if let (true, Some(path)) = (sync_dir, &handle.path) {
             state.sync_dir(parent(path));
         }
+        true
     });
-    synced.err().unwrap_or(ffi::SQLITE_OK)
+    match synced {
+        Ok(true) => ffi::SQLITE_OK,
+        Ok(false) => {
+            // The name is as durable as it was: the next sync makes it so.
+            handle.sync_dir_pending = sync_dir;
+            ffi::SQLITE_IOERR_FSYNC
+        }
+        Err(code) => code,
+    }
 }
 
 unsafe extern "C" fn x_file_size(file: *mut ffi::sqlite3_file, out: *mut ffi::sqlite3_int64) -> c_int {

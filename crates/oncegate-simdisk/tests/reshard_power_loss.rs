@@ -21,9 +21,8 @@ const T0: u64 = 1_700_000_000_000;
 /// Each key's token, and whether it was committed.
 type Written = HashMap<String, (u64, bool)>;
 
-fn config(kind: StoreKind, shards: u32) -> EngineConfig {
-    // Small segments on the log: four shards' spares are zero-filled in memory.
-    let store = StoreConfig { kind: Some(kind), log_segment_bytes: 320 << 10, ..StoreConfig::default() };
+fn config(shards: u32) -> EngineConfig {
+    let store = StoreConfig { kind: Some(StoreKind::Sqlite), ..StoreConfig::default() };
     EngineConfig { data_dir: PathBuf::from("/data"), shards, store, ..EngineConfig::default() }
 }
 
@@ -31,18 +30,17 @@ fn clock() -> Arc<ManualClock> {
     Arc::new(ManualClock::new(T0))
 }
 
-fn open(disk: &Disk, kind: StoreKind, shards: u32) -> Engine {
-    Engine::open_on(config(kind, shards), clock(), Faults::default(), Arc::new(disk.boot())).expect("opens")
+fn open(disk: &Disk, shards: u32) -> Engine {
+    Engine::open_on(config(shards), clock(), Faults::default(), Arc::new(disk.boot())).expect("opens")
 }
 
-/// The offline reshard from 2 shards to 4 on `disk` (a log directory's runs the online
-/// mover in an engine on the same clock).
-fn reshard(disk: &Disk, kind: StoreKind) -> Result<oncegate_engine::reshard::Resharded, OpenError> {
-    add_shards_on(&config(kind, 2), 4, Arc::new(disk.boot()), clock(), &Faults::default(), &mut |_, _| {})
+/// The offline reshard from 2 shards to 4 on `disk`.
+fn reshard(disk: &Disk) -> Result<oncegate_engine::reshard::Resharded, OpenError> {
+    add_shards_on(&config(2), 4, Arc::new(disk.boot()), &Faults::default(), &mut |_, _| {})
 }
 
-fn fill(disk: &Disk, kind: StoreKind) -> Written {
-    let engine = open(disk, kind, 2);
+fn fill(disk: &Disk) -> Written {
+    let engine = open(disk, 2);
     let tenant = Tenant::default_tenant();
     let mut written = Written::new();
     for i in 0..60 {
@@ -75,13 +73,11 @@ fn fill(disk: &Disk, kind: StoreKind) -> Written {
 }
 
 /// Opens the directory with the shard count its manifest has, and checks every key.
-fn check(disk: &Disk, kind: StoreKind, written: &Written, context: &str) -> u32 {
+fn check(disk: &Disk, written: &Written, context: &str) -> u32 {
     let boot = disk.boot();
-    let shards = oncegate_engine::manifest::read(&boot, &config(kind, 2).data_dir)
-        .unwrap()
-        .expect("a manifest")
-        .shards;
-    let engine = open(disk, kind, shards);
+    let shards =
+        oncegate_engine::manifest::read(&boot, &config(2).data_dir).unwrap().expect("a manifest").shards;
+    let engine = open(disk, shards);
     let tenant = Tenant::default_tenant();
     for (key, (token, committed)) in written {
         let request = KeyRequest { namespace: "live".into(), key: key.clone(), token: 0, lease_ms: 0 };
@@ -98,46 +94,38 @@ fn check(disk: &Disk, kind: StoreKind, written: &Written, context: &str) -> u32 
 /// Cuts spread over a whole reshard's disk operations, plain and torn: after each, the
 /// directory opens with every key as written, stored once, and the reshard finishes when
 /// run again.
-fn power_cuts_in_a_reshard(kind: StoreKind, cuts: u64) {
+fn power_cuts_in_a_reshard(cuts: u64) {
     // How many disk operations a whole reshard takes, to spread the cuts over it.
     let probe = Disk::new();
-    fill(&probe, kind);
+    fill(&probe);
     let before = probe.stats().ops;
-    reshard(&probe, kind).unwrap();
+    reshard(&probe).unwrap();
     let total = probe.stats().ops - before;
     assert!(total > 50, "a reshard is many operations: {total}");
     let mut rng = rand::rngs::StdRng::seed_from_u64(1130);
     for n in 0..cuts {
         let at = 1 + total * n / cuts;
         let disk = Disk::new();
-        let written = fill(&disk, kind);
+        let written = fill(&disk);
         disk.cut_after_ops(at);
-        let result = reshard(&disk, kind);
+        let result = reshard(&disk);
         disk.cut();
         let cut = if n % 2 == 0 { Cut::Plain } else { Cut::Torn };
         disk.restart(cut, &mut rng);
-        let context = format!("{kind:?}: cut after {at} of {total} ops ({cut:?})");
-        check(&disk, kind, &written, &context);
-        let again = reshard(&disk, kind)
-            .unwrap_or_else(|e| panic!("{context}: the reshard finishes when run again: {e}"));
+        let context = format!("cut after {at} of {total} ops ({cut:?})");
+        check(&disk, &written, &context);
+        let again =
+            reshard(&disk).unwrap_or_else(|e| panic!("{context}: the reshard finishes when run again: {e}"));
         if result.is_ok() {
             // It reported success (the power went only as it closed its files): all of
             // it was durable.
             assert_eq!(again.slots_moved, 0, "{context}: a finished reshard was lost");
         }
-        assert_eq!(check(&disk, kind, &written, &context), 4, "{context}");
+        assert_eq!(check(&disk, &written, &context), 4, "{context}");
     }
 }
 
 #[test]
 fn a_power_cut_anywhere_in_a_reshard_keeps_every_key_and_the_reshard_finishes() {
-    power_cuts_in_a_reshard(StoreKind::Sqlite, 40);
-}
-
-/// The same on the log, whose moves run in an engine: its shards' hand-overs, copies,
-/// map flips and drops are cut throughout. Fewer cuts: each reshard there is 8,192 moves
-/// of one slot, each with its own map flip (about 6 s a reshard in a debug build).
-#[test]
-fn a_power_cut_anywhere_in_a_reshard_of_a_log_keeps_every_key_and_the_reshard_finishes() {
-    power_cuts_in_a_reshard(StoreKind::Log, 12);
+    power_cuts_in_a_reshard(40);
 }

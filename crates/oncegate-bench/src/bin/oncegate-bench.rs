@@ -59,9 +59,7 @@ struct Cli {
     #[arg(long, default_value_t = 4)]
     connections: usize,
     /// Where the oncegate the tool starts (and the embedded target) keeps its records:
-    /// `sqlite`, `log`, or `postgres` (the database of `--postgres`). SQLite by default,
-    /// the store of most figures in docs/benchmarks.md, although a new data directory of
-    /// the server gets the log.
+    /// `sqlite` (the default) or `postgres` (the database of `--postgres`).
     #[arg(long, default_value = "sqlite", value_parser = clap::value_parser!(oncegate_engine::StoreKind))]
     store: oncegate_engine::StoreKind,
     /// oncegate servers the tool starts (on `--store postgres`, several nodes of one

@@ -1,9 +1,9 @@
 //! `oncegate-fsync`: how many `fdatasync`s per second the disk completes for one writer,
-//! and for several side by side. Each shard syncs its own log, one batch per sync, so
+//! and for several side by side. Each shard syncs its own WAL, one batch per sync, so
 //! with a fixed number of requests in flight a second shard can raise pairs/s only as far
-//! as the disk completes syncs in parallel (docs/benchmarks.md, "Why a second log shard
-//! does not help here"). Each writer overwrites small blocks of a zero-filled file of its
-//! own and syncs after each write, as a shard's log does with a batch.
+//! as the disk completes syncs in parallel (docs/benchmarks.md). Each writer overwrites
+//! small blocks of a zero-filled file of its own and syncs after each write, as a shard
+//! does with a batch.
 
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -72,8 +72,8 @@ fn run(dir: &Path, writers: usize, cli: &Cli) -> anyhow::Result<f64> {
     Ok(counts.iter().sum::<u64>() as f64 / started.elapsed().as_secs_f64())
 }
 
-/// A file of `FILE_BYTES` zeros, synced: later syncs carry data only, as a log's
-/// zero-filled segments do.
+/// A file of `FILE_BYTES` zeros, synced: later syncs carry data only, as a WAL's
+/// reused frames do.
 fn zero_filled(path: &Path) -> std::io::Result<std::fs::File> {
     let file = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(path)?;
     file.write_all_at(&vec![0; FILE_BYTES as usize], 0)?;

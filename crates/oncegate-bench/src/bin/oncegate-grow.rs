@@ -42,9 +42,6 @@ struct Cli {
     /// Where the scratch store goes (a temporary directory under it).
     #[arg(long)]
     dir: Option<std::path::PathBuf>,
-    /// The store: `sqlite` or `log` (slots move between a node's own stores only).
-    #[arg(long, default_value = "sqlite", value_parser = clap::value_parser!(oncegate_engine::StoreKind))]
-    store: oncegate_engine::StoreKind,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -52,7 +49,7 @@ fn main() -> anyhow::Result<()> {
     let scratch = tempfile::tempdir_in(cli.dir.clone().unwrap_or_else(std::env::temp_dir))?;
     let data_dir = scratch.path().join("store");
     if cli.preload > 0 {
-        let store = oncegate_engine::StoreConfig { kind: Some(cli.store), ..Default::default() };
+        let store = oncegate_engine::StoreConfig::default();
         let took = oncegate_bench::preload::preload(&data_dir, cli.shards, store, cli.preload, 512)?;
         eprintln!("preloaded {} records in {:.0} s", cli.preload, took.as_secs_f64());
     }
@@ -61,7 +58,7 @@ fn main() -> anyhow::Result<()> {
         shards: cli.shards,
         slot_moves_per_second_max: cli.slot_moves_per_second_max,
         page_cache_bytes_max: cli.page_cache_bytes_max,
-        store: oncegate_engine::StoreConfig { kind: Some(cli.store), ..Default::default() },
+        store: oncegate_engine::StoreConfig::default(),
         ..Default::default()
     };
     let engine = oncegate_engine::Engine::open(config)?;

@@ -7,7 +7,7 @@
 //! ```
 
 use clap::Parser;
-use oncegate_bench::layouts::{Layout, measure, measure_log};
+use oncegate_bench::layouts::{Layout, measure};
 
 #[derive(Parser)]
 struct Cli {
@@ -34,10 +34,6 @@ struct Cli {
     /// the engine's do at moderate load (otherwise a batch of reserves, then their commits).
     #[arg(long)]
     interleaved: bool,
-    /// Also measure a log file of our own (appended frames, `fdatasync`, an in-memory
-    /// index), plain and preallocated.
-    #[arg(long)]
-    log: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -49,18 +45,6 @@ fn main() -> anyhow::Result<()> {
     let mut measured = Vec::new();
     for layout in cli.layouts {
         measured.push(measure(scratch.path(), layout, cli.preload, cli.pairs, cli.batch, cli.interleaved)?);
-    }
-    if cli.log {
-        for preallocated in [false, true] {
-            measured.push(measure_log(
-                scratch.path(),
-                cli.preload,
-                cli.pairs,
-                cli.batch,
-                cli.interleaved,
-                preallocated,
-            )?);
-        }
     }
     for m in measured {
         println!(

@@ -181,8 +181,6 @@ pub(crate) struct Shard {
     received: std::collections::HashSet<u32>,
     backoff_ms: u64,
     reopen_at: Option<Instant>,
-    /// Zeros a failed log commit could not write, which the next open writes first.
-    owed_zeros: crate::store::log::OwedZeros,
     /// How far the store's time was ahead of the shard's frame at its last transaction
     /// (a PostgreSQL database's clock; 0 for a file), for scheduling alarms in its time.
     store_ahead_ms: i64,
@@ -213,10 +211,7 @@ impl Shard {
         } = parts;
         Shard {
             id,
-            path: match config.store.kind() {
-                crate::StoreKind::Log => manifest::shard_log_dir(&config.data_dir, id),
-                _ => manifest::shard_file(&config.data_dir, id),
-            },
+            path: manifest::shard_file(&config.data_dir, id),
             epoch_path: manifest::epoch_file(&config.data_dir, id),
             backoff_ms: config.reopen_backoff_ms_min,
             config,
@@ -242,7 +237,6 @@ impl Shard {
             handed: None,
             received: std::collections::HashSet::new(),
             reopen_at: None,
-            owed_zeros: Default::default(),
             store_ahead_ms: 0,
             polled_at_ms: 0,
         }

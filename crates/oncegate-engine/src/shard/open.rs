@@ -7,8 +7,8 @@ use std::sync::atomic::Ordering;
 use oncegate_core::ClockGuard;
 
 use super::{Shard, ShardState};
-use crate::store::{Meta, Store, StoreError, Tuning, Txn, log, postgres, sqlite};
-use crate::{StoreKind, manifest, token};
+use crate::store::{Meta, Store, StoreError, Tuning, Txn, postgres, sqlite};
+use crate::{manifest, token};
 
 /// Who asks for an open.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -102,7 +102,7 @@ impl Shard {
         Ok(Store::Postgres(store))
     }
 
-    /// Opens the shard's own store (its SQLite file or its log): the token epoch, the
+    /// Opens the shard's own store (its SQLite file): the token epoch, the
     /// clock frame, the restart grace, and the counters written before the first grant.
     fn open_own(&mut self) -> Result<Store, StoreError> {
         let owned = self.slots.owned(self.id);
@@ -114,26 +114,12 @@ impl Shard {
         // Only the first open of the process checks the file and re-anchors the clock;
         // an in-process reopen keeps the frame, so a wall-clock step cannot age records.
         let process_start = !self.opened;
-        let (mut store, meta, created) = match self.config.store.kind() {
-            StoreKind::Log => {
-                let tuning = log::Tuning {
-                    retired: Arc::clone(&self.shared.checkpoints),
-                    owed: self.owed_zeros.clone(),
-                    ..log::Tuning::of(&self.config, Arc::clone(&self.files), Some(owned), self.slots.routing)
-                };
-                let (store, meta, created) = log::Store::open(&self.path, &tuning, &self.faults)?;
-                (Store::Log(store), meta, created)
-            }
-            _ => {
-                let tuning = Tuning {
-                    checkpoints: Arc::clone(&self.shared.checkpoints),
-                    ..Tuning::of(&self.config, Arc::clone(&self.files), Some(owned), self.slots.routing)
-                };
-                let (store, meta, created) =
-                    sqlite::Store::open(&self.path, &tuning, &self.faults, process_start)?;
-                (Store::Sqlite(store), meta, created)
-            }
+        let tuning = Tuning {
+            checkpoints: Arc::clone(&self.shared.checkpoints),
+            ..Tuning::of(&self.config, Arc::clone(&self.files), Some(owned), self.slots.routing)
         };
+        let (store, meta, created) = sqlite::Store::open(&self.path, &tuning, &self.faults, process_start)?;
+        let mut store = Store::Sqlite(store);
         let stored_epoch =
             manifest::read_epoch(&*self.files, &self.epoch_path).map_err(|e| self.epoch_error(e))?;
         let epoch = token::epoch_at_open(stored_epoch, meta.next_token, created);
@@ -215,7 +201,7 @@ impl Shard {
         let mut extended = 0usize;
         for (scope, mut record) in txn.pending_leased_after(high_water_ms)? {
             if record.apply_restart_grace(high_water_ms, now, self.config.lease_restart_grace_ms) {
-                txn.put_upkeep(&scope, &record).inspect_err(|error| {
+                txn.put(&scope, &record).inspect_err(|error| {
                     if error.is_full() {
                         tracing::warn!(
                             shard = self.id,

@@ -65,8 +65,7 @@ pub(crate) struct Shared {
     pub failures: AtomicU64,
     pub reclaimed: AtomicU64,
     pub alarms: AtomicU64,
-    /// WAL checkpoints of the shard's file, its checkpointer's and its own, or segments
-    /// its log retired (shared with
+    /// WAL checkpoints of the shard's file, its checkpointer's and its own (shared with
     /// the store, whose checkpointer thread counts).
     pub checkpoints: Arc<AtomicU64>,
     /// Stored records by state, published after each commit.

@@ -17,7 +17,6 @@
 //! the decisions use. Everything else is the same calls on either side.
 
 mod checkpointer;
-pub(crate) mod log;
 pub(crate) mod postgres;
 pub(crate) mod sqlite;
 
@@ -48,10 +47,6 @@ pub enum StoreError {
         /// The version this binary reads and writes.
         supported: i64,
     },
-    /// The log store is at its size limit (`shard_file_bytes_max`): the write that would
-    /// pass it is refused alone.
-    #[error("the shard's log reached its size limit")]
-    Full,
     /// A fault the tests injected.
     #[error("injected fault: {0}")]
     Injected(&'static str),
@@ -79,7 +74,6 @@ impl StoreError {
     /// `shard_file_bytes_max` (SQLite's `max_page_count`) or the disk is full.
     pub fn is_full(&self) -> bool {
         match self {
-            StoreError::Full => true,
             StoreError::Sqlite(e) => e.sqlite_error_code() == Some(rusqlite::ErrorCode::DiskFull),
             _ => false,
         }
@@ -112,10 +106,9 @@ impl Meta {
     }
 }
 
-/// An open store: the shard's SQLite file, its log, or its connection to PostgreSQL.
+/// An open store: the shard's SQLite file or its connection to PostgreSQL.
 pub(crate) enum Store {
     Sqlite(sqlite::Store),
-    Log(log::Store),
     Postgres(postgres::Store),
 }
 
@@ -123,7 +116,6 @@ pub(crate) enum Store {
 /// rolls it back.
 pub(crate) enum Txn<'s> {
     Sqlite(sqlite::Txn<'s>),
-    Log(log::Txn<'s>),
     Postgres(postgres::Txn<'s>),
 }
 
@@ -132,7 +124,6 @@ macro_rules! dispatch {
     ($self:expr, $kind:ident, $s:ident => $body:expr) => {
         match $self {
             $kind::Sqlite($s) => $body,
-            $kind::Log($s) => $body,
             $kind::Postgres($s) => $body,
         }
     };
@@ -144,7 +135,6 @@ impl Store {
     pub fn begin(&mut self, keys: &[&Scope], local_now_ms: u64) -> Result<Txn<'_>, StoreError> {
         match self {
             Store::Sqlite(store) => store.begin(local_now_ms).map(Txn::Sqlite),
-            Store::Log(store) => store.begin(local_now_ms).map(Txn::Log),
             Store::Postgres(store) => store.begin(keys, local_now_ms, true).map(Txn::Postgres),
         }
     }
@@ -153,7 +143,6 @@ impl Store {
     pub fn begin_read(&mut self, keys: &[&Scope], local_now_ms: u64) -> Result<Txn<'_>, StoreError> {
         match self {
             Store::Sqlite(store) => store.begin_read(local_now_ms).map(Txn::Sqlite),
-            Store::Log(store) => store.begin_read(local_now_ms).map(Txn::Log),
             Store::Postgres(store) => store.begin(keys, local_now_ms, false).map(Txn::Postgres),
         }
     }
@@ -168,12 +157,12 @@ impl Store {
     /// (another node may commit or release the key).
     pub fn waiters_poll_ms(&self) -> Option<u64> {
         match self {
-            Store::Sqlite(_) | Store::Log(_) => None,
+            Store::Sqlite(_) => None,
             Store::Postgres(store) => Some(store.waiters_poll_ms()),
         }
     }
 
-    /// Whether the store is the shard's own (its SQLite file or its log): token epochs
+    /// Whether the store is the shard's own (its SQLite file): token epochs
     /// and the restart grace belong to those.
     pub fn is_own(&self) -> bool {
         !matches!(self, Store::Postgres(_))
@@ -184,7 +173,6 @@ impl Store {
     pub fn slot_rows(&self, slot: u32) -> Vec<(u64, i64)> {
         match self {
             Store::Sqlite(store) => store.slot_rows(slot),
-            Store::Log(store) => store.slot_rows(slot),
             Store::Postgres(_) => Vec::new(),
         }
     }
@@ -194,7 +182,6 @@ impl Store {
     pub fn take_own_count(&mut self) -> crate::quota::Tally {
         match self {
             Store::Sqlite(store) => store.take_count(),
-            Store::Log(store) => store.take_count(),
             Store::Postgres(_) => crate::quota::Tally::default(),
         }
     }
@@ -205,10 +192,6 @@ impl Store {
     pub fn sync_commits(&mut self, on: bool) -> Result<(), StoreError> {
         match self {
             Store::Sqlite(store) => store.sync_commits(on),
-            Store::Log(store) => {
-                store.sync_commits(on);
-                Ok(())
-            }
             Store::Postgres(_) => Err(MOVES_ON_POSTGRES),
         }
     }
@@ -228,7 +211,7 @@ impl<'s> Txn<'s> {
     /// PostgreSQL hands out tokens drawn from its sequence after the keys were locked.
     pub fn next_token(&self, counter: u64) -> Result<u64, StoreError> {
         match self {
-            Txn::Sqlite(_) | Txn::Log(_) => Ok(counter),
+            Txn::Sqlite(_) => Ok(counter),
             Txn::Postgres(txn) => txn.next_token(counter),
         }
     }
@@ -244,16 +227,6 @@ impl<'s> Txn<'s> {
         dispatch!(self, Txn, t => t.put(scope, record))
     }
 
-    /// Rewrites a live record as the store's own upkeep (the restart grace): a log may put
-    /// it in the segment it keeps for writes that only move live records forward, so that
-    /// a log its requests filled to its limit still reopens. Elsewhere, [`Txn::put`].
-    pub fn put_upkeep(&self, scope: &Scope, record: &Record) -> Result<u64, StoreError> {
-        match self {
-            Txn::Log(txn) => txn.put_upkeep(scope, record),
-            other => other.put(scope, record),
-        }
-    }
-
     /// Deletes a key's record.
     pub fn delete(&self, scope: &Scope) -> Result<(), StoreError> {
         dispatch!(self, Txn, t => t.delete(scope))
@@ -264,16 +237,10 @@ impl<'s> Txn<'s> {
         dispatch!(self, Txn, t => t.reclaim(now_ms, limit))
     }
 
-    /// Writes the counters (SQLite's `meta`; every frame of the log carries them, so its
-    /// commit then writes its frame even with nothing else in it; PostgreSQL keeps none of
-    /// its own).
+    /// Writes the counters (SQLite's `meta`; PostgreSQL keeps none of its own).
     pub fn set_meta(&self, meta: Meta) -> Result<(), StoreError> {
         match self {
             Txn::Sqlite(txn) => txn.set_meta(meta),
-            Txn::Log(txn) => {
-                txn.want_meta();
-                Ok(())
-            }
             Txn::Postgres(_) => Ok(()),
         }
     }
@@ -283,7 +250,6 @@ impl<'s> Txn<'s> {
     pub fn pending_leased_after(&self, after_ms: u64) -> Result<Vec<(Scope, Record)>, StoreError> {
         match self {
             Txn::Sqlite(txn) => txn.pending_leased_after(after_ms),
-            Txn::Log(txn) => txn.pending_leased_after(after_ms),
             Txn::Postgres(_) => Ok(Vec::new()),
         }
     }
@@ -293,7 +259,6 @@ impl<'s> Txn<'s> {
     pub fn failed_alone(&self, error: &StoreError) -> bool {
         match self {
             Txn::Sqlite(txn) => txn.failed_alone(error),
-            Txn::Log(txn) => txn.failed_alone(error),
             Txn::Postgres(_) => false,
         }
     }
@@ -302,7 +267,6 @@ impl<'s> Txn<'s> {
     pub fn acks_early(&self) -> bool {
         match self {
             Txn::Sqlite(txn) => txn.acks_early(),
-            Txn::Log(txn) => txn.acks_early(),
             Txn::Postgres(_) => false,
         }
     }
@@ -322,7 +286,6 @@ impl<'s> Txn<'s> {
     pub fn records_of(&self, rows: &[(u64, i64)]) -> Result<Vec<(Scope, Record)>, StoreError> {
         match self {
             Txn::Sqlite(txn) => txn.records_of(rows),
-            Txn::Log(txn) => txn.records_of(rows),
             Txn::Postgres(_) => Err(MOVES_ON_POSTGRES),
         }
     }
@@ -333,7 +296,6 @@ impl<'s> Txn<'s> {
     pub fn delete_rows(&self, rows: &[(u64, i64)]) -> Result<Tally, StoreError> {
         match self {
             Txn::Sqlite(txn) => txn.delete_rows(rows),
-            Txn::Log(txn) => txn.delete_rows(rows),
             Txn::Postgres(_) => Err(MOVES_ON_POSTGRES),
         }
     }

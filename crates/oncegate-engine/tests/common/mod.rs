@@ -27,7 +27,6 @@ pub fn tenant() -> Tenant {
 pub enum Backend {
     Sqlite,
     Postgres,
-    Log,
 }
 
 thread_local! {
@@ -49,10 +48,6 @@ pub fn with_backend(backend: Backend, test: impl FnOnce()) {
 pub fn store_for(dir: &Path) -> StoreConfig {
     match BACKEND.with(Cell::get) {
         Backend::Sqlite => StoreConfig { kind: Some(StoreKind::Sqlite), ..StoreConfig::default() },
-        // Small segments, so that the tests' traffic crosses from one to the next.
-        Backend::Log => {
-            StoreConfig { kind: Some(StoreKind::Log), log_segment_bytes: 1 << 20, ..StoreConfig::default() }
-        }
         Backend::Postgres => StoreConfig {
             kind: Some(StoreKind::Postgres),
             postgres_url: pg::database_for(dir).expect("the cluster was started by with_backend"),
@@ -63,8 +58,8 @@ pub fn store_for(dir: &Path) -> StoreConfig {
 }
 
 /// Generates, for each test function, a module with a test per listed store (`[sqlite:
-/// Sqlite, log: Log]`: the test's name, then its [`Backend`]), each running the same body
-/// against that store.
+/// Sqlite, postgres: Postgres]`: the test's name, then its [`Backend`]), each running the
+/// same body against that store.
 #[macro_export]
 macro_rules! on_stores {
     ($stores:tt $($(#[doc = $doc:expr])* fn $name:ident() $body:block)*) => {$(
@@ -86,20 +81,20 @@ macro_rules! on_stores {
     };
 }
 
-/// [`on_stores!`] on every store: `sqlite`, `postgres` and `log`.
+/// [`on_stores!`] on every store: `sqlite` and `postgres`.
 #[macro_export]
 macro_rules! on_each_store {
     ($($tests:tt)*) => {
-        $crate::on_stores!([sqlite: Sqlite, postgres: Postgres, log: Log] $($tests)*);
+        $crate::on_stores!([sqlite: Sqlite, postgres: Postgres] $($tests)*);
     };
 }
 
-/// [`on_stores!`] on the stores a node owns alone, `sqlite` and `log` (slot moves and
-/// restarts are theirs; PostgreSQL's shards share one table).
+/// [`on_stores!`] on the store a node owns alone, `sqlite` (slot moves and restarts are
+/// its; PostgreSQL's shards share one table).
 #[macro_export]
 macro_rules! on_own_stores {
     ($($tests:tt)*) => {
-        $crate::on_stores!([sqlite: Sqlite, log: Log] $($tests)*);
+        $crate::on_stores!([sqlite: Sqlite] $($tests)*);
     };
 }
 

@@ -3,7 +3,7 @@
 //! `cargo run --release -p oncegate-simdisk --bin oncegate-powercut -- --cuts 100000`
 
 use clap::Parser;
-use oncegate_engine::{Durability, StoreKind};
+use oncegate_engine::Durability;
 use oncegate_simdisk::harness::{Plan, run};
 
 /// Cuts the power under the embedded engine, again and again, and checks every
@@ -32,10 +32,6 @@ struct Args {
     /// Switch on the deliberate ack-before-commit bug (the harness should report losses).
     #[arg(long)]
     ack_before_commit: bool,
-    /// The engine's store: `sqlite`, or `log` (segments of 320 KiB, at most six a shard,
-    /// so that compaction runs; give `--client-keys-max` so that the run does not fill it).
-    #[arg(long, default_value = "sqlite")]
-    store: StoreKind,
     /// The most keys a client ever works on (then it grants, heartbeats and releases
     /// only); unbounded when absent.
     #[arg(long)]
@@ -64,7 +60,6 @@ fn main() -> anyhow::Result<()> {
             calls_per_cut_max: args.calls_per_cut_max,
             durability: if args.normal { Durability::Normal } else { Durability::Full },
             ack_before_commit: args.ack_before_commit,
-            store: args.store,
             client_keys_max: args.client_keys_max.unwrap_or(u64::MAX),
             seed: args.seed.wrapping_add(done),
             ..Plan::default()
