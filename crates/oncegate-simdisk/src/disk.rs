@@ -80,6 +80,10 @@ pub(crate) struct Inode {
     cached: BTreeSet<usize>,
     /// The WAL index, volatile by nature.
     pub shm: Shm,
+    /// Handles that have the WAL index mapped. The first to map it while none does
+    /// starts it empty, as SQLite's unix VFS truncates the `-shm` file when the first
+    /// connection attaches, so that the index is rebuilt from the WAL as it reads.
+    pub shm_maps: u32,
     /// Connections that have it open as a main database (a shard's and its
     /// checkpointer's at most: see `vfs.rs`).
     pub db_opens: u32,
@@ -272,6 +276,7 @@ impl Inode {
         self.dirty.clear();
         self.cached.clear();
         self.shm = Shm::default();
+        self.shm_maps = 0;
         self.db_opens = 0;
         self.locks = Locks::default();
     }

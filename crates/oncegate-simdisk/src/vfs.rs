@@ -338,6 +338,9 @@ unsafe extern "C" fn x_close(file: *mut ffi::sqlite3_file) -> c_int {
             && let Some(inode) = state.inodes.get_mut(&handle.inode)
         {
             inode.locks.release(handle.id);
+            if handle.shm.is_some() {
+                inode.shm_maps = inode.shm_maps.saturating_sub(1);
+            }
             if handle.main_db {
                 inode.db_opens = inode.db_opens.saturating_sub(1);
             }
@@ -528,8 +531,17 @@ unsafe extern "C" fn x_shm_map(
         if region_bytes as usize != SHM_REGION_BYTES {
             return ffi::SQLITE_IOERR_SHMMAP;
         }
+        let attached = handle.shm.is_some();
         let shm = with_file(handle, ffi::SQLITE_IOERR_SHMMAP, |state, inode| {
-            state.inodes.get(&inode).map(|i| i.shm.clone())
+            let file = state.inodes.get_mut(&inode)?;
+            if !attached {
+                // The first to attach starts the index empty (unix truncates `-shm`).
+                if file.shm_maps == 0 {
+                    file.shm.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clear();
+                }
+                file.shm_maps += 1;
+            }
+            Some(file.shm.clone())
         });
         let shm = match shm {
             Ok(Some(shm)) => handle.shm.get_or_insert(shm).clone(),
@@ -574,6 +586,16 @@ unsafe extern "C" fn x_shm_barrier(_file: *mut ffi::sqlite3_file) {
     std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
 }
 
+/// The handle no longer has the WAL index mapped.
+fn detach_shm(handle: &Handle) {
+    let mut state = lock(&handle.state);
+    if handle.generation == state.generation
+        && let Some(file) = state.inodes.get_mut(&handle.inode)
+    {
+        file.shm_maps = file.shm_maps.saturating_sub(1);
+    }
+}
+
 unsafe extern "C" fn x_shm_unmap(file: *mut ffi::sqlite3_file, delete: c_int) -> c_int {
     // SAFETY: a file this VFS opened.
     let handle = unsafe { handle(file) };
@@ -585,8 +607,11 @@ unsafe extern "C" fn x_shm_unmap(file: *mut ffi::sqlite3_file, delete: c_int) ->
         state.inodes.get(&inode).is_none_or(|i| i.db_opens <= 1)
     })
     .unwrap_or(true);
-    if let (Some(shm), true) = (handle.shm.take(), delete != 0 && last) {
-        shm.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clear();
+    if let Some(shm) = handle.shm.take() {
+        detach_shm(handle);
+        if delete != 0 && last {
+            shm.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clear();
+        }
     }
     ffi::SQLITE_OK
 }
