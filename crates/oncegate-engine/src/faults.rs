@@ -17,6 +17,8 @@ pub struct Faults {
 struct FaultsInner {
     /// The next this many batch commits fail after their writes, before `COMMIT`.
     commits_failing: AtomicU32,
+    /// The next this many commits fail as a failed sync does (`SQLITE_IOERR_FSYNC`).
+    syncs_failing: AtomicU32,
     /// The next this many opens (and reopens) of a shard fail.
     opens_failing: AtomicU32,
     /// When positive, counts the durable steps of online slot moves down; the mover stops
@@ -59,6 +61,12 @@ impl Faults {
     /// Makes the next `n` batch commits fail (across all shards).
     pub fn fail_commits(&self, n: u32) {
         self.inner.commits_failing.store(n, Ordering::SeqCst);
+    }
+
+    /// Makes the next `n` commits fail as a failed sync of the WAL does: the shard halts
+    /// until the process restarts (the power-loss harness fails the real sync instead).
+    pub fn fail_syncs(&self, n: u32) {
+        self.inner.syncs_failing.store(n, Ordering::SeqCst);
     }
 
     /// Makes the `n`-th store operation from now fail (any shard): a read, a write, the
@@ -155,6 +163,10 @@ impl Faults {
 
     pub(crate) fn commit_should_fail(&self) -> bool {
         self.inner.commits_failing.load(Ordering::Relaxed) > 0 && take_one(&self.inner.commits_failing)
+    }
+
+    pub(crate) fn sync_should_fail(&self) -> bool {
+        self.inner.syncs_failing.load(Ordering::Relaxed) > 0 && take_one(&self.inner.syncs_failing)
     }
 
     pub(crate) fn integrity_check_should_fail(&self) -> bool {

@@ -219,9 +219,14 @@ pub(crate) fn create_shard_file(files: &dyn Files, path: &Path) -> io::Result<()
     files.restrict(path)?;
     // An existing journal keeps the mode it was created with.
     for suffix in ["-wal", "-shm"] {
-        let mut companion = path.as_os_str().to_owned();
-        companion.push(suffix);
-        files.restrict(Path::new(&companion))?;
+        files.restrict(&companion(path, suffix))?;
     }
     Ok(())
+}
+
+/// The file SQLite keeps beside a shard file: `suffix` is `-wal` or `-shm`.
+pub(crate) fn companion(path: &Path, suffix: &str) -> std::path::PathBuf {
+    let mut companion = path.as_os_str().to_owned();
+    companion.push(suffix);
+    companion.into()
 }

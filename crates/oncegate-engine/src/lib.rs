@@ -845,13 +845,15 @@ impl Engine {
     }
 
     /// Asks one shard to close and reopen its file now; returns whether it serves again.
-    pub fn reopen_shard(&self, shard: u32) -> bool {
-        let Some(handle) = self.inner.handle(shard) else { return false };
+    /// Refused (`unavailable`, saying a restart is required) for a shard halted by a
+    /// failed sync: only a new process may open its file again.
+    pub fn reopen_shard(&self, shard: u32) -> Result<bool, Error> {
+        let Some(handle) = self.inner.handle(shard) else { return Ok(false) };
         let (done_tx, done_rx) = crossbeam_channel::bounded(1);
         if handle.control.send(Control::Reopen(done_tx)).is_err() {
-            return false;
+            return Ok(false);
         }
-        done_rx.recv().unwrap_or(false)
+        done_rx.recv().unwrap_or(Ok(false))
     }
 
     /// Stops accepting calls, lets every shard finish what it accepted (commit, answer

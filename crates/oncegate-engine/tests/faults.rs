@@ -47,7 +47,7 @@ on_each_store! {
             ReserveReply::Granted { .. }
         ));
 
-        assert!(engine.reopen_shard(0));
+        assert!(engine.reopen_shard(0).unwrap());
         // The refused grant was never durable: the key is free, and can be granted now.
         assert_eq!(engine.get_blocking(&t, key(&on0, 0)).unwrap().state, State::Free);
         assert!(matches!(
@@ -81,7 +81,7 @@ on_each_store! {
             }
         }
         assert_eq!(refused, 21);
-        assert!(engine.reopen_shard(0));
+        assert!(engine.reopen_shard(0).unwrap());
         for i in 0..20 {
             assert_eq!(engine.get_blocking(&t, key(&format!("k{i}"), 0)).unwrap().state, State::Free);
         }
@@ -113,10 +113,10 @@ on_each_store! {
         faults.fail_commits(1);
         faults.fail_opens(2);
         assert_eq!(engine.reserve_blocking(&tenant(), reserve("k")).unwrap_err().code(), Code::Unavailable);
-        assert!(!engine.reopen_shard(0));
-        assert!(!engine.reopen_shard(0));
+        assert!(!engine.reopen_shard(0).unwrap());
+        assert!(!engine.reopen_shard(0).unwrap());
         assert_eq!(engine.stats()[0].state, ShardState::Failed);
-        assert!(engine.reopen_shard(0));
+        assert!(engine.reopen_shard(0).unwrap());
         assert_eq!(engine.stats()[0].failures, 3);
     }
 }
@@ -235,7 +235,7 @@ fn a_full_shard_file_refuses_only_the_write_that_does_not_fit() {
 
     // After a clean reopen every acknowledged record is still there.
     faults.limit_pages(0);
-    assert!(engine.reopen_shard(0));
+    assert!(engine.reopen_shard(0).unwrap());
     for name in &acknowledged {
         let view = engine.get_blocking(&t, key(name, 0)).unwrap();
         assert_eq!((view.state, view.response.len()), (State::Completed, response.len()), "{name}");
@@ -268,7 +268,7 @@ fn a_corrupt_shard_file_at_start_fails_that_shard_only() {
 
     // The operator restores the file (here: removes the damaged one); the shard reopens.
     std::fs::remove_file(&bad).unwrap();
-    assert!(engine.reopen_shard(1));
+    assert!(engine.reopen_shard(1).unwrap());
     assert!(matches!(
         engine.reserve_blocking(&t, reserve(&on1)).unwrap().reply,
         ReserveReply::Granted { .. }
@@ -292,7 +292,7 @@ fn an_unopenable_shard_file_at_start_fails_that_shard_until_it_is_fixed() {
     let on0 = key_on(&engine, 0, "a");
     assert_eq!(engine.reserve_blocking(&t, reserve(&on0)).unwrap_err().code(), Code::Unavailable);
     std::fs::remove_dir(dir.path().join("shard-0000.sqlite")).unwrap();
-    assert!(engine.reopen_shard(0));
+    assert!(engine.reopen_shard(0).unwrap());
     assert!(matches!(
         engine.reserve_blocking(&t, reserve(&on0)).unwrap().reply,
         ReserveReply::Granted { .. }

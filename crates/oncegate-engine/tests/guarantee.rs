@@ -91,7 +91,7 @@ on_each_store! {
         engine.commit_blocking(&t, commit("k", token, b"first")).unwrap();
         clock.step(3_600_000);
         let shard = engine.shard_of(&engine.scope(&t, "live", "k").unwrap());
-        assert!(engine.reopen_shard(shard));
+        assert!(engine.reopen_shard(shard).unwrap());
         clock.advance(2_000);
         let retry = engine.reserve_blocking(&t, reserve_for("k", 0, 60_000, 0)).unwrap().reply;
         assert!(matches!(retry, ReserveReply::Completed { .. }), "a retry 2 s after the commit: {retry:?}");
@@ -173,7 +173,7 @@ fn tokens_stay_above_every_token_issued_before_a_file_restore() {
     assert!(after_restore > *issued.last().unwrap(), "{after_restore} after {issued:?}");
 
     // An in-process reopen raises the floor again.
-    assert!(engine.reopen_shard(0));
+    assert!(engine.reopen_shard(0).unwrap());
     let after_reopen = granted(&engine.reserve_blocking(&t, reserve("other")).unwrap().reply);
     assert!(after_reopen > after_restore);
     assert_eq!(oncegate_engine::token::epoch_of(after_reopen), 3, "new, restart, reopen");
@@ -208,9 +208,9 @@ fn the_integrity_check_runs_at_process_start_only() {
     faults.fail_integrity_checks(1);
     let engine = open(EngineConfig { shards: 1, ..config(dir.path()) }, &clock, &faults);
     assert_eq!(engine.shard_states(), [ShardState::Failed], "checked at process start");
-    assert!(engine.reopen_shard(0), "the failed first open is retried with its check");
+    assert!(engine.reopen_shard(0).unwrap(), "the failed first open is retried with its check");
     faults.fail_integrity_checks(1);
-    assert!(engine.reopen_shard(0), "an in-process reopen does not re-read the whole file");
+    assert!(engine.reopen_shard(0).unwrap(), "an in-process reopen does not re-read the whole file");
 }
 
 on_each_store! {
@@ -254,7 +254,7 @@ fn derived_keys_are_refused_until_every_shard_has_opened_once() {
     let t = tenant();
     let refused = engine.reserve_blocking(&t, derived.clone()).unwrap_err();
     assert_eq!(refused.code(), Code::Unavailable, "the shard's clock mark is unknown: {refused}");
-    assert!(engine.reopen_shard(0));
+    assert!(engine.reopen_shard(0).unwrap());
     assert!(matches!(engine.reserve_blocking(&t, derived).unwrap().reply, ReserveReply::Granted { .. }));
 }
 

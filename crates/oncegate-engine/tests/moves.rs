@@ -452,7 +452,7 @@ fn a_stale_copy_kept_by_an_open_during_the_move_is_replaced() {
     faults.fail_opens(4);
     let engine = open(two_shards(dir.path()), &clock, &faults);
     for shard in [0, 1, 3] {
-        assert!(engine.reopen_shard(shard), "shard {shard} opens");
+        assert!(engine.reopen_shard(shard).unwrap(), "shard {shard} opens");
     }
     assert_ne!(engine.shard_states()[2], oncegate_engine::ShardState::Serving);
     let scope = engine.scope(&tenant(), "live", &name).unwrap();
@@ -467,7 +467,7 @@ fn a_stale_copy_kept_by_an_open_during_the_move_is_replaced() {
         std::thread::spawn(move || engine.add_shards(4, &mut |_, _| {}))
     };
     wait_until_moving(&engine, 0);
-    assert!(engine.reopen_shard(2), "shard 2 opens");
+    assert!(engine.reopen_shard(2).unwrap(), "shard 2 opens");
     faults.open_gate();
     let _ = block_on(holding);
     mover.join().unwrap().expect("shards added");

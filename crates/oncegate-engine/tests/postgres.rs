@@ -355,7 +355,7 @@ fn a_node_counts_the_records_when_it_starts_and_a_reconnect_does_not_count_again
     assert_eq!(completed(&b), 0, "a reconnect keeps the shard's counts: {:?}", b.stats());
 
     for shard in 0..shards {
-        assert!(b.reopen_shard(shard));
+        assert!(b.reopen_shard(shard).unwrap());
     }
     assert_eq!(completed(&b), 40, "an operator's reopen counts again: {:?}", b.stats());
 
@@ -654,7 +654,7 @@ fn a_reopened_shard_still_holds_the_database_clock_to_the_node_pace() {
     let engine = one_shard_node(dir.path(), &url, &time);
     let first = lease_of(&engine, "k0", 10_000);
     while database_ms(&url) < first - 10_000 + 100 {}
-    assert!(engine.reopen_shard(0));
+    assert!(engine.reopen_shard(0).unwrap());
     assert_eq!(lease_of(&engine, "k1", 10_000), first, "the reopen took the database's clock as it is");
 }
 
@@ -669,7 +669,7 @@ fn a_lease_still_ends_after_a_reopen_when_the_node_clock_is_behind_the_database(
     let time = ManualClock::new(T0);
     let engine = one_shard_node(dir.path(), &url, &time);
     lease_of(&engine, "a", 10_000);
-    assert!(engine.reopen_shard(0));
+    assert!(engine.reopen_shard(0).unwrap());
     let lease_until_ms = lease_of(&engine, "k", 1_000);
     // The database's clock first, then the node's: a transaction in between (an alarm)
     // would take a time the database had not reached yet and hold the next ones to it.

@@ -144,7 +144,7 @@ fn a_moved_key_without_a_row_is_granted_above_its_last_token() {
         .find(|name| moving.contains(&slot_of(&engine.scope(&tenant(), "live", name).unwrap())))
         .unwrap();
     for _ in 0..3 {
-        assert!(engine.reopen_shard(0), "the old shard reopens, raising its epoch");
+        assert!(engine.reopen_shard(0).unwrap(), "the old shard reopens, raising its epoch");
     }
     let last = granted(&engine.reserve_blocking(&tenant(), reserve(&name)).unwrap().reply);
     engine.release_blocking(&tenant(), key(&name, last)).unwrap();

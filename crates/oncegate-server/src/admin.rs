@@ -205,7 +205,8 @@ impl pb::admin_server::Admin for AdminService {
         let engine = self.engine.clone();
         let serving = tokio::task::spawn_blocking(move || engine.reopen_shard(shard))
             .await
-            .map_err(|e| status(oncegate_engine::Error::Unavailable { shard, reason: e.to_string() }))?;
+            .map_err(|e| status(oncegate_engine::Error::Unavailable { shard, reason: e.to_string() }))?
+            .map_err(status)?;
         tracing::warn!(action = "reopen_shard", who = "admin", shard, serving, "operator reopened a shard");
         Ok(Response::new(pb::ReopenShardResponse { serving }))
     }

@@ -181,6 +181,42 @@ async fn inspect_force_release_and_purge() {
     server.stop().await;
 }
 
+/// A failed sync halts its shard until the process restarts: calls on it are answered
+/// `UNAVAILABLE` saying so, `/readyz` fails naming the state, the shard statistics say a
+/// restart is required, and `ReopenShard` is refused with that reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_sync_halts_the_shard_until_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start_in(config(dir.path(), true), None).await;
+    let mut gate = server.client().await;
+    let mut admin = AdminClient::new(server.channel().await);
+    let reserve = |name: &str| {
+        let request = pb::ReserveRequest { namespace: "live".into(), key: name.into(), ..Default::default() };
+        with_token("acme-secret", request)
+    };
+    server.faults.fail_syncs(1);
+    let failed = gate.reserve(reserve("a")).await.unwrap_err();
+    assert_eq!(failed.code(), Code::Unavailable, "{failed:?}");
+    let again = gate.reserve(reserve("a")).await.unwrap_err();
+    assert!(again.message().contains("restart required"), "{again:?}");
+    let shards = admin.shard_stats(with_token("admin-secret", pb::ShardStatsRequest {})).await.unwrap();
+    let halted: Vec<_> = shards.into_inner().shards.into_iter().filter(|s| s.state == "halted").collect();
+    assert_eq!(halted.len(), 1, "one shard halted");
+    assert!(halted[0].last_error.contains("restart required"), "{:?}", halted[0]);
+    let shard = halted[0].shard;
+    let refused =
+        admin.reopen_shard(with_token("admin-secret", pb::ReopenShardRequest { shard })).await.unwrap_err();
+    assert_eq!(refused.code(), Code::Unavailable);
+    assert!(refused.message().contains("restart required"), "{refused:?}");
+    let addr = server.metrics_addr;
+    let (status, body) =
+        tokio::task::spawn_blocking(move || common::http_get(addr, "/readyz")).await.unwrap();
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("halted"), "{body}");
+    drop((admin, gate));
+    server.stop().await;
+}
+
 /// `AddShards` streams its progress and ends with a summary while Gate calls go on over
 /// the same server; keys written before answer the same after; a total below the current
 /// count is refused naming the field.

@@ -252,7 +252,7 @@ async fn health_follows_the_shards() {
             let engine = server.engine.clone();
             move || {
                 (0..2).all(|s| {
-                    engine.reopen_shard(s)
+                    engine.reopen_shard(s).unwrap()
                         || engine.shard_states()[s as usize] == oncegate_engine::ShardState::Serving
                 })
             }

@@ -335,10 +335,10 @@ pub(crate) struct State {
     /// cut keeps or undoes a rename whole, as journaling file systems do.
     rename_links: HashMap<PathBuf, u64>,
     next_link: u64,
-    /// The file (its inode) whose next sync is planned to fail as a failed writeback
-    /// does, how many of its writes fail after it, and where the writeback's data ends up
-    /// (see [`Disk::fail_next_sync_of`]).
-    failing_sync: Option<(u64, u32, Writeback)>,
+    /// The files (their inodes) whose next sync is planned to fail as a failed writeback
+    /// does, how many of their writes fail after it, and where the writeback's data ends
+    /// up (see [`Disk::fail_next_sync_of`]).
+    failing_syncs: Vec<(u64, u32, Writeback)>,
     /// That file's writes left to fail: its inode, and how many.
     failing_writes: (u64, u32),
     pub stats: DiskStats,
@@ -444,11 +444,10 @@ impl State {
     /// unsynced data goes where the plan says, and its next writes fail. Returns whether
     /// it did.
     pub fn fail_planned_sync(&mut self, inode: u64) -> bool {
-        let Some((_, writes_after, writeback)) = self.failing_sync.filter(|(planned, ..)| *planned == inode)
-        else {
+        let Some(at) = self.failing_syncs.iter().position(|(planned, ..)| *planned == inode) else {
             return false;
         };
-        self.failing_sync = None;
+        let (_, writes_after, writeback) = self.failing_syncs.remove(at);
         self.failing_writes = (inode, writes_after);
         if let Some(file) = self.inodes.get_mut(&inode) {
             match writeback {
@@ -564,7 +563,7 @@ impl Disk {
             fuse: None,
             rename_links: HashMap::new(),
             next_link: 0,
-            failing_sync: None,
+            failing_syncs: Vec::new(),
             failing_writes: (0, 0),
             stats: DiskStats::default(),
         };
@@ -602,11 +601,12 @@ impl Disk {
     /// writeback does on Linux: `EIO` (SQLite's `SQLITE_IOERR_FSYNC`), and what it would
     /// have made durable ends up where `writeback` says (lost, on the device, or in its
     /// volatile cache only): the error does not say which. The `writes_after` writes of
-    /// the file that follow fail too (a disk failing for a while).
+    /// the file that follow fail too (a disk failing for a while). Several files may
+    /// have a failure planned at once.
     pub fn fail_next_sync_of(&self, path: &Path, writes_after: u32, writeback: Writeback) -> io::Result<()> {
         let mut state = self.lock_state();
         let inode = state.inode_of(path)?;
-        state.failing_sync = Some((inode, writes_after, writeback));
+        state.failing_syncs.push((inode, writes_after, writeback));
         Ok(())
     }
 
@@ -659,7 +659,7 @@ impl Disk {
         state.locks.clear();
         state.rename_links.clear();
         state.fuse = None;
-        state.failing_sync = None;
+        state.failing_syncs.clear();
         state.failing_writes = (0, 0);
         state.generation += 1;
         state.powered = true;

@@ -18,7 +18,7 @@ impl Shard {
         let len = requests.len() as u64;
         self.ensure_token_room();
         let Some(store) = self.store.as_mut() else {
-            let error = self.unavailable("the shard failed and is reopening");
+            let error = self.unavailable(self.closed_reason());
             for request in requests {
                 let _ = request.reply.send(Err(error.clone()));
             }

@@ -110,7 +110,7 @@ pub(crate) enum Control {
     /// Run the alarm now (tests move a manual clock, then call this instead of sleeping).
     RunAlarms(crossbeam_channel::Sender<()>),
     /// Close and reopen the file now (after an operator fixed a fault).
-    Reopen(crossbeam_channel::Sender<bool>),
+    Reopen(crossbeam_channel::Sender<Result<bool, Error>>),
     /// Take in a moving slot's records and counters, durably; answer how many records
     /// came. (Its parked reserves follow as `Moved::Adopt` once the move is over.)
     MoveIn(Handover, crossbeam_channel::Sender<Result<u64, Error>>),
@@ -147,6 +147,12 @@ pub(crate) struct Parts {
 /// Sent once per shard when its first open attempt is over.
 pub(crate) type Started = Sender<u32>;
 
+/// What a halted shard answers, and what its `last_error` adds: after a failed sync
+/// Linux may mark the unwritten pages clean, so a reopen in this process could read a
+/// failed commit back as committed and chain acknowledged commits onto writes the disk
+/// lost. A new process drops the WAL's cached pages before SQLite reads it.
+const HALTED: &str = "a commit's sync failed, so the disk may have lost what this process reads back: the shard answers unavailable until the process restarts (restart required)";
+
 pub(crate) struct Shard {
     id: u32,
     config: Arc<EngineConfig>,
@@ -181,6 +187,8 @@ pub(crate) struct Shard {
     received: std::collections::HashSet<u32>,
     backoff_ms: u64,
     reopen_at: Option<Instant>,
+    /// A commit's sync failed: the store stays closed until the process restarts.
+    halted: bool,
     /// How far the store's time was ahead of the shard's frame at its last transaction
     /// (a PostgreSQL database's clock; 0 for a file), for scheduling alarms in its time.
     store_ahead_ms: i64,
@@ -237,6 +245,7 @@ impl Shard {
             handed: None,
             received: std::collections::HashSet::new(),
             reopen_at: None,
+            halted: false,
             store_ahead_ms: 0,
             polled_at_ms: 0,
         }
@@ -246,20 +255,34 @@ impl Shard {
         Error::Unavailable { shard: self.id, reason: reason.to_owned() }
     }
 
+    /// Why the shard has no store: it failed and reopens with backoff, or it halted.
+    fn closed_reason(&self) -> &'static str {
+        if self.halted { HALTED } else { "the shard failed and is reopening" }
+    }
+
+    /// Closes the store after `error`. A failed sync halts the shard until the process
+    /// restarts; any other failure schedules a reopen with backoff.
     fn record_failure(&mut self, error: &StoreError) {
-        tracing::error!(shard = self.id, %error, "storage failure; answering unavailable until a clean reopen");
         self.store = None;
         self.shared.failures.fetch_add(1, Ordering::Relaxed);
-        self.shared.set_last_error(error.to_string());
+        if error.is_failed_sync() {
+            tracing::error!(shard = self.id, %error, "{HALTED}");
+            self.halted = true;
+            self.reopen_at = None;
+            self.shared.set_last_error(format!("{error}; {HALTED}"));
+        } else {
+            tracing::error!(shard = self.id, %error, "storage failure; answering unavailable until a clean reopen");
+            self.reopen_at = Some(Instant::now() + Duration::from_millis(self.backoff_ms));
+            self.backoff_ms = (self.backoff_ms * 2).min(self.config.reopen_backoff_ms_max);
+            self.shared.set_last_error(error.to_string());
+        }
         // Fail closed: nobody parked on this shard may be granted by a later open.
         let refusal = self.unavailable(&format!("storage failure: {error}"));
         for reply in self.book.drain_waiters() {
             let _ = reply.send(Err(refusal.clone()));
         }
         self.shared.waiters.store(0, Ordering::Relaxed);
-        self.reopen_at = Some(Instant::now() + Duration::from_millis(self.backoff_ms));
-        self.backoff_ms = (self.backoff_ms * 2).min(self.config.reopen_backoff_ms_max);
-        self.shared.set_state(ShardState::Failed);
+        self.shared.set_state(if self.halted { ShardState::Halted } else { ShardState::Failed });
     }
 
     /// The actor's loop; returns when shut down or when the engine is dropped. `started`
@@ -316,6 +339,10 @@ impl Shard {
                 let _ = done.send(());
                 false
             }
+            Control::Reopen(done) if self.halted => {
+                let _ = done.send(Err(self.unavailable(HALTED)));
+                false
+            }
             Control::Reopen(done) => {
                 // Parked reserves were decided against the file being closed: they hear
                 // `unavailable` and retry against the reopened one.
@@ -326,7 +353,7 @@ impl Shard {
                 self.shared.waiters.store(0, Ordering::Relaxed);
                 self.store = None;
                 let ok = self.open(Asked::ByOperator);
-                let _ = done.send(ok);
+                let _ = done.send(Ok(ok));
                 false
             }
             Control::MoveIn(handover, done) => {

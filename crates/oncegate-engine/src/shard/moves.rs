@@ -68,7 +68,7 @@ impl Shard {
     pub(super) fn move_out(&mut self, move_out: MoveOut) {
         let MoveOut { slot, reply } = move_out;
         let Some(store) = self.store.as_mut() else {
-            let _ = reply.send(Err(self.unavailable("the shard failed and is reopening")));
+            let _ = reply.send(Err(self.unavailable(self.closed_reason())));
             return;
         };
         let now = self.guard.read(self.clock.monotonic_ms());
@@ -101,7 +101,7 @@ impl Shard {
     /// to the source's. Returns the records written.
     pub(super) fn move_in(&mut self, handover: Handover) -> Result<u64, Error> {
         if self.store.is_none() {
-            return Err(self.unavailable("the shard failed and is reopening"));
+            return Err(self.unavailable(self.closed_reason()));
         }
         let token_before = self.book.next_token;
         // Time never goes back here, and the moved records keep the time they had left:
@@ -183,7 +183,7 @@ impl Shard {
     /// the slot; they are decided as the shard's own from here on.
     pub(super) fn adopt(&mut self, parked: Parked) {
         if self.store.is_none() {
-            let error = self.unavailable("the shard failed and is reopening");
+            let error = self.unavailable(self.closed_reason());
             for reply in parked.into_replies() {
                 let _ = reply.send(Err(error.clone()));
             }

@@ -21,15 +21,20 @@ pub enum ShardState {
     /// The shard's thread panicked (a bug): it answers `unavailable` until the process
     /// restarts.
     Panicked,
+    /// A commit's sync failed: the shard answers `unavailable` until the process
+    /// restarts, and refuses an operator's reopen (a reopen in this process could read
+    /// back as committed what the disk lost).
+    Halted,
 }
 
 impl ShardState {
-    const ALL: [ShardState; 5] = [
+    const ALL: [ShardState; 6] = [
         ShardState::Starting,
         ShardState::Serving,
         ShardState::Failed,
         ShardState::Stopped,
         ShardState::Panicked,
+        ShardState::Halted,
     ];
 
     /// The inverse of `state as u8`: `ALL` lists the states in declaration order.
@@ -45,6 +50,7 @@ impl ShardState {
             ShardState::Failed => "failed",
             ShardState::Stopped => "stopped",
             ShardState::Panicked => "panicked",
+            ShardState::Halted => "halted",
         }
     }
 }

@@ -33,6 +33,12 @@ pub enum StoreError {
     /// SQLite refused or failed.
     #[error("sqlite: {0}")]
     Sqlite(#[from] rusqlite::Error),
+    /// A commit failed with an I/O error (any `SQLITE_IOERR_*`): its sync may have
+    /// failed, and after a failed `fsync` Linux may mark the unwritten pages clean, so
+    /// this process could read back as committed what the disk never kept. Nothing may
+    /// be built on the file in this process again ([`StoreError::is_failed_sync`]).
+    #[error("a commit's sync failed: {0}")]
+    SyncFailed(#[source] rusqlite::Error),
     /// PostgreSQL refused or failed, or could not be reached.
     #[error("postgres: {0}")]
     Postgres(String),
@@ -70,6 +76,12 @@ pub enum StoreError {
 }
 
 impl StoreError {
+    /// Whether the error is a failed sync of a commit: the shard stops until the process
+    /// restarts, rather than reopen its file in this process.
+    pub(crate) fn is_failed_sync(&self) -> bool {
+        matches!(self, StoreError::SyncFailed(_))
+    }
+
     /// Whether the error is SQLite's `SQLITE_FULL`: the file reached
     /// `shard_file_bytes_max` (SQLite's `max_page_count`) or the disk is full.
     pub fn is_full(&self) -> bool {

@@ -324,6 +324,12 @@ impl Store {
         }
         crate::files::create_shard_file(&*tuning.files, path)
             .map_err(|source| StoreError::Io { path: path.to_owned(), source })?;
+        // A sync that failed in an earlier process may have left WAL frames in the page
+        // cache that the device does not hold (Linux marks them clean): SQLite's recovery
+        // must read what the device holds, or later commits would chain onto frames a
+        // power cut takes away, and every one of them would be lost with them.
+        let wal = crate::files::companion(path, "-wal");
+        tuning.files.drop_cached(&wal).map_err(|source| StoreError::Io { path: wal.clone(), source })?;
         let mut conn = match tuning.files.sqlite_vfs() {
             Some(vfs) => Connection::open_with_flags_and_vfs(path, OpenFlags::default(), vfs)?,
             None => Connection::open(path)?,
@@ -909,10 +915,18 @@ impl Txn<'_> {
             // COMMIT would.
             return Err(StoreError::Injected("commit"));
         }
+        if self.faults.sync_should_fail() {
+            let failed = rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_IOERR_FSYNC);
+            let injected = rusqlite::Error::SqliteFailure(failed, Some("injected failed sync".to_owned()));
+            return Err(StoreError::SyncFailed(injected));
+        }
         let tx = self.tx.take().expect("a transaction commits once");
         if let Err(error) = tx.commit() {
             self.undo_index();
-            return Err(error.into());
+            return Err(match error.sqlite_error_code() {
+                Some(rusqlite::ErrorCode::SystemIoFailure) => StoreError::SyncFailed(error),
+                _ => error.into(),
+            });
         }
         self.undo.borrow_mut().clear();
         self.unscheduled.borrow_mut().clear();
