@@ -122,7 +122,8 @@ impl Shard {
         let mut store = Store::Sqlite(store);
         let stored_epoch =
             manifest::read_epoch(&*self.files, &self.epoch_path).map_err(|e| self.epoch_error(e))?;
-        let epoch = token::epoch_at_open(stored_epoch, meta.next_token, created);
+        let floor = token::floor(self.clock.now_ms());
+        let epoch = token::epoch_at_open(stored_epoch, meta.next_token, created, floor);
         if epoch > token::EPOCH_MAX {
             return Err(StoreError::Corrupt(format!(
                 "token epoch {epoch} is past the last one ({}); tokens would no longer increase",
@@ -236,7 +237,7 @@ impl Shard {
         if !on_file || !token::needs_new_epoch(self.book.next_token, room) {
             return;
         }
-        let epoch = self.epoch + 1;
+        let epoch = (self.epoch + 1).max(token::floor(self.clock.now_ms()));
         if let Err(error) = self.write_epoch(epoch) {
             return self.record_failure(&error);
         }
