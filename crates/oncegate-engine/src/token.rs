@@ -8,11 +8,12 @@
 //! whatever copy of the shard file is opened.
 //!
 //! An epoch is also never below the wall clock's [`floor`]: milliseconds since
-//! [`FLOOR_ORIGIN_MS`]. Every open fsyncs its epoch file, so a shard cannot open twice in
-//! one millisecond and its epochs never run ahead of the clock; a copy of the directory
-//! (a backup) restored later opens at a later floor, above every epoch the original used
-//! after the copy was taken, however often it restarted. docs/storage.md describes the
-//! format.
+//! [`FLOOR_ORIGIN_MS`]. An epoch runs ahead of the floor only when the shard opened (or
+//! ran out of tokens) more than once within a millisecond, and then by that many
+//! milliseconds; an open reads its whole file and fsyncs its epoch file, which takes
+//! longer. So a copy of the directory (a backup) started later opens above every epoch
+//! the original used after the copy was taken, however often it restarted.
+//! docs/storage.md describes the format.
 
 /// Bits of a token below its epoch: 4,194,304 tokens per epoch, after which the shard
 /// moves to the next (`needs_new_epoch`).
@@ -24,7 +25,7 @@ pub const FLOOR_ORIGIN_MS: u64 = 1_735_689_600_000;
 
 /// The lowest epoch an open at wall time `wall_ms` may use: the milliseconds since
 /// [`FLOOR_ORIGIN_MS`] (0 before it).
-pub const fn floor(wall_ms: u64) -> u64 {
+pub(crate) const fn floor(wall_ms: u64) -> u64 {
     wall_ms.saturating_sub(FLOOR_ORIGIN_MS)
 }
 
@@ -56,6 +57,11 @@ pub fn epoch_at_open(stored: Option<u64>, next_token: u64, new_file: bool, floor
         stored => stored.unwrap_or(0).max(epoch_of(next_token)) + 1,
     };
     past.max(floor)
+}
+
+/// The epoch a shard moves to when its counter runs out: the next, never below `floor`.
+pub(crate) fn next_epoch(epoch: u64, floor: u64) -> u64 {
+    (epoch + 1).max(floor)
 }
 
 /// Whether `next_token` has less than `room` tokens left in its epoch, so the shard

@@ -115,6 +115,8 @@ impl Shard {
         // Every token the source issued is below its counter.
         self.book.next_token = self.book.next_token.max(handover.meta.next_token);
         if let Err(error) = self.raise_epoch(token::epoch_of(self.book.next_token)) {
+            // No token of an epoch that is not durable: the counter goes back.
+            self.book.next_token = token_before;
             self.record_failure(&error);
             return Err(self.unavailable(&format!("storage failure: {error}")));
         }

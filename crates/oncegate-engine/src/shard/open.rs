@@ -122,8 +122,8 @@ impl Shard {
         let mut store = Store::Sqlite(store);
         let stored_epoch =
             manifest::read_epoch(&*self.files, &self.epoch_path).map_err(|e| self.epoch_error(e))?;
-        let floor = token::floor(self.clock.now_ms());
-        let epoch = token::epoch_at_open(stored_epoch, meta.next_token, created, floor);
+        let epoch =
+            token::epoch_at_open(stored_epoch, meta.next_token, created, token::floor(self.clock.now_ms()));
         if epoch > token::EPOCH_MAX {
             return Err(StoreError::Corrupt(format!(
                 "token epoch {epoch} is past the last one ({}); tokens would no longer increase",
@@ -237,12 +237,17 @@ impl Shard {
         if !on_file || !token::needs_new_epoch(self.book.next_token, room) {
             return;
         }
-        let epoch = (self.epoch + 1).max(token::floor(self.clock.now_ms()));
+        let epoch = token::next_epoch(self.epoch, token::floor(self.clock.now_ms()));
+        if epoch > token::EPOCH_MAX {
+            let reason = format!("token epoch {epoch} is past the last one ({})", token::EPOCH_MAX);
+            return self.record_failure(&StoreError::Corrupt(reason));
+        }
         if let Err(error) = self.write_epoch(epoch) {
             return self.record_failure(&error);
         }
         self.epoch = epoch;
-        self.book.next_token = token::first_of(epoch);
+        // Never below the counter: a slot moved in may have raised it.
+        self.book.next_token = self.book.next_token.max(token::first_of(epoch));
         tracing::info!(shard = self.id, epoch, "token counter moved to a new epoch");
     }
 }
