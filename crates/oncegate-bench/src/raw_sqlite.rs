@@ -28,8 +28,9 @@ pub fn raw_sqlite_ceiling(
         let (stop, done, work) = (stop.clone(), done.clone(), work.clone());
         let settings = settings.clone();
         threads.push(std::thread::spawn(move || -> anyhow::Result<()> {
-            let mut conn = rusqlite::Connection::open(&path)?;
-            // Exactly the engine's settings: the ceiling is of the same SQLite.
+            let flags = rusqlite::OpenFlags::default();
+            let mut conn = rusqlite::Connection::open_with_flags_and_vfs(&path, flags, "unix-excl")?;
+            // Exactly the engine's settings and VFS: the ceiling is of the same SQLite.
             oncegate_engine::configure_sqlite(&conn, &settings)?;
             conn.execute_batch(
                 "CREATE TABLE IF NOT EXISTS records (key TEXT PRIMARY KEY, token INTEGER NOT NULL,

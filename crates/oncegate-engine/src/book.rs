@@ -55,6 +55,11 @@ impl Parked {
     }
 }
 
+/// The refusal for a write while the disk holding the shard's file is full.
+pub(crate) fn disk_full(shard: u32, path: &std::path::Path) -> Error {
+    Error::DiskFull { shard, path: path.display().to_string() }
+}
+
 /// The refusal for a write that does not fit in the shard file.
 pub(crate) fn file_full(shard: u32, config: &EngineConfig) -> Error {
     Error::ResourceExhausted {

@@ -171,9 +171,10 @@ pub struct EngineConfig {
     pub waiters_per_key_max: usize,
     /// Parked reserves per shard.
     pub waiters_per_shard_max: usize,
-    /// The first pause before a failed shard tries to reopen; doubles per failure.
+    /// The first pause before a failed shard tries to reopen, or a shard whose disk was
+    /// full tries writes again; doubles per failure.
     pub reopen_backoff_ms_min: u64,
-    /// The longest pause between reopen attempts.
+    /// The longest pause between reopen attempts (or write attempts on a full disk).
     pub reopen_backoff_ms_max: u64,
     /// The largest a shard file may grow, in bytes; a write that would pass it is refused
     /// alone with `resource_exhausted`.

@@ -20,6 +20,18 @@ pub enum Error {
         /// Why, in words.
         reason: String,
     },
+    /// The disk holding the shard's file is full: the write was refused and nothing of it
+    /// stored (the batch that found the disk full is refused whole, its reads included).
+    /// From then on reads and replays go on; writes resume once the disk has room.
+    #[error(
+        "shard {shard} cannot write: the disk holding {path} is full (ENOSPC); reads and replays still work, and writes resume once it has room"
+    )]
+    DiskFull {
+        /// The shard.
+        shard: u32,
+        /// Its file.
+        path: String,
+    },
     /// A bounded queue is full; retry later.
     #[error("{what} is full; {limit_name} is {limit}")]
     ResourceExhausted {
@@ -38,7 +50,7 @@ impl Error {
         match self {
             Error::Refused(refusal) => refusal.code(),
             Error::Unavailable { .. } => Code::Unavailable,
-            Error::ResourceExhausted { .. } => Code::ResourceExhausted,
+            Error::ResourceExhausted { .. } | Error::DiskFull { .. } => Code::ResourceExhausted,
         }
     }
 }
@@ -190,6 +202,16 @@ pub enum OpenError {
         dir: std::path::PathBuf,
         /// The first of its log shards.
         example: String,
+    },
+    /// A shard's first open found the disk full: the file it could not write.
+    #[error(
+        "{path}: no space left on device (ENOSPC); shard {shard} cannot open: free space on its file system and try again"
+    )]
+    DiskFull {
+        /// The shard.
+        shard: u32,
+        /// The file.
+        path: std::path::PathBuf,
     },
     /// The slot map cannot be read or is damaged.
     #[error(transparent)]

@@ -169,6 +169,17 @@ impl Files for OsFiles {
         }
     }
 
+    /// SQLite's `unix-excl`: the unix VFS, with the file locked against other processes
+    /// (one process owns a data directory anyway) and the WAL index in this process's
+    /// memory instead of a mapped `-shm` file. A mapped index on a full disk is written
+    /// through the mapping, where the kernel answers a page it cannot allocate with
+    /// SIGBUS (seen on ext4 with blocks smaller than a page, after a crash, when the
+    /// index is rebuilt), and it needed disk space to open at all. The shard's connection
+    /// and its checkpointer's, in one process, share the index as before.
+    fn sqlite_vfs(&self) -> Option<&str> {
+        Some("unix-excl")
+    }
+
     fn restrict(&self, path: &Path) -> io::Result<()> {
         match std::fs::metadata(path) {
             Ok(meta) if meta.permissions().mode() & 0o077 != 0 => {
@@ -208,8 +219,8 @@ pub fn write_atomically(files: &dyn Files, path: &Path, bytes: &[u8]) -> io::Res
     files.sync_dir(dir)
 }
 
-/// Creates a shard file owner-only before SQLite opens it (SQLite gives the `-wal` and
-/// `-shm` files the database file's mode, and would create all three as 0644), and makes
+/// Creates a shard file owner-only before SQLite opens it (SQLite gives the `-wal` file
+/// the database file's mode, and would create both as 0644), and makes
 /// its name durable: SQLite syncs the directory for a new journal or WAL, never for the
 /// database file it is handed.
 pub(crate) fn create_shard_file(files: &dyn Files, path: &Path) -> io::Result<()> {
@@ -218,13 +229,10 @@ pub(crate) fn create_shard_file(files: &dyn Files, path: &Path) -> io::Result<()
     }
     files.restrict(path)?;
     // An existing journal keeps the mode it was created with.
-    for suffix in ["-wal", "-shm"] {
-        files.restrict(&companion(path, suffix))?;
-    }
-    Ok(())
+    files.restrict(&companion(path, "-wal"))
 }
 
-/// The file SQLite keeps beside a shard file: `suffix` is `-wal` or `-shm`.
+/// A file SQLite keeps beside a shard file: `suffix` is `-wal`.
 pub(crate) fn companion(path: &Path, suffix: &str) -> std::path::PathBuf {
     let mut companion = path.as_os_str().to_owned();
     companion.push(suffix);

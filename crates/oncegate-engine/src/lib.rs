@@ -66,7 +66,7 @@ pub struct ShardStats {
     pub shard: u32,
     /// Slots the slot map gives this shard.
     pub slots: u32,
-    /// Serving, failed, starting or stopped.
+    /// Starting, serving, failed, stopped, panicked or halted.
     pub state: ShardState,
     /// Requests waiting in the mailbox now.
     pub mailbox_depth: usize,
@@ -919,7 +919,7 @@ fn spawn_shard(
             shared.waiters.store(0, Ordering::Relaxed);
             shared.set_state(ShardState::Panicked);
             if let Some(started) = started.take() {
-                let _ = started.send(id);
+                let _ = started.send((id, None));
             }
         }
     })
@@ -960,7 +960,9 @@ impl Inner {
 
     /// Starts shards `ids` and returns once each has made its first open attempt, so
     /// states read right after are meaningful. A shard whose file failed to open is not
-    /// fatal: it answers `unavailable` and keeps retrying while the others serve.
+    /// fatal: it answers `unavailable` and keeps retrying while the others serve. A full
+    /// disk is: retrying would only fail the same way, shard after shard, so the shards
+    /// are stopped and the error names the file that could not be written.
     fn start_shards(&self, ids: std::ops::Range<u32>) -> Result<Vec<Arc<ShardHandle>>, OpenError> {
         let (started_tx, started_rx) = crossbeam_channel::bounded(ids.len());
         let mut handles = Vec::with_capacity(ids.len());
@@ -978,10 +980,26 @@ impl Inner {
             }
         }
         drop(started_tx);
+        let mut disk_full = None;
         for _ in 0..handles.len() {
-            if started_rx.recv().is_err() {
-                break;
+            match started_rx.recv() {
+                Ok((shard, Some(path))) => disk_full = disk_full.or(Some((shard, path))),
+                Ok((_, None)) => {}
+                Err(_) => break,
             }
+        }
+        // A full disk at start fails the open with the file it could not write: serving
+        // on would only retry the same open, shard after shard.
+        if let Some((shard, path)) = disk_full {
+            for handle in &handles {
+                let _ = handle.control.send(Control::Shutdown);
+            }
+            for handle in &handles {
+                if let Some(thread) = handle.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                    let _ = thread.join();
+                }
+            }
+            return Err(OpenError::DiskFull { shard, path });
         }
         for (id, shard) in ids.zip(&handles) {
             if shard.shared.state() != ShardState::Serving {

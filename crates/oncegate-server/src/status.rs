@@ -69,6 +69,9 @@ pub enum Refusal {
     },
 }
 
+/// The limit name of a refusal for a full disk.
+pub const DISK_LIMIT: &str = "disk";
+
 /// The limit name of a rate refusal.
 pub const RATE_LIMIT: &str = "tenants[].requests_per_s";
 
@@ -104,6 +107,7 @@ impl Refusal {
                 (Some(invalid.field()), None)
             }
             Refusal::Engine(E::ResourceExhausted { limit_name, .. }) => (None, Some(limit_name)),
+            Refusal::Engine(E::DiskFull { .. }) => (None, Some(DISK_LIMIT)),
             Refusal::Exhausted { limit, .. } => (None, Some(limit)),
             Refusal::RateLimited { .. } => (None, Some(RATE_LIMIT)),
             Refusal::AddShards(oncegate_engine::OpenError::Config(_)) => (Some("shards_total"), None),

@@ -341,6 +341,9 @@ pub(crate) struct State {
     failing_syncs: Vec<(u64, u32, Writeback)>,
     /// That file's writes left to fail: its inode, and how many.
     failing_writes: (u64, u32),
+    /// The most bytes the files may hold together, if the disk is given a size: a write
+    /// that would grow them past it fails as a full disk does (see [`Disk::set_capacity`]).
+    capacity: Option<u64>,
     pub stats: DiskStats,
 }
 
@@ -482,6 +485,19 @@ impl State {
         Ok(())
     }
 
+    /// The bytes the files hold together.
+    fn used_bytes(&self) -> u64 {
+        self.inodes.values().map(|inode| inode.len() as u64).sum()
+    }
+
+    /// Whether growing `inode` to `len` bytes (a new file, when it has none) passes the
+    /// disk's capacity.
+    pub fn no_room_for(&self, inode: Option<u64>, len: usize) -> bool {
+        let Some(capacity) = self.capacity else { return false };
+        let now = inode.and_then(|i| self.inodes.get(&i)).map_or(0, Inode::len);
+        len > now && self.used_bytes() + (len - now) as u64 > capacity
+    }
+
     pub fn write(&mut self, inode: u64, offset: usize, bytes: &[u8]) {
         self.stats.bytes_written += bytes.len() as u64;
         if let Some(inode) = self.inodes.get_mut(&inode) {
@@ -565,6 +581,7 @@ impl Disk {
             next_link: 0,
             failing_syncs: Vec::new(),
             failing_writes: (0, 0),
+            capacity: None,
             stats: DiskStats::default(),
         };
         let name = format!("oncegate-simdisk-{}", DISKS.fetch_add(1, Ordering::SeqCst));
@@ -608,6 +625,18 @@ impl Disk {
         let inode = state.inode_of(path)?;
         state.failing_syncs.push((inode, writes_after, writeback));
         Ok(())
+    }
+
+    /// Gives the disk a size (`None`: unbounded): from now on a write that would grow the
+    /// files past `bytes` together fails as on a full file system (`ENOSPC`; SQLite's
+    /// `SQLITE_FULL`), and writes within a file's length still succeed.
+    pub fn set_capacity(&self, bytes: Option<u64>) {
+        self.lock_state().capacity = bytes;
+    }
+
+    /// The bytes the files hold together.
+    pub fn used_bytes(&self) -> u64 {
+        self.lock_state().used_bytes()
     }
 
     /// Whether the power is on.
@@ -740,6 +769,9 @@ impl Files for Boot {
         self.with(|state| {
             if state.exists(path) {
                 return Err(io::Error::new(io::ErrorKind::AlreadyExists, path.display().to_string()));
+            }
+            if state.no_room_for(None, bytes.len()) {
+                return Err(io::Error::from_raw_os_error(28));
             }
             state.create_file(path, Inode::with(bytes)).map(drop)
         })

@@ -396,14 +396,15 @@ unsafe extern "C" fn x_write(
         let bytes = std::slice::from_raw_parts(buf.cast::<u8>(), amount as usize);
         match with_file(handle(file), ffi::SQLITE_IOERR_WRITE, |state, inode| {
             if state.fail_planned_write(inode) {
-                return false;
+                return ffi::SQLITE_IOERR_WRITE;
+            }
+            if state.no_room_for(Some(inode), offset as usize + bytes.len()) {
+                return ffi::SQLITE_FULL;
             }
             state.write(inode, offset as usize, bytes);
-            true
+            ffi::SQLITE_OK
         }) {
-            Ok(true) => ffi::SQLITE_OK,
-            Ok(false) => ffi::SQLITE_IOERR_WRITE,
-            Err(code) => code,
+            Ok(code) | Err(code) => code,
         }
     }
 }

@@ -8,7 +8,7 @@ use std::time::Instant;
 use oncegate_core::{Command, Reply, ReserveReply, Scope, answers_from_earlier_bucket, decide};
 
 use super::{Alarm, Asked, Derive, Moved, Request, Shard, ShardState};
-use crate::book::{Book, Outbox, file_full};
+use crate::book::{Book, Outbox};
 use crate::store::{Meta, Store, StoreError, Txn};
 use crate::{EngineConfig, Error};
 
@@ -16,14 +16,15 @@ impl Shard {
     /// Serves a batch of requests in one transaction.
     pub(super) fn serve_batch(&mut self, requests: Vec<Request>) {
         let len = requests.len() as u64;
+        self.retry_writes_when_due();
         self.ensure_token_room();
-        let Some(store) = self.store.as_mut() else {
+        if self.store.is_none() {
             let error = self.unavailable(self.closed_reason());
             for request in requests {
                 let _ = request.reply.send(Err(error.clone()));
             }
             return;
-        };
+        }
         self.faults.pass_gate();
         self.faults.maybe_panic();
         let batch_span = tracing::debug_span!("batch", shard = self.id, len);
@@ -34,10 +35,13 @@ impl Shard {
         let local_now = self.guard.read(self.clock.monotonic_ms());
         let token_before = self.book.next_token;
         let mut outbox: Outbox = Vec::with_capacity(requests.len());
+        let refusal = self.write_refusal();
+        let store = self.store.as_mut().expect("checked above");
         let mut batch = Batch {
             book: &mut self.book,
             config: &self.config,
             shard: self.id,
+            refusal,
             store_estimate_ms: local_now.saturating_add_signed(self.store_ahead_ms),
             now: local_now,
             began: false,
@@ -53,24 +57,32 @@ impl Shard {
         metrics::histogram!("oncegate_shard_batch_len", "shard" => self.id.to_string()).record(len as f64);
         self.shared.batches.fetch_add(1, Ordering::Relaxed);
         self.shared.commands.fetch_add(len, Ordering::Relaxed);
-        self.conclude(result, outbox, token_before, |wrote, shared| {
+        let wrote = self.conclude(result, outbox, token_before, |wrote, shared| {
             shared.commits.fetch_add(u64::from(*wrote), Ordering::Relaxed);
         });
+        // A batch that wrote while writes were being tried again found room.
+        if wrote == Some(true) && self.store.as_ref().is_some_and(|store| !store.writes_refused()) {
+            self.writes_resumed();
+        }
     }
 
     /// Serves due waiters and reclaims up to `reclaim_batch_max` expired records, in one
     /// transaction; a failed shard tries to reopen when its backoff is over.
     pub(super) fn alarm(&mut self, why: Alarm) {
+        self.retry_writes_when_due();
         self.ensure_token_room();
-        let Some(store) = self.store.as_mut() else {
+        if self.store.is_none() {
             if self.reopen_at.is_some_and(|at| at <= Instant::now()) {
                 self.open(Asked::ByShard);
             }
             return;
-        };
+        }
         let local_now = self.guard.read(self.clock.monotonic_ms());
         let limit = self.config.reclaim_batch_max;
-        let full = file_full(self.id, &self.config);
+        let full = self.write_refusal();
+        let store = self.store.as_mut().expect("checked above");
+        // A full disk reclaims nothing and drops no moved slot's rows (deletes write).
+        let refusing = store.writes_refused();
         let token_before = self.book.next_token;
         let mut outbox: Outbox = Vec::new();
         let book = &mut self.book;
@@ -100,7 +112,9 @@ impl Shard {
             }
             let removed = txn.reclaim(now, limit)?;
             book.records_delta.remove(&removed);
-            super::moves::drop_leaving(&txn, leaving, limit, book)?;
+            if !refusing {
+                super::moves::drop_leaving(&txn, leaving, limit, book)?;
+            }
             txn.commit(Meta { next_token: book.next_token, high_water_ms: now })?;
             Ok(Some((removed.pending + removed.completed) as usize))
         })();
@@ -147,9 +161,10 @@ impl Shard {
                 let _ = move_out.reply.send(Err(self.unavailable("the shard is stopping")));
             }
         }
-        if let Some(store) = self.store.as_mut() {
+        if self.store.is_some() {
             let local_now = self.guard.read(self.clock.monotonic_ms());
-            let full = file_full(self.id, &self.config);
+            let full = self.write_refusal();
+            let store = self.store.as_mut().expect("checked above");
             let token_before = self.book.next_token;
             let mut outbox: Outbox = Vec::new();
             let book = &mut self.book;
@@ -184,8 +199,9 @@ impl Shard {
     /// `durable` counts what the transaction did, the counters are published (so a
     /// caller that got its answer sees stats that include its request), and only then
     /// does every answer go out. Failed: nothing of it is durable, so the token counter
-    /// goes back, its counts are forgotten, the shard fails, and every caller hears
-    /// `unavailable`, never an acknowledgement.
+    /// goes back, its counts are forgotten, and every caller hears a refusal, never an
+    /// acknowledgement: on a full disk `resource_exhausted` (the store stays open and
+    /// refuses writes from now on), otherwise `unavailable` (the shard fails).
     pub(super) fn conclude<T>(
         &mut self,
         result: Result<T, StoreError>,
@@ -207,8 +223,13 @@ impl Shard {
             Err(error) => {
                 self.book.next_token = token_before;
                 self.book.discard_delta();
-                self.record_failure(&error);
-                let refusal = self.unavailable(&format!("storage failure: {error}"));
+                let refusal = if error.is_disk_full() && self.store.is_some() {
+                    self.refuse_writes(&error);
+                    crate::book::disk_full(self.id, &self.path)
+                } else {
+                    self.record_failure(&error);
+                    self.unavailable(&format!("storage failure: {error}"))
+                };
                 for (reply, _) in outbox {
                     let _ = reply.send(Err(refusal.clone()));
                 }
@@ -252,6 +273,8 @@ struct Batch<'a> {
     book: &'a mut Book,
     config: &'a EngineConfig,
     shard: u32,
+    /// What a write refused alone hears (the file at its limit, or the disk full).
+    refusal: Error,
     /// The store's time as the shard expects it before the transaction (its own reading,
     /// moved by how far ahead the store's time was last), by which derived keys' buckets
     /// are locked: a shared store's time comes from the transaction itself.
@@ -306,7 +329,7 @@ impl Batch<'_> {
         }
         touched.sort();
         touched.dedup();
-        let full = file_full(self.shard, self.config);
+        let full = self.refusal.clone();
         for scope in &touched {
             self.book.serve_waiters(&txn, scope, self.now, false, &full, self.outbox)?;
         }
@@ -362,7 +385,7 @@ impl Batch<'_> {
                 return Ok(());
             }
             Err(error) if txn.failed_alone(&error) => {
-                self.outbox.push((reply, Err(file_full(self.shard, self.config))));
+                self.outbox.push((reply, Err(self.refusal.clone())));
                 return Ok(());
             }
             Err(error) => {

@@ -144,14 +144,27 @@ pub(crate) struct Parts {
     pub postgres: Option<Arc<crate::store::postgres::Postgres>>,
 }
 
-/// Sent once per shard when its first open attempt is over.
-pub(crate) type Started = Sender<u32>;
+/// Sent once per shard when its first open attempt is over, with the file it could not
+/// write if that attempt found the disk full.
+pub(crate) type Started = Sender<(u32, Option<std::path::PathBuf>)>;
+
+/// When writes are tried again after the disk filled up.
+struct WriteRetry {
+    /// When writes are tried again, on the injected clock's monotonic time.
+    retry_at_ms: u64,
+    /// The pause before that try.
+    backoff_ms: u64,
+    /// Whether writes are refused now (false: being tried again).
+    refusing: bool,
+}
 
 /// What a halted shard answers, and what its `last_error` adds: after a failed sync
 /// Linux may mark the unwritten pages clean, so a reopen in this process could read a
 /// failed commit back as committed and chain acknowledged commits onto writes the disk
 /// lost. A new process drops the WAL's cached pages before SQLite reads it.
-const HALTED: &str = "a commit's sync failed, so the disk may have lost what this process reads back: the shard answers unavailable until the process restarts (restart required)";
+const HALTED: &str = "the disk may have lost what this process would read back: the shard answers unavailable until the process restarts (restart required)";
+/// What a halted shard's callers hear.
+const HALTED_SYNC: &str = "a commit failed in its sync, and the disk may have lost what this process would read back: the shard answers unavailable until the process restarts (restart required)";
 
 pub(crate) struct Shard {
     id: u32,
@@ -189,6 +202,10 @@ pub(crate) struct Shard {
     reopen_at: Option<Instant>,
     /// A commit's sync failed: the store stays closed until the process restarts.
     halted: bool,
+    /// The disk filled up: writes are refused until a retry finds room.
+    write_retry: Option<WriteRetry>,
+    /// Why the last open failed, when the disk was full: the file it could not write.
+    open_found_disk_full: Option<std::path::PathBuf>,
     /// How far the store's time was ahead of the shard's frame at its last transaction
     /// (a PostgreSQL database's clock; 0 for a file), for scheduling alarms in its time.
     store_ahead_ms: i64,
@@ -246,6 +263,8 @@ impl Shard {
             received: std::collections::HashSet::new(),
             reopen_at: None,
             halted: false,
+            write_retry: None,
+            open_found_disk_full: None,
             store_ahead_ms: 0,
             polled_at_ms: 0,
         }
@@ -257,12 +276,16 @@ impl Shard {
 
     /// Why the shard has no store: it failed and reopens with backoff, or it halted.
     fn closed_reason(&self) -> &'static str {
-        if self.halted { HALTED } else { "the shard failed and is reopening" }
+        if self.halted { HALTED_SYNC } else { "the shard failed and is reopening" }
     }
 
     /// Closes the store after `error`. A failed sync halts the shard until the process
-    /// restarts; any other failure schedules a reopen with backoff.
+    /// restarts; any other failure schedules a reopen with backoff. A full disk is the
+    /// exception: the open store stays open and refuses writes until a retry finds room.
     fn record_failure(&mut self, error: &StoreError) {
+        if error.is_disk_full() && self.store.is_some() {
+            return self.refuse_writes(error);
+        }
         self.store = None;
         self.shared.failures.fetch_add(1, Ordering::Relaxed);
         if error.is_failed_sync() {
@@ -285,12 +308,61 @@ impl Shard {
         self.shared.set_state(if self.halted { ShardState::Halted } else { ShardState::Failed });
     }
 
+    /// The disk is full: writes are refused (alone, each answered `resource_exhausted`
+    /// naming the disk) while reads and replays go on, and tried again after a pause that
+    /// doubles from `reopen_backoff_ms_min` to `_max` while the disk stays full.
+    fn refuse_writes(&mut self, error: &StoreError) {
+        let backoff_ms = self.write_retry.as_ref().map_or(self.config.reopen_backoff_ms_min, |retry| {
+            (retry.backoff_ms * 2).min(self.config.reopen_backoff_ms_max)
+        });
+        if self.write_retry.as_ref().is_none_or(|retry| !retry.refusing) {
+            tracing::warn!(shard = self.id, path = %self.path.display(), %error, retry_ms = backoff_ms, "the disk is full: writes are refused, reads and replays go on");
+        }
+        let retry_at_ms = self.clock.monotonic_ms() + backoff_ms;
+        self.write_retry = Some(WriteRetry { retry_at_ms, backoff_ms, refusing: true });
+        if let Some(store) = self.store.as_mut() {
+            store.refuse_writes(true);
+        }
+        self.shared.failures.fetch_add(1, Ordering::Relaxed);
+        self.shared.set_last_error(format!("{}", crate::book::disk_full(self.id, &self.path)));
+    }
+
+    /// Takes writes again once the pause after a full disk is over (the next write
+    /// finds out whether it has room).
+    fn retry_writes_when_due(&mut self) {
+        if let Some(retry) = self.write_retry.as_mut()
+            && retry.refusing
+            && retry.retry_at_ms <= self.clock.monotonic_ms()
+        {
+            retry.refusing = false;
+            if let Some(store) = self.store.as_mut() {
+                store.refuse_writes(false);
+            }
+        }
+    }
+
+    /// A write committed after the disk was full: it has room again.
+    fn writes_resumed(&mut self) {
+        if self.write_retry.take().is_some() {
+            tracing::info!(shard = self.id, "the disk has room again: writes resume");
+        }
+    }
+
+    /// What a write refused alone hears: the disk is full, or the file at its limit.
+    fn write_refusal(&self) -> Error {
+        if self.store.as_ref().is_some_and(Store::writes_refused) {
+            crate::book::disk_full(self.id, &self.path)
+        } else {
+            crate::book::file_full(self.id, &self.config)
+        }
+    }
+
     /// The actor's loop; returns when shut down or when the engine is dropped. `started`
     /// is taken (and sent on) once the first open attempt is over.
     pub fn run(mut self, started: &mut Option<Started>) {
         self.open(Asked::ByShard);
         if let Some(started) = started.take() {
-            let _ = started.send(self.id);
+            let _ = started.send((self.id, self.open_found_disk_full.take()));
         }
         loop {
             while let Ok(control) = self.control.try_recv() {
@@ -306,7 +378,8 @@ impl Shard {
             // Deleting a moved slot's rows is background work: it takes turns with the
             // mailbox (select picks at random among ready operations) instead of going
             // first, so a large slot never stalls the shard's traffic.
-            let timer = if self.store.is_some() && !self.leaving.is_empty() {
+            let refusing = self.store.as_ref().is_some_and(Store::writes_refused);
+            let timer = if self.store.is_some() && !self.leaving.is_empty() && !refusing {
                 at(Instant::now())
             } else {
                 alarm.map_or_else(never, at)
@@ -340,7 +413,7 @@ impl Shard {
                 false
             }
             Control::Reopen(done) if self.halted => {
-                let _ = done.send(Err(self.unavailable(HALTED)));
+                let _ = done.send(Err(self.unavailable(HALTED_SYNC)));
                 false
             }
             Control::Reopen(done) => {
@@ -388,8 +461,15 @@ impl Shard {
         // have committed or released their key.
         let poll_ms =
             store.waiters_poll_ms().filter(|_| self.book.waiters_len > 0).map(|p| self.polled_at_ms + p);
-        let deadline_ms =
-            [self.book.next_reclaim_ms, self.book.waiters_alarm_ms(), poll_ms].into_iter().flatten().min()?;
+        // While writes are refused reclaim deletes nothing: it waits for the next try.
+        let reclaim_ms = match self.write_retry.as_ref().filter(|retry| retry.refusing) {
+            Some(retry) => {
+                let retry_in_ms = retry.retry_at_ms.saturating_sub(self.clock.monotonic_ms());
+                self.book.next_reclaim_ms.map(|at| at.max(now_ms + retry_in_ms))
+            }
+            None => self.book.next_reclaim_ms,
+        };
+        let deadline_ms = [reclaim_ms, self.book.waiters_alarm_ms(), poll_ms].into_iter().flatten().min()?;
         Some(Instant::now() + Duration::from_millis(deadline_ms.saturating_sub(now_ms)))
     }
 

@@ -146,18 +146,25 @@ impl Shard {
             Ok(written)
         })();
         if let Err(error) = &result
-            && error.is_full()
+            && (error.is_full() || error.is_disk_full())
         {
-            // The copy does not fit in this shard's file: the move fails (its transaction
-            // rolled back), and the shard goes on serving the slots it has.
+            // The copy does not fit in this shard's file, or on its disk: the move fails
+            // (its transaction rolled back), and the shard goes on serving the slots it
+            // has (refusing writes while the disk is full).
             self.book.next_token = token_before;
             self.book.discard_delta();
+            let refusal = if error.is_disk_full() {
+                self.refuse_writes(error);
+                crate::book::disk_full(self.id, &self.path)
+            } else {
+                crate::book::file_full(self.id, &self.config)
+            };
             if let Some(store) = self.store.as_mut()
                 && let Err(error) = store.sync_commits(false)
             {
                 self.record_failure(&error);
             }
-            return Err(crate::book::file_full(self.id, &self.config));
+            return Err(refusal);
         }
         let written = self.conclude(result, Vec::new(), token_before, |_, shared| {
             shared.commits.fetch_add(1, Ordering::Relaxed);

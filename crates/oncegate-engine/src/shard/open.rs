@@ -34,11 +34,20 @@ impl Shard {
                 }
                 self.backoff_ms = self.config.reopen_backoff_ms_min;
                 self.reopen_at = None;
+                // A new store takes writes; the next that does not fit says so again.
+                self.write_retry = None;
                 self.shared.set_state(ShardState::Serving);
                 tracing::info!(shard = self.id, path = %self.path.display(), epoch = self.epoch, "shard serving");
                 true
             }
             Err(error) => {
+                if !self.opened && error.is_disk_full() {
+                    let path = match &error {
+                        StoreError::Io { path, .. } => path.clone(),
+                        _ => self.path.clone(),
+                    };
+                    self.open_found_disk_full = Some(path);
+                }
                 // The shards opening with this one wait for its mark; it has none to give.
                 if !self.opened && self.postgres.is_none() {
                     self.arrival.highest_with(None);

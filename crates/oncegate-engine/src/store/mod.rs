@@ -37,8 +37,16 @@ pub enum StoreError {
     /// failed, and after a failed `fsync` Linux may mark the unwritten pages clean, so
     /// this process could read back as committed what the disk never kept. Nothing may
     /// be built on the file in this process again ([`StoreError::is_failed_sync`]).
-    #[error("a commit's sync failed: {0}")]
+    #[error("a commit failed with an I/O error (its sync may have failed): {0}")]
     SyncFailed(#[source] rusqlite::Error),
+    /// The disk holding the shard's files is full: SQLite's commit found no room for the
+    /// WAL (`SQLITE_FULL` at `COMMIT`, which SQLite rolls back whole: nothing of it was
+    /// written), or a checkpoint none for the database file.
+    #[error("the disk is full: {0}")]
+    DiskFull(#[source] rusqlite::Error),
+    /// The shard refuses writes since its disk filled up, until a retry finds room.
+    #[error("writes are refused until the disk has room")]
+    WritesRefused,
     /// PostgreSQL refused or failed, or could not be reached.
     #[error("postgres: {0}")]
     Postgres(String),
@@ -80,6 +88,16 @@ impl StoreError {
     /// restarts, rather than reopen its file in this process.
     pub(crate) fn is_failed_sync(&self) -> bool {
         matches!(self, StoreError::SyncFailed(_))
+    }
+
+    /// Whether the disk is full: the store's own verdict, or a file the engine writes
+    /// that could not grow (`ENOSPC`, or `EDQUOT` for a quota).
+    pub(crate) fn is_disk_full(&self) -> bool {
+        match self {
+            StoreError::DiskFull(_) | StoreError::WritesRefused => true,
+            StoreError::Io { source, .. } => matches!(source.raw_os_error(), Some(28 | 122)),
+            _ => false,
+        }
     }
 
     /// Whether the error is SQLite's `SQLITE_FULL`: the file reached
@@ -196,6 +214,21 @@ impl Store {
             Store::Sqlite(store) => store.take_count(),
             Store::Postgres(_) => crate::quota::Tally::default(),
         }
+    }
+
+    /// Refuses writes (`on`) while the disk is full, or takes them again: refused, a
+    /// write fails alone with [`StoreError::WritesRefused`], reclaim deletes nothing and
+    /// the counters are not written, so a batch of reads commits nothing. A shared store
+    /// is not refused here (its database answers for its own disk).
+    pub fn refuse_writes(&mut self, on: bool) {
+        if let Store::Sqlite(store) = self {
+            store.refuse_writes(on);
+        }
+    }
+
+    /// Whether writes are refused ([`Store::refuse_writes`]).
+    pub fn writes_refused(&self) -> bool {
+        matches!(self, Store::Sqlite(store) if store.writes_refused())
     }
 
     /// Commits are synced from now on whatever the durability (`on`: a slot move's copy,

@@ -182,6 +182,8 @@ pub(crate) struct Store {
     batch_pages_max: u64,
     /// Whether the statement journal's triggers exist on this connection.
     journaled: bool,
+    /// Whether writes are refused (the disk is full): see [`super::Store::refuse_writes`].
+    writes_refused: bool,
     /// The configured durability, which [`Store::sync_commits`] puts back.
     durability: Durability,
     routing: Routing,
@@ -295,8 +297,20 @@ fn upgrade(conn: &mut Connection, version: i64, routing: Routing) -> Result<(), 
         }
     }
     tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
-    tx.commit()?;
+    tx.commit().map_err(commit_failed)?;
     Ok(())
+}
+
+/// What a failed `COMMIT` or checkpoint says about the disk: an I/O error (any
+/// `SQLITE_IOERR_*`) may be a failed sync, after which this process must build on
+/// nothing it reads back ([`StoreError::SyncFailed`]); `SQLITE_FULL` there is a full
+/// disk ([`StoreError::DiskFull`]).
+fn commit_failed(error: rusqlite::Error) -> StoreError {
+    match error.sqlite_error_code() {
+        Some(rusqlite::ErrorCode::SystemIoFailure) => StoreError::SyncFailed(error),
+        Some(rusqlite::ErrorCode::DiskFull) => StoreError::DiskFull(error),
+        _ => error.into(),
+    }
 }
 
 /// `PRAGMA quick_check`: reads the whole file (at process start only).
@@ -378,10 +392,21 @@ impl Store {
             pages_max: pages,
             batch_pages_max: write_pages.saturating_mul(tuning.batch_writes_max),
             journaled: false,
+            writes_refused: false,
             durability: tuning.durability,
             routing: tuning.routing,
         };
         Ok((store, meta, version == 0))
+    }
+
+    /// Refuses writes while the disk is full (see [`super::Store::refuse_writes`]).
+    pub fn refuse_writes(&mut self, on: bool) {
+        self.writes_refused = on;
+    }
+
+    /// Whether writes are refused.
+    pub fn writes_refused(&self) -> bool {
+        self.writes_refused
     }
 
     /// With `on`, every commit syncs the WAL (`synchronous=FULL`) whatever the configured
@@ -403,8 +428,16 @@ impl Store {
     /// Starts the batch's write transaction, with every write keeping a statement
     /// journal when the batch could reach the file's size limit.
     pub fn begin(&mut self, now_ms: u64) -> Result<Txn<'_>, StoreError> {
-        if self.checkpointer.shard_must_checkpoint() && checkpointer::checkpoint(&self.conn)? {
-            self.checkpointer.count();
+        // A checkpoint copies into the database file, which may have to grow: none while
+        // the disk is full, and one that fails says what of the disk (a full disk, or a
+        // sync that may have failed).
+        if !self.writes_refused && self.checkpointer.shard_must_checkpoint() {
+            match checkpointer::checkpoint(&self.conn) {
+                Ok(true) => self.checkpointer.count(),
+                Ok(false) => {}
+                Err(StoreError::Sqlite(error)) => return Err(commit_failed(error)),
+                Err(error) => return Err(error),
+            }
         }
         let near_full = self.pages_left()? < self.batch_pages_max;
         if near_full != self.journaled {
@@ -442,6 +475,7 @@ impl Store {
             located: RefCell::default(),
             routing: self.routing,
             checkpointer: &self.checkpointer,
+            refused: self.writes_refused,
         })
     }
 
@@ -481,6 +515,8 @@ pub(crate) struct Txn<'s> {
     located: RefCell<Option<Located>>,
     routing: Routing,
     checkpointer: &'s Checkpointer,
+    /// Writes are refused: the disk is full.
+    refused: bool,
 }
 
 /// A row found by scope.
@@ -645,7 +681,7 @@ fn delete_foreign(conn: &mut Connection, foreign: &[i64], meta: Meta) -> Result<
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
     write_meta(&tx, meta)?;
     delete_rows(&tx, foreign)?;
-    tx.commit()?;
+    tx.commit().map_err(commit_failed)?;
     tracing::info!(
         rows = foreign.len(),
         "deleted rows of slots this shard does not own (a slot move was cut short)"
@@ -755,6 +791,7 @@ impl Txn<'_> {
     /// Inserts or replaces a key's record: in place when it has a row, appended when not.
     /// Returns the instant from which the reclaim schedule will take it.
     pub fn put(&self, scope: &Scope, record: &Record) -> Result<u64, StoreError> {
+        self.refuse()?;
         self.failpoint()?;
         let completion = record.completion.as_ref();
         let values = params![
@@ -815,6 +852,7 @@ impl Txn<'_> {
 
     /// Deletes a key's record.
     pub fn delete(&self, scope: &Scope) -> Result<(), StoreError> {
+        self.refuse()?;
         self.failpoint()?;
         let Some(id) = self.locate(scope)? else { return Ok(()) };
         self.tx().prepare_cached(DELETE_RECORD)?.execute(params![id])?;
@@ -834,6 +872,9 @@ impl Txn<'_> {
     /// those rows that are reclaimable at `now_ms` (an entry whose row moved on or is gone
     /// deletes nothing); returns what was deleted, counted by state and tenant.
     pub fn reclaim(&self, now_ms: u64, limit: usize) -> Result<Tally, StoreError> {
+        if self.refused {
+            return Ok(Tally::default());
+        }
         self.failpoint()?;
         let taken = self.schedule.borrow_mut().take_due(now_ms, limit);
         self.unscheduled.borrow_mut().extend(taken.iter().copied());
@@ -870,8 +911,12 @@ impl Txn<'_> {
         Ok(out)
     }
 
-    /// Writes the counters (at open; otherwise [`Txn::commit`] does when it must).
+    /// Writes the counters (at open; otherwise [`Txn::commit`] does when it must). Not
+    /// while writes are refused: the time mark then goes unpersisted, as a read's does.
     pub fn set_meta(&self, meta: Meta) -> Result<(), StoreError> {
+        if self.refused {
+            return Ok(());
+        }
         self.failpoint()?;
         write_meta(self.tx(), meta)
     }
@@ -881,7 +926,12 @@ impl Txn<'_> {
     /// (SQLite cancels the whole transaction instead when the statement kept no statement
     /// journal; the schema's triggers make every write to `records` keep one).
     pub fn failed_alone(&self, error: &StoreError) -> bool {
-        error.is_full() && !self.tx().is_autocommit()
+        matches!(error, StoreError::WritesRefused) || (error.is_full() && !self.tx().is_autocommit())
+    }
+
+    /// Refuses a write while the disk is full, before it touches the file.
+    fn refuse(&self) -> Result<(), StoreError> {
+        if self.refused { Err(StoreError::WritesRefused) } else { Ok(()) }
     }
 
     /// Ends a read transaction: it wrote nothing, so rolling back costs nothing and
@@ -904,7 +954,8 @@ impl Txn<'_> {
     /// an event at the batch's time, so what the rows and `meta` say together at the next
     /// open covers every token handed out and every time used, unless a delete took the
     /// row that said so, or no row says it (a batch whose answers were all replays,
-    /// refusals or `in progress` still records the time they were decided at).
+    /// refusals or `in progress` still records the time they were decided at; not while
+    /// writes are refused on a full disk, when that time goes unpersisted, as a read's).
     pub fn commit(mut self, meta: Meta) -> Result<(), StoreError> {
         if self.deleted.get() || !self.wrote.get() {
             self.set_meta(meta)?;
@@ -923,10 +974,7 @@ impl Txn<'_> {
         let tx = self.tx.take().expect("a transaction commits once");
         if let Err(error) = tx.commit() {
             self.undo_index();
-            return Err(match error.sqlite_error_code() {
-                Some(rusqlite::ErrorCode::SystemIoFailure) => StoreError::SyncFailed(error),
-                _ => error.into(),
-            });
+            return Err(commit_failed(error));
         }
         self.undo.borrow_mut().clear();
         self.unscheduled.borrow_mut().clear();
@@ -960,6 +1008,7 @@ impl Txn<'_> {
     /// is skipped, and so is another row that took its id since (SQLite reuses the id of
     /// a deleted last row): the hash must match too.
     pub fn delete_rows(&self, rows: &[(u64, i64)]) -> Result<Tally, StoreError> {
+        self.refuse()?;
         self.failpoint()?;
         let mut stmt = self.tx().prepare_cached(
             "DELETE FROM records WHERE id = ?1 AND hash = ?2 RETURNING tenant, outcome IS NULL",
