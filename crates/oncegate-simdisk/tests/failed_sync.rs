@@ -194,3 +194,34 @@ fn the_next_process_does_not_build_on_frames_a_failed_sync_lost() {
     }
     cut_and_check(&disk, engine, &acknowledged);
 }
+
+/// With `durability = "normal"` a commit does not sync the WAL: a checkpoint's sync is the
+/// only one its frames get. A background checkpoint whose sync of the WAL fails halts the
+/// shard before its next write, as a failed commit does; before, the checkpointer only
+/// logged it, and the shard went on building on frames the disk may have lost.
+#[test]
+fn a_background_checkpoint_whose_sync_fails_halts_the_shard() {
+    let disk = Disk::new();
+    let faults = Faults::default();
+    faults.checkpoint_after_pages(8);
+    let config = EngineConfig {
+        data_dir: PathBuf::from("/data"),
+        shards: 1,
+        durability: oncegate_engine::Durability::Normal,
+        ..EngineConfig::default()
+    };
+    let clock = Arc::new(ManualClock::new(1_700_000_000_000));
+    let engine = Engine::open_on(config, clock, faults, Arc::new(disk.boot())).expect("opens");
+    disk.fail_next_sync_of(Path::new(WAL), 0, Writeback::Lost).expect("the shard's WAL exists");
+    // Writes go on until the checkpointer, poked past its interval, has failed and the
+    // shard has heard of it at its next write.
+    let halted = (0..10_000).find(|i| match reserve(&engine, &format!("k{i}")) {
+        Ok(_) => false,
+        Err(Error::Unavailable { reason, .. }) => reason.contains("restart required"),
+        Err(error) => panic!("{error}"),
+    });
+    assert!(halted.is_some(), "10,000 writes and the shard never heard of the failed checkpoint");
+    assert_eq!(engine.shard_states(), [ShardState::Halted]);
+    let said = engine.stats()[0].last_error.clone().unwrap_or_default();
+    assert!(said.contains("restart required"), "{said}");
+}

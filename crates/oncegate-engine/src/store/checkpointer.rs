@@ -30,8 +30,8 @@
 use std::cell::Cell;
 use std::ffi::c_int;
 use std::path::Path;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender};
@@ -71,6 +71,9 @@ pub(crate) struct Checkpointer {
     tail_due: Arc<AtomicBool>,
     /// Checkpoints run, the thread's and the shard's own.
     runs: Arc<AtomicU64>,
+    /// An I/O error of the thread's checkpoint (its syncs may have failed), for the
+    /// shard to halt on before its next write.
+    failed_sync: Arc<Mutex<Option<rusqlite::Error>>>,
 }
 
 impl Checkpointer {
@@ -100,9 +103,15 @@ impl Checkpointer {
         let due = Arc::clone(&tail_due);
         let stopping = Arc::new(AtomicBool::new(false));
         let stop = Arc::clone(&stopping);
+        let failed_sync = Arc::new(Mutex::new(None));
+        let failed = Arc::clone(&failed_sync);
         let thread = std::thread::Builder::new()
             .name("oncegate-ckpt".to_owned())
-            .spawn(move || run(&conn, &pokes, &Signals { runs: &counted, tail_due: &due, stopping: &stop }))
+            .spawn(move || {
+                let signals =
+                    Signals { runs: &counted, tail_due: &due, stopping: &stop, failed_sync: &failed };
+                run(&conn, &pokes, &signals)
+            })
             .map_err(|source| StoreError::Io { path: path.to_owned(), source })?;
         Ok(Checkpointer {
             poke: Some(poke),
@@ -113,7 +122,13 @@ impl Checkpointer {
             behind: Cell::new(false),
             tail_due,
             runs,
+            failed_sync,
         })
+    }
+
+    /// The I/O error of a checkpoint of the thread's, once: the shard halts on it.
+    pub fn take_failed_sync(&self) -> Option<rusqlite::Error> {
+        self.failed_sync.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take()
     }
 
     /// After a commit on the shard's connection: wakes the thread once the WAL passed
@@ -166,11 +181,12 @@ struct Signals<'a> {
     runs: &'a AtomicU64,
     tail_due: &'a AtomicBool,
     stopping: &'a AtomicBool,
+    failed_sync: &'a Mutex<Option<rusqlite::Error>>,
 }
 
 /// Checkpoints once per poke until the shard drops its end or stops it.
 fn run(conn: &Connection, pokes: &Receiver<()>, signals: &Signals<'_>) {
-    let Signals { runs, tail_due, stopping } = *signals;
+    let Signals { runs, tail_due, stopping, failed_sync } = *signals;
     while pokes.recv().is_ok() && !stopping.load(Ordering::SeqCst) {
         match checkpoint(conn) {
             Ok(copied) => {
@@ -186,6 +202,16 @@ fn run(conn: &Connection, pokes: &Receiver<()>, signals: &Signals<'_>) {
             Err(StoreError::Sqlite(error))
                 if error.sqlite_error_code() == Some(rusqlite::ErrorCode::OperationInterrupted) =>
             {
+                break;
+            }
+            // Its syncs may have failed (with `durability = "normal"` a checkpoint's WAL
+            // sync is the only one its frames get): the shard halts, and this thread
+            // runs no more.
+            Err(StoreError::Sqlite(error))
+                if error.sqlite_error_code() == Some(rusqlite::ErrorCode::SystemIoFailure) =>
+            {
+                tracing::error!(%error, "a background checkpoint failed with an I/O error");
+                *failed_sync.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(error);
                 break;
             }
             // The frames stay in the WAL, durable; the next poke tries again, and the

@@ -428,6 +428,9 @@ impl Store {
     /// Starts the batch's write transaction, with every write keeping a statement
     /// journal when the batch could reach the file's size limit.
     pub fn begin(&mut self, now_ms: u64) -> Result<Txn<'_>, StoreError> {
+        if let Some(error) = self.checkpointer.take_failed_sync() {
+            return Err(StoreError::SyncFailed(error));
+        }
         // A checkpoint copies into the database file, which may have to grow: none while
         // the disk is full, and one that fails says what of the disk (a full disk, or a
         // sync that may have failed).
