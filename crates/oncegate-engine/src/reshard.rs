@@ -84,10 +84,9 @@ pub fn add_shards_on(
     progress: Progress<'_>,
 ) -> Result<Resharded, OpenError> {
     let _lock = manifest::lock(&*files, &config.data_dir)?;
-    // Under the other store's settings the copies would go to files of the wrong kind,
-    // and the map would send slots to shards that hold none of their records. Settled
-    // first, so that a PostgreSQL node's directory (no manifest) hears why, whatever
-    // kind the command was given.
+    // A directory of another store (a PostgreSQL node's, the log store's) is refused
+    // before anything changes. Settled first, so that a PostgreSQL node's directory (no
+    // manifest) hears why, whatever kind the command was given.
     let mut config = config.clone();
     if manifest::is_node_dir(&*files, &config.data_dir)? {
         return Err(OpenError::Unsupported { what: crate::grow::NO_SLOTS_ON_POSTGRES });

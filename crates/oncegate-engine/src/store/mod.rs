@@ -233,7 +233,7 @@ impl Store {
 
     /// Commits are synced from now on whatever the durability (`on`: a slot move's copy,
     /// which the map will name as the slot's truth), or again as configured. Slot moves
-    /// are between a node's own stores only.
+    /// are between a node's own SQLite files only.
     pub fn sync_commits(&mut self, on: bool) -> Result<(), StoreError> {
         match self {
             Store::Sqlite(store) => store.sync_commits(on),
