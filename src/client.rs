@@ -226,6 +226,9 @@ pub enum AdminAction {
     /// Adds shards to the running server and moves slots to them, one at a time, while
     /// it serves.
     AddShards(crate::add_shards::AddShardsArgs),
+    /// Writes a consistent copy of the running server's data directory into a new
+    /// directory on its machine, while it serves; restoring is starting a server on it.
+    Backup(crate::backup::BackupArgs),
 }
 
 pub enum Call {
@@ -373,6 +376,7 @@ async fn call_once(call: Call) -> Answer {
         Call::Admin(AdminAction::Release(a)) => remove(Removal::Release, a).await,
         Call::Admin(AdminAction::Purge(a)) => remove(Removal::Purge, a).await,
         Call::Admin(AdminAction::AddShards(a)) => crate::add_shards::run(a).await,
+        Call::Admin(AdminAction::Backup(a)) => crate::backup::run(a).await,
     }
 }
 

@@ -1,9 +1,10 @@
 //! `oncegate`: the server (`serve`), a token helper (`hash-token`), client verbs
 //! (`reserve`, `commit`, `release`, `heartbeat`, `get`), operator verbs (`status`,
-//! `inspect`, `admin release|purge|add-shards`, `reshard`) and the Idempotency-Key reverse
+//! `inspect`, `admin release|purge|add-shards|backup`, `reshard`) and the Idempotency-Key reverse
 //! proxy (`proxy`).
 
 mod add_shards;
+mod backup;
 mod client;
 mod proxy;
 mod reshard;

@@ -49,7 +49,9 @@ impl Engine {
             Ok(guard) => guard,
             Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
             Err(std::sync::TryLockError::WouldBlock) => {
-                return Err(OpenError::Busy { what: "another add-shards is running on this server" });
+                return Err(OpenError::Busy {
+                    what: "another add-shards or a backup is running on this server",
+                });
             }
         };
         if let Some(moving) = &inner.table().moving {

@@ -10,6 +10,7 @@
 //! methods are `async` (usable from any runtime; the answer travels on a oneshot
 //! channel) with `_blocking` twins for synchronous callers.
 
+pub mod backup;
 mod book;
 mod clock;
 mod config;

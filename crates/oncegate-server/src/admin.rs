@@ -273,4 +273,52 @@ impl pb::admin_server::Admin for AdminService {
         let stream = tokio_stream::StreamExt::chain(tokio_stream::once(Ok(first)), ReceiverStream::new(rx));
         Ok(Response::new(Box::pin(stream)))
     }
+
+    type BackupStream =
+        std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::BackupProgress, Status>> + Send>>;
+
+    async fn backup(
+        &self,
+        request: Request<pb::BackupRequest>,
+    ) -> Result<Response<Self::BackupStream>, Status> {
+        self.auth.check(request.metadata())?;
+        let to = std::path::PathBuf::from(request.into_inner().to);
+        let (tx, mut rx) = tokio::sync::mpsc::channel(PROGRESS_QUEUE_LEN);
+        let engine = self.engine.clone();
+        tracing::warn!(action = "backup", who = "admin", to = %to.display(), "operator started a backup");
+        // The copies read whole files and sync them: off the async workers. A backup the
+        // caller leaves goes on to its end (the directory is complete or it is an error).
+        tokio::task::spawn_blocking(move || {
+            let last = engine
+                .backup(&to, &mut |copied, total| {
+                    // Progress is advisory: a slow reader loses some, never slows the copy.
+                    let _ = tx.try_send(Ok(pb::BackupProgress {
+                        shards_copied: copied,
+                        shards_total: total,
+                        ..Default::default()
+                    }));
+                })
+                .map(|done| {
+                    tracing::warn!(action = "backup", who = "admin", to = %done.to.display(), shards = done.shards, bytes = done.bytes, "backup written");
+                    pb::BackupProgress { shards_copied: done.shards, shards_total: done.shards, done: true, bytes: done.bytes }
+                })
+                .map_err(|error| {
+                    tracing::error!(action = "backup", who = "admin", %error, "the backup stopped");
+                    Refusal::Backup(error).to_status()
+                });
+            let _ = tx.blocking_send(last);
+        });
+        // The first message comes once the request is checked: a refusal then is the
+        // call's status rather than the stream's end.
+        let first = match rx.recv().await {
+            Some(Ok(first)) => first,
+            Some(Err(status)) => return Err(status),
+            None => {
+                let reason = "the backup ended without an answer; see the server's log".to_owned();
+                return Err(Refusal::Backup(oncegate_engine::OpenError::Interrupted { reason }).to_status());
+            }
+        };
+        let stream = tokio_stream::StreamExt::chain(tokio_stream::once(Ok(first)), ReceiverStream::new(rx));
+        Ok(Response::new(Box::pin(stream)))
+    }
 }

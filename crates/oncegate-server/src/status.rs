@@ -53,6 +53,9 @@ pub enum Refusal {
     /// An online add-shards could not start or stopped (`Admin.AddShards`).
     #[error("adding shards: {0}")]
     AddShards(oncegate_engine::OpenError),
+    /// An online backup could not start or stopped (`Admin.Backup`).
+    #[error("backing up: {0}")]
+    Backup(oncegate_engine::OpenError),
     /// The tenant sent more requests than its rate allows.
     #[error(
         "tenant {tenant} is over its request rate; tenants[].requests_per_s is {per_s} (burst {burst}); retry in {retry_after_ms} ms"
@@ -88,6 +91,11 @@ impl Refusal {
                 oncegate_engine::OpenError::Busy { .. } | oncegate_engine::OpenError::SlotStuck { .. },
             ) => Code::Conflict,
             Refusal::AddShards(_) => Code::Unavailable,
+            Refusal::Backup(oncegate_engine::OpenError::Config(_)) => Code::InvalidArgument,
+            Refusal::Backup(
+                oncegate_engine::OpenError::Busy { .. } | oncegate_engine::OpenError::Unsupported { .. },
+            ) => Code::Conflict,
+            Refusal::Backup(_) => Code::Unavailable,
         }
     }
 
@@ -111,11 +119,13 @@ impl Refusal {
             Refusal::Exhausted { limit, .. } => (None, Some(limit)),
             Refusal::RateLimited { .. } => (None, Some(RATE_LIMIT)),
             Refusal::AddShards(oncegate_engine::OpenError::Config(_)) => (Some("shards_total"), None),
+            Refusal::Backup(oncegate_engine::OpenError::Config(_)) => (Some("to"), None),
             Refusal::Engine(_)
             | Refusal::Unauthenticated(_)
             | Refusal::Unanswered { .. }
             | Refusal::Unstarted { .. }
-            | Refusal::AddShards(_) => (None, None),
+            | Refusal::AddShards(_)
+            | Refusal::Backup(_) => (None, None),
         }
     }
 

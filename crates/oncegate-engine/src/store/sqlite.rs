@@ -313,6 +313,23 @@ fn commit_failed(error: rusqlite::Error) -> StoreError {
     }
 }
 
+/// Copies the shard file at `from` into `to`, an empty file, as of one commit
+/// (`VACUUM INTO` on a connection of its own, in one read transaction, beside the
+/// shard's); returns the copy's size in bytes. The copy is a database file without a
+/// WAL, synced by the caller.
+pub(crate) fn copy_file(from: &Path, to: &Path, vfs: Option<&str>) -> Result<u64, StoreError> {
+    let open = |path: &Path| match vfs {
+        Some(vfs) => Connection::open_with_flags_and_vfs(path, OpenFlags::default(), vfs),
+        None => Connection::open(path),
+    };
+    let target = to.to_str().ok_or_else(|| StoreError::Corrupt(format!("{} is not UTF-8", to.display())))?;
+    open(from)?.execute("VACUUM INTO ?1", [target])?;
+    let copy = open(to)?;
+    let pages: i64 = copy.query_row("PRAGMA page_count", [], |row| row.get(0))?;
+    let page_bytes: i64 = copy.query_row("PRAGMA page_size", [], |row| row.get(0))?;
+    Ok(from_sql(pages) * from_sql(page_bytes))
+}
+
 /// `PRAGMA quick_check`: reads the whole file (at process start only).
 fn quick_check(conn: &Connection, faults: &Faults) -> Result<(), StoreError> {
     let check: String = conn.query_row("PRAGMA quick_check", [], |row| row.get(0))?;

@@ -1,0 +1,49 @@
+//! `oncegate admin backup --to DIR`: asks a running server for a consistent copy of its
+//! data directory (`Admin.Backup`), written on the server's machine while it serves,
+//! shows the shards copied on a progress bar, and prints a JSON summary. Restoring is
+//! starting a server on the copy (`oncegate_engine`'s `backup.rs` says why it is safe).
+
+use indicatif::{ProgressBar, ProgressStyle};
+use oncegate_proto::v1 as pb;
+use serde_json::{Value, json};
+
+use crate::client::{AdminTarget, Answer, admin, admin_request};
+
+/// Flags of `oncegate admin backup`.
+#[derive(clap::Args)]
+pub struct BackupArgs {
+    #[command(flatten)]
+    target: AdminTarget,
+    /// The directory to write, on the server's machine: new, or empty.
+    #[arg(long)]
+    to: String,
+}
+
+pub async fn run(args: BackupArgs) -> Answer {
+    let request = admin_request(&args.target, pb::BackupRequest { to: args.to.clone() })?;
+    let mut stream = match admin(&args.target).await?.backup(request).await {
+        Ok(response) => response.into_inner(),
+        Err(status) => return Ok(Err(status.into())),
+    };
+    let bar = ProgressBar::new(0);
+    if let Ok(style) = ProgressStyle::with_template("copying shards [{bar:40}] {pos}/{len} ({eta})") {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    let summary = loop {
+        match stream.message().await {
+            Ok(Some(progress)) if progress.done => break Ok(summary(&progress, &args.to)),
+            Ok(Some(progress)) => {
+                bar.set_length(u64::from(progress.shards_total));
+                bar.set_position(u64::from(progress.shards_copied));
+            }
+            Ok(None) => anyhow::bail!("the server ended the stream before the backup was written"),
+            Err(status) => break Err(status.into()),
+        }
+    };
+    bar.finish_and_clear();
+    Ok(summary)
+}
+
+fn summary(done: &pb::BackupProgress, to: &str) -> Value {
+    json!({ "to": to, "shards": done.shards_copied, "bytes": done.bytes })
+}
