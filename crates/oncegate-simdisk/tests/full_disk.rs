@@ -185,7 +185,10 @@ fn a_first_open_on_a_full_disk_fails_naming_the_file() {
 fn records_due_for_reclaim_on_a_full_disk_wait_and_the_shard_serves_on() {
     let disk = Disk::new();
     let clock = ManualClock::new(1_700_000_000_000);
-    let engine = open(&disk, &clock).expect("opens");
+    // A pause longer than the wait for reclaim, so that no write is tried meanwhile.
+    let config = EngineConfig { reopen_backoff_ms_min: 10_000, reopen_backoff_ms_max: 10_000, ..config() };
+    let engine = Engine::open_on(config, Arc::new(clock.clone()), Faults::default(), Arc::new(disk.boot()))
+        .expect("opens");
     let request = ReserveRequest {
         namespace: "live".into(),
         key: "short".into(),
@@ -206,7 +209,7 @@ fn records_due_for_reclaim_on_a_full_disk_wait_and_the_shard_serves_on() {
         assert!(matches!(reserve(&engine, "done"), Ok(ReserveReply::Completed { .. })));
     }
     disk.set_capacity(None);
-    clock.advance(BACKOFF_MS);
+    clock.advance(10_000);
     assert!(matches!(reserve(&engine, "room"), Ok(ReserveReply::Granted { .. })));
     engine.run_alarms();
     assert_eq!(get(&engine, "short").unwrap(), State::Free, "reclaimed once writes resumed");
