@@ -120,3 +120,32 @@ fn a_backup_goes_to_a_new_directory_only() {
     assert!(matches!(refused, OpenError::Config(_)), "{refused:?}");
     assert!(refused.to_string().contains("not empty"), "{refused}");
 }
+
+/// A backup and an add-shards exclude each other: the slot map must not change while the
+/// shards are copied. Each is asked for from inside the other's progress, while it runs.
+#[test]
+fn a_backup_and_an_add_shards_refuse_each_other() {
+    let clock = ManualClock::new(T0);
+    let dir = tempfile::tempdir().unwrap();
+    let config = EngineConfig { slot_moves_per_second_max: 0, ..config(&dir.path().join("data")) };
+    let faults = Faults::default();
+    let engine = open(config, &clock, &faults);
+    let mut refused = None;
+    engine
+        .backup(&dir.path().join("copy"), &mut |copied, _| {
+            if copied == 1 {
+                refused = Some(engine.add_shards(4, &mut |_, _| {}));
+            }
+        })
+        .unwrap();
+    assert!(matches!(refused, Some(Err(OpenError::Busy { .. }))), "{refused:?}");
+    // The mover stops after a few slots (as a crash would): the add's end does not matter.
+    faults.stop_moves_after(20);
+    let mut refused = None;
+    let _ = engine.add_shards(3, &mut |moved, _| {
+        if moved == 1 {
+            refused = Some(engine.backup(&dir.path().join("copy-2"), &mut |_, _| {}));
+        }
+    });
+    assert!(matches!(refused, Some(Err(OpenError::Busy { .. }))), "{refused:?}");
+}
