@@ -40,16 +40,8 @@ impl Engine {
                 what: "a node on PostgreSQL keeps no records of its own: back up the database instead",
             });
         }
-        // The add-shards lock: the slot map stays as it is until the copy is done.
-        let _no_moves = match inner.growing.try_lock() {
-            Ok(guard) => guard,
-            Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => {
-                return Err(OpenError::Busy {
-                    what: "an add-shards or another backup is running on this server",
-                });
-            }
-        };
+        // The slot map stays as it is until the copy is done.
+        let _no_moves = inner.map_unchanged("an add-shards or another backup is running on this server")?;
         if inner.table().moving.is_some() {
             return Err(OpenError::Busy { what: "a slot is moving" });
         }

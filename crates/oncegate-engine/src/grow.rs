@@ -44,16 +44,8 @@ impl Engine {
         if inner.postgres.is_some() {
             return Err(OpenError::Unsupported { what: NO_SLOTS_ON_POSTGRES });
         }
-        // A poisoned lock only says an earlier add panicked; the table says where it was.
-        let _one_at_a_time = match inner.growing.try_lock() {
-            Ok(guard) => guard,
-            Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => {
-                return Err(OpenError::Busy {
-                    what: "another add-shards or a backup is running on this server",
-                });
-            }
-        };
+        let _one_at_a_time =
+            inner.map_unchanged("another add-shards or a backup is running on this server")?;
         if let Some(moving) = &inner.table().moving {
             // A slot whose map flip could not be written nor undone: only a restart,
             // reading the map from disk, can say which shard owns it.

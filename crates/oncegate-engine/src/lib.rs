@@ -135,7 +135,7 @@ struct Inner {
     files: Arc<dyn files::Files>,
     /// The shared PostgreSQL store, when the records live there.
     postgres: Option<Arc<store::postgres::Postgres>>,
-    /// Held while shards are added: one add-shards at a time.
+    /// Held while shards are added or a backup runs: the slot map changes under neither.
     growing: Mutex<()>,
     /// Held for the engine's life: one process owns a data directory.
     _lock: files::LockGuard,
@@ -936,6 +936,17 @@ impl Inner {
     }
 
     /// The shards, taken out of the table so that waiting on one holds no lock.
+    /// Takes the lock an add-shards and a backup hold while they run, so that the slot
+    /// map changes under neither; `busy` says why it is refused while the other holds it.
+    /// A poisoned lock only says an earlier holder panicked; the table says where it was.
+    fn map_unchanged(&self, busy: &'static str) -> Result<std::sync::MutexGuard<'_, ()>, OpenError> {
+        match self.growing.try_lock() {
+            Ok(guard) => Ok(guard),
+            Err(std::sync::TryLockError::Poisoned(poisoned)) => Ok(poisoned.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => Err(OpenError::Busy { what: busy }),
+        }
+    }
+
     fn handles(&self) -> Vec<Arc<ShardHandle>> {
         self.table().shards.clone()
     }
