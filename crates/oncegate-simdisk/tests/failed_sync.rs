@@ -12,13 +12,14 @@
 //! pages before SQLite reads it. Each case checks that after a cut every acknowledged
 //! call is found and no completed key is granted again.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use oncegate_core::{Outcome, ReserveReply, Tenant};
-use oncegate_engine::{
-    CommitRequest, Engine, EngineConfig, Error, Faults, ManualClock, ReserveRequest, ShardState,
-};
+use common::reserve;
+use oncegate_core::ReserveReply;
+use oncegate_engine::{Engine, EngineConfig, Error, Faults, ManualClock, ShardState};
 use oncegate_simdisk::disk::{Cut, Disk, Writeback};
 use rand::SeedableRng;
 
@@ -39,23 +40,10 @@ fn open(disk: &Disk) -> Engine {
     Engine::open_on(config, clock, Faults::default(), Arc::new(disk.boot())).expect("the engine opens")
 }
 
-fn reserve(engine: &Engine, key: &str) -> Result<ReserveReply, Error> {
-    let request =
-        ReserveRequest { namespace: "live".into(), key: key.into(), lease_ms: 600_000, ..Default::default() };
-    engine.reserve_blocking(&Tenant::default_tenant(), request).map(|reserved| reserved.reply)
-}
-
 /// Commits `key` under `token` with an 8 KiB response: its frames span many sectors, so
 /// that a lost frame is not rewritten whole by the next commit's write to its sector.
 fn commit(engine: &Engine, key: &str, token: u64) -> Result<u64, Error> {
-    let request = CommitRequest {
-        namespace: "live".into(),
-        key: key.into(),
-        token,
-        outcome: Outcome::Succeeded,
-        response: vec![7; 8 << 10],
-    };
-    engine.commit_blocking(&Tenant::default_tenant(), request)
+    common::commit(engine, key, token, 8 << 10)
 }
 
 fn granted(reply: Result<ReserveReply, Error>) -> u64 {

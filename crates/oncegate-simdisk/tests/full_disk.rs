@@ -4,13 +4,15 @@
 //! completed keys go on and the shard keeps serving; writes resume once the disk has
 //! room. A first open that finds the disk full fails naming the file and `ENOSPC`.
 
+mod common;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use oncegate_core::{Code, Outcome, ReserveReply, State, Tenant};
+use common::reserve;
+use oncegate_core::{Code, ReserveReply, State, Tenant};
 use oncegate_engine::{
-    CommitRequest, Engine, EngineConfig, Error, Faults, KeyRequest, ManualClock, OpenError, ReserveRequest,
-    ShardState,
+    Engine, EngineConfig, Error, Faults, KeyRequest, ManualClock, OpenError, ReserveRequest, ShardState,
 };
 use oncegate_simdisk::disk::Disk;
 
@@ -30,21 +32,9 @@ fn open(disk: &Disk, clock: &ManualClock) -> Result<Engine, OpenError> {
     Engine::open_on(config(), Arc::new(clock.clone()), Faults::default(), Arc::new(disk.boot()))
 }
 
-fn reserve(engine: &Engine, key: &str) -> Result<ReserveReply, Error> {
-    let request =
-        ReserveRequest { namespace: "live".into(), key: key.into(), lease_ms: 600_000, ..Default::default() };
-    engine.reserve_blocking(&Tenant::default_tenant(), request).map(|reserved| reserved.reply)
-}
-
+/// Commits `key` under `token` with a 4 KiB response, so that the disk fills in few keys.
 fn commit(engine: &Engine, key: &str, token: u64) -> Result<u64, Error> {
-    let request = CommitRequest {
-        namespace: "live".into(),
-        key: key.into(),
-        token,
-        outcome: Outcome::Succeeded,
-        response: vec![7; 4 << 10],
-    };
-    engine.commit_blocking(&Tenant::default_tenant(), request)
+    common::commit(engine, key, token, 4 << 10)
 }
 
 fn get(engine: &Engine, key: &str) -> Result<State, Error> {
