@@ -211,8 +211,7 @@ impl pb::admin_server::Admin for AdminService {
         Ok(Response::new(pb::ReopenShardResponse { serving }))
     }
 
-    type AddShardsStream =
-        std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::AddShardsProgress, Status>> + Send>>;
+    type AddShardsStream = Progress<pb::AddShardsProgress>;
 
     async fn add_shards(
         &self,
@@ -220,13 +219,16 @@ impl pb::admin_server::Admin for AdminService {
     ) -> Result<Response<Self::AddShardsStream>, Status> {
         self.auth.check(request.metadata())?;
         let to = request.into_inner().shards_total;
-        let (tx, mut rx) = tokio::sync::mpsc::channel(PROGRESS_QUEUE_LEN);
         let engine = self.engine.clone();
         tracing::warn!(action = "add_shards", who = "admin", to, "operator started adding shards");
-        // The moves block on shard replies and fsyncs: off the async workers. They go on
-        // if the caller goes away (a half-spread map is correct, only uneven).
-        tokio::task::spawn_blocking(move || {
-            let last = engine
+        // The moves block on shard replies and fsyncs; they go on if the caller goes away
+        // (a half-spread map is correct, only uneven).
+        let unanswered = || {
+            let reason = "the add ended without an answer; see the server's log".to_owned();
+            Refusal::AddShards(oncegate_engine::OpenError::Interrupted { reason }).to_status()
+        };
+        stream_blocking(unanswered, move |tx| {
+            engine
                 .add_shards(to, &mut |moved, total| {
                     // Progress is advisory: a slow reader loses some, never slows a move.
                     let _ = tx.try_send(Ok(pb::AddShardsProgress {
@@ -255,27 +257,12 @@ impl pb::admin_server::Admin for AdminService {
                 .map_err(|error| {
                     tracing::error!(action = "add_shards", who = "admin", to, %error, "adding shards stopped");
                     Refusal::AddShards(error).to_status()
-                });
-            let _ = tx.blocking_send(last);
-        });
-        // The first message comes once the request is checked and the new shards run: a
-        // refusal then is the call's status rather than the stream's end.
-        let first = match rx.recv().await {
-            Some(Ok(first)) => first,
-            Some(Err(status)) => return Err(status),
-            None => {
-                let reason = "the add ended without an answer; see the server's log".to_owned();
-                return Err(
-                    Refusal::AddShards(oncegate_engine::OpenError::Interrupted { reason }).to_status()
-                );
-            }
-        };
-        let stream = tokio_stream::StreamExt::chain(tokio_stream::once(Ok(first)), ReceiverStream::new(rx));
-        Ok(Response::new(Box::pin(stream)))
+                })
+        })
+        .await
     }
 
-    type BackupStream =
-        std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::BackupProgress, Status>> + Send>>;
+    type BackupStream = Progress<pb::BackupProgress>;
 
     async fn backup(
         &self,
@@ -283,13 +270,16 @@ impl pb::admin_server::Admin for AdminService {
     ) -> Result<Response<Self::BackupStream>, Status> {
         self.auth.check(request.metadata())?;
         let to = std::path::PathBuf::from(request.into_inner().to);
-        let (tx, mut rx) = tokio::sync::mpsc::channel(PROGRESS_QUEUE_LEN);
         let engine = self.engine.clone();
         tracing::warn!(action = "backup", who = "admin", to = %to.display(), "operator started a backup");
-        // The copies read whole files and sync them: off the async workers. A backup the
-        // caller leaves goes on to its end (the directory is complete or it is an error).
-        tokio::task::spawn_blocking(move || {
-            let last = engine
+        // The copies read whole files and sync them; a backup the caller leaves goes on to
+        // its end (the directory is complete or it is an error).
+        let unanswered = || {
+            let reason = "the backup ended without an answer; see the server's log".to_owned();
+            Refusal::Backup(oncegate_engine::OpenError::Interrupted { reason }).to_status()
+        };
+        stream_blocking(unanswered, move |tx| {
+            engine
                 .backup(&to, &mut |copied, total| {
                     // Progress is advisory: a slow reader loses some, never slows the copy.
                     let _ = tx.try_send(Ok(pb::BackupProgress {
@@ -305,20 +295,33 @@ impl pb::admin_server::Admin for AdminService {
                 .map_err(|error| {
                     tracing::error!(action = "backup", who = "admin", %error, "the backup stopped");
                     Refusal::Backup(error).to_status()
-                });
-            let _ = tx.blocking_send(last);
-        });
-        // The first message comes once the request is checked: a refusal then is the
-        // call's status rather than the stream's end.
-        let first = match rx.recv().await {
-            Some(Ok(first)) => first,
-            Some(Err(status)) => return Err(status),
-            None => {
-                let reason = "the backup ended without an answer; see the server's log".to_owned();
-                return Err(Refusal::Backup(oncegate_engine::OpenError::Interrupted { reason }).to_status());
-            }
-        };
-        let stream = tokio_stream::StreamExt::chain(tokio_stream::once(Ok(first)), ReceiverStream::new(rx));
-        Ok(Response::new(Box::pin(stream)))
+                })
+        })
+        .await
     }
+}
+
+/// A streamed answer of progress messages.
+type Progress<T> = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<T, Status>> + Send>>;
+
+/// Runs `work` off the async workers (it blocks on shard replies and fsyncs) and streams
+/// the progress it sends, then its last message. The first message comes once the
+/// request is checked: a refusal then is the call's status rather than the stream's end;
+/// `unanswered` is the status when the work ended without a word.
+async fn stream_blocking<T: Send + 'static>(
+    unanswered: impl FnOnce() -> Status,
+    work: impl FnOnce(&tokio::sync::mpsc::Sender<Result<T, Status>>) -> Result<T, Status> + Send + 'static,
+) -> Result<Response<Progress<T>>, Status> {
+    let (tx, mut rx) = tokio::sync::mpsc::channel(PROGRESS_QUEUE_LEN);
+    tokio::task::spawn_blocking(move || {
+        let last = work(&tx);
+        let _ = tx.blocking_send(last);
+    });
+    let first = match rx.recv().await {
+        Some(Ok(first)) => first,
+        Some(Err(status)) => return Err(status),
+        None => return Err(unanswered()),
+    };
+    let stream = tokio_stream::StreamExt::chain(tokio_stream::once(Ok(first)), ReceiverStream::new(rx));
+    Ok(Response::new(Box::pin(stream)))
 }
