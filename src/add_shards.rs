@@ -2,11 +2,10 @@
 //! slots over them (`Admin.AddShards`), shows the moves on a progress bar, and prints a
 //! JSON summary (`oncegate_engine`'s `grow.rs` does the work and says why each step is safe).
 
-use indicatif::{ProgressBar, ProgressStyle};
 use oncegate_proto::v1 as pb;
 use serde_json::{Value, json};
 
-use crate::client::{AdminTarget, Answer, admin, admin_request};
+use crate::client::{AdminTarget, Answer, admin, admin_request, follow};
 
 /// Flags of `oncegate admin add-shards`.
 #[derive(clap::Args)]
@@ -25,24 +24,10 @@ pub async fn run(args: AddShardsArgs) -> Answer {
         Ok(response) => response.into_inner(),
         Err(status) => return Ok(Err(status.into())),
     };
-    let bar = ProgressBar::new(0);
-    if let Ok(style) = ProgressStyle::with_template("moving slots [{bar:40}] {pos}/{len} ({per_sec}, {eta})")
-    {
-        bar.set_style(style.progress_chars("=> "));
-    }
-    let summary = loop {
-        match stream.message().await {
-            Ok(Some(progress)) if progress.done => break Ok(summary(&progress, args.to)),
-            Ok(Some(progress)) => {
-                bar.set_length(u64::from(progress.slots_total));
-                bar.set_position(u64::from(progress.slots_moved));
-            }
-            Ok(None) => anyhow::bail!("the server ended the stream before the shards were added"),
-            Err(status) => break Err(status.into()),
-        }
-    };
-    bar.finish_and_clear();
-    Ok(summary)
+    let template = "moving slots [{bar:40}] {pos}/{len} ({per_sec}, {eta})";
+    let at = |p: &pb::AddShardsProgress| (p.done, u64::from(p.slots_moved), u64::from(p.slots_total));
+    let last = follow(&mut stream, template, "the shards were added", at).await?;
+    Ok(last.map(|done| summary(&done, args.to)))
 }
 
 fn summary(done: &pb::AddShardsProgress, to: u32) -> Value {

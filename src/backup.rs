@@ -3,11 +3,10 @@
 //! shows the shards copied on a progress bar, and prints a JSON summary. Restoring is
 //! starting a server on the copy (`oncegate_engine`'s `backup.rs` says why it is safe).
 
-use indicatif::{ProgressBar, ProgressStyle};
 use oncegate_proto::v1 as pb;
 use serde_json::{Value, json};
 
-use crate::client::{AdminTarget, Answer, admin, admin_request};
+use crate::client::{AdminTarget, Answer, admin, admin_request, follow};
 
 /// Flags of `oncegate admin backup`.
 #[derive(clap::Args)]
@@ -25,23 +24,10 @@ pub async fn run(args: BackupArgs) -> Answer {
         Ok(response) => response.into_inner(),
         Err(status) => return Ok(Err(status.into())),
     };
-    let bar = ProgressBar::new(0);
-    if let Ok(style) = ProgressStyle::with_template("copying shards [{bar:40}] {pos}/{len} ({eta})") {
-        bar.set_style(style.progress_chars("=> "));
-    }
-    let summary = loop {
-        match stream.message().await {
-            Ok(Some(progress)) if progress.done => break Ok(summary(&progress, &args.to)),
-            Ok(Some(progress)) => {
-                bar.set_length(u64::from(progress.shards_total));
-                bar.set_position(u64::from(progress.shards_copied));
-            }
-            Ok(None) => anyhow::bail!("the server ended the stream before the backup was written"),
-            Err(status) => break Err(status.into()),
-        }
-    };
-    bar.finish_and_clear();
-    Ok(summary)
+    let template = "copying shards [{bar:40}] {pos}/{len} ({eta})";
+    let at = |p: &pb::BackupProgress| (p.done, u64::from(p.shards_copied), u64::from(p.shards_total));
+    let last = follow(&mut stream, template, "the backup was written", at).await?;
+    Ok(last.map(|done| summary(&done, &args.to)))
 }
 
 fn summary(done: &pb::BackupProgress, to: &str) -> Value {

@@ -247,6 +247,37 @@ pub enum Call {
 /// A verb's answer: JSON, a refusal (exit 1), or a usage or connection problem (exit 2).
 pub(crate) type Answer = anyhow::Result<Result<Value, Refusal>>;
 
+/// Follows a streamed admin call on a progress bar (`template`, indicatif's) until its
+/// message with `done` set, which it returns; `at` reads a message's position and length.
+/// A stream that ends before that message is an error naming `what`.
+pub(crate) async fn follow<M>(
+    stream: &mut tonic::Streaming<M>,
+    template: &str,
+    what: &str,
+    at: impl Fn(&M) -> (bool, u64, u64),
+) -> anyhow::Result<Result<M, Refusal>> {
+    let bar = indicatif::ProgressBar::new(0);
+    if let Ok(style) = indicatif::ProgressStyle::with_template(template) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    let last = loop {
+        match stream.message().await {
+            Ok(Some(message)) => {
+                let (done, position, length) = at(&message);
+                if done {
+                    break Ok(message);
+                }
+                bar.set_length(length);
+                bar.set_position(position);
+            }
+            Ok(None) => anyhow::bail!("the server ended the stream before {what}"),
+            Err(status) => break Err(status.into()),
+        }
+    };
+    bar.finish_and_clear();
+    Ok(last)
+}
+
 fn with_token<T>(token: Option<&String>, message: T) -> anyhow::Result<Request<T>> {
     let mut request = Request::new(message);
     if let Some(token) = token {
