@@ -38,6 +38,10 @@ pub enum Layout {
     /// deletes the pending row and appends the completed record, at its final size, to
     /// `records`, so no row grows in place and the pending table stays a few hot pages.
     PendingSide,
+    /// `Schema5` with the record as one BLOB (`id`, then the encoded record: the columns
+    /// SQLite never indexes or compares folded into one bound value), each write
+    /// encoding the whole record, as the engine would.
+    OneBlob,
 }
 
 impl Layout {
@@ -87,6 +91,7 @@ impl Layout {
                    lease_until_ms INTEGER NOT NULL, expires_at_ms INTEGER NOT NULL, ttl_ms INTEGER NOT NULL,
                    reclaim_at_ms INTEGER NOT NULL, fingerprint BLOB NOT NULL, history BLOB);"
             }
+            Layout::OneBlob => "CREATE TABLE records (id INTEGER PRIMARY KEY, body BLOB NOT NULL);",
             Layout::AppendSplit => {
                 "CREATE TABLE records (id INTEGER PRIMARY KEY, hash INTEGER NOT NULL, tenant TEXT NOT NULL,
                    namespace TEXT NOT NULL, key TEXT NOT NULL, token INTEGER NOT NULL, attempt INTEGER NOT NULL,
@@ -152,7 +157,7 @@ fn hash_of(key: &str) -> u64 {
 impl Store {
     fn open(path: &std::path::Path, layout: Layout) -> anyhow::Result<Store> {
         let conn = Connection::open(path)?;
-        if matches!(layout, Layout::Schema5 | Layout::PendingSide) {
+        if layout.rows_carry_counters() {
             conn.pragma_update(None, "page_size", 2048)?;
         }
         oncegate_engine::configure_sqlite(&conn, &oncegate_engine::EngineConfig::default())?;
@@ -236,6 +241,12 @@ impl Store {
                         mem.index.insert(hash as u64, id);
                     }
                 }
+                Layout::OneBlob => {
+                    let mut body = Vec::with_capacity(128);
+                    encode(&mut body, hash, key, now, None, &HISTORY[..17]);
+                    tx.prepare_cached("INSERT INTO records (body) VALUES (?1)")?.execute(params![body])?;
+                    mem.index.insert(hash as u64, tx.last_insert_rowid());
+                }
                 Layout::AppendSplit => {
                     let id = *mem.next_id;
                     *mem.next_id += 1;
@@ -317,6 +328,14 @@ impl Store {
                         .execute(params![id, response, &HISTORY[..]])?;
                     continue;
                 }
+                Layout::OneBlob => {
+                    let id = mem.index.get(&(hash as u64)).copied().unwrap_or(0);
+                    let mut body = Vec::with_capacity(512);
+                    encode(&mut body, hash, key, now, Some(response), &HISTORY[..]);
+                    tx.prepare_cached("UPDATE records SET body = ?2 WHERE id = ?1")?
+                        .execute(params![id, body])?;
+                    continue;
+                }
                 Layout::PendingSide => {
                     let id = mem.index.get(&(hash as u64)).copied().unwrap_or(0);
                     tx.prepare_cached(
@@ -359,8 +378,31 @@ impl Layout {
     /// Whether the rows carry the token counter and the time (schema 5), so no `meta`
     /// row is written per transaction.
     fn rows_carry_counters(self) -> bool {
-        matches!(self, Layout::Schema5 | Layout::PendingSide)
+        matches!(self, Layout::Schema5 | Layout::PendingSide | Layout::OneBlob)
     }
+}
+
+/// A record encoded as the one-BLOB layout stores it: each integer as a LEB128 varint,
+/// each variable part behind its length (the fields of the engine's record, at their
+/// sizes in this tool's load).
+fn encode(out: &mut Vec<u8>, hash: i64, key: &str, now: i64, response: Option<&[u8]>, history: &[u8]) {
+    fn varint(out: &mut Vec<u8>, mut value: u64) {
+        while value >= 0x80 {
+            out.push(value as u8 | 0x80);
+            value >>= 7;
+        }
+        out.push(value as u8);
+    }
+    out.clear();
+    out.extend_from_slice(&hash.to_le_bytes());
+    for value in [hash, 1, now + 30_000, now + 3_600_000, 3_600_000, now + 3_600_000, now] {
+        varint(out, value as u64);
+    }
+    for part in [&b"default"[..], b"bench", key.as_bytes(), b"", response.unwrap_or_default(), history] {
+        varint(out, part.len() as u64);
+        out.extend_from_slice(part);
+    }
+    out.push(u8::from(response.is_some()));
 }
 
 fn meta(tx: &Transaction<'_>, now: i64) -> rusqlite::Result<usize> {
