@@ -109,7 +109,8 @@ pub struct ServerConfig {
     pub message_bytes_max: usize,
     /// The largest header (metadata) list of a request, in bytes.
     pub metadata_bytes_max: u32,
-    /// Concurrent HTTP/2 streams per connection.
+    /// Concurrent HTTP/2 streams per connection (unary calls and `Session` streams
+    /// alike); a client asking for more waits for one to end.
     pub streams_per_connection_max: u32,
     /// A call that takes longer is cancelled; must exceed the longest wait.
     pub request_timeout_ms: u64,
@@ -120,6 +121,11 @@ pub struct ServerConfig {
     /// call; the server reads no further request of the stream until an answer goes out
     /// (backpressure: what a stream holds is bounded by this, whatever its client does).
     pub session_calls_in_flight_max: usize,
+    /// Bytes of a `Session` stream's answers made and not yet handed to the transport
+    /// (its client reads slowly, or not at all); past it the stream starts no new call
+    /// until answers drain. The calls already in flight still finish, so a stream holds
+    /// at most this plus the answers of its calls in flight.
+    pub session_unsent_bytes_max: usize,
     /// How often the health service looks at the shards' states.
     pub health_poll_ms: u64,
     /// After SIGTERM, how long in-flight calls (and watch streams) may run before their
@@ -183,10 +189,11 @@ impl Default for ServerConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 50051)),
             message_bytes_max: 256 * 1024,
             metadata_bytes_max: 16 * 1024,
-            streams_per_connection_max: 1024,
+            streams_per_connection_max: 100,
             request_timeout_ms: 60_000,
             requests_in_flight_max: 16_384,
             session_calls_in_flight_max: 256,
+            session_unsent_bytes_max: 1 << 20,
             health_poll_ms: 1_000,
             shutdown_grace_ms: 10_000,
             connections_max: 4_096,
@@ -246,6 +253,9 @@ pub struct TenantConfig {
     pub requests_in_flight_max: usize,
     /// The tenant's reserves that may wait (`wait_ms > 0`) at once.
     pub waiters_max: usize,
+    /// The tenant's `Session` streams open at once; one more is refused with
+    /// `resource_exhausted`.
+    pub sessions_max: usize,
     /// Reserves and gets per second, refilled evenly; 0 sets no rate limit.
     pub requests_per_s: u32,
     /// Requests admitted at once after a quiet spell; 0 means one second's worth.
@@ -262,6 +272,7 @@ impl Default for TenantConfig {
             token_sha256: TokenSha256::Unset,
             requests_in_flight_max: 1_024,
             waiters_max: 256,
+            sessions_max: 16,
             requests_per_s: 0,
             requests_burst_max: 0,
             records_per_shard_max: 0,
@@ -439,6 +450,8 @@ impl Config {
         problems.within(&field("requests_in_flight_max"), in_flight, 1, 1 << 20, Unit::Count);
         let session = server.session_calls_in_flight_max as u64;
         problems.within(&field("session_calls_in_flight_max"), session, 1, 65_536, Unit::Count);
+        let unsent = server.session_unsent_bytes_max as u64;
+        problems.within(&field("session_unsent_bytes_max"), unsent, 4 << 10, 1 << 30, Unit::Bytes);
         problems.within(&field("health_poll_ms"), server.health_poll_ms, 10, 60_000, Unit::Ms);
         problems.within(&field("shutdown_grace_ms"), server.shutdown_grace_ms, 0, 600_000, Unit::Ms);
         problems.within(&field("connections_max"), server.connections_max as u64, 1, 1 << 20, Unit::Count);
@@ -564,6 +577,7 @@ impl Config {
         let in_flight = config.requests_in_flight_max as u64;
         problems.within(&field("requests_in_flight_max"), in_flight, 1, server_in_flight, Unit::Count);
         problems.within(&field("waiters_max"), config.waiters_max as u64, 0, 1 << 20, Unit::Count);
+        problems.within(&field("sessions_max"), config.sessions_max as u64, 1, 65_536, Unit::Count);
         problems.within(
             &field("requests_per_s"),
             u64::from(config.requests_per_s),

@@ -10,6 +10,7 @@ use futures_util::future::{self, Either, FutureExt};
 use oncegate_core::Tenant;
 use oncegate_engine::{CommitRequest, Engine, KeyRequest, ReserveRequest};
 use oncegate_proto::v1 as pb;
+use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
@@ -24,10 +25,19 @@ pub struct GateService {
     engine: Engine,
     auth: Arc<Auth>,
     admit: Arc<Admit>,
-    pub(crate) session_calls_in_flight_max: usize,
+    pub(crate) session: SessionLimits,
     /// `server.request_timeout_ms`: a unary call's deadline, and the longest a `Session`
     /// call may ask for.
     pub(crate) request_timeout: Duration,
+}
+
+/// The limits of one `Session` stream (`server.session_*`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SessionLimits {
+    /// `server.session_calls_in_flight_max`.
+    pub calls_in_flight_max: usize,
+    /// `server.session_unsent_bytes_max`.
+    pub unsent_bytes_max: usize,
 }
 
 /// How long a call that the front itself times out may take, from when, and where that
@@ -242,42 +252,60 @@ fn start_get(
 pub(crate) type Answer<T> = Result<(T, &'static str), Refusal>;
 
 /// `answer`, holding the call's admission (its slots of the server's and the tenant's
-/// limits) until it is given or given up.
-fn holding<F: Future>(admission: Admission, answer: F) -> impl Future<Output = F::Output> {
-    answer.map(move |answer| {
-        drop(admission);
-        answer
-    })
+/// limits) until it is given or given up, and then handing it to the caller with it.
+fn holding<F: Future>(
+    admission: Admission,
+    answer: F,
+) -> impl Future<Output = (F::Output, Option<Admission>)> {
+    answer.map(move |answer| (answer, Some(admission)))
 }
 
 impl GateService {
     /// A service answering from `engine`, authenticating with `auth`, admitting calls
-    /// through `admit`'s server and tenant limits, with at most `session_calls_in_flight_max`
-    /// calls in flight per `Session` stream, each within `request_timeout` at most.
+    /// through `admit`'s server and tenant limits, each `Session` stream within `session`,
+    /// each call within `request_timeout` at most.
     pub(crate) fn new(
         engine: Engine,
         auth: Auth,
         admit: Admit,
-        session_calls_in_flight_max: usize,
+        session: SessionLimits,
         request_timeout: Duration,
     ) -> GateService {
         let (auth, admit) = (Arc::new(auth), Arc::new(admit));
-        GateService { engine, auth, admit, session_calls_in_flight_max, request_timeout }
+        GateService { engine, auth, admit, session, request_timeout }
     }
 
-    /// The one path of every call, unary or in a session, once its caller is
-    /// authenticated (or refused): admit, start on the engine (queued before this
-    /// returns), then count, time and log the answer. The admission holds the call's
-    /// slots until the engine answers. Past `deadline` the engine's answer is given up:
-    /// dropping it is what makes the shard skip a call not yet decided. A call with a
-    /// deadline builds its timer here, so it must begin on a tokio runtime with its time
-    /// driver (every front's calls do).
+    /// [`GateService::begin_held`], its admission let go with the engine's answer: a
+    /// unary call's answer goes to the transport as it is returned.
     pub(crate) fn begin<M: Call>(
         &self,
         tenant: Result<Tenant, Refusal>,
         message: M,
         deadline: Option<Deadline>,
     ) -> impl Future<Output = Answer<M::Reply>> + Send + 'static + use<M> {
+        self.begin_held(tenant, message, deadline).map(|(answer, _admission)| answer)
+    }
+
+    /// A place among the tenant's open `Session` streams (none for the open `default`
+    /// tenant), held while the stream is open.
+    pub(crate) fn open_session(&self, tenant: &Tenant) -> Result<Option<OwnedSemaphorePermit>, Refusal> {
+        self.admit.open_session(tenant)
+    }
+
+    /// The one path of every call, unary or in a session, once its caller is
+    /// authenticated (or refused): admit, start on the engine (queued before this
+    /// returns), then count, time and log the answer. The answer comes with the call's
+    /// admission (none when it was refused), which holds the call's slots until the
+    /// caller drops it: a `Session` stream keeps it until the answer leaves. Past `deadline` the engine's answer is given up:
+    /// dropping it is what makes the shard skip a call not yet decided. A call with a
+    /// deadline builds its timer here, so it must begin on a tokio runtime with its time
+    /// driver (every front's calls do).
+    pub(crate) fn begin_held<M: Call>(
+        &self,
+        tenant: Result<Tenant, Refusal>,
+        message: M,
+        deadline: Option<Deadline>,
+    ) -> impl Future<Output = (Answer<M::Reply>, Option<Admission>)> + Send + 'static + use<M> {
         // A call with a deadline is timed from when it was read, as its deadline is: a call
         // held at a stream's limit, or whose HTTP body was slow, spent that time waiting.
         let started = deadline.map_or_else(Instant::now, |d| d.from);
@@ -319,12 +347,12 @@ impl GateService {
                     tokio::time::timeout_at(deadline.until(), pending).map(move |a| a.unwrap_or_else(late));
                 Either::Left(Either::Right(holding(admission, timed)))
             }
-            (Err(refusal), _) => Either::Right(future::ready(Err(refusal))),
+            (Err(refusal), _) => Either::Right(future::ready((Err(refusal), None))),
         };
         answer
-            .map(move |answer| {
+            .map(move |(answer, admission)| {
                 finish(M::RPC, tenant.as_ref(), key.as_deref(), started, &answer);
-                answer
+                (answer, admission)
             })
             .instrument(span)
     }

@@ -35,6 +35,7 @@ pub use config::{
     AdminConfig, Config, ConfigError, LogConfig, LogFormat, ServerConfig, TenantConfig, TenantEntry,
     TokenSha256,
 };
+use gate::SessionLimits;
 pub use gate::{GateService, key_digest};
 pub use status::{CODE_METADATA, FIELD_METADATA, LIMIT_METADATA, Refusal, grpc_code, status};
 pub use tls::TlsError;
@@ -237,8 +238,11 @@ async fn services(engine: &Engine, config: &Config) -> Result<Services, ServeErr
         AdminAuth::new(config),
     ));
     let request_timeout = Duration::from_millis(server.request_timeout_ms);
-    let service =
-        GateService::new(engine.clone(), auth, admit, server.session_calls_in_flight_max, request_timeout);
+    let session = SessionLimits {
+        calls_in_flight_max: server.session_calls_in_flight_max,
+        unsent_bytes_max: server.session_unsent_bytes_max,
+    };
+    let service = GateService::new(engine.clone(), auth, admit, session, request_timeout);
     let json = http::router(service.clone(), server.message_bytes_max, server.metadata_bytes_max as usize);
     let gate = GateServer::new(service)
         .max_decoding_message_size(server.message_bytes_max)

@@ -24,11 +24,20 @@
 //! deadline passed while it was held is refused without reaching its shard. And a client
 //! whose caller has gone sends a `cancel` for its call, which drops it in the same way,
 //! unanswered: the stream's equivalent of a unary call's reset.
+//!
+//! What a stream holds is bounded whatever its client does. The answers made and not yet
+//! handed to the transport (the `ready` queue and the channel) are counted in bytes: past
+//! `server.session_unsent_bytes_max` the stream starts no call until the transport takes
+//! some (the calls in flight still finish). Each answer keeps its call's admission until
+//! the transport takes it, so a client that does not read keeps its tenant's
+//! `requests_in_flight_max` taken, not the server's memory; and a tenant has at most
+//! `tenants[].sessions_max` streams open.
 
 use std::collections::{HashMap, VecDeque};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::task::{Poll, Waker};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use futures_util::FutureExt;
@@ -37,18 +46,99 @@ use oncegate_core::{Invalid, Tenant};
 use oncegate_proto::v1 as pb;
 use pb::session_request::Call as In;
 use pb::session_response::Result as Out;
-use tokio::sync::mpsc;
+use prost::Message;
+use tokio::sync::{Notify, OwnedSemaphorePermit, mpsc};
 use tokio::time::Instant;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::gate::{Call, Deadline, GateService};
+use crate::gate::{Call, Deadline, GateService, SessionLimits};
 use crate::status::Refusal;
+use crate::tenants::Admission;
 
-/// The answers of one stream, as tonic sends them.
-pub type Responses = tokio_stream::wrappers::ReceiverStream<Result<pb::SessionResponse, Status>>;
+/// The `Session` streams open in this process, and the bytes of their answers not yet
+/// handed to the transport (the gauges `oncegate_session_streams` and
+/// `oncegate_session_unsent_bytes`).
+pub(crate) static STREAMS_OPEN: AtomicU64 = AtomicU64::new(0);
+pub(crate) static UNSENT_BYTES: AtomicU64 = AtomicU64::new(0);
 
-/// A call's answer, once its shard decides it.
-type Answer = Pin<Box<dyn Future<Output = pb::SessionResponse> + Send>>;
+/// An answer made and not yet taken by the transport, with what it holds until then.
+struct Unsent {
+    response: pb::SessionResponse,
+    /// Its encoded size, counted in the stream's [`Backlog`].
+    bytes: usize,
+    /// Its call's admission: the tenant's and the server's places stay taken until the
+    /// answer leaves.
+    admission: Option<Admission>,
+}
+
+/// The bytes of one stream's unsent answers, shared by the stream's task (which adds an
+/// answer's as it is made) and its [`Responses`] (which takes them off as the transport
+/// takes the answer, and wakes the task).
+#[derive(Default)]
+struct Backlog {
+    bytes: AtomicUsize,
+    drained: Notify,
+}
+
+impl Backlog {
+    fn new() -> Arc<Backlog> {
+        STREAMS_OPEN.fetch_add(1, Ordering::Relaxed);
+        Arc::default()
+    }
+
+    fn bytes(&self) -> usize {
+        self.bytes.load(Ordering::Acquire)
+    }
+
+    fn unsent(&self, response: pb::SessionResponse, admission: Option<Admission>) -> Unsent {
+        let bytes = response.encoded_len();
+        self.bytes.fetch_add(bytes, Ordering::AcqRel);
+        UNSENT_BYTES.fetch_add(bytes as u64, Ordering::Relaxed);
+        Unsent { response, bytes, admission }
+    }
+
+    /// The transport takes `unsent`: its bytes and its admission are given back.
+    fn sent(&self, unsent: Unsent) -> pb::SessionResponse {
+        self.bytes.fetch_sub(unsent.bytes, Ordering::AcqRel);
+        UNSENT_BYTES.fetch_sub(unsent.bytes as u64, Ordering::Relaxed);
+        self.drained.notify_one();
+        drop(unsent.admission);
+        unsent.response
+    }
+}
+
+impl Drop for Backlog {
+    /// The stream is over: the answers it never sent leave the process's count with it.
+    fn drop(&mut self) {
+        UNSENT_BYTES.fetch_sub(*self.bytes.get_mut() as u64, Ordering::Relaxed);
+        STREAMS_OPEN.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// The answers of one stream, as tonic sends them: each is taken off its stream's
+/// backlog as tonic takes it.
+pub struct Responses {
+    answers: mpsc::Receiver<Result<Unsent, Status>>,
+    backlog: Arc<Backlog>,
+}
+
+impl tokio_stream::Stream for Responses {
+    type Item = Result<pb::SessionResponse, Status>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let next = std::task::ready!(self.answers.poll_recv(cx));
+        Poll::Ready(next.map(|answer| answer.map(|unsent| self.backlog.sent(unsent))))
+    }
+}
+
+/// Where a stream's task puts its answers, and the [`Responses`] tonic reads them from.
+fn answers(capacity: usize, backlog: &Arc<Backlog>) -> (mpsc::Sender<Result<Unsent, Status>>, Responses) {
+    let (sender, answers) = mpsc::channel(capacity);
+    (sender, Responses { answers, backlog: Arc::clone(backlog) })
+}
+
+/// A call's answer, once its shard decides it, with the call's admission.
+type Answer = Pin<Box<dyn Future<Output = (pb::SessionResponse, Option<Admission>)> + Send>>;
 
 /// A call in flight: its answer, ready to send, or what remains of a cancelled call.
 type InFlight = Pin<Box<dyn Future<Output = Ended> + Send>>;
@@ -57,7 +147,7 @@ type InFlight = Pin<Box<dyn Future<Output = Ended> + Send>>;
 /// cancelled, and its id still names it: an answer ready in a poll is taken in the same
 /// step, before the next request (a cancel, or a call reusing the id) is read.
 enum Ended {
-    Answered(pb::SessionResponse),
+    Answered(pb::SessionResponse, Option<Admission>),
     /// Dropped by a cancel (its id no longer in flight), unanswered.
     Cancelled,
 }
@@ -84,12 +174,19 @@ pub(crate) fn open(
             return Err(refusal.to_status());
         }
     };
-    let in_flight_max = gate.session_calls_in_flight_max;
-    let (answers, responses) = mpsc::channel(in_flight_max);
-    let session = Session::new(gate, tenant, in_flight_max);
-    tokio::spawn(session.run(request.into_inner(), answers));
-    let mut response = Response::new(Responses::new(responses));
-    let limit = tonic::metadata::MetadataValue::from(in_flight_max as u64);
+    let place = match gate.open_session(&tenant) {
+        Ok(place) => place,
+        Err(refusal) => {
+            crate::telemetry::record_call("session", Some(&tenant), refusal.code().as_str(), Instant::now());
+            return Err(refusal.to_status());
+        }
+    };
+    let limits = gate.session;
+    let session = Session::new(gate, tenant, place);
+    let (sender, responses) = answers(limits.calls_in_flight_max, &session.backlog);
+    tokio::spawn(session.run(request.into_inner(), sender));
+    let mut response = Response::new(responses);
+    let limit = tonic::metadata::MetadataValue::from(limits.calls_in_flight_max as u64);
     response.metadata_mut().insert(oncegate_proto::SESSION_CALLS_IN_FLIGHT_MAX_METADATA, limit);
     Ok(response)
 }
@@ -97,7 +194,11 @@ pub(crate) fn open(
 struct Session {
     gate: GateService,
     tenant: Tenant,
-    in_flight_max: usize,
+    limits: SessionLimits,
+    /// The stream's place among its tenant's open streams, given back as it ends.
+    _place: Option<OwnedSemaphorePermit>,
+    /// The bytes of the answers in `ready` and in the answers' channel.
+    backlog: Arc<Backlog>,
     /// The calls in flight, by id: where each one's answer is awaited.
     ids: HashMap<u64, Arc<Mutex<Slot>>>,
     in_flight: FuturesUnordered<InFlight>,
@@ -105,17 +206,19 @@ struct Session {
     /// when it was read (its deadline counts from then).
     aside: Option<(pb::SessionRequest, Instant)>,
     /// Answers ready and not yet sent (the answers' channel was full): at most
-    /// `in_flight_max`, since they take the places of the calls they answer.
-    ready: VecDeque<pb::SessionResponse>,
+    /// `calls_in_flight_max`, since they take the places of the calls they answer.
+    ready: VecDeque<Unsent>,
 }
 
 impl Session {
     /// A stream's state before its first request: no call in flight.
-    fn new(gate: GateService, tenant: Tenant, in_flight_max: usize) -> Session {
+    fn new(gate: GateService, tenant: Tenant, place: Option<OwnedSemaphorePermit>) -> Session {
         Session {
+            limits: gate.session,
             gate,
             tenant,
-            in_flight_max,
+            _place: place,
+            backlog: Backlog::new(),
             ids: HashMap::new(),
             in_flight: FuturesUnordered::new(),
             aside: None,
@@ -126,9 +229,10 @@ impl Session {
     async fn run(
         mut self,
         mut requests: Streaming<pb::SessionRequest>,
-        answers: mpsc::Sender<Result<pb::SessionResponse, Status>>,
+        answers: mpsc::Sender<Result<Unsent, Status>>,
     ) {
         let mut reading = true;
+        let backlog = Arc::clone(&self.backlog);
         loop {
             if !self.send_ready(&answers) {
                 return;
@@ -141,7 +245,7 @@ impl Session {
                 && let Some((held, read_at)) = self.aside.take()
             {
                 let refused = self.start(held, read_at);
-                self.ready.extend(refused);
+                self.queue(refused, None);
                 continue;
             }
             // Waiting for room to send is one arm among the others, never a wait of its own:
@@ -157,13 +261,14 @@ impl Session {
                     permit.send(Ok(self.ready.pop_front().expect("an answer is ready")));
                 }
                 Some(ended) = self.in_flight.next(), if !self.in_flight.is_empty() => {
-                    let answer = self.ended(ended);
-                    self.ready.extend(answer);
+                    self.ended(ended);
                 }
+                // The transport took answers: a call held for the stream's bytes may start.
+                () = backlog.drained.notified(), if self.aside.is_some() => {}
                 message = requests.message(), if reading && self.aside.is_none() => match message {
                     Ok(Some(request)) => {
                         let refused = self.read(request);
-                        self.ready.extend(refused);
+                        self.queue(refused, None);
                     }
                     // The client sent its last call: answer those in flight, then end.
                     Ok(None) => reading = false,
@@ -177,11 +282,7 @@ impl Session {
     /// Ends the stream on a message that does not decode (or a broken stream) with its
     /// status, after the answers already ready. The calls in flight are dropped first, so
     /// none is granted while the status waits for the client to read.
-    async fn end_with(
-        &mut self,
-        status: Status,
-        answers: &mpsc::Sender<Result<pb::SessionResponse, Status>>,
-    ) {
+    async fn end_with(&mut self, status: Status, answers: &mpsc::Sender<Result<Unsent, Status>>) {
         // The map shares each call's answer: both let go of it.
         self.in_flight.clear();
         self.ids.clear();
@@ -196,7 +297,7 @@ impl Session {
     /// Sends the ready answers the channel has room for, without waiting (most answers
     /// go out here, without a turn of the loop's `select!` of their own); false once the
     /// client has gone.
-    fn send_ready(&mut self, answers: &mpsc::Sender<Result<pb::SessionResponse, Status>>) -> bool {
+    fn send_ready(&mut self, answers: &mpsc::Sender<Result<Unsent, Status>>) -> bool {
         while !self.ready.is_empty() {
             match answers.try_reserve() {
                 Ok(permit) => permit.send(Ok(self.ready.pop_front().expect("an answer is ready"))),
@@ -208,9 +309,19 @@ impl Session {
     }
 
     /// Whether another call may start: the calls in flight and the answers not yet sent
-    /// count alike, so a client that stops reading stops the stream from starting calls.
+    /// count alike, and the unsent answers' bytes are within their limit, so a client
+    /// that stops reading stops the stream from starting calls.
     fn has_room(&self) -> bool {
-        self.in_flight.len() + self.ready.len() < self.in_flight_max
+        self.in_flight.len() + self.ready.len() < self.limits.calls_in_flight_max
+            && self.backlog.bytes() < self.limits.unsent_bytes_max
+    }
+
+    /// Queues an answer to send, counted in the stream's backlog with its admission.
+    fn queue(&mut self, answer: Option<pb::SessionResponse>, admission: Option<Admission>) {
+        if let Some(answer) = answer {
+            let unsent = self.backlog.unsent(answer, admission);
+            self.ready.push_back(unsent);
+        }
     }
 
     /// A request just read: a cancel is done at once, a call started when there is room
@@ -225,11 +336,11 @@ impl Session {
         None
     }
 
-    /// The answer a call that ended sends: none for a cancelled one.
-    fn ended(&mut self, ended: Ended) -> Option<pb::SessionResponse> {
-        let Ended::Answered(answer) = ended else { return None };
+    /// Queues the answer of a call that ended: none for a cancelled one.
+    fn ended(&mut self, ended: Ended) {
+        let Ended::Answered(answer, admission) = ended else { return };
         self.ids.remove(&answer.id);
-        Some(answer)
+        self.queue(Some(answer), admission);
     }
 
     /// Starts one call, or cancels one, or returns its refusal when the request itself is
@@ -265,7 +376,7 @@ impl Session {
             if polled.is_pending() && !slot.waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
                 slot.waker = Some(cx.waker().clone());
             }
-            polled.map(Ended::Answered)
+            polled.map(|(answer, admission)| Ended::Answered(answer, admission))
         })));
         None
     }
@@ -302,14 +413,14 @@ impl Session {
 
     /// One call on the unary path, its answer wrapped for the stream.
     fn begin<M: Call>(&self, id: u64, message: M, deadline: Deadline, wrap: fn(M::Reply) -> Out) -> Answer {
-        let answer = self.gate.begin(Ok(self.tenant.clone()), message, Some(deadline));
+        let answer = self.gate.begin_held(Ok(self.tenant.clone()), message, Some(deadline));
         // A combinator, not an `async` block, which would hold `answer` twice.
-        Box::pin(answer.map(move |answer| {
+        Box::pin(answer.map(move |(answer, admission)| {
             let result = match answer {
                 Ok((reply, _)) => wrap(reply),
                 Err(refusal) => Out::Refusal(refusal.to_wire()),
             };
-            pb::SessionResponse { id, result: Some(result) }
+            (pb::SessionResponse { id, result: Some(result) }, admission)
         }))
     }
 }
@@ -323,9 +434,8 @@ mod tests {
     use std::time::Duration;
 
     use axum::body::{Body, Bytes};
-    use oncegate_core::{Previous, ReserveReply};
-    use oncegate_engine::{Engine, EngineConfig, KeyRequest, ReserveRequest};
-    use prost::Message;
+    use oncegate_core::{Outcome, Previous, ReserveReply};
+    use oncegate_engine::{CommitRequest, Engine, EngineConfig, KeyRequest, ReserveRequest};
     use tokio_stream::wrappers::ReceiverStream;
     use tonic::codec::Codec;
 
@@ -369,6 +479,10 @@ mod tests {
     }
 
     async fn stand(in_flight_max: usize) -> Stand {
+        stand_with(SessionLimits { calls_in_flight_max: in_flight_max, unsent_bytes_max: 1 << 20 }).await
+    }
+
+    async fn stand_with(limits: SessionLimits) -> Stand {
         let dir = tempfile::tempdir().unwrap();
         let config = EngineConfig { data_dir: dir.path().to_owned(), shards: 1, ..EngineConfig::default() };
         let engine = Engine::open(config).expect("the engine opens");
@@ -378,9 +492,8 @@ mod tests {
             other => panic!("expected a grant, got {other:?}"),
         };
         let admit = Admit::new(64, &[], engine.clock().clone());
-        let gate =
-            GateService::new(engine.clone(), Auth::new(&[]), admit, in_flight_max, Duration::from_secs(60));
-        let session = Session::new(gate, tenant.clone(), in_flight_max);
+        let gate = GateService::new(engine.clone(), Auth::new(&[]), admit, limits, Duration::from_secs(60));
+        let session = Session::new(gate, tenant.clone(), None);
         let (frames, body) = mpsc::channel(4);
         let mut codec =
             oncegate_proto::codec::StrictCodec::<pb::SessionResponse, pb::SessionRequest>::default();
@@ -394,9 +507,10 @@ mod tests {
     fn serve_unread(
         session: Session,
         requests: Streaming<pb::SessionRequest>,
-    ) -> (tokio::task::JoinHandle<()>, mpsc::Receiver<Result<pb::SessionResponse, Status>>) {
-        let (answers, unread) = mpsc::channel(1);
-        answers.try_send(Ok(pb::SessionResponse::default())).expect("the channel is empty");
+    ) -> (tokio::task::JoinHandle<()>, Responses) {
+        let (answers, unread) = super::answers(1, &session.backlog);
+        let placeholder = session.backlog.unsent(pb::SessionResponse::default(), None);
+        answers.try_send(Ok(placeholder)).map_err(|_| ()).expect("the channel is empty");
         (tokio::spawn(session.run(requests, answers)), unread)
     }
 
@@ -431,8 +545,8 @@ mod tests {
         assert!(!served.is_finished(), "the status waits for room in the answers' channel");
 
         first_grant_after_release(&engine, &tenant, holder, "the ended stream's reserve").await;
-        assert!(unread.recv().await.expect("the answer put there").is_ok());
-        let status = unread.recv().await.expect("the stream's status").expect_err("a status");
+        assert!(unread.next().await.expect("the answer put there").is_ok());
+        let status = unread.next().await.expect("the stream's status").expect_err("a status");
         assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
         served.await.unwrap();
     }
@@ -462,7 +576,7 @@ mod tests {
     async fn a_call_held_at_the_limit_past_its_deadline_never_reaches_its_shard() {
         let Stand { _dir, engine, tenant, holder, session, frames, requests } = stand(1).await;
         let slow_before = slow_releases();
-        let (answers, mut answered) = mpsc::channel(4);
+        let (answers, mut answered) = super::answers(4, &session.backlog);
 
         // The reserve parks behind the holder and fills the stream's one place; the
         // release, read next, is held aside until the reserve's deadline frees it.
@@ -476,7 +590,7 @@ mod tests {
 
         let mut refused = Vec::new();
         for _ in 0..2 {
-            let answer = answered.recv().await.expect("an answer").expect("not a status");
+            let answer = answered.next().await.expect("an answer").expect("not a status");
             match answer.result {
                 Some(Out::Refusal(refusal)) => {
                     assert_eq!(refusal.grpc_code, tonic::Code::Unavailable as i32, "{refusal:?}");
@@ -522,10 +636,10 @@ mod tests {
         assert!(waiters(&engine, 0).await, "the parked reserve is dropped at its deadline");
 
         first_grant_after_release(&engine, &tenant, holder, "the reserve past its deadline").await;
-        assert!(unread.recv().await.expect("the answer put there").is_ok());
+        assert!(unread.next().await.expect("the answer put there").is_ok());
         let mut ids = Vec::new();
         for _ in 0..2 {
-            let answer = unread.recv().await.expect("an answer").expect("not a status");
+            let answer = unread.next().await.expect("an answer").expect("not a status");
             let Some(Out::Refusal(refusal)) = answer.result else {
                 panic!("call {} must be refused: {:?}", answer.id, answer.result)
             };
@@ -539,5 +653,75 @@ mod tests {
         assert_eq!(ids, [1, 2]);
         drop(frames);
         served.await.unwrap();
+    }
+
+    /// Waits (on a blocking thread, so that the paused clock does not run ahead meanwhile)
+    /// until the stream's unsent answers take at least `bytes`.
+    async fn unsent_at_least(backlog: &Arc<Backlog>, bytes: usize) -> bool {
+        let backlog = Arc::clone(backlog);
+        tokio::task::spawn_blocking(move || {
+            let started = std::time::Instant::now();
+            while backlog.bytes() < bytes {
+                if started.elapsed() > Duration::from_secs(10) {
+                    return false;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            true
+        })
+        .await
+        .unwrap()
+    }
+
+    /// Past `server.session_unsent_bytes_max` a stream starts no call until the transport
+    /// takes answers: a call read there is held, spending its deadline, and starts once
+    /// the answers drain. (Only the count of answers was limited: a client that read
+    /// nothing made the stream hold up to twice `session_calls_in_flight_max` answers of
+    /// up to 64 KiB each, 32 MiB a stream.) The reserve read past the limit would be
+    /// answered `in_progress` (the key is held) had it started then; held, its 50 ms pass
+    /// on the paused clock before the answers drain, so it is refused unstarted.
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_past_its_unsent_bytes_starts_no_call_until_answers_drain() {
+        let limits = SessionLimits { calls_in_flight_max: 8, unsent_bytes_max: 4 << 10 };
+        let Stand { _dir, engine, tenant, session, frames, requests, .. } = stand_with(limits).await;
+        let big = ReserveRequest { key: "big".into(), ..reserve(0) };
+        let ReserveReply::Granted { token, .. } = engine.reserve(&tenant, big).await.unwrap().reply else {
+            panic!("big is free")
+        };
+        let response = vec![7; 8 << 10];
+        let commit = CommitRequest {
+            namespace: "live".into(),
+            key: "big".into(),
+            token,
+            outcome: Outcome::Succeeded,
+            response,
+        };
+        engine.commit(&tenant, commit).await.unwrap();
+        let backlog = Arc::clone(&session.backlog);
+        let (served, mut unread) = serve_unread(session, requests);
+
+        let get = pb::GetRequest { namespace: "live".into(), key: "big".into() };
+        let get = pb::SessionRequest { id: 1, call: Some(In::Get(get)), timeout_ms: 0 };
+        frames.send(frame(&get.encode_to_vec())).await.unwrap();
+        assert!(unsent_at_least(&backlog, 8 << 10).await, "the get's answer waits unsent");
+        let held = pb::ReserveRequest::from(reserve(0));
+        let held = pb::SessionRequest { id: 2, call: Some(In::Reserve(held)), timeout_ms: 50 };
+        frames.send(frame(&held.encode_to_vec())).await.unwrap();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+
+        assert!(unread.next().await.expect("the answer put there").is_ok());
+        let answer = unread.next().await.expect("the get's answer").expect("not a status");
+        assert!(matches!((answer.id, answer.result), (1, Some(Out::Get(_)))));
+        let answer = unread.next().await.expect("the held call's answer").expect("not a status");
+        match answer.result {
+            Some(Out::Refusal(refusal)) => {
+                assert_eq!(answer.id, 2);
+                assert!(refusal.message.starts_with("not started within 50 ms"), "{refusal:?}");
+            }
+            other => panic!("the reserve must be held until the answers drain: {other:?}"),
+        }
+        drop(frames);
+        served.await.unwrap();
+        assert_eq!(backlog.bytes(), 0, "every answer left");
     }
 }

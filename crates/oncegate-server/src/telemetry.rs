@@ -102,6 +102,10 @@ fn refresh(engine: &Engine) {
         counter("oncegate_shard_checkpoints_total", stats.checkpoints);
     }
     metrics::gauge!("oncegate_slot_moving").set(if engine.slot_moving().is_some() { 1.0 } else { 0.0 });
+    let streams = crate::session::STREAMS_OPEN.load(std::sync::atomic::Ordering::Relaxed);
+    metrics::gauge!("oncegate_session_streams").set(streams as f64);
+    let unsent = crate::session::UNSENT_BYTES.load(std::sync::atomic::Ordering::Relaxed);
+    metrics::gauge!("oncegate_session_unsent_bytes").set(unsent as f64);
     if let Some(rss) = process_rss_bytes() {
         metrics::gauge!("process_resident_memory_bytes").set(rss as f64);
     }

@@ -72,6 +72,8 @@ struct TenantLimits {
     in_flight_max: usize,
     waiters: Arc<Semaphore>,
     waiters_max: usize,
+    sessions: Arc<Semaphore>,
+    sessions_max: usize,
     rate: Option<Rate>,
 }
 
@@ -94,6 +96,8 @@ impl TenantLimits {
             in_flight_max: config.requests_in_flight_max,
             waiters: Arc::new(Semaphore::new(config.waiters_max)),
             waiters_max: config.waiters_max,
+            sessions: Arc::new(Semaphore::new(config.sessions_max)),
+            sessions_max: config.sessions_max,
             rate,
         }
     }
@@ -111,6 +115,14 @@ impl TenantLimits {
             what: "the tenant's waiting reserves are at its limit",
             limit: "tenants[].waiters_max",
             value: self.waiters_max as u64,
+        })
+    }
+
+    fn session_slot(&self) -> Result<OwnedSemaphorePermit, Refusal> {
+        Arc::clone(&self.sessions).try_acquire_owned().map_err(|_| Refusal::Exhausted {
+            what: "the tenant's open Session streams are at its limit",
+            limit: "tenants[].sessions_max",
+            value: self.sessions_max as u64,
         })
     }
 
@@ -164,6 +176,13 @@ impl Admit {
             limits.spend_rate(tenant, &self.clock)?;
         }
         Ok(Admission { _server: server, _tenant: tenant_slot, _waiter: waiter })
+    }
+
+    /// A place among the tenant's open `Session` streams, held while the stream is open,
+    /// or the refusal naming the limit. The open `default` tenant (no tenants configured)
+    /// has no such limit.
+    pub fn open_session(&self, tenant: &Tenant) -> Result<Option<OwnedSemaphorePermit>, Refusal> {
+        self.tenants.get(tenant).map(|limits| limits.session_slot()).transpose()
     }
 
     fn server_slot(&self) -> Result<OwnedSemaphorePermit, Refusal> {

@@ -497,7 +497,8 @@ mod tests {
             other => panic!("expected a grant, got {other:?}"),
         };
         let admit = Admit::new(64, &[], engine.clock().clone());
-        let gate = GateService::new(engine.clone(), Auth::new(&[]), admit, 1, Duration::from_secs(2));
+        let session = crate::gate::SessionLimits { calls_in_flight_max: 1, unsent_bytes_max: 1 << 20 };
+        let gate = GateService::new(engine.clone(), Auth::new(&[]), admit, session, Duration::from_secs(2));
         tokio::time::pause();
         tokio::time::advance(Duration::from_secs(60)).await;
         tokio::time::resume();
