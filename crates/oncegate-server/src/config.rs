@@ -144,9 +144,18 @@ pub struct ServerConfig {
     /// CA certificates (PEM) that must have signed every client's certificate (mutual
     /// TLS); unset, clients present none.
     pub tls_client_ca_path: Option<PathBuf>,
-    /// A new connection must send its first bytes, and finish its TLS handshake, within
-    /// this; otherwise it is closed, so that silent sockets cannot hold connection slots.
+    /// A new connection must send its first complete request head (its TLS handshake and
+    /// HTTP/2 preface included) within this; otherwise it is closed, so that silent or
+    /// slow sockets cannot hold connection slots.
     pub handshake_timeout_ms: u64,
+    /// A connection that has carried no request for this long is closed; 0 keeps idle
+    /// connections open (HTTP/2 pings alone do not count as requests).
+    pub idle_timeout_ms: u64,
+    /// A connection older than this is asked to go (HTTP/2 GOAWAY: the client opens
+    /// another), and closed `connection_age_grace_ms` later; 0 sets no age limit.
+    pub connection_age_max_ms: u64,
+    /// How long the requests of a connection past its age may still run.
+    pub connection_age_grace_ms: u64,
     /// Open connections from one peer address; one more is closed as soon as it is
     /// accepted, so that no single host can take every connection slot.
     pub connections_per_peer_max: usize,
@@ -202,6 +211,9 @@ impl Default for ServerConfig {
             tls_key_path: None,
             tls_client_ca_path: None,
             handshake_timeout_ms: 10_000,
+            idle_timeout_ms: 300_000,
+            connection_age_max_ms: 0,
+            connection_age_grace_ms: 10_000,
             connections_per_peer_max: 256,
             keepalive_interval_ms: 30_000,
             keepalive_timeout_ms: 20_000,
@@ -457,6 +469,11 @@ impl Config {
         problems.within(&field("connections_max"), server.connections_max as u64, 1, 1 << 20, Unit::Count);
         let handshake = server.handshake_timeout_ms;
         problems.within(&field("handshake_timeout_ms"), handshake, 100, 60_000, Unit::Ms);
+        problems.within(&field("idle_timeout_ms"), server.idle_timeout_ms, 0, 86_400_000, Unit::Ms);
+        let age = server.connection_age_max_ms;
+        problems.within(&field("connection_age_max_ms"), age, 0, 30 * 86_400_000, Unit::Ms);
+        let grace = server.connection_age_grace_ms;
+        problems.within(&field("connection_age_grace_ms"), grace, 0, 3_600_000, Unit::Ms);
         // One peer may have every connection, never more.
         let per_peer = server.connections_per_peer_max as u64;
         let connections = (server.connections_max as u64).max(1);

@@ -7,19 +7,29 @@
 //! reads or writes passes through two more dynamic calls. The `Gate` calls are the
 //! product's hot path and their path prefix is fixed, so they skip all of it; the
 //! router keeps everything else, where its flexibility is worth its cost.
+//!
+//! Every request is also counted on its connection (`listen::Activity`) from its head to
+//! the end of its response's body, which is what the connection's idle timeout reads.
 
 use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
+use axum::body::Bytes;
 use axum::http::{Request, Response};
 use futures_util::future::Either;
+use http_body::{Frame, SizeHint};
 use oncegate_proto::v1::gate_server::GateServer;
 use tonic::body::Body;
 use tonic::server::NamedService;
 use tonic::service::Routes;
+use tonic::transport::server::TlsConnectInfo;
 use tower::{Layer, Service};
 
 use crate::gate::GateService;
+use crate::listen::{Activity, ConnectionInfo, Open};
 
 type Gate = GateServer<GateService>;
 
@@ -65,8 +75,12 @@ fn is_gate_call(path: &str) -> bool {
 impl Service<Request<Body>> for Dispatch {
     type Response = Response<Body>;
     type Error = Infallible;
-    type Future =
-        Either<<Gate as Service<Request<Body>>>::Future, <Routes as Service<Request<Body>>>::Future>;
+    type Future = Counted<
+        Either<
+            <Gate as Service<Request<Body>>>::Future,
+            Pin<Box<<Routes as Service<Request<Body>>>::Future>>,
+        >,
+    >;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
         // Both are always ready today; asking both keeps that an implementation detail.
@@ -75,13 +89,74 @@ impl Service<Request<Body>> for Dispatch {
     }
 
     fn call(&mut self, request: Request<Body>) -> Self::Future {
-        if is_gate_call(request.uri().path()) {
+        let open = activity(&request).map(Activity::open);
+        let response = if is_gate_call(request.uri().path()) {
             Either::Left(self.gate.call(request))
         } else {
             let mut request = request;
             request.extensions_mut().insert(Arrived(tokio::time::Instant::now()));
-            Either::Right(self.routes.call(request))
-        }
+            Either::Right(Box::pin(self.routes.call(request)))
+        };
+        Counted { response, open }
+    }
+}
+
+/// The connection a request came on, as the accept loop describes it (none for a
+/// request that came another way, as in tests below the transport).
+fn activity(request: &Request<Body>) -> Option<&Arc<Activity>> {
+    let extensions = request.extensions();
+    extensions
+        .get::<ConnectionInfo>()
+        .map(|info| &info.activity)
+        .or_else(|| extensions.get::<TlsConnectInfo<ConnectionInfo>>().map(|info| &info.get_ref().activity))
+}
+
+/// A response on its way, its request counted open on its connection until its body ends.
+pub(crate) struct Counted<F> {
+    response: F,
+    open: Option<Open>,
+}
+
+impl<F> Future for Counted<F>
+where
+    F: Future<Output = Result<Response<Body>, Infallible>> + Unpin,
+{
+    type Output = Result<Response<Body>, Infallible>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let Ok(response) = ready!(Pin::new(&mut self.response).poll(cx));
+        let response = match self.open.take() {
+            Some(open) => response.map(|body| Body::new(CountedBody { body, _open: open })),
+            None => response,
+        };
+        Poll::Ready(Ok(response))
+    }
+}
+
+/// A response's body, holding its request open on its connection until it is dropped
+/// (it ended, or the stream was reset).
+struct CountedBody {
+    body: Body,
+    _open: Open,
+}
+
+impl http_body::Body for CountedBody {
+    type Data = Bytes;
+    type Error = tonic::Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
     }
 }
 

@@ -174,6 +174,11 @@ fn transport(
             reason: tls::error_chain(&e),
         })?;
     }
+    if server.connection_age_max_ms > 0 {
+        builder = builder
+            .max_connection_age(Duration::from_millis(server.connection_age_max_ms))
+            .max_connection_age_grace(Duration::from_millis(server.connection_age_grace_ms));
+    }
     Ok(builder
         .accept_http1(true)
         .timeout(Duration::from_millis(server.request_timeout_ms))

@@ -1,11 +1,17 @@
 //! The gRPC port's accept loop: Nagle off, at most `server.connections_max` open
-//! connections and `server.connections_per_peer_max` from one address, a deadline for a
-//! connection's first bytes, and accept errors that never stall the server.
+//! connections and `server.connections_per_peer_max` from one address, and accept errors
+//! that never stall the server. Each connection has deadlines of its own: its first
+//! request head (TLS handshake and HTTP/2 preface included) within
+//! `server.handshake_timeout_ms`, and, when it carries no request, `server.idle_timeout_ms`
+//! until it is closed. The dispatcher ([`crate::dispatch`]) tells a connection's
+//! [`Activity`] when a request starts and when its response ends.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::io;
 use std::net::IpAddr;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -13,8 +19,9 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::time::{Instant, Sleep};
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::server::{Connected, TcpConnectInfo};
+use tonic::transport::server::Connected;
 
 use crate::ServerConfig;
 
@@ -43,8 +50,68 @@ pub(crate) struct Connection {
     gathered: Vec<u8>,
     /// Whether this gathering's flush has yielded once.
     yielded: bool,
+    /// What the protocol does on it, and its next deadline (none once only an idle
+    /// timeout of 0, which is none, is left).
+    activity: Arc<Activity>,
+    deadline: Option<Pin<Box<Sleep>>>,
+    idle_timeout: Option<Duration>,
     _slot: OwnedSemaphorePermit,
     _peer: PeerSlot,
+}
+
+/// What the protocol does on one connection, as its deadlines read it: whether a request
+/// head arrived, how many requests are open (a response whose body has not ended), and
+/// since when none is.
+#[derive(Debug)]
+pub(crate) struct Activity {
+    started: AtomicBool,
+    open: AtomicUsize,
+    /// When `open` last fell to 0 (or the connection was accepted), in ms after `origin`.
+    idle_since_ms: AtomicU64,
+    origin: Instant,
+}
+
+/// One open request on a connection; dropping it (its response ended) may start the
+/// connection's idle time.
+pub(crate) struct Open(Arc<Activity>);
+
+impl Activity {
+    fn new() -> Arc<Activity> {
+        let origin = Instant::now();
+        Arc::new(Activity {
+            started: AtomicBool::new(false),
+            open: AtomicUsize::new(0),
+            idle_since_ms: AtomicU64::new(0),
+            origin,
+        })
+    }
+
+    /// A request's head arrived: it is open until the returned guard drops.
+    pub(crate) fn open(self: &Arc<Self>) -> Open {
+        self.started.store(true, Ordering::Release);
+        self.open.fetch_add(1, Ordering::AcqRel);
+        Open(Arc::clone(self))
+    }
+
+    fn idle_since(&self) -> Instant {
+        self.origin + Duration::from_millis(self.idle_since_ms.load(Ordering::Acquire))
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        let activity = &self.0;
+        if activity.open.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let since = activity.origin.elapsed().as_millis() as u64;
+            activity.idle_since_ms.store(since, Ordering::Release);
+        }
+    }
+}
+
+/// What tonic puts in each request's extensions: the connection's [`Activity`].
+#[derive(Clone, Debug)]
+pub(crate) struct ConnectionInfo {
+    pub activity: Arc<Activity>,
 }
 
 /// The connection limits and what is held of them.
@@ -53,7 +120,8 @@ struct Slots {
     connections_max: usize,
     per_peer: Arc<Mutex<HashMap<IpAddr, usize>>>,
     per_peer_max: usize,
-    first_bytes: Duration,
+    handshake_timeout: Duration,
+    idle_timeout: Option<Duration>,
 }
 
 /// One of a peer address's connection slots; dropping it gives the slot back.
@@ -100,7 +168,8 @@ pub(crate) fn incoming(
         connections_max: server.connections_max,
         per_peer: Arc::default(),
         per_peer_max: server.connections_per_peer_max,
-        first_bytes: Duration::from_millis(server.handshake_timeout_ms),
+        handshake_timeout: Duration::from_millis(server.handshake_timeout_ms),
+        idle_timeout: (server.idle_timeout_ms > 0).then(|| Duration::from_millis(server.idle_timeout_ms)),
     };
     let (accepted, incoming) = mpsc::channel(16);
     tokio::spawn(accept_loop(listener, slots, accepted));
@@ -137,30 +206,9 @@ async fn accept_loop(listener: TcpListener, slots: Slots, accepted: mpsc::Sender
         if let Err(error) = stream.set_nodelay(true) {
             tracing::debug!(%error, "setting TCP_NODELAY failed");
         }
-        let connection =
-            Connection { stream, gathered: Vec::new(), yielded: false, _slot: slot, _peer: peer_slot };
-        tokio::spawn(first_bytes(connection, slots.first_bytes, accepted.clone()));
-    }
-}
-
-/// Hands the connection on once it has sent something; a socket that stays silent past
-/// the deadline is closed, so silent sockets cannot hold connection slots. (tonic's TLS
-/// handshake then runs under the same deadline.)
-async fn first_bytes(
-    connection: Connection,
-    deadline: Duration,
-    accepted: mpsc::Sender<io::Result<Connection>>,
-) {
-    // `peek` waits for a byte and leaves it for the protocol (`readable` may wake
-    // without data); end of stream passes too, and the server sees the close at once.
-    let mut byte = [0u8; 1];
-    match tokio::time::timeout(deadline, connection.stream.peek(&mut byte)).await {
-        Ok(Ok(_)) => {
-            let _ = accepted.send(Ok(connection)).await;
-        }
-        Ok(Err(_)) | Err(_) => {
-            metrics::counter!("oncegate_connections_refused_total", "limit" => "server.handshake_timeout_ms")
-                .increment(1);
+        let connection = Connection::new(stream, (slot, peer_slot), &slots);
+        if accepted.send(Ok(connection)).await.is_err() {
+            return;
         }
     }
 }
@@ -174,24 +222,78 @@ fn per_connection(error: &io::Error) -> bool {
 }
 
 impl Connected for Connection {
-    type ConnectInfo = TcpConnectInfo;
+    type ConnectInfo = ConnectionInfo;
 
-    fn connect_info(&self) -> TcpConnectInfo {
-        self.stream.connect_info()
+    fn connect_info(&self) -> ConnectionInfo {
+        ConnectionInfo { activity: Arc::clone(&self.activity) }
     }
 }
 
 impl AsyncRead for Connection {
+    /// Reads, unless a deadline passed: then the read fails and the protocol closes the
+    /// connection. The protocol always has a read pending on a connection, so the
+    /// deadline's timer is registered here.
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
+        while self.deadline.as_mut().is_some_and(|deadline| deadline.as_mut().poll(cx).is_ready()) {
+            if let Some(limit) = self.rearm() {
+                metrics::counter!("oncegate_connections_closed_total", "limit" => limit).increment(1);
+                let message = format!("{limit} passed");
+                return Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, message)));
+            }
+        }
         Pin::new(&mut self.stream).poll_read(cx, buf)
     }
 }
 
 impl Connection {
+    fn new(stream: TcpStream, (slot, peer): (OwnedSemaphorePermit, PeerSlot), slots: &Slots) -> Connection {
+        let deadline = Box::pin(tokio::time::sleep(slots.handshake_timeout));
+        Connection {
+            stream,
+            gathered: Vec::new(),
+            yielded: false,
+            activity: Activity::new(),
+            deadline: Some(deadline),
+            idle_timeout: slots.idle_timeout,
+            _slot: slot,
+            _peer: peer,
+        }
+    }
+
+    /// At the deadline: the limit that closes the connection, or none, the deadline moved
+    /// to the next time it could (or gone, when no idle timeout is set). No request head
+    /// yet: the handshake's deadline passed. Otherwise the connection is closed once it
+    /// has carried no request for the idle timeout; while a request is open, it is looked
+    /// at again an idle timeout later.
+    fn rearm(&mut self) -> Option<&'static str> {
+        let activity = &self.activity;
+        if !activity.started.load(Ordering::Acquire) {
+            return Some("server.handshake_timeout_ms");
+        }
+        let Some(idle) = self.idle_timeout else {
+            self.deadline = None;
+            return None;
+        };
+        let now = Instant::now();
+        let next = if activity.open.load(Ordering::Acquire) > 0 {
+            now + idle
+        } else {
+            let until = activity.idle_since() + idle;
+            if until <= now {
+                return Some("server.idle_timeout_ms");
+            }
+            until
+        };
+        if let Some(deadline) = self.deadline.as_mut() {
+            deadline.as_mut().reset(next);
+        }
+        None
+    }
+
     /// Writes what is gathered, as far as the socket takes it.
     fn poll_write_gathered(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         while !self.gathered.is_empty() {
@@ -285,10 +387,11 @@ mod tests {
             connections_max: 1,
             per_peer: Arc::default(),
             per_peer_max: 1,
-            first_bytes: Duration::from_secs(1),
+            handshake_timeout: Duration::from_secs(60),
+            idle_timeout: None,
         };
-        let (slot, peer_slot) = slots.take(stream.peer_addr().unwrap().ip()).unwrap();
-        (Connection { stream, gathered: Vec::new(), yielded: false, _slot: slot, _peer: peer_slot }, peer)
+        let taken = slots.take(stream.peer_addr().unwrap().ip()).unwrap();
+        (Connection::new(stream, taken, &slots), peer)
     }
 
     /// The first flush of a gathering yields (pending, its task woken, nothing written);
