@@ -75,12 +75,7 @@ fn is_gate_call(path: &str) -> bool {
 impl Service<Request<Body>> for Dispatch {
     type Response = Response<Body>;
     type Error = Infallible;
-    type Future = Counted<
-        Either<
-            <Gate as Service<Request<Body>>>::Future,
-            Pin<Box<<Routes as Service<Request<Body>>>::Future>>,
-        >,
-    >;
+    type Future = Counted<Either<<Gate as Service<Request<Body>>>::Future, Answering>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
         // Both are always ready today; asking both keeps that an implementation detail.
@@ -90,15 +85,34 @@ impl Service<Request<Body>> for Dispatch {
 
     fn call(&mut self, request: Request<Body>) -> Self::Future {
         let open = activity(&request).map(Activity::open);
-        let response = if is_gate_call(request.uri().path()) {
+        let grpc = request
+            .headers()
+            .get(axum::http::header::CONTENT_TYPE)
+            .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"));
+        let path = request.uri().path();
+        let response = if grpc && is_gate_call(path) {
             Either::Left(self.gate.call(request))
+        } else if !grpc && names_grpc_method(path) {
+            // tonic would answer `200` with a gRPC status that an HTTP client reads as success.
+            let refused = crate::http::grpc_method_over_http(request.method(), path).map(Body::new);
+            Either::Right(Box::pin(std::future::ready(Ok(refused))) as Answering)
         } else {
             let mut request = request;
             request.extensions_mut().insert(Arrived(tokio::time::Instant::now()));
-            Either::Right(Box::pin(self.routes.call(request)))
+            Either::Right(Box::pin(self.routes.call(request)) as Answering)
         };
         Counted { response, open }
     }
+}
+
+/// A response from the router, or a refusal made here.
+pub(crate) type Answering = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
+
+/// Whether `path` is a gRPC method's (`/package.Service/Method`), of any service.
+fn names_grpc_method(path: &str) -> bool {
+    path.strip_prefix('/')
+        .and_then(|rest| rest.split_once('/'))
+        .is_some_and(|(service, _)| service.contains('.'))
 }
 
 /// The connection a request came on, as the accept loop describes it (none for a
@@ -162,7 +176,16 @@ impl http_body::Body for CountedBody {
 
 #[cfg(test)]
 mod tests {
-    use super::is_gate_call;
+    use super::{is_gate_call, names_grpc_method};
+
+    #[test]
+    fn a_grpc_method_is_named_by_a_package_qualified_service() {
+        assert!(names_grpc_method("/oncegate.v1.Gate/Reserve"));
+        assert!(names_grpc_method("/grpc.health.v1.Health/Check"));
+        assert!(!names_grpc_method("/v1/reserve"));
+        assert!(!names_grpc_method("/v1/namespaces/a.b/keys/k"));
+        assert!(!names_grpc_method("/"));
+    }
 
     #[test]
     fn only_a_method_of_the_gate_service_is_a_gate_call() {

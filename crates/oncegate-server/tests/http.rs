@@ -402,3 +402,51 @@ async fn bytes_in_either_base64_alphabet_and_null_fields_are_read() {
     assert_eq!(ok(&view)["response"], json!("+/8="));
     server.stop().await;
 }
+
+/// A body still arriving at the call's deadline is given up with a `408` problem
+/// document, before tonic's own timeout would answer `200` with a gRPC status (which a
+/// client that checks the HTTP status took for success).
+#[tokio::test]
+async fn a_body_that_does_not_arrive_by_the_deadline_is_answered_408() {
+    let server = start_with(|c| {
+        c.engine.limits.wait_ms_max = 500;
+        c.server.request_timeout_ms = 1_500;
+    })
+    .await;
+    let request = "POST /v1/reserve HTTP/1.1\r\nHost: oncegate\r\nConnection: close\r\n\
+        Content-Type: application/json\r\nContent-Length: 40\r\n\r\n{\"namespace\": ";
+    let answer = raw(server.addr, request).await;
+    let (head, document) = answer.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(!head.to_ascii_lowercase().contains("grpc-status"), "{answer}");
+    let document: Value = serde_json::from_str(document).unwrap();
+    assert_eq!(document["code"], json!("unavailable"), "{document}");
+    assert!(document["detail"].as_str().unwrap().starts_with("the body did not arrive within 1000 ms"));
+    server.stop().await;
+}
+
+/// A body whose `Content-Length` is over the limit is refused at once, before any of it
+/// is read.
+#[tokio::test]
+async fn a_body_declared_over_the_limit_is_answered_413_at_once() {
+    let server = start_with(|_| {}).await;
+    let request = "POST /v1/reserve HTTP/1.1\r\nHost: oncegate\r\nConnection: close\r\n\
+        Content-Type: application/json\r\nContent-Length: 100000000\r\n\r\n";
+    let answer = raw(server.addr, request).await;
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(answer.contains("the body is 100000000 bytes; the limit is"), "{answer}");
+    server.stop().await;
+}
+
+/// A gRPC method asked as plain HTTP gets a problem document, not tonic's `200` with a
+/// `grpc-status` header.
+#[tokio::test]
+async fn a_grpc_method_asked_as_json_is_answered_with_a_problem_document() {
+    let server = start_with(|_| {}).await;
+    for path in ["/oncegate.v1.Gate/Reserve", "/oncegate.v1.Admin/Stats", "/grpc.health.v1.Health/Check"] {
+        let asked = post(&server, path, None, &json!({"namespace": "live", "key": "k"})).await;
+        problem(&asked, 415, "invalid_argument");
+        assert!(asked.header("grpc-status").is_none(), "{path}: {}", asked.headers);
+    }
+    server.stop().await;
+}

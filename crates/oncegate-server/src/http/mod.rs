@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use axum::Json;
 use axum::extract::rejection::{JsonRejection, PathRejection};
-use axum::extract::{DefaultBodyLimit, FromRequestParts, Path, State};
+use axum::extract::{DefaultBodyLimit, FromRequest, FromRequestParts, Path, State};
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -47,6 +47,8 @@ pub(crate) struct Http {
     answer_within: Duration,
     /// `server.metadata_bytes_max`, counted as HTTP/2 counts a header list.
     header_bytes_max: usize,
+    /// The largest body: `server.message_bytes_max` and a third (base64), and 1 KiB.
+    body_bytes_max: usize,
 }
 
 /// How long an HTTP call may take from its arrival: `server.request_timeout_ms` less
@@ -66,7 +68,8 @@ const ANSWER_MARGIN: Duration = Duration::from_millis(500);
 pub(crate) fn router(gate: GateService, message_bytes_max: usize, header_bytes_max: usize) -> axum::Router {
     let document: Arc<str> = openapi_json().into();
     let answer_within = answer_within(gate.request_timeout);
-    let http = Http { gate, answer_within, header_bytes_max };
+    let body_bytes_max = message_bytes_max + message_bytes_max / 3 + 1_024;
+    let http = Http { gate, answer_within, header_bytes_max, body_bytes_max };
     axum::Router::new()
         .route("/v1/reserve", post(reserve))
         .route("/v1/commit", post(commit))
@@ -76,7 +79,7 @@ pub(crate) fn router(gate: GateService, message_bytes_max: usize, header_bytes_m
         .with_state(http)
         .route(OPENAPI_PATH, get(move || openapi(Arc::clone(&document))))
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(DefaultBodyLimit::max(message_bytes_max + message_bytes_max / 3 + 1_024))
+        .layer(DefaultBodyLimit::max(body_bytes_max))
 }
 
 /// What the shared port answers when no route matches: gRPC's `unimplemented` to a gRPC
@@ -96,6 +99,16 @@ pub(crate) async fn fallback(request: axum::extract::Request) -> Response {
         request.uri().path()
     );
     problem_document(StatusCode::NOT_FOUND, Code::InvalidArgument, detail, None, None, None)
+}
+
+/// A gRPC method asked as plain HTTP (no `application/grpc` content type): a `415`
+/// problem document pointing at the JSON API.
+pub(crate) fn grpc_method_over_http(method: &axum::http::Method, path: &str) -> Response {
+    let detail = format!(
+        "{method} {path} is a gRPC method: send it as application/grpc; the HTTP/JSON API is described at \
+         {OPENAPI_PATH}"
+    );
+    problem_document(StatusCode::UNSUPPORTED_MEDIA_TYPE, Code::InvalidArgument, detail, None, None, None)
 }
 
 /// A known path asked with another method: a `405` problem document (axum adds `Allow`),
@@ -194,8 +207,53 @@ impl From<Response> for Unread {
     }
 }
 
-/// A body as axum reads it: the operation's JSON, or why not.
-type BodyOf<B> = Result<Json<B>, JsonRejection>;
+/// A body as an operation reads it: its JSON, or the answer saying why not. A body whose
+/// `Content-Length` is over the limit is refused at once (`413`), and one that has not
+/// arrived by the call's deadline is given up (`408`): reading it is part of the call,
+/// which answers before tonic's own timeout would (in gRPC's terms, an HTTP `200`).
+struct BodyOf<B>(Result<B, Unread>);
+
+impl<B: serde::de::DeserializeOwned> FromRequest<Http> for BodyOf<B> {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request(request: axum::extract::Request, http: &Http) -> Result<Self, Self::Rejection> {
+        let arrived = request.extensions().get::<Arrived>().map_or_else(Instant::now, |Arrived(at)| *at);
+        let length =
+            request.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse().ok());
+        if let Some(length) = length.filter(|length: &u64| *length > http.body_bytes_max as u64) {
+            let detail = format!(
+                "the body is {length} bytes; the limit is {} (server.message_bytes_max and a third, for base64)",
+                http.body_bytes_max
+            );
+            let status = StatusCode::PAYLOAD_TOO_LARGE;
+            return Ok(BodyOf(Err(problem_document(
+                status,
+                Code::InvalidArgument,
+                detail,
+                None,
+                None,
+                None,
+            )
+            .into())));
+        }
+        let read =
+            tokio::time::timeout_at(arrived + http.answer_within, Json::<B>::from_request(request, http));
+        Ok(BodyOf(match read.await {
+            Ok(Ok(Json(body))) => Ok(body),
+            Ok(Err(rejection)) => Err(bad_body(&rejection).into()),
+            Err(_) => {
+                let detail = format!(
+                    "the body did not arrive within {} ms (server.request_timeout_ms less {} ms, from the \
+                     request's arrival)",
+                    http.answer_within.as_millis(),
+                    ANSWER_MARGIN.as_millis()
+                );
+                let status = StatusCode::REQUEST_TIMEOUT;
+                Err(problem_document(status, Code::Unavailable, detail, None, None, None).into())
+            }
+        }))
+    }
+}
 
 /// What [`call`] needs of a request besides its message, extracted with it.
 struct Head {
@@ -227,9 +285,8 @@ fn header_list_bytes(headers: &HeaderMap) -> usize {
 const GRPC_TIMEOUT: &str = "grpc-timeout";
 
 /// The four `POST` operations: the body, then [`call`].
-async fn handle<B: Body>(State(http): State<Http>, head: Head, body: BodyOf<B>) -> Response {
-    let message = body.map_err(|rejection| Unread::from(bad_body(&rejection)));
-    let message = message.and_then(|Json(body)| body.into_wire().map_err(|refusal| problem(&refusal).into()));
+async fn handle<B: Body>(State(http): State<Http>, head: Head, BodyOf(body): BodyOf<B>) -> Response {
+    let message = body.and_then(|body| body.into_wire().map_err(|refusal| problem(&refusal).into()));
     call(&http, &head, message, B::answer).await
 }
 
@@ -377,6 +434,9 @@ enum Refused {
 #[derive(utoipa::IntoResponses)]
 #[expect(dead_code, reason = "describes the answers in the OpenAPI document; never built")]
 enum BodyRefused {
+    /// The body did not arrive before the call's deadline.
+    #[response(status = 408, content_type = "application/problem+json")]
+    TooSlow(Problem),
     /// The body is over `server.message_bytes_max` (and a third, for base64).
     #[response(status = 413, content_type = "application/problem+json")]
     TooLarge(Problem),
