@@ -109,7 +109,7 @@ async fn serve(args: ProxyArgs) -> anyhow::Result<()> {
         }
         let router = oncegate_proxy::router(builder.connect().await?, config.clone());
         eprintln!("oncegate proxy: listening on {addr}, forwarding to {}, keys on {url}", config.upstream);
-        axum::serve(listener, router).with_graceful_shutdown(shutdown).await?;
+        oncegate_proxy::serve(listener, router, &config, shutdown).await?;
         return Ok(());
     }
     let data_dir = file.engine.data_dir.clone();
@@ -129,7 +129,7 @@ async fn serve(args: ProxyArgs) -> anyhow::Result<()> {
         config.upstream,
         data_dir.display()
     );
-    axum::serve(listener, router).with_graceful_shutdown(shutdown).await?;
+    oncegate_proxy::serve(listener, router, &config, shutdown).await?;
     tokio::task::spawn_blocking(move || engine.shutdown()).await?;
     Ok(())
 }

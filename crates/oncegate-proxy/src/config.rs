@@ -34,6 +34,20 @@ pub struct ProxyConfig {
     pub wait_ms: u64,
     /// How long the upstream may take; the key's lease is renewed meanwhile.
     pub upstream_timeout_ms: u64,
+    /// How long a passed-through answer's body may pause between two of its frames
+    /// before the proxy gives it up (the caller's connection is then closed).
+    pub upstream_body_idle_ms: u64,
+    /// How long a guarded request's body may take to arrive (`408` past it): the proxy
+    /// reads it whole, for the fingerprint, before the key is reserved.
+    pub body_read_timeout_ms: u64,
+    /// Callers' connections open at once; one more is closed as soon as it is accepted.
+    pub connections_max: usize,
+    /// A caller's request head (its first, and each later one once it starts) must arrive
+    /// within this; otherwise the connection is closed.
+    pub header_read_timeout_ms: u64,
+    /// A caller's connection that carries no request for this long is closed; 0 keeps
+    /// idle connections.
+    pub idle_timeout_ms: u64,
     /// How long an answer is kept for replays.
     pub ttl_ms: u64,
     /// Request headers that are part of the payload (its fingerprint).
@@ -68,6 +82,11 @@ impl Default for ProxyConfig {
             stored_bytes_max: 60 * 1024,
             wait_ms: 5_000,
             upstream_timeout_ms: 25_000,
+            upstream_body_idle_ms: 25_000,
+            body_read_timeout_ms: 10_000,
+            connections_max: 1_024,
+            header_read_timeout_ms: 10_000,
+            idle_timeout_ms: 60_000,
             ttl_ms: 86_400_000,
             fingerprint_headers: vec![header::CONTENT_TYPE],
             stored_headers: vec![header::CONTENT_TYPE, header::LOCATION],
@@ -144,6 +163,11 @@ pub struct ProxyFile {
     stored_bytes_max: Option<u64>,
     wait_ms: Option<u64>,
     upstream_timeout_ms: Option<u64>,
+    upstream_body_idle_ms: Option<u64>,
+    body_read_timeout_ms: Option<u64>,
+    connections_max: Option<u64>,
+    header_read_timeout_ms: Option<u64>,
+    idle_timeout_ms: Option<u64>,
     ttl_ms: Option<u64>,
     fingerprint_headers: Option<Vec<String>>,
     stored_headers: Option<Vec<String>>,
@@ -232,6 +256,21 @@ impl ProxyFile {
             Unit::Ms,
         );
         config.ttl_ms = within("ttl_ms", self.ttl_ms, config.ttl_ms, 1_000, MS_CEILING, Unit::Ms);
+        let idle = config.upstream_body_idle_ms;
+        config.upstream_body_idle_ms =
+            within("upstream_body_idle_ms", self.upstream_body_idle_ms, idle, 100, 3_600_000, Unit::Ms);
+        let body = config.body_read_timeout_ms;
+        config.body_read_timeout_ms =
+            within("body_read_timeout_ms", self.body_read_timeout_ms, body, 100, 600_000, Unit::Ms);
+        let connections = config.connections_max as u64;
+        config.connections_max =
+            within("connections_max", self.connections_max, connections, 1, 1 << 20, Unit::Count) as usize;
+        let head = config.header_read_timeout_ms;
+        config.header_read_timeout_ms =
+            within("header_read_timeout_ms", self.header_read_timeout_ms, head, 100, 600_000, Unit::Ms);
+        let idle = config.idle_timeout_ms;
+        config.idle_timeout_ms =
+            within("idle_timeout_ms", self.idle_timeout_ms, idle, 0, 86_400_000, Unit::Ms);
     }
 
     /// Everything written as text: the upstream, methods, header names, statuses, the

@@ -22,7 +22,9 @@ mod payload;
 mod problem;
 mod stored;
 
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::Body;
@@ -52,6 +54,73 @@ pub fn router<G: Gate + Clone + 'static>(gate: G, config: ProxyConfig) -> axum::
     let upstream = HttpClient::builder(TokioExecutor::new()).build_http();
     let proxy = Arc::new(Proxy { gate, upstream, config });
     axum::Router::new().fallback(handle::<G>).with_state(proxy)
+}
+
+/// Serves `router` (the proxy) on `listener` within the listener limits of `config`
+/// until `shutdown`; requests in flight then get the upstream's timeout to finish.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    router: axum::Router,
+    config: &ProxyConfig,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> std::io::Result<()> {
+    let ms = Duration::from_millis;
+    let limits = oncegate_server::serve_http::HttpLimits {
+        connections_max: (config.connections_max, "proxy.connections_max"),
+        request_head: (ms(config.header_read_timeout_ms), "proxy.header_read_timeout_ms"),
+        idle: (config.idle_timeout_ms > 0).then(|| (ms(config.idle_timeout_ms), "proxy.idle_timeout_ms")),
+        grace: ms(config.upstream_timeout_ms),
+    };
+    oncegate_server::serve_http::serve_router(listener, router, limits, shutdown).await
+}
+
+/// An upstream answer's body that fails once it pauses longer than `idle` between two
+/// frames: a stalled upstream must not hold the caller's connection (nor, for a guarded
+/// request, the key) for ever.
+struct IdleBody<B> {
+    body: B,
+    idle: Duration,
+    timer: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl<B> IdleBody<B> {
+    fn new(body: B, idle: Duration) -> IdleBody<B> {
+        IdleBody { body, idle, timer: Box::pin(tokio::time::sleep(idle)) }
+    }
+}
+
+impl<B> http_body::Body for IdleBody<B>
+where
+    B: http_body::Body<Data = axum::body::Bytes> + Unpin,
+    B::Error: Into<axum::BoxError>,
+{
+    type Data = axum::body::Bytes;
+    type Error = axum::BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<axum::body::Bytes>, axum::BoxError>>> {
+        if let Poll::Ready(frame) = Pin::new(&mut self.body).poll_frame(cx) {
+            let next = tokio::time::Instant::now() + self.idle;
+            self.timer.as_mut().reset(next);
+            return Poll::Ready(frame.map(|frame| frame.map_err(Into::into)));
+        }
+        if self.timer.as_mut().poll(cx).is_ready() {
+            let idle = self.idle.as_millis();
+            let error = format!("the upstream's body paused longer than upstream_body_idle_ms ({idle} ms)");
+            return Poll::Ready(Some(Err(error.into())));
+        }
+        Poll::Pending
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
 }
 
 /// An upstream answer that is not stored: it goes back to the caller as it came, and the
@@ -107,14 +176,29 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
         self.check_headers(request.headers())?;
         let key = self.record_key(&request, &key)?;
         let (parts, body) = request.into_parts();
-        let body = axum::body::to_bytes(body, self.config.body_bytes_max).await.map_err(|_| {
-            Problem::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "Request body too large",
-                "invalid_argument",
-                format!("the body passes body_bytes_max ({} bytes)", self.config.body_bytes_max),
-            )
-        })?;
+        let read = axum::body::to_bytes(body, self.config.body_bytes_max);
+        let within = Duration::from_millis(self.config.body_read_timeout_ms);
+        let body = tokio::time::timeout(within, read)
+            .await
+            .map_err(|_| {
+                Problem::new(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "Request body too slow",
+                    "unavailable",
+                    format!(
+                        "the body did not arrive within body_read_timeout_ms ({} ms)",
+                        within.as_millis()
+                    ),
+                )
+            })?
+            .map_err(|_| {
+                Problem::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "Request body too large",
+                    "invalid_argument",
+                    format!("the body passes body_bytes_max ({} bytes)", self.config.body_bytes_max),
+                )
+            })?;
         let reserve = ReserveRequest {
             namespace: self.config.namespace.clone(),
             key,
@@ -266,7 +350,8 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
             Ok(Ok(response)) => {
                 let (mut parts, body) = response.into_parts();
                 strip_hop_by_hop(&mut parts.headers);
-                Ok(Response::from_parts(parts, Body::new(body)))
+                let idle = Duration::from_millis(self.config.upstream_body_idle_ms);
+                Ok(Response::from_parts(parts, Body::new(IdleBody::new(body, idle))))
             }
             Ok(Err(error)) if error.is_connect() => {
                 Err(Upstream::NotSent(bad_gateway(format!("the upstream could not be reached: {error}"))))

@@ -100,6 +100,14 @@ async fn upstream(counts: Arc<Counts>) -> String {
             }),
         )
         .route(
+            "/stall",
+            axum::routing::get(|| async {
+                // One chunk, then nothing, for ever: an upstream that stalls mid-body.
+                let first = futures_util::stream::once(async { Ok::<_, std::io::Error>("first chunk") });
+                Body::from_stream(futures_util::StreamExt::chain(first, futures_util::stream::pending()))
+            }),
+        )
+        .route(
             "/soft",
             post(move || async move {
                 let n = soft.soft.fetch_add(1, Ordering::SeqCst) + 1;
@@ -492,4 +500,103 @@ async fn every_value_of_a_stored_header_is_replayed() {
     assert!(replay_headers.get(header::SET_COOKIE).is_none(), "{replay_headers:?}");
     // The first caller gets its cookie, from the upstream's answer rather than the store.
     assert_eq!(first_headers.get(header::SET_COOKIE).unwrap(), "session=first-caller");
+}
+
+/// Sends `bytes` on a new connection to `addr` (`host:port`), then reads until the proxy
+/// closes it; what it read. The read timeout is a safety net for a broken proxy (the test
+/// then fails on the error), not a measurement.
+async fn sent_then_closed(addr: &str, bytes: &'static [u8]) -> std::io::Result<Vec<u8>> {
+    let addr = addr.trim_start_matches("http://").to_owned();
+    tokio::task::spawn_blocking(move || {
+        use std::io::{Read, Write};
+        let mut socket = std::net::TcpStream::connect(addr)?;
+        socket.set_read_timeout(Some(Duration::from_secs(60)))?;
+        socket.write_all(bytes)?;
+        let mut read = Vec::new();
+        socket.read_to_end(&mut read)?;
+        Ok(read)
+    })
+    .await
+    .unwrap()
+}
+
+/// A guarded request's body must arrive within `body_read_timeout_ms`: past it the caller
+/// gets a `408` problem and nothing was reserved. (The body was read with no deadline.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guarded_body_that_does_not_arrive_in_time_is_answered_408() {
+    let setup = setup(|c| c.body_read_timeout_ms = 200).await;
+    let request = b"POST /orders HTTP/1.1\r\nHost: proxy\r\nIdempotency-Key: slow-body\r\n\
+        Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"partial\": ";
+    let answer = sent_then_closed(&setup.proxy, request).await.expect("answered and closed");
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("body_read_timeout_ms (200 ms)"), "{answer}");
+    assert_eq!(setup.counts.orders.load(Ordering::SeqCst), 0, "nothing went upstream");
+}
+
+/// A passed-through answer whose body stalls is cut after `upstream_body_idle_ms`: the
+/// caller's read ends instead of waiting for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_passed_through_body_that_stalls_is_cut_at_its_idle_timeout() {
+    let setup = setup(|c| c.upstream_body_idle_ms = 200).await;
+    let request = b"GET /stall HTTP/1.1\r\nHost: proxy\r\n\r\n";
+    let answer = sent_then_closed(&setup.proxy, request).await.expect("the stalled body is cut");
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200") && answer.contains("first chunk"), "{answer}");
+}
+
+/// The proxy's listener: a connection must send a request head within
+/// `header_read_timeout_ms`, and past `connections_max` a connection is closed unanswered.
+/// (It was served by plain `axum::serve`: no header timeout and no limit, so 80 silent
+/// connections exhausted a proxy with 64 file descriptors.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_listener_times_request_heads_and_limits_connections() {
+    let counts = Arc::new(Counts::default());
+    let dir = tempfile::tempdir().unwrap();
+    let engine =
+        Engine::open(EngineConfig { data_dir: dir.path().to_owned(), ..EngineConfig::default() }).unwrap();
+    let config = ProxyConfig {
+        upstream: upstream(Arc::clone(&counts)).await,
+        header_read_timeout_ms: 200,
+        connections_max: 2,
+        ..ProxyConfig::default()
+    };
+    let router = oncegate_proxy::router(engine.gate(oncegate_core::Tenant::default_tenant()), config.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn(async move {
+        oncegate_proxy::serve(listener, router, &config, async {
+            let _ = stopped.await;
+        })
+        .await
+    });
+
+    for silent in [&b""[..], b"P", b"POST /orders HTTP/1.1\r\nHost: pro"] {
+        let closed = sent_then_closed(&addr, silent).await;
+        assert!(closed.is_ok(), "{:?} was not closed: {closed:?}", String::from_utf8_lossy(silent));
+    }
+    // Two connections hold both places (each has a request open: a body that stalls);
+    // the third is closed at once, unanswered.
+    let mut holders = Vec::new();
+    for _ in 0..2 {
+        let holder = tokio::task::spawn_blocking({
+            let addr = addr.clone();
+            move || {
+                use std::io::{Read, Write};
+                let mut holder = std::net::TcpStream::connect(addr).unwrap();
+                holder.write_all(b"GET /stall HTTP/1.1\r\nHost: proxy\r\n\r\n").unwrap();
+                holder.read_exact(&mut [0u8; 12]).unwrap();
+                holder
+            }
+        });
+        holders.push(holder.await.unwrap());
+    }
+    let third = sent_then_closed(&addr, b"GET /stall HTTP/1.1\r\nHost: proxy\r\n\r\n").await;
+    let unanswered = matches!(&third, Ok(read) if read.is_empty())
+        || matches!(&third, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset);
+    assert!(unanswered, "the third connection is closed unanswered: {third:?}");
+    drop(holders);
+    let _ = stop.send(());
+    served.await.unwrap().unwrap();
 }

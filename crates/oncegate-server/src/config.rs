@@ -136,6 +136,10 @@ pub struct ServerConfig {
     /// The listener of `/metrics`, `/healthz` and `/readyz`, kept off the gRPC port
     /// because the metrics name every tenant and its traffic.
     pub metrics_listen: SocketAddr,
+    /// Open connections to the metrics listener; one more is closed as soon as it is
+    /// accepted. Its connections have the gRPC port's `handshake_timeout_ms` and
+    /// `idle_timeout_ms`.
+    pub metrics_connections_max: usize,
     /// The server's certificate chain (PEM); with `tls_key_path`, the gRPC port speaks
     /// TLS only.
     pub tls_cert_path: Option<PathBuf>,
@@ -207,6 +211,7 @@ impl Default for ServerConfig {
             shutdown_grace_ms: 10_000,
             connections_max: 4_096,
             metrics_listen: SocketAddr::from(([127, 0, 0, 1], 9464)),
+            metrics_connections_max: 64,
             tls_cert_path: None,
             tls_key_path: None,
             tls_client_ca_path: None,
@@ -467,6 +472,8 @@ impl Config {
         problems.within(&field("health_poll_ms"), server.health_poll_ms, 10, 60_000, Unit::Ms);
         problems.within(&field("shutdown_grace_ms"), server.shutdown_grace_ms, 0, 600_000, Unit::Ms);
         problems.within(&field("connections_max"), server.connections_max as u64, 1, 1 << 20, Unit::Count);
+        let metrics_connections = server.metrics_connections_max as u64;
+        problems.within(&field("metrics_connections_max"), metrics_connections, 1, 65_536, Unit::Count);
         let handshake = server.handshake_timeout_ms;
         problems.within(&field("handshake_timeout_ms"), handshake, 100, 60_000, Unit::Ms);
         problems.within(&field("idle_timeout_ms"), server.idle_timeout_ms, 0, 86_400_000, Unit::Ms);

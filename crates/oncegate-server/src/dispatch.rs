@@ -17,10 +17,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
-use axum::body::Bytes;
 use axum::http::{Request, Response};
 use futures_util::future::Either;
-use http_body::{Frame, SizeHint};
 use oncegate_proto::v1::gate_server::GateServer;
 use tonic::body::Body;
 use tonic::server::NamedService;
@@ -28,8 +26,9 @@ use tonic::service::Routes;
 use tonic::transport::server::TlsConnectInfo;
 use tower::{Layer, Service};
 
+use crate::activity::{Activity, CountedBody, Open};
 use crate::gate::GateService;
-use crate::listen::{Activity, ConnectionInfo, Open};
+use crate::listen::ConnectionInfo;
 
 type Gate = GateServer<GateService>;
 
@@ -140,37 +139,10 @@ where
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let Ok(response) = ready!(Pin::new(&mut self.response).poll(cx));
         let response = match self.open.take() {
-            Some(open) => response.map(|body| Body::new(CountedBody { body, _open: open })),
+            Some(open) => response.map(|body| Body::new(CountedBody::new(body, open))),
             None => response,
         };
         Poll::Ready(Ok(response))
-    }
-}
-
-/// A response's body, holding its request open on its connection until it is dropped
-/// (it ended, or the stream was reset).
-struct CountedBody {
-    body: Body,
-    _open: Open,
-}
-
-impl http_body::Body for CountedBody {
-    type Data = Bytes;
-    type Error = tonic::Status;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
     }
 }
 

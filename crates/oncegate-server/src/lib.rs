@@ -5,6 +5,7 @@
 //! The binary (`oncegate serve`) reads a [`Config`], opens the engine and calls
 //! [`serve`]; tests do the same on port 0.
 
+mod activity;
 mod admin;
 mod auth;
 pub mod config;
@@ -12,6 +13,7 @@ mod dispatch;
 mod gate;
 pub mod http;
 mod listen;
+pub mod serve_http;
 mod session;
 mod status;
 pub mod telemetry;
@@ -125,7 +127,7 @@ pub async fn serve(
     let poll = Duration::from_millis(server.health_poll_ms);
     let health_task = tokio::spawn(report_health(engine.clone(), reporter, poll, stopping.clone()));
     let metrics_task =
-        listeners.metrics.map(|listener| spawn_metrics(listener, engine.clone(), stopping.clone()));
+        listeners.metrics.map(|listener| spawn_metrics(listener, engine.clone(), server, stopping.clone()));
     let signal = async move {
         shutdown.await;
         let _ = stopping_tx.send(true);
@@ -195,6 +197,7 @@ fn transport(
 fn spawn_metrics(
     listener: TcpListener,
     engine: Engine,
+    server: &ServerConfig,
     stopping: tokio::sync::watch::Receiver<bool>,
 ) -> tokio::task::JoinHandle<()> {
     if let Ok(addr) = listener.local_addr()
@@ -202,8 +205,15 @@ fn spawn_metrics(
     {
         tracing::warn!(%addr, "metrics are served off loopback; they name every tenant and its traffic");
     }
+    let limits = serve_http::HttpLimits {
+        connections_max: (server.metrics_connections_max, "server.metrics_connections_max"),
+        request_head: (Duration::from_millis(server.handshake_timeout_ms), "server.handshake_timeout_ms"),
+        idle: (server.idle_timeout_ms > 0)
+            .then(|| (Duration::from_millis(server.idle_timeout_ms), "server.idle_timeout_ms")),
+        grace: Duration::from_millis(server.shutdown_grace_ms),
+    };
     tokio::spawn(async move {
-        if let Err(error) = telemetry::serve(listener, engine, stopping).await {
+        if let Err(error) = telemetry::serve(listener, engine, limits, stopping).await {
             tracing::error!(%error, "the metrics listener failed");
         }
     })

@@ -3,15 +3,13 @@
 //! that never stall the server. Each connection has deadlines of its own: its first
 //! request head (TLS handshake and HTTP/2 preface included) within
 //! `server.handshake_timeout_ms`, and, when it carries no request, `server.idle_timeout_ms`
-//! until it is closed. The dispatcher ([`crate::dispatch`]) tells a connection's
-//! [`Activity`] when a request starts and when its response ends.
+//! until it is closed (`activity.rs`). The dispatcher ([`crate::dispatch`]) tells a
+//! connection's [`Activity`] when a request starts and when its response ends.
 
 use std::collections::HashMap;
-use std::future::Future;
 use std::io;
 use std::net::IpAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -19,11 +17,11 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
-use tokio::time::{Instant, Sleep};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::Connected;
 
 use crate::ServerConfig;
+use crate::activity::{Activity, Deadlines, Limits};
 
 /// After an accept error that is not about one connection (out of file descriptors,
 /// out of memory), the loop pauses this long instead of spinning on the same error.
@@ -50,62 +48,10 @@ pub(crate) struct Connection {
     gathered: Vec<u8>,
     /// Whether this gathering's flush has yielded once.
     yielded: bool,
-    /// What the protocol does on it, and its next deadline (none once only an idle
-    /// timeout of 0, which is none, is left).
-    activity: Arc<Activity>,
-    deadline: Option<Pin<Box<Sleep>>>,
-    idle_timeout: Option<Duration>,
+    /// Its deadlines, and what the protocol does on it.
+    deadlines: Deadlines,
     _slot: OwnedSemaphorePermit,
     _peer: PeerSlot,
-}
-
-/// What the protocol does on one connection, as its deadlines read it: whether a request
-/// head arrived, how many requests are open (a response whose body has not ended), and
-/// since when none is.
-#[derive(Debug)]
-pub(crate) struct Activity {
-    started: AtomicBool,
-    open: AtomicUsize,
-    /// When `open` last fell to 0 (or the connection was accepted), in ms after `origin`.
-    idle_since_ms: AtomicU64,
-    origin: Instant,
-}
-
-/// One open request on a connection; dropping it (its response ended) may start the
-/// connection's idle time.
-pub(crate) struct Open(Arc<Activity>);
-
-impl Activity {
-    fn new() -> Arc<Activity> {
-        let origin = Instant::now();
-        Arc::new(Activity {
-            started: AtomicBool::new(false),
-            open: AtomicUsize::new(0),
-            idle_since_ms: AtomicU64::new(0),
-            origin,
-        })
-    }
-
-    /// A request's head arrived: it is open until the returned guard drops.
-    pub(crate) fn open(self: &Arc<Self>) -> Open {
-        self.started.store(true, Ordering::Release);
-        self.open.fetch_add(1, Ordering::AcqRel);
-        Open(Arc::clone(self))
-    }
-
-    fn idle_since(&self) -> Instant {
-        self.origin + Duration::from_millis(self.idle_since_ms.load(Ordering::Acquire))
-    }
-}
-
-impl Drop for Open {
-    fn drop(&mut self) {
-        let activity = &self.0;
-        if activity.open.fetch_sub(1, Ordering::AcqRel) == 1 {
-            let since = activity.origin.elapsed().as_millis() as u64;
-            activity.idle_since_ms.store(since, Ordering::Release);
-        }
-    }
 }
 
 /// What tonic puts in each request's extensions: the connection's [`Activity`].
@@ -120,8 +66,7 @@ struct Slots {
     connections_max: usize,
     per_peer: Arc<Mutex<HashMap<IpAddr, usize>>>,
     per_peer_max: usize,
-    handshake_timeout: Duration,
-    idle_timeout: Option<Duration>,
+    deadlines: Limits,
 }
 
 /// One of a peer address's connection slots; dropping it gives the slot back.
@@ -168,8 +113,14 @@ pub(crate) fn incoming(
         connections_max: server.connections_max,
         per_peer: Arc::default(),
         per_peer_max: server.connections_per_peer_max,
-        handshake_timeout: Duration::from_millis(server.handshake_timeout_ms),
-        idle_timeout: (server.idle_timeout_ms > 0).then(|| Duration::from_millis(server.idle_timeout_ms)),
+        deadlines: Limits {
+            first_request: (
+                Duration::from_millis(server.handshake_timeout_ms),
+                "server.handshake_timeout_ms",
+            ),
+            idle: (server.idle_timeout_ms > 0)
+                .then(|| (Duration::from_millis(server.idle_timeout_ms), "server.idle_timeout_ms")),
+        },
     };
     let (accepted, incoming) = mpsc::channel(16);
     tokio::spawn(accept_loop(listener, slots, accepted));
@@ -214,7 +165,7 @@ async fn accept_loop(listener: TcpListener, slots: Slots, accepted: mpsc::Sender
 }
 
 /// Errors that concern only the connection being accepted.
-fn per_connection(error: &io::Error) -> bool {
+pub(crate) fn per_connection(error: &io::Error) -> bool {
     matches!(
         error.kind(),
         io::ErrorKind::ConnectionAborted | io::ErrorKind::ConnectionReset | io::ErrorKind::Interrupted
@@ -225,25 +176,20 @@ impl Connected for Connection {
     type ConnectInfo = ConnectionInfo;
 
     fn connect_info(&self) -> ConnectionInfo {
-        ConnectionInfo { activity: Arc::clone(&self.activity) }
+        ConnectionInfo { activity: Arc::clone(self.deadlines.activity()) }
     }
 }
 
 impl AsyncRead for Connection {
     /// Reads, unless a deadline passed: then the read fails and the protocol closes the
-    /// connection. The protocol always has a read pending on a connection, so the
-    /// deadline's timer is registered here.
+    /// connection.
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        while self.deadline.as_mut().is_some_and(|deadline| deadline.as_mut().poll(cx).is_ready()) {
-            if let Some(limit) = self.rearm() {
-                metrics::counter!("oncegate_connections_closed_total", "limit" => limit).increment(1);
-                let message = format!("{limit} passed");
-                return Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, message)));
-            }
+        if let Poll::Ready(passed) = self.deadlines.poll_passed(cx) {
+            return Poll::Ready(Err(passed));
         }
         Pin::new(&mut self.stream).poll_read(cx, buf)
     }
@@ -251,47 +197,14 @@ impl AsyncRead for Connection {
 
 impl Connection {
     fn new(stream: TcpStream, (slot, peer): (OwnedSemaphorePermit, PeerSlot), slots: &Slots) -> Connection {
-        let deadline = Box::pin(tokio::time::sleep(slots.handshake_timeout));
         Connection {
             stream,
             gathered: Vec::new(),
             yielded: false,
-            activity: Activity::new(),
-            deadline: Some(deadline),
-            idle_timeout: slots.idle_timeout,
+            deadlines: Deadlines::new(slots.deadlines),
             _slot: slot,
             _peer: peer,
         }
-    }
-
-    /// At the deadline: the limit that closes the connection, or none, the deadline moved
-    /// to the next time it could (or gone, when no idle timeout is set). No request head
-    /// yet: the handshake's deadline passed. Otherwise the connection is closed once it
-    /// has carried no request for the idle timeout; while a request is open, it is looked
-    /// at again an idle timeout later.
-    fn rearm(&mut self) -> Option<&'static str> {
-        let activity = &self.activity;
-        if !activity.started.load(Ordering::Acquire) {
-            return Some("server.handshake_timeout_ms");
-        }
-        let Some(idle) = self.idle_timeout else {
-            self.deadline = None;
-            return None;
-        };
-        let now = Instant::now();
-        let next = if activity.open.load(Ordering::Acquire) > 0 {
-            now + idle
-        } else {
-            let until = activity.idle_since() + idle;
-            if until <= now {
-                return Some("server.idle_timeout_ms");
-            }
-            until
-        };
-        if let Some(deadline) = self.deadline.as_mut() {
-            deadline.as_mut().reset(next);
-        }
-        None
     }
 
     /// Writes what is gathered, as far as the socket takes it.
@@ -387,8 +300,7 @@ mod tests {
             connections_max: 1,
             per_peer: Arc::default(),
             per_peer_max: 1,
-            handshake_timeout: Duration::from_secs(60),
-            idle_timeout: None,
+            deadlines: Limits { first_request: (Duration::from_secs(60), "test"), idle: None },
         };
         let taken = slots.take(stream.peer_addr().unwrap().ip()).unwrap();
         (Connection::new(stream, taken, &slots), peer)

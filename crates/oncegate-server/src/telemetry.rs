@@ -121,11 +121,12 @@ fn process_rss_bytes() -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// Serves the routes on `listener`; once `stopping` is true, `/readyz` fails and the
-/// listener shuts down gracefully.
+/// Serves the routes on `listener` within `limits`; once `stopping` is true, `/readyz`
+/// fails and the listener shuts down gracefully.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     engine: Engine,
+    limits: crate::serve_http::HttpLimits,
     stopping: tokio::sync::watch::Receiver<bool>,
 ) -> std::io::Result<()> {
     handle();
@@ -133,7 +134,7 @@ pub async fn serve(
     let stop = async move {
         let _ = stopped.wait_for(|stopping| *stopping).await;
     };
-    axum::serve(listener, routes(engine, stopping)).with_graceful_shutdown(stop).await
+    crate::serve_http::serve_router(listener, routes(engine, stopping), limits, stop).await
 }
 
 /// The HTTP routes; `/readyz` fails once `stopping` is true.

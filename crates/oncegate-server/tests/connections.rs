@@ -40,8 +40,9 @@ async fn sent_then_closed(addr: SocketAddr, bytes: &'static [u8]) -> std::io::Re
     .unwrap()
 }
 
-/// A connection that sent one byte of its preface, or all of it but no request, is
-/// closed at the handshake deadline. (Only the first byte was timed: eight peers that
+/// A connection that sent one byte of its preface, or all of it but no request, or part
+/// of a request head, is closed at the handshake deadline, on the gRPC port and on the
+/// metrics listener. (Only the first byte was timed: eight peers that
 /// each sent `P` held eight slots for ever.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_without_a_request_head_is_closed_at_the_handshake_deadline() {
@@ -52,6 +53,9 @@ async fn a_connection_without_a_request_head_is_closed_at_the_handshake_deadline
     assert!(!preface.is_empty(), "the server answered the preface with its settings");
     let head = sent_then_closed(server.addr, b"GET /v1/openapi.json HTTP/1.1\r\nHost: local").await;
     assert!(head.is_ok(), "a request head cut short: {head:?}");
+    // The metrics listener keeps the same deadline (it was served by plain `axum::serve`).
+    let metrics = sent_then_closed(server.metrics_addr, b"GET /metr").await;
+    assert!(metrics.is_ok(), "a metrics request head cut short: {metrics:?}");
     let mut client = server.client().await;
     granted(&client.reserve(reserve("after")).await.unwrap().into_inner());
     drop(client);
