@@ -59,6 +59,7 @@ fn start(upstream: &str, dir: &std::path::Path) -> (Child, String) {
 async fn send(http: &Client<HttpConnector, Body>, proxy: &str, key: &str) -> Option<(StatusCode, String)> {
     let request = Request::post(format!("{proxy}/orders"))
         .header("idempotency-key", key)
+        .header("authorization", "Bearer crash-test")
         .body(Body::from("{}"))
         .unwrap();
     let response = http.request(request).await.ok()?;

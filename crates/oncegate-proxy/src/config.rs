@@ -20,8 +20,16 @@ pub struct ProxyConfig {
     /// Path prefixes whose guarded requests must carry a key (`400` without one).
     pub key_required_prefixes: Vec<String>,
     /// The header naming the caller's tenant; `None` scopes keys by a hash of the
-    /// caller's `Authorization` (its bearer token) instead.
+    /// caller's `caller_headers` instead.
     pub tenant_header: Option<HeaderName>,
+    /// The headers that tell callers apart (without `tenant_header`): their values,
+    /// hashed together, are part of every key, so that one caller's key never answers
+    /// another's request. Those the upstream authenticates by: `Authorization`, a cookie,
+    /// an `X-Api-Key`.
+    pub caller_headers: Vec<HeaderName>,
+    /// Whether a guarded request carrying none of `caller_headers` is served, its key
+    /// shared with every other such caller; otherwise it is refused with `400`.
+    pub anonymous_callers_share_keys: bool,
     /// The longest key accepted, in bytes.
     pub key_bytes_max: usize,
     /// The most bytes of request headers (names and values) a guarded request may carry.
@@ -76,6 +84,8 @@ impl Default for ProxyConfig {
             key_header: HeaderName::from_static("idempotency-key"),
             key_required_prefixes: Vec::new(),
             tenant_header: None,
+            caller_headers: vec![header::AUTHORIZATION],
+            anonymous_callers_share_keys: false,
             key_bytes_max: 255,
             headers_bytes_max: 16 * 1024,
             body_bytes_max: 1 << 20,
@@ -157,6 +167,8 @@ pub struct ProxyFile {
     key_header: Option<String>,
     key_required_prefixes: Vec<String>,
     tenant_header: Option<String>,
+    caller_headers: Option<Vec<String>>,
+    anonymous_callers_share_keys: Option<bool>,
     key_bytes_max: Option<u64>,
     headers_bytes_max: Option<u64>,
     body_bytes_max: Option<u64>,
@@ -292,6 +304,16 @@ impl ProxyFile {
         });
         config.tenant_header =
             self.tenant_header.and_then(|name| parse.one("tenant_header", &name, header_name));
+        if let Some(names) = self.caller_headers {
+            config.caller_headers = parse.all("caller_headers", &names, header_name);
+        }
+        config.anonymous_callers_share_keys =
+            self.anonymous_callers_share_keys.unwrap_or(config.anonymous_callers_share_keys);
+        if config.caller_headers.is_empty() && !config.anonymous_callers_share_keys {
+            let detail = "is empty, so every guarded request would be refused: name the headers that tell \
+                          callers apart, or set anonymous_callers_share_keys = true";
+            parse.problems.push(Problem::new("proxy.caller_headers", detail.to_owned()));
+        }
         if let Some(names) = self.fingerprint_headers {
             config.fingerprint_headers = parse.all("fingerprint_headers", &names, header_name);
         }

@@ -138,7 +138,18 @@ async fn handle<G: Gate + Clone + 'static>(
         request.headers_mut().remove(name);
     }
     let guarded = proxy.config.guarded_methods.contains(request.method());
-    let key = request.headers().get(&proxy.config.key_header).cloned();
+    let mut keys = request.headers().get_all(&proxy.config.key_header).iter();
+    let key = keys.next().cloned();
+    if guarded && keys.any(|other| Some(other) != key.as_ref()) {
+        let detail = format!("the request carries two different {} headers", proxy.config.key_header);
+        return Problem::new(
+            StatusCode::BAD_REQUEST,
+            "Conflicting Idempotency-Key",
+            "invalid_argument",
+            detail,
+        )
+        .into_response();
+    }
     match (guarded, key) {
         // On a task of its own: a client that disconnects must not cancel a request the
         // upstream may already be running, or its retry would run it again. The answer is
@@ -274,7 +285,11 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
     }
 
     /// Who is calling, as the record key names it: `t:<tenant>` from the tenant header
-    /// (required when one is configured), else `c:<hash of Authorization>`, else `-`.
+    /// (required when one is configured), else a hash of the caller headers' values:
+    /// `c:<hash>` of `Authorization` alone when that is the one configured and sent (the
+    /// form keys had before the list existed), `h:<hash>` of every configured header's
+    /// name and values otherwise; else `-` where anonymous callers may share keys, and a
+    /// `400` where not.
     fn caller(&self, headers: &HeaderMap) -> Result<String, Problem> {
         if let Some(name) = &self.config.tenant_header {
             let tenant = headers
@@ -287,13 +302,36 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
                 Problem::new(StatusCode::BAD_REQUEST, "Tenant required", "invalid_argument", detail)
             });
         }
-        Ok(match headers.get(header::AUTHORIZATION) {
-            Some(credential) => {
-                let hash = Sha256::digest(credential.as_bytes());
-                format!("c:{}", hash[..8].iter().map(|b| format!("{b:02x}")).collect::<String>())
+        let names = &self.config.caller_headers;
+        let sent: Vec<(&HeaderName, &HeaderValue)> = names
+            .iter()
+            .flat_map(|name| headers.get_all(name).iter().map(move |value| (name, value)))
+            .collect();
+        let hex = |hash: &[u8]| hash[..8].iter().map(|b| format!("{b:02x}")).collect::<String>();
+        match sent.as_slice() {
+            [] if self.config.anonymous_callers_share_keys => Ok("-".to_owned()),
+            [] => {
+                let names = names.iter().map(HeaderName::as_str).collect::<Vec<_>>().join(", ");
+                let detail = format!(
+                    "a guarded request needs one of the caller headers ({names}), which tell callers apart so that \
+                     one caller's key never answers another's request"
+                );
+                Err(Problem::new(StatusCode::BAD_REQUEST, "Caller required", "invalid_argument", detail))
             }
-            None => "-".to_owned(),
-        })
+            [(name, credential)] if *name == header::AUTHORIZATION && names.len() == 1 => {
+                Ok(format!("c:{}", hex(&Sha256::digest(credential.as_bytes()))))
+            }
+            sent => {
+                let mut hasher = Sha256::new();
+                for (name, value) in sent {
+                    hasher.update(name.as_str().as_bytes());
+                    hasher.update(b":");
+                    hasher.update(value.as_bytes());
+                    hasher.update(b"\n");
+                }
+                Ok(format!("h:{}", hex(&hasher.finalize())))
+            }
+        }
     }
 
     /// The payload's fingerprint: method, path and query, the configured headers, and the

@@ -143,6 +143,8 @@ async fn setup_on<G: Gate + Clone + 'static>(
     let engine = Engine::open(engine_config).unwrap();
     let mut config = ProxyConfig { upstream: upstream(Arc::clone(&counts)).await, ..ProxyConfig::default() };
     config.soft_failure = Some(("/success".to_owned(), serde_json::Value::Bool(false)));
+    // Most tests send no credential; the rule for callers without one has its own test.
+    config.anonymous_callers_share_keys = true;
     edit(&mut config);
     let proxy =
         serve(oncegate_proxy::router(wrap(engine.gate(oncegate_core::Tenant::default_tenant())), config))
@@ -599,4 +601,42 @@ async fn the_listener_times_request_heads_and_limits_connections() {
     drop(holders);
     let _ = stop.send(());
     served.await.unwrap().unwrap();
+}
+
+/// Callers are told apart by the configured headers' values, hashed together: behind an
+/// upstream that authenticates by `X-Api-Key`, caller B sending caller A's key runs its
+/// own request, never gets A's stored answer. (Only `Authorization` told callers apart:
+/// B was replayed A's status, `Location` and body.) A guarded request with none of the
+/// headers is refused unless anonymous callers may share keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callers_are_told_apart_by_the_configured_headers() {
+    let setup = setup(|c| {
+        c.caller_headers = vec![HeaderName::from_static("x-api-key"), header::COOKIE];
+        c.anonymous_callers_share_keys = false;
+    })
+    .await;
+    let (a, _) = setup.post_with("/orders", Some("shared"), "{}", &[("x-api-key", "caller-a")]).await;
+    let (b, _) = setup.post_with("/orders", Some("shared"), "{}", &[("x-api-key", "caller-b")]).await;
+    let (c, _) = setup.post_with("/orders", Some("shared"), "{}", &[("cookie", "session=c")]).await;
+    assert_eq!((a.1.as_deref(), b.1.as_deref(), c.1.as_deref()), (None, None, None), "none is a replay");
+    assert_eq!(setup.counts.orders.load(Ordering::SeqCst), 3, "each caller's request ran");
+    let (again, _) = setup.post_with("/orders", Some("shared"), "{}", &[("x-api-key", "caller-a")]).await;
+    assert_eq!((again.1.as_deref(), &again.2), (Some("true"), &a.2), "A's retry is A's answer");
+
+    let (anonymous, _) = setup.post_with("/orders", Some("anonymous"), "{}", &[]).await;
+    assert_eq!(anonymous.0, StatusCode::BAD_REQUEST);
+    assert!(String::from_utf8_lossy(&anonymous.2).contains("caller headers (x-api-key, cookie)"));
+    assert_eq!(setup.counts.orders.load(Ordering::SeqCst), 3, "the anonymous request did not run");
+}
+
+/// A request with two different `Idempotency-Key` values is refused: which one guards it
+/// would be a guess. (The first was guarded and both went upstream.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_different_keys_on_one_request_are_refused() {
+    let setup = setup(|_| {}).await;
+    let (answer, _) = setup.post_with("/orders", Some("one"), "{}", &[("idempotency-key", "two")]).await;
+    assert_eq!(answer.0, StatusCode::BAD_REQUEST, "{}", String::from_utf8_lossy(&answer.2));
+    assert_eq!(setup.counts.orders.load(Ordering::SeqCst), 0);
+    let (same, _) = setup.post_with("/orders", Some("one"), "{}", &[("idempotency-key", "one")]).await;
+    assert_eq!(same.0, StatusCode::CREATED, "the same value twice is one key");
 }

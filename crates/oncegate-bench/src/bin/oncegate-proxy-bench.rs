@@ -69,6 +69,7 @@ async fn load(url: &str, in_flight: usize, seconds: f64) -> anyhow::Result<(f64,
                     }
                     let request = Request::post(format!("{url}/orders"))
                         .header("idempotency-key", format!("w{worker}-{n}"))
+                        .header("authorization", "Bearer bench")
                         .header("content-type", "application/json")
                         .body(Body::from(r#"{"symbol":"BTCUSDT","qty":"0.5"}"#))
                         .expect("request");
