@@ -56,13 +56,15 @@ pub enum Refusal {
     /// An online backup could not start or stopped (`Admin.Backup`).
     #[error("backing up: {0}")]
     Backup(oncegate_engine::OpenError),
-    /// The tenant sent more requests than its rate allows.
+    /// The tenant sent more requests (or finishing calls) than its rate allows.
     #[error(
-        "tenant {tenant} is over its request rate; tenants[].requests_per_s is {per_s} (burst {burst}); retry in {retry_after_ms} ms"
+        "tenant {tenant} is over its rate; {limit} is {per_s} (burst {burst}); retry in {retry_after_ms} ms"
     )]
     RateLimited {
         /// The tenant.
         tenant: oncegate_core::Tenant,
+        /// The rate it is over: `tenants[].requests_per_s` or `tenants[].finishes_per_s`.
+        limit: &'static str,
         /// Its configured rate.
         per_s: u32,
         /// Its configured burst.
@@ -74,9 +76,6 @@ pub enum Refusal {
 
 /// The limit name of a refusal for a full disk.
 pub const DISK_LIMIT: &str = "disk";
-
-/// The limit name of a rate refusal.
-pub const RATE_LIMIT: &str = "tenants[].requests_per_s";
 
 impl Refusal {
     /// The stable code of this refusal.
@@ -117,7 +116,7 @@ impl Refusal {
             Refusal::Engine(E::ResourceExhausted { limit_name, .. }) => (None, Some(limit_name)),
             Refusal::Engine(E::DiskFull { .. }) => (None, Some(DISK_LIMIT)),
             Refusal::Exhausted { limit, .. } => (None, Some(limit)),
-            Refusal::RateLimited { .. } => (None, Some(RATE_LIMIT)),
+            Refusal::RateLimited { limit, .. } => (None, Some(limit)),
             Refusal::AddShards(oncegate_engine::OpenError::Config(_)) => (Some("shards_total"), None),
             Refusal::Backup(oncegate_engine::OpenError::Config(_)) => (Some("to"), None),
             Refusal::Engine(_)

@@ -33,9 +33,11 @@ pub(crate) enum Demand {
         waits: bool,
     },
     /// A call that keeps or ends work the gate already admitted (heartbeat, commit,
-    /// release): only the server's limit applies. Refusing one for the tenant's quota
-    /// would let a lease lapse and the work be granted again, so the quota is spent on
-    /// starting work, never on finishing it.
+    /// release): the server's limit and the tenant's `finishes_per_s` apply, never its
+    /// in-flight or request-rate quota. Refusing one for those would let a lease lapse and
+    /// the work be granted again, so they are spent on starting work; the finishing rate,
+    /// ten times the request rate by default, only stops a client that heartbeats or
+    /// commits far more often than it starts work (each is a durable write).
     Finish,
 }
 
@@ -64,6 +66,28 @@ struct Rate {
     limiter: Limiter,
     per_s: u32,
     burst: u32,
+    /// The setting that names it.
+    limit: &'static str,
+}
+
+impl Rate {
+    fn new(per_s: u32, burst: u32, limit: &'static str, clock: &MonotonicClock) -> Option<Rate> {
+        let per_s = NonZeroU32::new(per_s)?;
+        let burst = NonZeroU32::new(burst).unwrap_or(per_s);
+        let quota = Quota::per_second(per_s).allow_burst(burst);
+        let limiter = RateLimiter::direct_with_clock(quota, clock.clone());
+        Some(Rate { limiter, per_s: per_s.get(), burst: burst.get(), limit })
+    }
+
+    fn spend(&self, tenant: &Tenant, clock: &MonotonicClock) -> Result<(), Refusal> {
+        self.limiter.check().map_err(|not_until| Refusal::RateLimited {
+            tenant: tenant.clone(),
+            limit: self.limit,
+            per_s: self.per_s,
+            burst: self.burst,
+            retry_after_ms: not_until.wait_time_from(clock.now()).as_millis().max(1) as u64,
+        })
+    }
 }
 
 /// One tenant's limits and what it holds of them.
@@ -75,22 +99,15 @@ struct TenantLimits {
     sessions: Arc<Semaphore>,
     sessions_max: usize,
     rate: Option<Rate>,
+    finish_rate: Option<Rate>,
 }
 
 impl TenantLimits {
     fn new(entry: &TenantEntry, clock: &MonotonicClock) -> TenantLimits {
         let config = &entry.config;
-        let rate = NonZeroU32::new(config.requests_per_s).map(|per_s| {
-            let burst = NonZeroU32::new(config.burst()).unwrap_or(per_s);
-            Rate {
-                limiter: RateLimiter::direct_with_clock(
-                    Quota::per_second(per_s).allow_burst(burst),
-                    clock.clone(),
-                ),
-                per_s: per_s.get(),
-                burst: burst.get(),
-            }
-        });
+        let rate = Rate::new(config.requests_per_s, config.burst(), "tenants[].requests_per_s", clock);
+        let finishes = config.finishes_per_s();
+        let finish_rate = Rate::new(finishes, finishes, "tenants[].finishes_per_s", clock);
         TenantLimits {
             in_flight: Arc::new(Semaphore::new(config.requests_in_flight_max)),
             in_flight_max: config.requests_in_flight_max,
@@ -99,6 +116,7 @@ impl TenantLimits {
             sessions: Arc::new(Semaphore::new(config.sessions_max)),
             sessions_max: config.sessions_max,
             rate,
+            finish_rate,
         }
     }
 
@@ -127,13 +145,7 @@ impl TenantLimits {
     }
 
     fn spend_rate(&self, tenant: &Tenant, clock: &MonotonicClock) -> Result<(), Refusal> {
-        let Some(rate) = &self.rate else { return Ok(()) };
-        rate.limiter.check().map_err(|not_until| Refusal::RateLimited {
-            tenant: tenant.clone(),
-            per_s: rate.per_s,
-            burst: rate.burst,
-            retry_after_ms: not_until.wait_time_from(clock.now()).as_millis().max(1) as u64,
-        })
+        self.rate.as_ref().map_or(Ok(()), |rate| rate.spend(tenant, clock))
     }
 }
 
@@ -163,7 +175,13 @@ impl Admit {
     /// another reason does not spend it.
     pub fn admit(&self, tenant: &Tenant, demand: Demand) -> Result<Admission, Refusal> {
         let Demand::Start { waits } = demand else {
-            return Ok(Admission { _server: self.server_slot()?, _tenant: None, _waiter: None });
+            let server = self.server_slot()?;
+            if let Some(rate) =
+                self.tenants.get(tenant).as_ref().and_then(|limits| limits.finish_rate.as_ref())
+            {
+                rate.spend(tenant, &self.clock)?;
+            }
+            return Ok(Admission { _server: server, _tenant: None, _waiter: None });
         };
         let limits = self.tenants.get(tenant);
         let tenant_slot = limits.as_ref().map(|l| l.in_flight_slot()).transpose()?;

@@ -142,8 +142,8 @@ async fn a_tenant_over_its_rate_is_refused_until_time_passes_and_may_always_comm
     let get = pb::GetRequest { namespace: "live".into(), key: "a".into() };
     exhausted(&client.get(as_tenant("acme", get)).await.unwrap_err(), "tenants[].requests_per_s");
     granted(&client.reserve(as_tenant("globex", reserve("d"))).await.unwrap().into_inner());
-    // Heartbeats, commits and releases keep or end admitted work; they are never
-    // rate-limited.
+    // Heartbeats, commits and releases keep or end admitted work; the request rate
+    // never refuses them (their own rate, ten times it, is tested below).
     client.heartbeat(as_tenant("acme", heartbeat("a", tokens[0]))).await.unwrap();
     release(&mut client, "acme", "b", tokens[1]).await;
     let commit = pb::CommitRequest {
@@ -162,6 +162,30 @@ async fn a_tenant_over_its_rate_is_refused_until_time_passes_and_may_always_comm
         &client.reserve(as_tenant("acme", reserve("e"))).await.unwrap_err(),
         "tenants[].requests_per_s",
     );
+    drop(client);
+    server.stop().await;
+}
+
+/// Heartbeats, commits and releases have a rate of their own, `tenants[].finishes_per_s`,
+/// ten times `requests_per_s` unless set: each is a durable write, and a tenant refused
+/// reserves at one per second could still make 5,000 durable heartbeats in 0.1 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_heartbeats_commits_and_releases_have_a_rate_of_their_own() {
+    let server = two_tenants(|t| t.requests_per_s = 1).await;
+    let mut client = server.client().await;
+    let token = granted(&client.reserve(as_tenant("acme", reserve("a"))).await.unwrap().into_inner());
+    // The clock stands still: ten finishing calls (one second's worth) pass, the eleventh not.
+    for _ in 0..10 {
+        client.heartbeat(as_tenant("acme", heartbeat("a", token))).await.unwrap();
+    }
+    let refused = client.heartbeat(as_tenant("acme", heartbeat("a", token))).await.unwrap_err();
+    exhausted(&refused, "tenants[].finishes_per_s");
+    assert!(refused.message().contains("retry in 100 ms"), "{refused:?}");
+    let globex = granted(&client.reserve(as_tenant("globex", reserve("a"))).await.unwrap().into_inner());
+    client.heartbeat(as_tenant("globex", heartbeat("a", globex))).await.expect("another tenant's rate");
+    // A tenth of a second refills one.
+    server.clock.advance(100);
+    release(&mut client, "acme", "a", token).await;
     drop(client);
     server.stop().await;
 }
