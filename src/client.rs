@@ -99,8 +99,12 @@ fn is_loopback(host: &str) -> bool {
 pub struct Target {
     #[command(flatten)]
     connection: Connection,
-    /// The bearer token (not needed when the server has no tenants).
-    #[arg(long, env = "ONCEGATE_TOKEN", hide_env_values = true)]
+    /// A file holding the bearer token; without it, `ONCEGATE_TOKEN` (neither is needed
+    /// when the server has no tenants).
+    #[arg(long, value_name = "PATH")]
+    token_file: Option<PathBuf>,
+    /// Refused: the process list would show the token to every user of the machine.
+    #[arg(long, hide = true)]
     token: Option<String>,
     /// The namespace.
     #[arg(long, env = "ONCEGATE_NAMESPACE", default_value = "default")]
@@ -189,9 +193,48 @@ pub struct KeyArgs {
 pub struct AdminTarget {
     #[command(flatten)]
     connection: Connection,
-    /// The admin bearer token (not needed when the server has no tenants and no admin token).
-    #[arg(long, env = "ONCEGATE_ADMIN_TOKEN", hide_env_values = true)]
+    /// A file holding the admin bearer token; without it, `ONCEGATE_ADMIN_TOKEN` (neither
+    /// is needed when the server has no tenants and no admin token).
+    #[arg(long, value_name = "PATH")]
+    admin_token_file: Option<PathBuf>,
+    /// Refused: the process list would show the token to every user of the machine.
+    #[arg(long, hide = true)]
     admin_token: Option<String>,
+}
+
+impl Target {
+    fn token(&self) -> anyhow::Result<Option<String>> {
+        secret(self.token.is_some(), "--token", self.token_file.as_deref(), "ONCEGATE_TOKEN")
+    }
+}
+
+impl AdminTarget {
+    fn admin_token(&self) -> anyhow::Result<Option<String>> {
+        let file = self.admin_token_file.as_deref();
+        secret(self.admin_token.is_some(), "--admin-token", file, "ONCEGATE_ADMIN_TOKEN")
+    }
+}
+
+/// A bearer token from `file`, else from the environment variable `var` (unset or empty:
+/// none); refused when given on the command line as `flag`, where the process list shows
+/// it to every user of the machine.
+pub(crate) fn secret(
+    given: bool,
+    flag: &str,
+    file: Option<&std::path::Path>,
+    var: &str,
+) -> anyhow::Result<Option<String>> {
+    if given {
+        anyhow::bail!("{flag} would show the token in the process list; set {var} or use {flag}-file");
+    }
+    if let Some(file) = file {
+        let text = std::fs::read_to_string(file)
+            .with_context(|| format!("reading the token in {flag}-file {}", file.display()))?;
+        let token = text.trim();
+        anyhow::ensure!(!token.is_empty(), "{flag}-file {} is empty", file.display());
+        return Ok(Some(token.to_owned()));
+    }
+    Ok(std::env::var(var).ok().filter(|token| !token.is_empty()))
 }
 
 #[derive(clap::Args)]
@@ -287,17 +330,18 @@ fn with_token<T>(token: Option<&String>, message: T) -> anyhow::Result<Request<T
 }
 
 pub(crate) fn admin_request<T>(target: &AdminTarget, message: T) -> anyhow::Result<Request<T>> {
-    with_token(target.admin_token.as_ref(), message)
+    with_token(target.admin_token()?.as_ref(), message)
 }
 
 /// The client crate's `Client` for one call: unary, no retries (an operator sees what the
 /// server answered to exactly one call).
 async fn gate(target: &Target) -> anyhow::Result<Client> {
     let connection = &target.connection;
-    connection.check(target.token.as_ref())?;
+    let token = target.token()?;
+    connection.check(token.as_ref())?;
     let mut builder =
         Client::builder(connection.addr.clone()).transport(Transport::Unary).retry(RetryPolicy::NONE);
-    if let Some(token) = &target.token {
+    if let Some(token) = &token {
         builder = builder.token(token);
     }
     if let Some(ca) = &connection.tls_ca {
@@ -313,7 +357,7 @@ async fn gate(target: &Target) -> anyhow::Result<Client> {
 }
 
 pub(crate) async fn admin(target: &AdminTarget) -> anyhow::Result<AdminClient<Channel>> {
-    Ok(AdminClient::new(target.connection.channel(target.admin_token.as_ref()).await?))
+    Ok(AdminClient::new(target.connection.channel(target.admin_token()?.as_ref()).await?))
 }
 
 fn state_name(value: i32) -> &'static str {

@@ -31,8 +31,11 @@ pub struct ProxyArgs {
     /// Keys live on this remote oncegate instead.
     #[arg(long, env = "ONCEGATE_PROXY_GATE")]
     gate: Option<String>,
-    /// The bearer token for --gate.
-    #[arg(long, env = "ONCEGATE_TOKEN", hide_env_values = true, requires = "gate")]
+    /// A file holding the bearer token for --gate; without it, `ONCEGATE_TOKEN`.
+    #[arg(long, value_name = "PATH", requires = "gate")]
+    token_file: Option<PathBuf>,
+    /// Refused: the process list would show the token to every user of the machine.
+    #[arg(long, hide = true)]
     token: Option<String>,
     /// The CA certificate (PEM) of an https:// --gate.
     #[arg(long, env = "ONCEGATE_TLS_CA", requires = "gate")]
@@ -101,7 +104,13 @@ async fn serve(args: ProxyArgs) -> anyhow::Result<()> {
     };
     if let Some(url) = &args.gate {
         let mut builder = Client::builder(url.clone());
-        if let Some(token) = &args.token {
+        let token = crate::client::secret(
+            args.token.is_some(),
+            "--token",
+            args.token_file.as_deref(),
+            "ONCEGATE_TOKEN",
+        )?;
+        if let Some(token) = token {
             builder = builder.token(token);
         }
         if let Some(ca) = &args.tls_ca {

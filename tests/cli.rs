@@ -122,8 +122,17 @@ fn tenants_from_a_config_file_and_tokens_from_the_environment() {
     assert_eq!((code, refused["error"]["code"].as_str()), (1, Some("unauthenticated")), "{refused}");
     let (_, acme) = server.call_with_env(&["reserve", "k"], &[("ONCEGATE_TOKEN", "acme-secret")]);
     assert_eq!(acme["outcome"], "granted", "{acme}");
-    let (_, globex) = server.call(&["reserve", "k", "--token", "globex-secret"]);
+    let token_file = dir.path().join("globex.token");
+    std::fs::write(&token_file, "globex-secret\n").unwrap();
+    let (_, globex) = server.call(&["reserve", "k", "--token-file", token_file.to_str().unwrap()]);
     assert_eq!(globex["outcome"], "granted", "another tenant's equal key is its own: {globex}");
+    // A token on the command line is refused: `ps` would show it to every user.
+    let out = Command::new(BIN)
+        .args(["reserve", "k", "--addr", &server.addr, "--token", "globex-secret"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("set ONCEGATE_TOKEN or use --token-file"), "{stderr}");
     assert!(server.terminate());
 }
 
@@ -215,7 +224,10 @@ fn client_verbs_speak_tls_and_mutual_tls() {
     let path = |p: &std::path::Path| p.to_str().unwrap().to_owned();
     let (ca, cert, key) = (path(&pki.ca), path(&pki.client.cert), path(&pki.client.key));
 
-    let tls = ["--token", "acme-token", "--tls-ca", &ca, "--tls-cert", &cert, "--tls-key", &key];
+    let token_file = dir.path().join("acme.token");
+    std::fs::write(&token_file, "acme-token").unwrap();
+    let token_file = path(&token_file);
+    let tls = ["--token-file", &token_file, "--tls-ca", &ca, "--tls-cert", &cert, "--tls-key", &key];
     let (code, granted) = server.call(&[&["reserve", "over-tls"][..], &tls].concat());
     assert_eq!((code, granted["outcome"].as_str()), (0, Some("granted")), "{granted}");
     let (code, view) = server.call(&[&["get", "over-tls"][..], &tls].concat());
@@ -224,12 +236,13 @@ fn client_verbs_speak_tls_and_mutual_tls() {
     // Without a client certificate the server does not serve the call. (Under TLS 1.3
     // the client may see the server's alert or only the closed connection, so the cause
     // is not asserted.)
-    let (code, answer) = server.call_quietly(&["get", "over-tls", "--token", "acme-token", "--tls-ca", &ca]);
+    let (code, answer) =
+        server.call_quietly(&["get", "over-tls", "--token-file", &token_file, "--tls-ca", &ca]);
     assert_ne!(code, 0, "{answer:?}");
     assert!(answer.as_ref().is_none_or(|a| a.get("state").is_none()), "{answer:?}");
     // Nor to a plaintext client.
     server.addr = plaintext;
-    let (code, answer) = server.call_quietly(&["get", "over-tls", "--token", "acme-token"]);
+    let (code, answer) = server.call_quietly(&["get", "over-tls", "--token-file", &token_file]);
     assert_ne!(code, 0, "{answer:?}");
     assert!(answer.as_ref().is_none_or(|a| a.get("state").is_none()), "{answer:?}");
     assert!(server.terminate());

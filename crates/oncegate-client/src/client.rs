@@ -115,11 +115,21 @@ fn causes(error: &dyn std::error::Error) -> Vec<String> {
     std::iter::successors(error.source(), |e| e.source()).map(ToString::to_string).collect()
 }
 
+/// A bearer token, which `Debug` does not print.
+#[derive(Clone)]
+struct Redacted(String);
+
+impl std::fmt::Debug for Redacted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
 /// How to reach a server: [`Client::builder`].
 #[derive(Clone, Debug)]
 pub struct ClientBuilder {
     url: String,
-    token: Option<String>,
+    token: Option<Redacted>,
     tls_ca: Option<PathBuf>,
     tls_identity: Option<(PathBuf, PathBuf)>,
     tls_domain: Option<String>,
@@ -132,7 +142,7 @@ pub struct ClientBuilder {
 impl ClientBuilder {
     /// The bearer token sent with every call (the tenant's).
     pub fn token(mut self, token: impl Into<String>) -> ClientBuilder {
-        self.token = Some(token.into());
+        self.token = Some(Redacted(token.into()));
         self
     }
 
@@ -182,10 +192,13 @@ impl ClientBuilder {
     /// Connects (TLS when the address is `https://`).
     pub async fn connect(self) -> Result<Client, ClientError> {
         let token = match &self.token {
-            Some(token) => Some(
-                MetadataValue::try_from(format!("Bearer {token}"))
-                    .map_err(|_| ClientError::Config("the token is not a valid header value".to_owned()))?,
-            ),
+            Some(Redacted(token)) => {
+                let mut value = MetadataValue::try_from(format!("Bearer {token}"))
+                    .map_err(|_| ClientError::Config("the token is not a valid header value".to_owned()))?;
+                // Never printed, and never indexed by HPACK (RFC 7541, 7.1.3).
+                value.set_sensitive(true);
+                Some(value)
+            }
             None => None,
         };
         let channel = self.endpoint()?.connect().await.map_err(|e| {

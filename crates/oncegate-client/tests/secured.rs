@@ -28,7 +28,13 @@ async fn the_client_speaks_mutual_tls_with_a_token_and_hears_refusals_by_code() 
     let url = format!("https://{}", server.addr);
     let builder = Client::builder(url).tls_ca(&pki.ca).tls_identity(&pki.client.cert, &pki.client.key);
 
-    let client = builder.clone().token("acme-secret").connect().await.unwrap();
+    let with_token = builder.clone().token("acme-secret");
+    let client = with_token.clone().connect().await.unwrap();
+    // Neither the builder nor the client prints the token (both derive `Debug`, and a
+    // service that logs its client would have logged `Bearer acme-secret`).
+    for printed in [format!("{with_token:?}"), format!("{client:?}")] {
+        assert!(!printed.contains("acme-secret"), "{printed}");
+    }
     let ran = client
         .once("live", "k", OnceOptions::default(), |_| async { Ok::<_, WorkError<()>>(b"ok".to_vec()) });
     assert_eq!(ran.await.unwrap(), Ran::Now(b"ok".to_vec()));
