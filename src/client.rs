@@ -52,7 +52,7 @@ impl Connection {
         if self.tls_ca.is_some() || self.tls_cert.is_some() {
             anyhow::bail!("--tls-ca and --tls-cert need an https:// address; {} is plaintext", self.addr);
         }
-        if token.is_some() && !is_loopback(uri.host().unwrap_or_default()) {
+        if token.is_some() && !oncegate_server::is_loopback_host(uri.host().unwrap_or_default()) {
             eprintln!(
                 "oncegate: warning: sending the bearer token in plaintext to {}; use https://",
                 self.addr
@@ -86,12 +86,6 @@ impl Connection {
         }
         Ok(tls)
     }
-}
-
-/// Whether a URI host names this machine.
-fn is_loopback(host: &str) -> bool {
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    host == "localhost" || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
 /// Where and as whom to call.

@@ -8,8 +8,13 @@
 //! product's hot path and their path prefix is fixed, so they skip all of it; the
 //! router keeps everything else, where its flexibility is worth its cost.
 //!
-//! Every request is also counted on its connection (`listen::Activity`) from its head to
-//! the end of its response's body, which is what the connection's idle timeout reads.
+//! Every request is also counted on its connection (`activity::Activity`) from its head
+//! to the end of its response's body, which is what the connection's idle timeout reads.
+//!
+//! Without tenants the port is an open development server on loopback, and a request
+//! whose `Host` (or `:authority`) is not a loopback name or address is refused: a web page
+//! whose name a DNS-rebinding attack points at 127.0.0.1 would otherwise reach every
+//! service on it, Admin's purge included.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -36,11 +41,13 @@ type Gate = GateServer<GateService>;
 #[derive(Clone)]
 pub(crate) struct DispatchLayer {
     gate: Gate,
+    loopback_hosts_only: bool,
 }
 
 impl DispatchLayer {
-    pub(crate) fn new(gate: Gate) -> DispatchLayer {
-        DispatchLayer { gate }
+    /// `loopback_hosts_only`: refuse requests addressed to any other host (no tenants).
+    pub(crate) fn new(gate: Gate, loopback_hosts_only: bool) -> DispatchLayer {
+        DispatchLayer { gate, loopback_hosts_only }
     }
 }
 
@@ -48,7 +55,7 @@ impl Layer<Routes> for DispatchLayer {
     type Service = Dispatch;
 
     fn layer(&self, routes: Routes) -> Dispatch {
-        Dispatch { gate: self.gate.clone(), routes }
+        Dispatch { gate: self.gate.clone(), routes, loopback_hosts_only: self.loopback_hosts_only }
     }
 }
 
@@ -57,6 +64,7 @@ impl Layer<Routes> for DispatchLayer {
 pub(crate) struct Dispatch {
     gate: Gate,
     routes: Routes,
+    loopback_hosts_only: bool,
 }
 
 /// When a request for the router reached the port: tonic's request timeout counts from
@@ -89,7 +97,12 @@ impl Service<Request<Body>> for Dispatch {
             .get(axum::http::header::CONTENT_TYPE)
             .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"));
         let path = request.uri().path();
-        let response = if grpc && is_gate_call(path) {
+        let response = if self.loopback_hosts_only
+            && let Some(host) = host(&request).filter(|host| !is_loopback_host(host))
+        {
+            let refused = misaddressed(host, grpc);
+            Either::Right(Box::pin(std::future::ready(Ok(refused))) as Answering)
+        } else if grpc && is_gate_call(path) {
             Either::Left(self.gate.call(request))
         } else if !grpc && names_grpc_method(path) {
             // tonic would answer `200` with a gRPC status that an HTTP client reads as success.
@@ -106,6 +119,43 @@ impl Service<Request<Body>> for Dispatch {
 
 /// A response from the router, or a refusal made here.
 pub(crate) type Answering = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
+
+/// The host a request is addressed to: HTTP/2's `:authority`, else HTTP/1.1's `Host`.
+fn host(request: &Request<Body>) -> Option<&str> {
+    if let Some(authority) = request.uri().authority() {
+        return Some(authority.host());
+    }
+    let value = request.headers().get(axum::http::header::HOST)?.to_str().ok()?;
+    // `host[:port]`, the host an IPv6 address in brackets.
+    match value.rsplit_once(':') {
+        Some((host, port)) if port.bytes().all(|b| b.is_ascii_digit()) && !host.is_empty() => Some(host),
+        _ => Some(value),
+    }
+}
+
+/// Whether `host` names this machine: `localhost` (or a name under it), or a loopback
+/// address.
+pub fn is_loopback_host(host: &str) -> bool {
+    let host = host.trim_start_matches('[').trim_end_matches(']').trim_end_matches('.');
+    let lower = host.to_ascii_lowercase();
+    lower == "localhost"
+        || lower.ends_with(".localhost")
+        || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
+/// The answer to a request addressed to another host than this machine, in its
+/// protocol's terms: gRPC's `PERMISSION_DENIED`, or a `403` problem document.
+fn misaddressed(host: &str, grpc: bool) -> Response<Body> {
+    let reason = format!(
+        "this server has no tenants and answers only requests addressed to a loopback name or address, not \
+         {host:?} (a page whose name was rebound to 127.0.0.1 must not reach it); configure tenants to serve \
+         other names"
+    );
+    if grpc {
+        return tonic::Status::permission_denied(reason).into_http();
+    }
+    crate::http::forbidden(reason).map(Body::new)
+}
 
 /// Whether `path` is a gRPC method's (`/package.Service/Method`), of any service.
 fn names_grpc_method(path: &str) -> bool {
@@ -148,7 +198,26 @@ where
 
 #[cfg(test)]
 mod tests {
-    use super::{is_gate_call, names_grpc_method};
+    use super::{is_gate_call, is_loopback_host, names_grpc_method};
+
+    #[test]
+    fn loopback_hosts_are_localhost_and_loopback_addresses() {
+        for host in [
+            "localhost",
+            "LOCALHOST",
+            "api.localhost",
+            "127.0.0.1",
+            "127.8.9.10",
+            "[::1]",
+            "::1",
+            "localhost.",
+        ] {
+            assert!(is_loopback_host(host), "{host}");
+        }
+        for host in ["evil.example", "localhost.evil.example", "10.0.0.1", "[::2]", "0.0.0.0", ""] {
+            assert!(!is_loopback_host(host), "{host}");
+        }
+    }
 
     #[test]
     fn a_grpc_method_is_named_by_a_package_qualified_service() {

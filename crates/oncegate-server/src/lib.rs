@@ -37,6 +37,7 @@ pub use config::{
     AdminConfig, Config, ConfigError, LogConfig, LogFormat, ServerConfig, TenantConfig, TenantEntry,
     TokenSha256,
 };
+pub use dispatch::is_loopback_host;
 use gate::SessionLimits;
 pub use gate::{GateService, key_digest};
 pub use status::{CODE_METADATA, FIELD_METADATA, LIMIT_METADATA, Refusal, grpc_code, status};
@@ -119,7 +120,9 @@ pub async fn serve(
     }
     let Services { gate, routes, reporter } = services(&engine, config).await?;
     // Everything that can fail is done before a task is spawned.
-    let mut transport = transport(server, tls)?.layer(dispatch::DispatchLayer::new(gate));
+    let loopback_hosts_only = config.tenants.is_empty();
+    let mut transport =
+        transport(server, tls)?.layer(dispatch::DispatchLayer::new(gate, loopback_hosts_only));
     // On the signal: report NOT_SERVING (gRPC health and `/readyz`, so balancers stop
     // sending), stop accepting, and give in-flight calls `shutdown_grace_ms` to finish.
     // Long-lived streams (health watches) would otherwise hold the shutdown open for ever.

@@ -214,7 +214,7 @@ async fn keys_holding_a_slash_are_read_percent_encoded_and_bodies_must_be_json()
     let view = http(server.addr, "GET", "/v1/namespaces/live/keys/orders%2F77%25", None, None).await;
     assert_eq!(ok(&view)["state"], json!("STATE_PENDING"));
     let mut untyped = format!(
-        "POST /v1/reserve HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
+        "POST /v1/reserve HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
         body.to_string().len()
     );
     untyped.push_str(&body.to_string());
@@ -280,7 +280,7 @@ async fn a_grpc_deadline_header_is_refused_over_http() {
     granted(&client.reserve(reserve("held")).await.unwrap().into_inner());
     let body = json!({"namespace": "live", "key": "held", "wait_ms": 2000}).to_string();
     let request = format!(
-        "POST /v1/reserve HTTP/1.1\r\nHost: oncegate\r\nConnection: close\r\ngrpc-timeout: 100m\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        "POST /v1/reserve HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\ngrpc-timeout: 100m\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     );
     let answer = raw(server.addr, &request).await;
@@ -413,7 +413,7 @@ async fn a_body_that_does_not_arrive_by_the_deadline_is_answered_408() {
         c.server.request_timeout_ms = 1_500;
     })
     .await;
-    let request = "POST /v1/reserve HTTP/1.1\r\nHost: oncegate\r\nConnection: close\r\n\
+    let request = "POST /v1/reserve HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\
         Content-Type: application/json\r\nContent-Length: 40\r\n\r\n{\"namespace\": ";
     let answer = raw(server.addr, request).await;
     let (head, document) = answer.split_once("\r\n\r\n").unwrap();
@@ -430,7 +430,7 @@ async fn a_body_that_does_not_arrive_by_the_deadline_is_answered_408() {
 #[tokio::test]
 async fn a_body_declared_over_the_limit_is_answered_413_at_once() {
     let server = start_with(|_| {}).await;
-    let request = "POST /v1/reserve HTTP/1.1\r\nHost: oncegate\r\nConnection: close\r\n\
+    let request = "POST /v1/reserve HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\
         Content-Type: application/json\r\nContent-Length: 100000000\r\n\r\n";
     let answer = raw(server.addr, request).await;
     assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
@@ -448,5 +448,36 @@ async fn a_grpc_method_asked_as_json_is_answered_with_a_problem_document() {
         problem(&asked, 415, "invalid_argument");
         assert!(asked.header("grpc-status").is_none(), "{path}: {}", asked.headers);
     }
+    server.stop().await;
+}
+
+/// Without tenants the port is an open development server, and a request addressed to
+/// any other host than a loopback name or address is refused: a web page whose name a
+/// DNS-rebinding attack points at 127.0.0.1 could otherwise call every service on it
+/// (Admin's purge included) from a browser on this machine.
+#[tokio::test]
+async fn without_tenants_only_requests_addressed_to_loopback_are_answered() {
+    let server = start_with(|_| {}).await;
+    let body = json!({"namespace": "live", "key": "rebound"}).to_string();
+    let rebound = format!(
+        "POST /v1/reserve HTTP/1.1\r\nHost: attacker.example:50051\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let answer = raw(server.addr, &rebound).await;
+    assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
+    assert!(answer.contains("attacker.example"), "{answer}");
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.addr))
+        .unwrap()
+        .origin("http://attacker.example:50051".parse().unwrap())
+        .connect()
+        .await
+        .unwrap();
+    let mut client = pb::gate_client::GateClient::new(channel);
+    let status = client.reserve(reserve("rebound")).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+    let mut local = server.client().await;
+    granted(&local.reserve(reserve("rebound")).await.unwrap().into_inner());
+    drop(local);
     server.stop().await;
 }

@@ -101,6 +101,11 @@ pub(crate) async fn fallback(request: axum::extract::Request) -> Response {
     problem_document(StatusCode::NOT_FOUND, Code::InvalidArgument, detail, None, None, None)
 }
 
+/// A request this server does not answer for the host it names (`dispatch.rs`): `403`.
+pub(crate) fn forbidden(detail: String) -> Response {
+    problem_document(StatusCode::FORBIDDEN, Code::Unauthenticated, detail, None, None, None)
+}
+
 /// A gRPC method asked as plain HTTP (no `application/grpc` content type): a `415`
 /// problem document pointing at the JSON API.
 pub(crate) fn grpc_method_over_http(method: &axum::http::Method, path: &str) -> Response {

@@ -77,7 +77,7 @@ pub async fn start_in(config: Config, dir: Option<tempfile::TempDir>) -> Running
 /// `GET path` over HTTP/1.1; returns the status code and the body.
 pub fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
     let mut socket = std::net::TcpStream::connect(addr).unwrap();
-    write!(socket, "GET {path} HTTP/1.1\r\nHost: oncegate\r\nConnection: close\r\n\r\n").unwrap();
+    write!(socket, "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").unwrap();
     let mut response = String::new();
     socket.read_to_string(&mut response).unwrap();
     let status = response.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
@@ -192,7 +192,7 @@ pub async fn http_with(
     body: Option<(&str, &str)>,
 ) -> HttpAnswer {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut request = format!("{method} {path} HTTP/1.1\r\nHost: oncegate\r\nConnection: close\r\n");
+    let mut request = format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n");
     for (name, value) in headers {
         request.push_str(&format!("{name}: {value}\r\n"));
     }
