@@ -268,7 +268,11 @@ pub struct TenantConfig {
     /// `resource_exhausted`. Heartbeats, commits and releases are not counted: they keep
     /// or end work already admitted.
     pub requests_in_flight_max: usize,
-    /// The tenant's reserves that may wait (`wait_ms > 0`) at once.
+    /// The tenant's reserves that may wait (`wait_ms > 0`) at once. The tenants' sum may
+    /// exceed what the shards hold (`engine.waiters_per_shard_max` each), as their
+    /// in-flight limits may exceed the server's: tenants rarely wait all at once, and the
+    /// shards' own limit still refuses a waiter past it, naming it. This limit keeps one
+    /// tenant from taking every shard's waiting places.
     pub waiters_max: usize,
     /// The tenant's `Session` streams open at once; one more is refused with
     /// `resource_exhausted`.

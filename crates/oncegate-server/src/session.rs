@@ -272,7 +272,7 @@ impl Session {
                     }
                     // The client sent its last call: answer those in flight, then end.
                     Ok(None) => reading = false,
-                    Err(status) => return self.end_with(status, &answers).await,
+                    Err(status) => return self.end_with(refused_stream(status), &answers).await,
                 },
                 else => return,
             }
@@ -422,6 +422,16 @@ impl Session {
             };
             (pb::SessionResponse { id, result: Some(result) }, admission)
         }))
+    }
+}
+
+/// The status that ends a stream whose request stream broke: one tonic could not read
+/// (a frame that does not decode, a message over `server.message_bytes_max`, which tonic
+/// calls `INTERNAL` and `OUT_OF_RANGE`) is the client's, `INVALID_ARGUMENT`.
+fn refused_stream(status: Status) -> Status {
+    match status.code() {
+        tonic::Code::Internal | tonic::Code::OutOfRange => Status::invalid_argument(status.message()),
+        _ => status,
     }
 }
 
