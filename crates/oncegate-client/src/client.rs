@@ -326,7 +326,6 @@ impl Client {
                 Ok(Out::Refusal(refusal)) => return Err(session::refused(refusal)),
                 Ok(out) => return Ok(out),
                 Err(unsent) => {
-                    tracing::info!("the server has no Session call; this client sends unary calls");
                     self.shared.unary_only.store(true, Ordering::Relaxed);
                     call = unsent;
                 }

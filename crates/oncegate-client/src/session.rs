@@ -59,7 +59,8 @@ impl Drop for CancelOnDrop {
 
 impl Sessions {
     /// Sends `call` on the stream (opening it if needed) and waits for its answer; gives
-    /// the call back unsent when the server has no `Session` call.
+    /// the call back unsent when the server has no `Session` call, or refuses this client
+    /// a stream (its tenant has `tenants[].sessions_max` open).
     pub async fn call(
         &self,
         gate: &GateClient<Channel>,
@@ -71,7 +72,12 @@ impl Sessions {
         let (answer, answered) = oneshot::channel();
         let stream = match self.stream(gate, metadata).await {
             Ok(stream) => stream,
-            Err(status) if status.code() == tonic::Code::Unimplemented => return Ok(Err(call)),
+            Err(status)
+                if matches!(status.code(), tonic::Code::Unimplemented | tonic::Code::ResourceExhausted) =>
+            {
+                tracing::info!(%status, "no Session stream for this client; it sends unary calls");
+                return Ok(Err(call));
+            }
             Err(status) => return Err(status.into()),
         };
         let request = pb::SessionRequest { id, call: Some(call), timeout_ms: 0 };

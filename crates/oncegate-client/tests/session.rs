@@ -51,3 +51,32 @@ async fn a_reserve_whose_caller_went_is_taken_back_and_never_granted() {
     drop(client);
     server.stop().await;
 }
+
+/// A client refused a `Session` stream because its tenant has `tenants[].sessions_max`
+/// open sends unary calls instead: heartbeats and commits must never be refused for it, or
+/// a lease would lapse and the work be granted again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_refused_a_stream_for_its_tenants_limit_sends_unary_calls() {
+    let tenant = oncegate_server::TenantConfig {
+        name: "acme".into(),
+        token_sha256: oncegate_server::token_sha256("acme-secret"),
+        sessions_max: 1,
+        ..oncegate_server::TenantConfig::default()
+    };
+    let server = common::start_with(move |c| c.tenants = vec![tenant]).await;
+    let connect = || Client::builder(format!("http://{}", server.addr)).token("acme-secret").connect();
+    let (first, second) = (connect().await.unwrap(), connect().await.unwrap());
+    first.reserve(reserve("first")).await.expect("the first client's stream opens");
+    let granted = second.reserve(reserve("second")).await.expect("the second client goes unary");
+    let ReserveReply::Granted { token, .. } = granted.reply else { panic!("{granted:?}") };
+    let commit = oncegate_client::CommitRequest {
+        namespace: "live".into(),
+        key: "second".into(),
+        token,
+        outcome: oncegate_core::Outcome::Succeeded,
+        response: b"done".to_vec(),
+    };
+    second.commit(commit).await.expect("its commit is served");
+    drop((first, second));
+    server.stop().await;
+}
