@@ -1,9 +1,9 @@
 //! What a connection may hold of a listener's connection slots: a deadline for its first
 //! request head and an idle timeout, read from the connection's [`Activity`] (the
-//! requests the service has open on it). The gRPC port's `Connection` and the plain HTTP
-//! listeners (`serve_http`) check their [`Deadlines`] on every read: the protocol always
-//! has a read pending, so the timer is registered there, and a read past a deadline
-//! fails, which makes the protocol close the connection.
+//! requests the service has open on it). The gRPC port's connection and the plain HTTP
+//! listener ([`crate::serve`]) check their [`Deadlines`] on every read: the protocol
+//! always has a read pending, so the timer is registered there, and a read past a
+//! deadline fails, which makes the protocol close the connection.
 
 use std::future::Future;
 use std::io;
@@ -15,12 +15,13 @@ use std::time::Duration;
 
 use axum::body::Bytes;
 use http_body::{Frame, SizeHint};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::{Instant, Sleep};
 
 /// What the protocol does on one connection: whether a request head arrived, how many
 /// requests are open (a response whose body has not ended), and since when none is.
 #[derive(Debug)]
-pub(crate) struct Activity {
+pub struct Activity {
     started: AtomicBool,
     open: AtomicUsize,
     /// When `open` last fell to 0 (or the connection was accepted), in ms after `origin`.
@@ -30,10 +31,10 @@ pub(crate) struct Activity {
 
 /// One open request on a connection; dropping it (its response ended) may start the
 /// connection's idle time.
-pub(crate) struct Open(Arc<Activity>);
+pub struct Open(Arc<Activity>);
 
 impl Activity {
-    pub(crate) fn new() -> Arc<Activity> {
+    fn new() -> Arc<Activity> {
         Arc::new(Activity {
             started: AtomicBool::new(false),
             open: AtomicUsize::new(0),
@@ -43,7 +44,7 @@ impl Activity {
     }
 
     /// A request's head arrived: it is open until the returned guard drops.
-    pub(crate) fn open(self: &Arc<Self>) -> Open {
+    pub fn open(self: &Arc<Self>) -> Open {
         self.started.store(true, Ordering::Release);
         self.open.fetch_add(1, Ordering::AcqRel);
         Open(Arc::clone(self))
@@ -55,26 +56,54 @@ impl Activity {
 }
 
 impl Drop for Open {
+    /// The time is set before the count falls, so a deadline that finds no request open
+    /// never reads an idle time older than the last request's end.
     fn drop(&mut self) {
         let activity = &self.0;
-        if activity.open.fetch_sub(1, Ordering::AcqRel) == 1 {
-            let since = activity.origin.elapsed().as_millis() as u64;
-            activity.idle_since_ms.store(since, Ordering::Release);
-        }
+        let now = activity.origin.elapsed().as_millis() as u64;
+        activity.idle_since_ms.fetch_max(now, Ordering::AcqRel);
+        activity.open.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
-/// A connection's limits, each with the setting that names it.
+/// A limit in time and the setting that names it.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Limits {
-    /// From accept to the first request head.
-    pub first_request: (Duration, &'static str),
+pub struct Timeout {
+    /// How long.
+    pub within: Duration,
+    /// The setting that says so (`server.idle_timeout_ms`).
+    pub setting: &'static str,
+}
+
+impl Timeout {
+    /// `setting`'s `ms`; none when `ms` is 0 (which the settings use for "off").
+    pub fn ms(ms: u64, setting: &'static str) -> Option<Timeout> {
+        (ms > 0).then(|| Timeout { within: Duration::from_millis(ms), setting })
+    }
+}
+
+/// A connection's deadlines.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// From accept to the first complete request head (a TLS handshake and HTTP/2's
+    /// preface included).
+    pub request_head: Timeout,
     /// Without an open request; `None` keeps idle connections.
-    pub idle: Option<(Duration, &'static str)>,
+    pub idle: Option<Timeout>,
+}
+
+/// Why a connection was closed at a deadline (the read that found it fails with it).
+#[derive(Debug, thiserror::Error)]
+#[allow(missing_docs, reason = "the messages say what each is")]
+pub enum Passed {
+    #[error("no complete request head within {ms} ms ({setting})")]
+    RequestHead { ms: u128, setting: &'static str },
+    #[error("no request for {ms} ms ({setting})")]
+    Idle { ms: u128, setting: &'static str },
 }
 
 /// A connection's next deadline, and what it reads to move it.
-pub(crate) struct Deadlines {
+pub struct Deadlines {
     activity: Arc<Activity>,
     limits: Limits,
     /// None once only an idle timeout of none is left.
@@ -82,23 +111,28 @@ pub(crate) struct Deadlines {
 }
 
 impl Deadlines {
-    pub(crate) fn new(limits: Limits) -> Deadlines {
-        let timer = Some(Box::pin(tokio::time::sleep(limits.first_request.0)));
+    /// Deadlines from now (the connection was just accepted).
+    pub fn new(limits: Limits) -> Deadlines {
+        let timer = Some(Box::pin(tokio::time::sleep(limits.request_head.within)));
         Deadlines { activity: Activity::new(), limits, timer }
     }
 
-    pub(crate) fn activity(&self) -> &Arc<Activity> {
+    /// What the service tells the deadlines: the requests it has open.
+    pub fn activity(&self) -> &Arc<Activity> {
         &self.activity
     }
 
     /// Ready with the error that closes the connection once a deadline has passed;
     /// pending otherwise (the timer then registered with `cx`). Closes are counted in
     /// `oncegate_connections_closed_total{limit}`.
-    pub(crate) fn poll_passed(&mut self, cx: &mut Context<'_>) -> Poll<io::Error> {
+    pub fn poll_passed(&mut self, cx: &mut Context<'_>) -> Poll<io::Error> {
         while self.timer.as_mut().is_some_and(|timer| timer.as_mut().poll(cx).is_ready()) {
-            if let Some(limit) = self.rearm() {
+            if let Some(passed) = self.rearm() {
+                let limit = match passed {
+                    Passed::RequestHead { setting, .. } | Passed::Idle { setting, .. } => setting,
+                };
                 metrics::counter!("oncegate_connections_closed_total", "limit" => limit).increment(1);
-                return Poll::Ready(io::Error::new(io::ErrorKind::TimedOut, format!("{limit} passed")));
+                return Poll::Ready(io::Error::new(io::ErrorKind::TimedOut, passed));
             }
         }
         Poll::Pending
@@ -109,12 +143,13 @@ impl Deadlines {
     /// the first request's deadline passed. Otherwise the connection is closed once it
     /// has carried no request for the idle timeout; while a request is open, it is looked
     /// at again an idle timeout later.
-    fn rearm(&mut self) -> Option<&'static str> {
+    fn rearm(&mut self) -> Option<Passed> {
         let activity = &self.activity;
         if !activity.started.load(Ordering::Acquire) {
-            return Some(self.limits.first_request.1);
+            let Timeout { within, setting } = self.limits.request_head;
+            return Some(Passed::RequestHead { ms: within.as_millis(), setting });
         }
-        let Some((idle, limit)) = self.limits.idle else {
+        let Some(Timeout { within: idle, setting }) = self.limits.idle else {
             self.timer = None;
             return None;
         };
@@ -124,7 +159,7 @@ impl Deadlines {
         } else {
             let until = activity.idle_since() + idle;
             if until <= now {
-                return Some(limit);
+                return Some(Passed::Idle { ms: idle.as_millis(), setting });
             }
             until
         };
@@ -137,13 +172,14 @@ impl Deadlines {
 
 /// A response's body, holding its request open on its connection until it is dropped
 /// (it ended, or the stream was reset).
-pub(crate) struct CountedBody<B> {
+pub struct CountedBody<B> {
     body: B,
     _open: Open,
 }
 
 impl<B> CountedBody<B> {
-    pub(crate) fn new(body: B, open: Open) -> CountedBody<B> {
+    /// `body`, its request `open` until it is dropped.
+    pub fn new(body: B, open: Open) -> CountedBody<B> {
         CountedBody { body, _open: open }
     }
 }
@@ -165,5 +201,62 @@ impl<B: http_body::Body<Data = Bytes> + Unpin> http_body::Body for CountedBody<B
 
     fn size_hint(&self) -> SizeHint {
         self.body.size_hint()
+    }
+}
+
+/// A connection whose reads fail once one of its [`Deadlines`] passed.
+pub struct Timed<S> {
+    stream: S,
+    deadlines: Deadlines,
+}
+
+impl<S> Timed<S> {
+    /// `stream`, just accepted, under `limits`.
+    pub fn new(stream: S, limits: Limits) -> Timed<S> {
+        Timed { stream, deadlines: Deadlines::new(limits) }
+    }
+
+    /// What the service tells the deadlines.
+    pub fn activity(&self) -> &Arc<Activity> {
+        self.deadlines.activity()
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Timed<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        if let Poll::Ready(passed) = self.deadlines.poll_passed(cx) {
+            return Poll::Ready(Err(passed));
+        }
+        Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Timed<S> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_shutdown(cx)
     }
 }

@@ -107,6 +107,16 @@ impl Default for ProxyConfig {
     }
 }
 
+impl ProxyConfig {
+    /// How long a stopped proxy lets its requests finish: the longest a guarded request
+    /// can take (its body, a wait behind the same key, the upstream, and storing the
+    /// answer), so that none is cut off after its upstream ran.
+    pub fn shutdown_grace(&self) -> std::time::Duration {
+        let ms = self.body_read_timeout_ms + self.wait_ms + self.upstream_timeout_ms + LEASE_MARGIN_MS;
+        std::time::Duration::from_millis(ms)
+    }
+}
+
 /// Which statuses are stored: whole classes (`2xx`), single statuses (`503`), and
 /// exclusions (`!409`), which win.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -64,14 +64,20 @@ pub async fn serve(
     config: &ProxyConfig,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> std::io::Result<()> {
-    let ms = Duration::from_millis;
-    let limits = oncegate_server::serve_http::HttpLimits {
-        connections_max: (config.connections_max, "proxy.connections_max"),
-        request_head: (ms(config.header_read_timeout_ms), "proxy.header_read_timeout_ms"),
-        idle: (config.idle_timeout_ms > 0).then(|| (ms(config.idle_timeout_ms), "proxy.idle_timeout_ms")),
-        grace: ms(config.upstream_timeout_ms),
+    use oncegate_listen::activity::{Limits, Timeout};
+    let request_head = Timeout {
+        within: Duration::from_millis(config.header_read_timeout_ms),
+        setting: "proxy.header_read_timeout_ms",
     };
-    oncegate_server::serve_http::serve_router(listener, router, limits, shutdown).await
+    let limits = oncegate_listen::serve::HttpLimits {
+        connections_max: (config.connections_max, "proxy.connections_max"),
+        deadlines: Limits {
+            request_head,
+            idle: Timeout::ms(config.idle_timeout_ms, "proxy.idle_timeout_ms"),
+        },
+        grace: config.shutdown_grace(),
+    };
+    oncegate_listen::serve::serve_router(listener, router, limits, shutdown).await
 }
 
 /// An upstream answer's body that fails once it pauses longer than `idle` between two

@@ -174,6 +174,16 @@ pub struct ServerConfig {
 }
 
 impl ServerConfig {
+    /// The deadlines of a connection to the gRPC port or the metrics listener.
+    pub fn connection_deadlines(&self) -> oncegate_listen::activity::Limits {
+        use oncegate_listen::activity::{Limits, Timeout};
+        let within = std::time::Duration::from_millis(self.handshake_timeout_ms);
+        Limits {
+            request_head: Timeout { within, setting: "server.handshake_timeout_ms" },
+            idle: Timeout::ms(self.idle_timeout_ms, "server.idle_timeout_ms"),
+        }
+    }
+
     /// Whether the gRPC port speaks TLS.
     pub fn tls_enabled(&self) -> bool {
         self.tls_files().is_some()

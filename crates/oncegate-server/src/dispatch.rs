@@ -31,9 +31,9 @@ use tonic::service::Routes;
 use tonic::transport::server::TlsConnectInfo;
 use tower::{Layer, Service};
 
-use crate::activity::{Activity, CountedBody, Open};
 use crate::gate::GateService;
 use crate::listen::ConnectionInfo;
+use oncegate_listen::activity::{Activity, CountedBody, Open};
 
 type Gate = GateServer<GateService>;
 

@@ -5,7 +5,6 @@
 //! The binary (`oncegate serve`) reads a [`Config`], opens the engine and calls
 //! [`serve`]; tests do the same on port 0.
 
-mod activity;
 mod admin;
 mod auth;
 pub mod config;
@@ -13,7 +12,6 @@ mod dispatch;
 mod gate;
 pub mod http;
 mod listen;
-pub mod serve_http;
 mod session;
 mod status;
 pub mod telemetry;
@@ -40,6 +38,7 @@ pub use config::{
 pub use dispatch::is_loopback_host;
 use gate::SessionLimits;
 pub use gate::{GateService, key_digest};
+use oncegate_listen::serve::HttpLimits;
 pub use status::{CODE_METADATA, FIELD_METADATA, LIMIT_METADATA, Refusal, grpc_code, status};
 pub use tls::TlsError;
 
@@ -208,11 +207,9 @@ fn spawn_metrics(
     {
         tracing::warn!(%addr, "metrics are served off loopback; they name every tenant and its traffic");
     }
-    let limits = serve_http::HttpLimits {
+    let limits = HttpLimits {
         connections_max: (server.metrics_connections_max, "server.metrics_connections_max"),
-        request_head: (Duration::from_millis(server.handshake_timeout_ms), "server.handshake_timeout_ms"),
-        idle: (server.idle_timeout_ms > 0)
-            .then(|| (Duration::from_millis(server.idle_timeout_ms), "server.idle_timeout_ms")),
+        deadlines: server.connection_deadlines(),
         grace: Duration::from_millis(server.shutdown_grace_ms),
     };
     tokio::spawn(async move {

@@ -12,7 +12,6 @@ use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
@@ -21,11 +20,8 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::Connected;
 
 use crate::ServerConfig;
-use crate::activity::{Activity, Deadlines, Limits};
+use oncegate_listen::activity::{Activity, Deadlines, Limits};
 
-/// After an accept error that is not about one connection (out of file descriptors,
-/// out of memory), the loop pauses this long instead of spinning on the same error.
-const ACCEPT_RETRY: Duration = Duration::from_millis(100);
 /// The most bytes a connection gathers before writing them (`Connection::poll_flush`);
 /// a larger write goes to the socket at once.
 const GATHERED_BYTES_MAX: usize = 64 * 1024;
@@ -113,14 +109,7 @@ pub(crate) fn incoming(
         connections_max: server.connections_max,
         per_peer: Arc::default(),
         per_peer_max: server.connections_per_peer_max,
-        deadlines: Limits {
-            first_request: (
-                Duration::from_millis(server.handshake_timeout_ms),
-                "server.handshake_timeout_ms",
-            ),
-            idle: (server.idle_timeout_ms > 0)
-                .then(|| (Duration::from_millis(server.idle_timeout_ms), "server.idle_timeout_ms")),
-        },
+        deadlines: server.connection_deadlines(),
     };
     let (accepted, incoming) = mpsc::channel(16);
     tokio::spawn(accept_loop(listener, slots, accepted));
@@ -136,10 +125,10 @@ async fn accept_loop(listener: TcpListener, slots: Slots, accepted: mpsc::Sender
         };
         let (stream, peer) = match next {
             Ok(accepted) => accepted,
-            Err(error) if per_connection(&error) => continue,
+            Err(error) if oncegate_listen::per_connection(&error) => continue,
             Err(error) => {
                 tracing::warn!(%error, "accepting a connection failed; retrying");
-                tokio::time::sleep(ACCEPT_RETRY).await;
+                tokio::time::sleep(oncegate_listen::ACCEPT_RETRY).await;
                 continue;
             }
         };
@@ -162,14 +151,6 @@ async fn accept_loop(listener: TcpListener, slots: Slots, accepted: mpsc::Sender
             return;
         }
     }
-}
-
-/// Errors that concern only the connection being accepted.
-pub(crate) fn per_connection(error: &io::Error) -> bool {
-    matches!(
-        error.kind(),
-        io::ErrorKind::ConnectionAborted | io::ErrorKind::ConnectionReset | io::ErrorKind::Interrupted
-    )
 }
 
 impl Connected for Connection {
@@ -300,7 +281,13 @@ mod tests {
             connections_max: 1,
             per_peer: Arc::default(),
             per_peer_max: 1,
-            deadlines: Limits { first_request: (Duration::from_secs(60), "test"), idle: None },
+            deadlines: Limits {
+                request_head: oncegate_listen::activity::Timeout {
+                    within: std::time::Duration::from_secs(60),
+                    setting: "test",
+                },
+                idle: None,
+            },
         };
         let taken = slots.take(stream.peer_addr().unwrap().ip()).unwrap();
         (Connection::new(stream, taken, &slots), peer)

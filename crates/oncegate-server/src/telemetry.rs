@@ -126,7 +126,7 @@ fn process_rss_bytes() -> Option<u64> {
 pub async fn serve(
     listener: tokio::net::TcpListener,
     engine: Engine,
-    limits: crate::serve_http::HttpLimits,
+    limits: oncegate_listen::serve::HttpLimits,
     stopping: tokio::sync::watch::Receiver<bool>,
 ) -> std::io::Result<()> {
     handle();
@@ -134,7 +134,7 @@ pub async fn serve(
     let stop = async move {
         let _ = stopped.wait_for(|stopping| *stopping).await;
     };
-    crate::serve_http::serve_router(listener, routes(engine, stopping), limits, stop).await
+    oncegate_listen::serve::serve_router(listener, routes(engine, stopping), limits, stop).await
 }
 
 /// The HTTP routes; `/readyz` fails once `stopping` is true.
