@@ -291,9 +291,11 @@ pub struct TenantConfig {
     pub requests_per_s: u32,
     /// Requests admitted at once after a quiet spell; 0 means one second's worth.
     pub requests_burst_max: u32,
-    /// Heartbeats, commits and releases per second (each a durable write), one second's
-    /// worth at once; 0 means ten times `requests_per_s` (and no limit when that is 0).
-    pub finishes_per_s: u32,
+    /// Heartbeats per second (each a durable write), one second's worth at once; 0 sets
+    /// no limit. Size it for the tenant's leases held at once times three over the lease
+    /// (the Rust client heartbeats three times a lease): a heartbeat refused too often
+    /// lets its lease lapse. Commits and releases have no such rate: one per grant.
+    pub heartbeats_per_s: u32,
     /// Records the tenant may have stored on each shard (expired ones not yet reclaimed
     /// included); a reserve of a new key past it is refused. 0 sets no quota.
     pub records_per_shard_max: u64,
@@ -309,7 +311,7 @@ impl Default for TenantConfig {
             sessions_max: 16,
             requests_per_s: 0,
             requests_burst_max: 0,
-            finishes_per_s: 0,
+            heartbeats_per_s: 0,
             records_per_shard_max: 0,
         }
     }
@@ -319,11 +321,6 @@ impl TenantConfig {
     /// The burst the rate limiter allows.
     pub fn burst(&self) -> u32 {
         if self.requests_burst_max == 0 { self.requests_per_s } else { self.requests_burst_max }
-    }
-
-    /// The finishing calls' rate: as set, or ten times the request rate (0: none).
-    pub fn finishes_per_s(&self) -> u32 {
-        if self.finishes_per_s == 0 { self.requests_per_s.saturating_mul(10) } else { self.finishes_per_s }
     }
 }
 
@@ -639,8 +636,8 @@ impl Config {
             10_000_000,
             Unit::Count,
         );
-        let finishes = u64::from(config.finishes_per_s);
-        problems.within(&field("finishes_per_s"), finishes, 0, 100_000_000, Unit::Count);
+        let heartbeats = u64::from(config.heartbeats_per_s);
+        problems.within(&field("heartbeats_per_s"), heartbeats, 0, 100_000_000, Unit::Count);
         let records = config.records_per_shard_max;
         problems.within(&field("records_per_shard_max"), records, 0, 1 << 40, Unit::Count);
         if config.requests_per_s == 0 && config.requests_burst_max != 0 {

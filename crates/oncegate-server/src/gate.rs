@@ -17,7 +17,7 @@ use tracing::Instrument;
 
 use crate::auth::Auth;
 use crate::status::Refusal;
-use crate::tenants::{Admission, Admit, Demand};
+use crate::tenants::{Admission, Admit, Demand, TenantPlace};
 
 /// The gRPC `Gate` service over an engine.
 #[derive(Clone)]
@@ -177,7 +177,7 @@ macro_rules! keyed_call {
 
 keyed_call!(pb::CommitRequest, pb::CommitResponse, "commit", Demand::Finish, start_commit);
 keyed_call!(pb::ReleaseRequest, pb::ReleaseResponse, "release", Demand::Finish, start_release);
-keyed_call!(pb::HeartbeatRequest, pb::HeartbeatResponse, "heartbeat", Demand::Finish, start_heartbeat);
+keyed_call!(pb::HeartbeatRequest, pb::HeartbeatResponse, "heartbeat", Demand::Keep, start_heartbeat);
 keyed_call!(pb::GetRequest, pb::GetResponse, "get", Demand::Start { waits: false }, start_get);
 
 impl Call for pb::ReserveRequest {
@@ -252,12 +252,13 @@ fn start_get(
 pub(crate) type Answer<T> = Result<(T, &'static str), Refusal>;
 
 /// `answer`, holding the call's admission (its slots of the server's and the tenant's
-/// limits) until it is given or given up, and then handing it to the caller with it.
+/// limits) until it is given or given up, and then handing the caller what the answer
+/// keeps of it (the tenant's place).
 fn holding<F: Future>(
     admission: Admission,
     answer: F,
-) -> impl Future<Output = (F::Output, Option<Admission>)> {
-    answer.map(move |answer| (answer, Some(admission)))
+) -> impl Future<Output = (F::Output, Option<TenantPlace>)> {
+    answer.map(move |answer| (answer, admission.answered()))
 }
 
 impl GateService {
@@ -283,7 +284,7 @@ impl GateService {
         message: M,
         deadline: Option<Deadline>,
     ) -> impl Future<Output = Answer<M::Reply>> + Send + 'static + use<M> {
-        self.begin_held(tenant, message, deadline).map(|(answer, _admission)| answer)
+        self.begin_held(tenant, message, deadline).map(|(answer, _place)| answer)
     }
 
     /// A place among the tenant's open `Session` streams (none for the open `default`
@@ -294,9 +295,10 @@ impl GateService {
 
     /// The one path of every call, unary or in a session, once its caller is
     /// authenticated (or refused): admit, start on the engine (queued before this
-    /// returns), then count, time and log the answer. The answer comes with the call's
-    /// admission (none when it was refused), which holds the call's slots until the
-    /// caller drops it: a `Session` stream keeps it until the answer leaves. Past `deadline` the engine's answer is given up:
+    /// returns), then count, time and log the answer. The admission holds the call's
+    /// slots until the engine answers; the answer then comes with the tenant's place
+    /// (none when the call was refused, finishes work, or has no tenant limits), which
+    /// the caller keeps until it drops it: a `Session` stream, until the answer leaves. Past `deadline` the engine's answer is given up:
     /// dropping it is what makes the shard skip a call not yet decided. A call with a
     /// deadline builds its timer here, so it must begin on a tokio runtime with its time
     /// driver (every front's calls do).
@@ -305,7 +307,7 @@ impl GateService {
         tenant: Result<Tenant, Refusal>,
         message: M,
         deadline: Option<Deadline>,
-    ) -> impl Future<Output = (Answer<M::Reply>, Option<Admission>)> + Send + 'static + use<M> {
+    ) -> impl Future<Output = (Answer<M::Reply>, Option<TenantPlace>)> + Send + 'static + use<M> {
         // A call with a deadline is timed from when it was read, as its deadline is: a call
         // held at a stream's limit, or whose HTTP body was slow, spent that time waiting.
         let started = deadline.map_or_else(Instant::now, |d| d.from);
@@ -350,9 +352,9 @@ impl GateService {
             (Err(refusal), _) => Either::Right(future::ready((Err(refusal), None))),
         };
         answer
-            .map(move |(answer, admission)| {
+            .map(move |(answer, place)| {
                 finish(M::RPC, tenant.as_ref(), key.as_deref(), started, &answer);
-                (answer, admission)
+                (answer, place)
             })
             .instrument(span)
     }

@@ -28,10 +28,11 @@
 //! What a stream holds is bounded whatever its client does. The answers made and not yet
 //! handed to the transport (the `ready` queue and the channel) are counted in bytes: past
 //! `server.session_unsent_bytes_max` the stream starts no call until the transport takes
-//! some (the calls in flight still finish). Each answer keeps its call's admission until
-//! the transport takes it, so a client that does not read keeps its tenant's
-//! `requests_in_flight_max` taken, not the server's memory; and a tenant has at most
-//! `tenants[].sessions_max` streams open.
+//! some (the calls in flight still finish). Each answer keeps its call's place among its
+//! tenant's calls in flight until the transport takes it (the server's place goes back
+//! with the engine's answer), so a client that does not read keeps its own tenant's
+//! `requests_in_flight_max` taken, not the server's memory nor other tenants' share; and
+//! a tenant has at most `tenants[].sessions_max` streams open.
 
 use std::collections::{HashMap, VecDeque};
 use std::pin::Pin;
@@ -53,7 +54,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::gate::{Call, Deadline, GateService, SessionLimits};
 use crate::status::Refusal;
-use crate::tenants::Admission;
+use crate::tenants::TenantPlace;
 
 /// The `Session` streams open in this process, and the bytes of their answers not yet
 /// handed to the transport (the gauges `oncegate_session_streams` and
@@ -66,9 +67,8 @@ struct Unsent {
     response: pb::SessionResponse,
     /// Its encoded size, counted in the stream's [`Backlog`].
     bytes: usize,
-    /// Its call's admission: the tenant's and the server's places stay taken until the
-    /// answer leaves.
-    admission: Option<Admission>,
+    /// Its call's place among its tenant's calls in flight, taken until the answer leaves.
+    place: Option<TenantPlace>,
 }
 
 /// The bytes of one stream's unsent answers, shared by the stream's task (which adds an
@@ -90,19 +90,19 @@ impl Backlog {
         self.bytes.load(Ordering::Acquire)
     }
 
-    fn unsent(&self, response: pb::SessionResponse, admission: Option<Admission>) -> Unsent {
+    fn unsent(&self, response: pb::SessionResponse, place: Option<TenantPlace>) -> Unsent {
         let bytes = response.encoded_len();
         self.bytes.fetch_add(bytes, Ordering::AcqRel);
         UNSENT_BYTES.fetch_add(bytes as u64, Ordering::Relaxed);
-        Unsent { response, bytes, admission }
+        Unsent { response, bytes, place }
     }
 
-    /// The transport takes `unsent`: its bytes and its admission are given back.
+    /// The transport takes `unsent`: its bytes and its tenant's place are given back.
     fn sent(&self, unsent: Unsent) -> pb::SessionResponse {
         self.bytes.fetch_sub(unsent.bytes, Ordering::AcqRel);
         UNSENT_BYTES.fetch_sub(unsent.bytes as u64, Ordering::Relaxed);
         self.drained.notify_one();
-        drop(unsent.admission);
+        drop(unsent.place);
         unsent.response
     }
 }
@@ -137,8 +137,8 @@ fn answers(capacity: usize, backlog: &Arc<Backlog>) -> (mpsc::Sender<Result<Unse
     (sender, Responses { answers, backlog: Arc::clone(backlog) })
 }
 
-/// A call's answer, once its shard decides it, with the call's admission.
-type Answer = Pin<Box<dyn Future<Output = (pb::SessionResponse, Option<Admission>)> + Send>>;
+/// A call's answer, once its shard decides it, with its tenant's place.
+type Answer = Pin<Box<dyn Future<Output = (pb::SessionResponse, Option<TenantPlace>)> + Send>>;
 
 /// A call in flight: its answer, ready to send, or what remains of a cancelled call.
 type InFlight = Pin<Box<dyn Future<Output = Ended> + Send>>;
@@ -147,7 +147,7 @@ type InFlight = Pin<Box<dyn Future<Output = Ended> + Send>>;
 /// cancelled, and its id still names it: an answer ready in a poll is taken in the same
 /// step, before the next request (a cancel, or a call reusing the id) is read.
 enum Ended {
-    Answered(pb::SessionResponse, Option<Admission>),
+    Answered(pb::SessionResponse, Option<TenantPlace>),
     /// Dropped by a cancel (its id no longer in flight), unanswered.
     Cancelled,
 }
@@ -316,10 +316,10 @@ impl Session {
             && self.backlog.bytes() < self.limits.unsent_bytes_max
     }
 
-    /// Queues an answer to send, counted in the stream's backlog with its admission.
-    fn queue(&mut self, answer: Option<pb::SessionResponse>, admission: Option<Admission>) {
+    /// Queues an answer to send, counted in the stream's backlog with its tenant's place.
+    fn queue(&mut self, answer: Option<pb::SessionResponse>, place: Option<TenantPlace>) {
         if let Some(answer) = answer {
-            let unsent = self.backlog.unsent(answer, admission);
+            let unsent = self.backlog.unsent(answer, place);
             self.ready.push_back(unsent);
         }
     }
@@ -338,9 +338,9 @@ impl Session {
 
     /// Queues the answer of a call that ended: none for a cancelled one.
     fn ended(&mut self, ended: Ended) {
-        let Ended::Answered(answer, admission) = ended else { return };
+        let Ended::Answered(answer, place) = ended else { return };
         self.ids.remove(&answer.id);
-        self.queue(Some(answer), admission);
+        self.queue(Some(answer), place);
     }
 
     /// Starts one call, or cancels one, or returns its refusal when the request itself is
@@ -376,7 +376,7 @@ impl Session {
             if polled.is_pending() && !slot.waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
                 slot.waker = Some(cx.waker().clone());
             }
-            polled.map(|(answer, admission)| Ended::Answered(answer, admission))
+            polled.map(|(answer, place)| Ended::Answered(answer, place))
         })));
         None
     }
@@ -415,12 +415,12 @@ impl Session {
     fn begin<M: Call>(&self, id: u64, message: M, deadline: Deadline, wrap: fn(M::Reply) -> Out) -> Answer {
         let answer = self.gate.begin_held(Ok(self.tenant.clone()), message, Some(deadline));
         // A combinator, not an `async` block, which would hold `answer` twice.
-        Box::pin(answer.map(move |(answer, admission)| {
+        Box::pin(answer.map(move |(answer, place)| {
             let result = match answer {
                 Ok((reply, _)) => wrap(reply),
                 Err(refusal) => Out::Refusal(refusal.to_wire()),
             };
-            (pb::SessionResponse { id, result: Some(result) }, admission)
+            (pb::SessionResponse { id, result: Some(result) }, place)
         }))
     }
 }

@@ -32,12 +32,16 @@ pub(crate) enum Demand {
         /// Whether the call may park as a waiter.
         waits: bool,
     },
-    /// A call that keeps or ends work the gate already admitted (heartbeat, commit,
-    /// release): the server's limit and the tenant's `finishes_per_s` apply, never its
-    /// in-flight or request-rate quota. Refusing one for those would let a lease lapse and
-    /// the work be granted again, so they are spent on starting work; the finishing rate,
-    /// ten times the request rate by default, only stops a client that heartbeats or
-    /// commits far more often than it starts work (each is a durable write).
+    /// A heartbeat: it keeps work the gate already admitted, so the tenant's in-flight
+    /// and request-rate quota never refuse it (a lease would lapse and the work be
+    /// granted again); the server's limit and the tenant's `heartbeats_per_s`, when set,
+    /// do. A client may heartbeat one lease as often as it likes, and each is a durable
+    /// write; how many a tenant needs grows with how long its work runs, so there is no
+    /// default.
+    Keep,
+    /// A commit or a release: it ends work the gate already admitted, at most once per
+    /// grant (so the request rate bounds them), and refusing one would leave finished
+    /// work unrecorded; only the server's limit applies.
     Finish,
 }
 
@@ -46,6 +50,20 @@ pub(crate) struct Admission {
     _server: OwnedSemaphorePermit,
     _tenant: Option<OwnedSemaphorePermit>,
     _waiter: Option<OwnedSemaphorePermit>,
+}
+
+/// What an answered call keeps until its answer leaves (a `Session` answer its client has
+/// not read): its place among its tenant's calls in flight. The server's place and a
+/// waiter's go back with the engine's answer, so that unread answers cost only their own
+/// tenant, never every tenant's share of the server.
+pub(crate) struct TenantPlace(#[allow(dead_code, reason = "held for its drop")] OwnedSemaphorePermit);
+
+impl Admission {
+    /// The engine answered: the server's place and a waiter's are given back; the
+    /// tenant's (none for a finishing call or the open tenant) is kept by the answer.
+    pub(crate) fn answered(self) -> Option<TenantPlace> {
+        self._tenant.map(TenantPlace)
+    }
 }
 
 /// The engine's monotonic clock, in the form `governor` reads.
@@ -99,15 +117,15 @@ struct TenantLimits {
     sessions: Arc<Semaphore>,
     sessions_max: usize,
     rate: Option<Rate>,
-    finish_rate: Option<Rate>,
+    heartbeat_rate: Option<Rate>,
 }
 
 impl TenantLimits {
     fn new(entry: &TenantEntry, clock: &MonotonicClock) -> TenantLimits {
         let config = &entry.config;
         let rate = Rate::new(config.requests_per_s, config.burst(), "tenants[].requests_per_s", clock);
-        let finishes = config.finishes_per_s();
-        let finish_rate = Rate::new(finishes, finishes, "tenants[].finishes_per_s", clock);
+        let heartbeats = config.heartbeats_per_s;
+        let heartbeat_rate = Rate::new(heartbeats, heartbeats, "tenants[].heartbeats_per_s", clock);
         TenantLimits {
             in_flight: Arc::new(Semaphore::new(config.requests_in_flight_max)),
             in_flight_max: config.requests_in_flight_max,
@@ -116,7 +134,7 @@ impl TenantLimits {
             sessions: Arc::new(Semaphore::new(config.sessions_max)),
             sessions_max: config.sessions_max,
             rate,
-            finish_rate,
+            heartbeat_rate,
         }
     }
 
@@ -174,14 +192,19 @@ impl Admit {
     /// than that the server is busy; the rate is taken last, so that a call refused for
     /// another reason does not spend it.
     pub fn admit(&self, tenant: &Tenant, demand: Demand) -> Result<Admission, Refusal> {
-        let Demand::Start { waits } = demand else {
-            let server = self.server_slot()?;
-            if let Some(rate) =
-                self.tenants.get(tenant).as_ref().and_then(|limits| limits.finish_rate.as_ref())
-            {
-                rate.spend(tenant, &self.clock)?;
+        let waits = match demand {
+            Demand::Start { waits } => waits,
+            Demand::Keep => {
+                let server = self.server_slot()?;
+                let limits = self.tenants.get(tenant);
+                if let Some(rate) = limits.as_ref().and_then(|limits| limits.heartbeat_rate.as_ref()) {
+                    rate.spend(tenant, &self.clock)?;
+                }
+                return Ok(Admission { _server: server, _tenant: None, _waiter: None });
             }
-            return Ok(Admission { _server: server, _tenant: None, _waiter: None });
+            Demand::Finish => {
+                return Ok(Admission { _server: self.server_slot()?, _tenant: None, _waiter: None });
+            }
         };
         let limits = self.tenants.get(tenant);
         let tenant_slot = limits.as_ref().map(|l| l.in_flight_slot()).transpose()?;
@@ -209,5 +232,34 @@ impl Admit {
             limit: "server.requests_in_flight_max",
             value: self.server_max as u64,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::TenantConfig;
+
+    fn entry(name: &str, in_flight: usize) -> TenantEntry {
+        let config =
+            TenantConfig { name: name.into(), requests_in_flight_max: in_flight, ..TenantConfig::default() };
+        TenantEntry { tenant: Tenant::new(name).expect("a valid name"), token_sha256: [0; 32], config }
+    }
+
+    /// An answered call keeps its tenant's place (a `Session` answer until it leaves) but
+    /// gives the server's back: answers one tenant's client does not read take that
+    /// tenant's limit, never the other tenants' share of the server. (The whole admission
+    /// was kept, so unread answers of one tenant could take every server place.)
+    #[test]
+    fn an_answered_call_keeps_its_tenants_place_and_gives_the_servers_back() {
+        let clock: Arc<dyn Clock> = Arc::new(oncegate_engine::ManualClock::new(0));
+        let admit = Admit::new(1, &[entry("slow", 1), entry("other", 1)], clock);
+        let (slow, other) = (Tenant::new("slow").unwrap(), Tenant::new("other").unwrap());
+        let start = Demand::Start { waits: false };
+        let answered = admit.admit(&slow, start).expect("admitted").answered();
+        assert!(answered.is_some(), "the answer keeps the tenant's place");
+        assert!(admit.admit(&slow, start).is_err(), "the tenant's one place is taken");
+        admit.admit(&other, start).expect("the server's one place was given back");
+        assert!(admit.admit(&slow, Demand::Finish).expect("a finishing call").answered().is_none());
     }
 }

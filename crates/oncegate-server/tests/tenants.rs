@@ -143,7 +143,7 @@ async fn a_tenant_over_its_rate_is_refused_until_time_passes_and_may_always_comm
     exhausted(&client.get(as_tenant("acme", get)).await.unwrap_err(), "tenants[].requests_per_s");
     granted(&client.reserve(as_tenant("globex", reserve("d"))).await.unwrap().into_inner());
     // Heartbeats, commits and releases keep or end admitted work; the request rate
-    // never refuses them (their own rate, ten times it, is tested below).
+    // never refuses them (heartbeats may have a rate of their own, tested below).
     client.heartbeat(as_tenant("acme", heartbeat("a", tokens[0]))).await.unwrap();
     release(&mut client, "acme", "b", tokens[1]).await;
     let commit = pb::CommitRequest {
@@ -166,26 +166,36 @@ async fn a_tenant_over_its_rate_is_refused_until_time_passes_and_may_always_comm
     server.stop().await;
 }
 
-/// Heartbeats, commits and releases have a rate of their own, `tenants[].finishes_per_s`,
-/// ten times `requests_per_s` unless set: each is a durable write, and a tenant refused
-/// reserves at one per second could still make 5,000 durable heartbeats in 0.1 s.
+/// Heartbeats have a rate of their own when `tenants[].heartbeats_per_s` is set: each is a
+/// durable write, and a tenant refused reserves at one per second could still make 5,000
+/// durable heartbeats in 0.1 s. Commits and releases (one per grant) are never
+/// rate-limited: refusing one would leave finished work unrecorded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_tenants_heartbeats_commits_and_releases_have_a_rate_of_their_own() {
-    let server = two_tenants(|t| t.requests_per_s = 1).await;
+async fn a_tenants_heartbeats_have_a_rate_of_their_own_and_commits_none() {
+    let server = two_tenants(|t| {
+        t.requests_per_s = 1;
+        t.heartbeats_per_s = 10;
+    })
+    .await;
     let mut client = server.client().await;
     let token = granted(&client.reserve(as_tenant("acme", reserve("a"))).await.unwrap().into_inner());
-    // The clock stands still: ten finishing calls (one second's worth) pass, the eleventh not.
+    // The clock stands still: ten heartbeats (one second's worth) pass, the eleventh not.
     for _ in 0..10 {
         client.heartbeat(as_tenant("acme", heartbeat("a", token))).await.unwrap();
     }
     let refused = client.heartbeat(as_tenant("acme", heartbeat("a", token))).await.unwrap_err();
-    exhausted(&refused, "tenants[].finishes_per_s");
+    exhausted(&refused, "tenants[].heartbeats_per_s");
     assert!(refused.message().contains("retry in 100 ms"), "{refused:?}");
     let globex = granted(&client.reserve(as_tenant("globex", reserve("a"))).await.unwrap().into_inner());
     client.heartbeat(as_tenant("globex", heartbeat("a", globex))).await.expect("another tenant's rate");
-    // A tenth of a second refills one.
-    server.clock.advance(100);
-    release(&mut client, "acme", "a", token).await;
+    let commit = pb::CommitRequest {
+        namespace: "live".into(),
+        key: "a".into(),
+        token,
+        outcome: pb::Outcome::Succeeded as i32,
+        response: b"done".to_vec(),
+    };
+    client.commit(as_tenant("acme", commit)).await.expect("a commit is never rate-limited");
     drop(client);
     server.stop().await;
 }
