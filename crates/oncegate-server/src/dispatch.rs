@@ -32,6 +32,7 @@ use tonic::transport::server::TlsConnectInfo;
 use tower::{Layer, Service};
 
 use crate::gate::GateService;
+use crate::http::Arrived;
 use crate::listen::ConnectionInfo;
 use oncegate_listen::activity::{Activity, CountedBody, Open};
 
@@ -66,11 +67,6 @@ pub(crate) struct Dispatch {
     routes: Routes,
     loopback_hosts_only: bool,
 }
-
-/// When a request for the router reached the port: tonic's request timeout counts from
-/// about then, and the HTTP API must answer before it does, however long the body took.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Arrived(pub tokio::time::Instant);
 
 /// Whether `path` names a method of the `Gate` service (`/oncegate.v1.Gate/Reserve`).
 fn is_gate_call(path: &str) -> bool {
@@ -118,7 +114,7 @@ impl Service<Request<Body>> for Dispatch {
 }
 
 /// A response from the router, or a refusal made here.
-pub(crate) type Answering = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
+type Answering = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
 
 /// The host a request is addressed to: HTTP/2's `:authority`, else HTTP/1.1's `Host`.
 fn host(request: &Request<Body>) -> Option<&str> {

@@ -36,7 +36,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
@@ -54,13 +54,8 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::gate::{Call, Deadline, GateService, SessionLimits};
 use crate::status::Refusal;
+use crate::telemetry;
 use crate::tenants::TenantPlace;
-
-/// The `Session` streams open in this process, and the bytes of their answers not yet
-/// handed to the transport (the gauges `oncegate_session_streams` and
-/// `oncegate_session_unsent_bytes`).
-pub(crate) static STREAMS_OPEN: AtomicU64 = AtomicU64::new(0);
-pub(crate) static UNSENT_BYTES: AtomicU64 = AtomicU64::new(0);
 
 /// An answer made and not yet taken by the transport, with what it holds until then.
 struct Unsent {
@@ -82,7 +77,7 @@ struct Backlog {
 
 impl Backlog {
     fn new() -> Arc<Backlog> {
-        STREAMS_OPEN.fetch_add(1, Ordering::Relaxed);
+        telemetry::SESSION_STREAMS.fetch_add(1, Ordering::Relaxed);
         Arc::default()
     }
 
@@ -93,14 +88,14 @@ impl Backlog {
     fn unsent(&self, response: pb::SessionResponse, place: Option<TenantPlace>) -> Unsent {
         let bytes = response.encoded_len();
         self.bytes.fetch_add(bytes, Ordering::AcqRel);
-        UNSENT_BYTES.fetch_add(bytes as u64, Ordering::Relaxed);
+        telemetry::SESSION_UNSENT_BYTES.fetch_add(bytes as u64, Ordering::Relaxed);
         Unsent { response, bytes, place }
     }
 
     /// The transport takes `unsent`: its bytes and its tenant's place are given back.
     fn sent(&self, unsent: Unsent) -> pb::SessionResponse {
         self.bytes.fetch_sub(unsent.bytes, Ordering::AcqRel);
-        UNSENT_BYTES.fetch_sub(unsent.bytes as u64, Ordering::Relaxed);
+        telemetry::SESSION_UNSENT_BYTES.fetch_sub(unsent.bytes as u64, Ordering::Relaxed);
         self.drained.notify_one();
         drop(unsent.place);
         unsent.response
@@ -110,8 +105,8 @@ impl Backlog {
 impl Drop for Backlog {
     /// The stream is over: the answers it never sent leave the process's count with it.
     fn drop(&mut self) {
-        UNSENT_BYTES.fetch_sub(*self.bytes.get_mut() as u64, Ordering::Relaxed);
-        STREAMS_OPEN.fetch_sub(1, Ordering::Relaxed);
+        telemetry::SESSION_UNSENT_BYTES.fetch_sub(*self.bytes.get_mut() as u64, Ordering::Relaxed);
+        telemetry::SESSION_STREAMS.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -210,7 +205,20 @@ struct Session {
     ready: VecDeque<Unsent>,
 }
 
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.drop_calls();
+    }
+}
+
 impl Session {
+    /// Drops the calls in flight (each then a call whose caller has gone), and their count.
+    fn drop_calls(&mut self) {
+        let calls = self.in_flight.len() as u64;
+        telemetry::SESSION_CALLS_IN_FLIGHT.fetch_sub(calls, Ordering::Relaxed);
+        self.in_flight.clear();
+    }
+
     /// A stream's state before its first request: no call in flight.
     fn new(gate: GateService, tenant: Tenant, place: Option<OwnedSemaphorePermit>) -> Session {
         Session {
@@ -261,6 +269,7 @@ impl Session {
                     permit.send(Ok(self.ready.pop_front().expect("an answer is ready")));
                 }
                 Some(ended) = self.in_flight.next(), if !self.in_flight.is_empty() => {
+                    telemetry::SESSION_CALLS_IN_FLIGHT.fetch_sub(1, Ordering::Relaxed);
                     self.ended(ended);
                 }
                 // The transport took answers: a call held for the stream's bytes may start.
@@ -284,7 +293,7 @@ impl Session {
     /// none is granted while the status waits for the client to read.
     async fn end_with(&mut self, status: Status, answers: &mpsc::Sender<Result<Unsent, Status>>) {
         // The map shares each call's answer: both let go of it.
-        self.in_flight.clear();
+        self.drop_calls();
         self.ids.clear();
         for answer in std::mem::take(&mut self.ready) {
             if answers.send(Ok(answer)).await.is_err() {
@@ -369,6 +378,7 @@ impl Session {
         };
         let slot = Arc::new(Mutex::new(Slot { answer: Some(answer), waker: None }));
         self.ids.insert(id, Arc::clone(&slot));
+        telemetry::SESSION_CALLS_IN_FLIGHT.fetch_add(1, Ordering::Relaxed);
         self.in_flight.push(Box::pin(std::future::poll_fn(move |cx| {
             let mut slot = slot.lock().unwrap_or_else(PoisonError::into_inner);
             let Some(answer) = slot.answer.as_mut() else { return Poll::Ready(Ended::Cancelled) };

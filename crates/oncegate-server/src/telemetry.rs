@@ -9,6 +9,7 @@
 //! when `/metrics` is scraped.
 
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use axum::http::StatusCode;
 use axum::routing::get;
@@ -22,6 +23,14 @@ const SECONDS_BUCKETS: &[f64] =
     &[0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0];
 /// Histogram buckets for batch lengths, in commands.
 const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0];
+
+/// The `Session` streams open in this process, their calls started and not yet answered,
+/// and the bytes of their answers not yet handed to the transport: counted by
+/// `session.rs` as they change (a plain atomic each, where a recorder's gauge would cost a
+/// lookup per answer) and read into their gauges at each scrape.
+pub(crate) static SESSION_STREAMS: AtomicU64 = AtomicU64::new(0);
+pub(crate) static SESSION_CALLS_IN_FLIGHT: AtomicU64 = AtomicU64::new(0);
+pub(crate) static SESSION_UNSENT_BYTES: AtomicU64 = AtomicU64::new(0);
 
 /// How often histogram samples are folded into their buckets.
 const UPKEEP_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
@@ -102,10 +111,10 @@ fn refresh(engine: &Engine) {
         counter("oncegate_shard_checkpoints_total", stats.checkpoints);
     }
     metrics::gauge!("oncegate_slot_moving").set(if engine.slot_moving().is_some() { 1.0 } else { 0.0 });
-    let streams = crate::session::STREAMS_OPEN.load(std::sync::atomic::Ordering::Relaxed);
-    metrics::gauge!("oncegate_session_streams").set(streams as f64);
-    let unsent = crate::session::UNSENT_BYTES.load(std::sync::atomic::Ordering::Relaxed);
-    metrics::gauge!("oncegate_session_unsent_bytes").set(unsent as f64);
+    let read = |gauge: &AtomicU64| gauge.load(Ordering::Relaxed) as f64;
+    metrics::gauge!("oncegate_session_streams").set(read(&SESSION_STREAMS));
+    metrics::gauge!("oncegate_session_calls_in_flight").set(read(&SESSION_CALLS_IN_FLIGHT));
+    metrics::gauge!("oncegate_session_unsent_bytes").set(read(&SESSION_UNSENT_BYTES));
     if let Some(rss) = process_rss_bytes() {
         metrics::gauge!("process_resident_memory_bytes").set(rss as f64);
     }

@@ -46,7 +46,9 @@ async fn sent_then_closed(addr: SocketAddr, bytes: &'static [u8]) -> std::io::Re
 /// each sent `P` held eight slots for ever.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_without_a_request_head_is_closed_at_the_handshake_deadline() {
-    let server = start_with(|c| c.server.handshake_timeout_ms = 100).await;
+    // A second: the real client at the end must send its first request head within it,
+    // on a slow machine too.
+    let server = start_with(|c| c.server.handshake_timeout_ms = 1_000).await;
     let partial = sent_then_closed(server.addr, b"P").await;
     assert!(partial.is_ok(), "one byte of the preface: {partial:?}");
     let preface = sent_then_closed(server.addr, PREFACE).await.expect("the preface alone is closed");
@@ -94,8 +96,10 @@ async fn an_idle_connection_is_closed_and_one_with_a_stream_open_is_not() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_past_its_age_is_sent_away() {
     let server = start_with(|c| {
-        c.server.connection_age_max_ms = 200;
-        c.server.connection_age_grace_ms = 100;
+        // Long enough for the reserve at the end, on a connection of its own, to finish
+        // within its connection's age and grace on a slow machine.
+        c.server.connection_age_max_ms = 1_000;
+        c.server.connection_age_grace_ms = 1_000;
     })
     .await;
     let (_requests, rx) = mpsc::channel::<pb::SessionRequest>(4);

@@ -27,13 +27,17 @@ use serde::Serialize;
 use tokio::time::Instant;
 use utoipa::OpenApi;
 
-use crate::dispatch::Arrived;
 use crate::gate::{Call, Deadline, GateService};
 use crate::status::Refusal;
 use json::{
     Body, CommitAnswer, CommitBody, GetAnswer, HeartbeatAnswer, HeartbeatBody, Problem, ReleaseAnswer,
     ReleaseBody, ReserveAnswer, ReserveBody,
 };
+
+/// When a request for the router reached the port: tonic's request timeout counts from
+/// about then, and the HTTP API must answer before it does, however long the body took.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Arrived(pub tokio::time::Instant);
 
 /// Where the OpenAPI document is served.
 pub const OPENAPI_PATH: &str = "/v1/openapi.json";
