@@ -9,6 +9,8 @@
 //! | --- | --- |
 //! | not guarded, or no key (and none required) | passed through |
 //! | no key on a path that requires one | `400` problem |
+//! | two different keys, or none of the `caller_headers` (unless anonymous callers share keys) | `400` problem |
+//! | a guarded body that does not arrive within `body_read_timeout_ms` | `408` problem; nothing reserved |
 //! | first with its key | forwarded; a `2xx` or `4xx` (other than `408`, `409`, `429`) is stored |
 //! | a retry after the first completed | the stored answer, `Idempotent-Replayed: true` |
 //! | the same key while the first is in flight | waits up to `wait_ms`, then `409` with `Retry-After` |
@@ -78,6 +80,60 @@ pub async fn serve(
         grace: config.shutdown_grace(),
     };
     oncegate_listen::serve::serve_router(listener, router, limits, shutdown).await
+}
+
+impl ProxyConfig {
+    /// Who is calling, as the record key names it: `t:<tenant>` from the tenant header
+    /// (required when one is configured), else a hash of the caller headers' values:
+    /// `c:<hash>` of the first `Authorization` value when that is the one header
+    /// configured (the form keys had before the list existed, so a retry across the
+    /// upgrade finds its record), `h:<hash>` of every configured header's
+    /// name and values otherwise; else `-` where anonymous callers may share keys, and a
+    /// `400` where not.
+    fn caller(&self, headers: &HeaderMap) -> Result<String, Problem> {
+        if let Some(name) = &self.tenant_header {
+            let tenant = headers
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .filter(|t| !t.is_empty() && t.len() <= 64 && !t.contains(' '));
+            return tenant.map(|t| format!("t:{t}")).ok_or_else(|| {
+                let detail =
+                    format!("a guarded request needs a {name} header: 1 to 64 visible ASCII characters");
+                Problem::new(StatusCode::BAD_REQUEST, "Tenant required", "invalid_argument", detail)
+            });
+        }
+        let names = &self.caller_headers;
+        let sent: Vec<(&HeaderName, &HeaderValue)> = names
+            .iter()
+            .flat_map(|name| headers.get_all(name).iter().map(move |value| (name, value)))
+            .collect();
+        let hex = |hash: &[u8]| hash[..8].iter().map(|b| format!("{b:02x}")).collect::<String>();
+        match sent.as_slice() {
+            [] if self.anonymous_callers_share_keys => Ok("-".to_owned()),
+            [] => {
+                let names = names.iter().map(HeaderName::as_str).collect::<Vec<_>>().join(", ");
+                let detail = format!(
+                    "a guarded request needs one of the caller headers ({names}), which tell callers apart so that \
+                     one caller's key never answers another's request"
+                );
+                Err(Problem::new(StatusCode::BAD_REQUEST, "Caller required", "invalid_argument", detail))
+            }
+            // The form keys had before the list existed: the first `Authorization` value.
+            [(name, credential), ..] if *name == header::AUTHORIZATION && names.len() == 1 => {
+                Ok(format!("c:{}", hex(&Sha256::digest(credential.as_bytes()))))
+            }
+            sent => {
+                let mut hasher = Sha256::new();
+                for (name, value) in sent {
+                    hasher.update(name.as_str().as_bytes());
+                    hasher.update(b":");
+                    hasher.update(value.as_bytes());
+                    hasher.update(b"\n");
+                }
+                Ok(format!("h:{}", hex(&hasher.finalize())))
+            }
+        }
+    }
 }
 
 /// An upstream answer's body that fails once it pauses longer than `idle` between two
@@ -272,8 +328,8 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
     }
 
     /// The gate's key for a request: the method, the path, the caller (the configured
-    /// tenant header's value, or else a hash of `Authorization`, so that one caller's key
-    /// never answers another's request) and the caller's key.
+    /// tenant header's value, or else a hash of the `caller_headers`, so that one caller's
+    /// key never answers another's request; see `ProxyConfig::caller`) and the caller's key.
     fn record_key(&self, request: &Request, key: &HeaderValue) -> Result<String, Problem> {
         let invalid = |detail: String| {
             Problem::new(StatusCode::BAD_REQUEST, "Invalid Idempotency-Key", "invalid_argument", detail)
@@ -286,58 +342,8 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
                 self.config.key_bytes_max
             )));
         }
-        let caller = self.caller(request.headers())?;
+        let caller = self.config.caller(request.headers())?;
         Ok(format!("{} {} {caller} {key}", request.method(), request.uri().path()))
-    }
-
-    /// Who is calling, as the record key names it: `t:<tenant>` from the tenant header
-    /// (required when one is configured), else a hash of the caller headers' values:
-    /// `c:<hash>` of `Authorization` alone when that is the one configured and sent (the
-    /// form keys had before the list existed), `h:<hash>` of every configured header's
-    /// name and values otherwise; else `-` where anonymous callers may share keys, and a
-    /// `400` where not.
-    fn caller(&self, headers: &HeaderMap) -> Result<String, Problem> {
-        if let Some(name) = &self.config.tenant_header {
-            let tenant = headers
-                .get(name)
-                .and_then(|v| v.to_str().ok())
-                .filter(|t| !t.is_empty() && t.len() <= 64 && !t.contains(' '));
-            return tenant.map(|t| format!("t:{t}")).ok_or_else(|| {
-                let detail =
-                    format!("a guarded request needs a {name} header: 1 to 64 visible ASCII characters");
-                Problem::new(StatusCode::BAD_REQUEST, "Tenant required", "invalid_argument", detail)
-            });
-        }
-        let names = &self.config.caller_headers;
-        let sent: Vec<(&HeaderName, &HeaderValue)> = names
-            .iter()
-            .flat_map(|name| headers.get_all(name).iter().map(move |value| (name, value)))
-            .collect();
-        let hex = |hash: &[u8]| hash[..8].iter().map(|b| format!("{b:02x}")).collect::<String>();
-        match sent.as_slice() {
-            [] if self.config.anonymous_callers_share_keys => Ok("-".to_owned()),
-            [] => {
-                let names = names.iter().map(HeaderName::as_str).collect::<Vec<_>>().join(", ");
-                let detail = format!(
-                    "a guarded request needs one of the caller headers ({names}), which tell callers apart so that \
-                     one caller's key never answers another's request"
-                );
-                Err(Problem::new(StatusCode::BAD_REQUEST, "Caller required", "invalid_argument", detail))
-            }
-            [(name, credential)] if *name == header::AUTHORIZATION && names.len() == 1 => {
-                Ok(format!("c:{}", hex(&Sha256::digest(credential.as_bytes()))))
-            }
-            sent => {
-                let mut hasher = Sha256::new();
-                for (name, value) in sent {
-                    hasher.update(name.as_str().as_bytes());
-                    hasher.update(b":");
-                    hasher.update(value.as_bytes());
-                    hasher.update(b"\n");
-                }
-                Ok(format!("h:{}", hex(&hasher.finalize())))
-            }
-        }
     }
 
     /// The payload's fingerprint: method, path and query, the configured headers, and the
@@ -643,5 +649,24 @@ mod tests {
         let mut kept: Vec<&str> = headers.keys().map(HeaderName::as_str).collect();
         kept.sort_unstable();
         assert_eq!(kept, ["content-type", "location"]);
+    }
+
+    /// With the default `caller_headers`, a caller's part of a record key is what it was
+    /// before the list existed (`c:` and the first 8 bytes of the SHA-256 of its
+    /// `Authorization`, the first value when it sends several), so a retry across the
+    /// upgrade finds its record and is replayed, never run again.
+    #[test]
+    fn the_default_caller_keeps_the_key_form_records_were_written_with() {
+        let proxy = ProxyConfig::default();
+        let mut headers = HeaderMap::new();
+        headers.append(header::AUTHORIZATION, HeaderValue::from_static("Bearer alice"));
+        // sha256("Bearer alice"), as the proxy hashed it before.
+        let before =
+            Sha256::digest(b"Bearer alice")[..8].iter().map(|b| format!("{b:02x}")).collect::<String>();
+        assert_eq!(proxy.caller(&headers).unwrap(), format!("c:{before}"));
+        headers.append(header::AUTHORIZATION, HeaderValue::from_static("Bearer other"));
+        assert_eq!(proxy.caller(&headers).unwrap(), format!("c:{before}"), "the first value, as before");
+        let refused = proxy.caller(&HeaderMap::new()).unwrap_err();
+        assert_eq!(refused.status, StatusCode::BAD_REQUEST);
     }
 }
