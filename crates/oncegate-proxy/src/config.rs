@@ -479,6 +479,16 @@ mod tests {
         assert!(file("retries = 3").unwrap_err()[0].detail.contains("unknown field `retries`"));
     }
 
+    /// No caller headers would refuse every guarded request, unless anonymous callers may
+    /// share keys, which makes an empty list mean "one key space".
+    #[test]
+    fn an_empty_caller_list_needs_anonymous_callers_to_share_keys() {
+        let refused = file("caller_headers = []").unwrap_err();
+        assert_eq!(refused[0].field, "proxy.caller_headers", "{refused:?}");
+        let shared = file("caller_headers = []\nanonymous_callers_share_keys = true").unwrap();
+        assert!(shared.caller_headers.is_empty() && shared.anonymous_callers_share_keys);
+    }
+
     /// config/oncegate.toml's `[proxy]` section, uncommented, is the defaults (and so
     /// documents every key truly).
     #[test]

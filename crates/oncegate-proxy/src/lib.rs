@@ -145,6 +145,13 @@ struct IdleBody<B> {
     timer: Pin<Box<tokio::time::Sleep>>,
 }
 
+/// Why a passed-through answer's body was cut.
+#[derive(Debug, thiserror::Error)]
+#[error("the upstream's body paused longer than upstream_body_idle_ms ({idle_ms} ms)")]
+struct UpstreamBodyIdle {
+    idle_ms: u128,
+}
+
 impl<B> IdleBody<B> {
     fn new(body: B, idle: Duration) -> IdleBody<B> {
         IdleBody { body, idle, timer: Box::pin(tokio::time::sleep(idle)) }
@@ -169,9 +176,7 @@ where
             return Poll::Ready(frame.map(|frame| frame.map_err(Into::into)));
         }
         if self.timer.as_mut().poll(cx).is_ready() {
-            let idle = self.idle.as_millis();
-            let error = format!("the upstream's body paused longer than upstream_body_idle_ms ({idle} ms)");
-            return Poll::Ready(Some(Err(error.into())));
+            return Poll::Ready(Some(Err(Box::new(UpstreamBodyIdle { idle_ms: self.idle.as_millis() }))));
         }
         Poll::Pending
     }
