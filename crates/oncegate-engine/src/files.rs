@@ -68,6 +68,20 @@ pub trait Files: Send + Sync + std::fmt::Debug + 'static {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct OsFiles;
 
+/// A data directory's lock file, locked (`flock`), unlocked explicitly when dropped. The
+/// lock belongs to the open file, which a child process forked at that moment (by
+/// anything else in the process) shares until it execs: closing the file alone would
+/// leave the directory locked for that instant, and an open right after the owner's
+/// drop could find it locked (an engine test did, when parallel tests spawned
+/// processes).
+struct DirectoryLock(std::fs::File);
+
+impl Drop for DirectoryLock {
+    fn drop(&mut self) {
+        let _ = self.0.unlock();
+    }
+}
+
 fn options() -> OpenOptions {
     let mut options = OpenOptions::new();
     options.mode(FILE_MODE);
@@ -153,7 +167,7 @@ impl Files for OsFiles {
         let file =
             options().create(true).truncate(false).write(true).open(dir.join(crate::manifest::LOCK_FILE))?;
         match file.try_lock() {
-            Ok(()) => Ok(Some(Box::new(file))),
+            Ok(()) => Ok(Some(Box::new(DirectoryLock(file)))),
             Err(std::fs::TryLockError::WouldBlock) => Ok(None),
             Err(std::fs::TryLockError::Error(e)) => Err(e),
         }
@@ -237,4 +251,25 @@ pub(crate) fn companion(path: &Path, suffix: &str) -> std::path::PathBuf {
     let mut companion = path.as_os_str().to_owned();
     companion.push(suffix);
     companion.into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A directory's lock is released when its guard drops, even while another reference
+    /// to the same open file lives on, as a child process forked at that moment holds one
+    /// until it execs. (Closing alone left the directory locked: an engine test reopening
+    /// a directory while parallel tests spawned processes found it `Locked`.)
+    #[test]
+    fn a_dropped_lock_is_released_while_the_file_is_still_shared() {
+        let dir = tempfile::tempdir().unwrap();
+        let guard = OsFiles.lock(dir.path()).unwrap().expect("the directory is free");
+        let lock = guard.downcast_ref::<DirectoryLock>().expect("the lock file");
+        let shared = lock.0.try_clone().unwrap();
+        assert!(OsFiles.lock(dir.path()).unwrap().is_none(), "held");
+        drop(guard);
+        assert!(OsFiles.lock(dir.path()).unwrap().is_some(), "released while `shared` is open");
+        drop(shared);
+    }
 }
