@@ -8,8 +8,11 @@
 //! product's hot path and their path prefix is fixed, so they skip all of it; the
 //! router keeps everything else, where its flexibility is worth its cost.
 //!
-//! Every request is also counted on its connection (`activity::Activity`) from its head
-//! to the end of its response's body, which is what the connection's idle timeout reads.
+//! Every request is also counted on its connection (`activity::Activity`), which is what
+//! the connection's idle timeout reads: a unary `Gate` call until its answer is ready
+//! (the hot path keeps its body unwrapped, and a connection whose client never reads
+//! unary answers is then idle and closed in time), any other request until the end of
+//! its response's body (a `Session` stream, Admin's streams, the JSON API).
 //!
 //! Without tenants the port is an open development server on loopback, and a request
 //! whose `Host` (or `:authority`) is not a loopback name or address is refused: a web page
@@ -93,6 +96,7 @@ impl Service<Request<Body>> for Dispatch {
             .get(axum::http::header::CONTENT_TYPE)
             .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"));
         let path = request.uri().path();
+        let unary_gate_call = grpc && is_gate_call(path) && !path.ends_with(SESSION_METHOD);
         let response = if self.loopback_hosts_only
             && let Some(host) = host(&request).filter(|host| !is_loopback_host(host))
         {
@@ -109,9 +113,12 @@ impl Service<Request<Body>> for Dispatch {
             request.extensions_mut().insert(Arrived(tokio::time::Instant::now()));
             Either::Right(Box::pin(self.routes.call(request)) as Answering)
         };
-        Counted { response, open }
+        Counted { response, open, body_counts: !unary_gate_call }
     }
 }
+
+/// The one streaming method of the `Gate` service, whose response body is long-lived.
+const SESSION_METHOD: &str = "/Session";
 
 /// A response from the router, or a refusal made here.
 type Answering = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
@@ -130,13 +137,16 @@ fn host(request: &Request<Body>) -> Option<&str> {
 }
 
 /// Whether `host` names this machine: `localhost` (or a name under it), or a loopback
-/// address.
+/// address. (Every request of a server without tenants asks, so nothing is allocated.)
 pub fn is_loopback_host(host: &str) -> bool {
     let host = host.trim_start_matches('[').trim_end_matches(']').trim_end_matches('.');
-    let lower = host.to_ascii_lowercase();
-    lower == "localhost"
-        || lower.ends_with(".localhost")
-        || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
+    if let Ok(ip) = host.parse::<std::net::IpAddr>() {
+        return ip.is_loopback();
+    }
+    let (name, suffix) = (b"localhost".as_slice(), b".localhost".as_slice());
+    let host = host.as_bytes();
+    host.eq_ignore_ascii_case(name)
+        || (host.len() > suffix.len() && host[host.len() - suffix.len()..].eq_ignore_ascii_case(suffix))
 }
 
 /// The answer to a request addressed to another host than this machine, in its
@@ -174,6 +184,9 @@ fn activity(request: &Request<Body>) -> Option<&Arc<Activity>> {
 pub(crate) struct Counted<F> {
     response: F,
     open: Option<Open>,
+    /// Whether the request stays open until its response body ends, not only until the
+    /// response is ready.
+    body_counts: bool,
 }
 
 impl<F> Future for Counted<F>
@@ -185,8 +198,8 @@ where
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let Ok(response) = ready!(Pin::new(&mut self.response).poll(cx));
         let response = match self.open.take() {
-            Some(open) => response.map(|body| Body::new(CountedBody::new(body, open))),
-            None => response,
+            Some(open) if self.body_counts => response.map(|body| Body::new(CountedBody::new(body, open))),
+            _ => response,
         };
         Poll::Ready(Ok(response))
     }
