@@ -220,6 +220,11 @@ impl<S> Timed<S> {
     pub fn activity(&self) -> &Arc<Activity> {
         self.deadlines.activity()
     }
+
+    /// The stream itself.
+    pub fn get_ref(&self) -> &S {
+        &self.stream
+    }
 }
 
 impl<S: AsyncRead + Unpin> AsyncRead for Timed<S> {

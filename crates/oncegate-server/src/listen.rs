@@ -20,7 +20,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::Connected;
 
 use crate::ServerConfig;
-use oncegate_listen::activity::{Activity, Deadlines, Limits};
+use oncegate_listen::activity::{Activity, Limits, Timed};
 
 /// The most bytes a connection gathers before writing them (`Connection::poll_flush`);
 /// a larger write goes to the socket at once.
@@ -39,13 +39,13 @@ const GATHERED_CAPACITY_KEPT_BYTES: usize = 16 * 1024;
 /// as a yield (to the back of the worker's queue), so the other answers already ready
 /// join it; the next flush writes them all.
 pub(crate) struct Connection {
-    stream: TcpStream,
+    /// The socket, whose reads fail once a deadline passed (the protocol then closes
+    /// the connection).
+    stream: Timed<TcpStream>,
     /// Bytes taken from the protocol and not yet written to the socket.
     gathered: Vec<u8>,
     /// Whether this gathering's flush has yielded once.
     yielded: bool,
-    /// Its deadlines, and what the protocol does on it.
-    deadlines: Deadlines,
     _slot: OwnedSemaphorePermit,
     _peer: PeerSlot,
 }
@@ -157,21 +157,16 @@ impl Connected for Connection {
     type ConnectInfo = ConnectionInfo;
 
     fn connect_info(&self) -> ConnectionInfo {
-        ConnectionInfo { activity: Arc::clone(self.deadlines.activity()) }
+        ConnectionInfo { activity: Arc::clone(self.stream.activity()) }
     }
 }
 
 impl AsyncRead for Connection {
-    /// Reads, unless a deadline passed: then the read fails and the protocol closes the
-    /// connection.
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        if let Poll::Ready(passed) = self.deadlines.poll_passed(cx) {
-            return Poll::Ready(Err(passed));
-        }
         Pin::new(&mut self.stream).poll_read(cx, buf)
     }
 }
@@ -179,10 +174,9 @@ impl AsyncRead for Connection {
 impl Connection {
     fn new(stream: TcpStream, (slot, peer): (OwnedSemaphorePermit, PeerSlot), slots: &Slots) -> Connection {
         Connection {
-            stream,
+            stream: Timed::new(stream, slots.deadlines),
             gathered: Vec::new(),
             yielded: false,
-            deadlines: Deadlines::new(slots.deadlines),
             _slot: slot,
             _peer: peer,
         }
@@ -209,7 +203,7 @@ impl Drop for Connection {
     /// only the close.
     fn drop(&mut self) {
         let mut gathered = &self.gathered[..];
-        while let Ok(written @ 1..) = self.stream.try_write(gathered) {
+        while let Ok(written @ 1..) = self.stream.get_ref().try_write(gathered) {
             gathered = &gathered[written..];
         }
     }
