@@ -47,8 +47,9 @@ pub trait Files: Send + Sync + std::fmt::Debug + 'static {
     fn sync_dir(&self, dir: &Path) -> io::Result<()>;
     /// The names of the entries of `dir`.
     fn list(&self, dir: &Path) -> io::Result<Vec<String>>;
-    /// Takes `dir`'s exclusive lock for this process; `Ok(None)` when another holds it.
-    fn lock(&self, dir: &Path) -> io::Result<Option<LockGuard>>;
+    /// Takes the exclusive lock on the file at `path` (made if missing) for this process;
+    /// `Ok(None)` when another holds it.
+    fn lock(&self, path: &Path) -> io::Result<Option<LockGuard>>;
     /// Takes group and other access away from a file made before modes were enforced.
     fn restrict(&self, path: &Path) -> io::Result<()>;
     /// Drops a file's clean pages from the page cache (`posix_fadvise(DONTNEED)`), so
@@ -163,9 +164,8 @@ impl Files for OsFiles {
         Ok(names)
     }
 
-    fn lock(&self, dir: &Path) -> io::Result<Option<LockGuard>> {
-        let file =
-            options().create(true).truncate(false).write(true).open(dir.join(crate::manifest::LOCK_FILE))?;
+    fn lock(&self, path: &Path) -> io::Result<Option<LockGuard>> {
+        let file = options().create(true).truncate(false).write(true).open(path)?;
         match file.try_lock() {
             Ok(()) => Ok(Some(Box::new(DirectoryLock(file)))),
             Err(std::fs::TryLockError::WouldBlock) => Ok(None),
@@ -264,12 +264,12 @@ mod tests {
     #[test]
     fn a_dropped_lock_is_released_while_the_file_is_still_shared() {
         let dir = tempfile::tempdir().unwrap();
-        let guard = OsFiles.lock(dir.path()).unwrap().expect("the directory is free");
+        let guard = OsFiles.lock(&dir.path().join("lock")).unwrap().expect("the directory is free");
         let lock = guard.downcast_ref::<DirectoryLock>().expect("the lock file");
         let shared = lock.0.try_clone().unwrap();
-        assert!(OsFiles.lock(dir.path()).unwrap().is_none(), "held");
+        assert!(OsFiles.lock(&dir.path().join("lock")).unwrap().is_none(), "held");
         drop(guard);
-        assert!(OsFiles.lock(dir.path()).unwrap().is_some(), "released while `shared` is open");
+        assert!(OsFiles.lock(&dir.path().join("lock")).unwrap().is_some(), "released while `shared` is open");
         drop(shared);
     }
 }

@@ -203,7 +203,7 @@ pub fn lock(files: &dyn Files, data_dir: &Path) -> Result<LockGuard, OpenError> 
     files.create_dir_all(data_dir).map_err(io(data_dir))?;
     let path = data_dir.join(LOCK_FILE);
     let guard =
-        files.lock(data_dir).map_err(io(&path))?.ok_or_else(|| OpenError::Locked { path: path.clone() })?;
+        files.lock(&path).map_err(io(&path))?.ok_or_else(|| OpenError::Locked { path: path.clone() })?;
     files.restrict(&path).map_err(io(&path))?;
     let manifest = data_dir.join(MANIFEST_FILE);
     files.restrict(&manifest).map_err(io(&manifest))?;

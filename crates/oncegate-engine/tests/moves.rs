@@ -354,8 +354,8 @@ impl oncegate_engine::files::Files for MapWritesFail {
     fn list(&self, dir: &std::path::Path) -> std::io::Result<Vec<String>> {
         oncegate_engine::files::OsFiles.list(dir)
     }
-    fn lock(&self, dir: &std::path::Path) -> std::io::Result<Option<oncegate_engine::files::LockGuard>> {
-        oncegate_engine::files::OsFiles.lock(dir)
+    fn lock(&self, path: &std::path::Path) -> std::io::Result<Option<oncegate_engine::files::LockGuard>> {
+        oncegate_engine::files::OsFiles.lock(path)
     }
     fn drop_cached(&self, path: &std::path::Path) -> std::io::Result<()> {
         oncegate_engine::files::OsFiles.drop_cached(path)

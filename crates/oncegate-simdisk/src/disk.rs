@@ -726,7 +726,7 @@ impl Boot {
 /// The directory lock of a simulated disk: released when dropped.
 struct SimLock {
     disk: Disk,
-    dir: PathBuf,
+    path: PathBuf,
     generation: u64,
 }
 
@@ -734,7 +734,7 @@ impl Drop for SimLock {
     fn drop(&mut self) {
         let mut state = self.disk.lock_state();
         if state.generation == self.generation {
-            state.locks.remove(&self.dir);
+            state.locks.remove(&self.path);
         }
     }
 }
@@ -823,13 +823,13 @@ impl Files for Boot {
         })
     }
 
-    fn lock(&self, dir: &Path) -> io::Result<Option<LockGuard>> {
+    fn lock(&self, path: &Path) -> io::Result<Option<LockGuard>> {
         self.with(|state| {
-            if !state.locks.insert(dir.to_owned()) {
+            if !state.locks.insert(path.to_owned()) {
                 return Ok(None);
             }
             let guard =
-                SimLock { disk: self.disk.clone(), dir: dir.to_owned(), generation: state.generation };
+                SimLock { disk: self.disk.clone(), path: path.to_owned(), generation: state.generation };
             Ok(Some(Box::new(guard) as LockGuard))
         })
     }
