@@ -61,7 +61,7 @@ fn load(args: &ServeArgs) -> anyhow::Result<Config> {
         config.store.kind = Some(kind);
     }
     if let Some(url) = &args.postgres_url {
-        config.store.postgres_url = url.clone();
+        config.store.postgres_url = url.as_str().into();
     }
     if let Some(format) = &args.log_format {
         config.log.format = if format == "json" { LogFormat::Json } else { LogFormat::Text };

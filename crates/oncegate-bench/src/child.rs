@@ -34,7 +34,7 @@ pub fn serve_child(mode: ChildMode) -> anyhow::Result<()> {
     config.engine.shards = shards;
     config.store.kind = Some(store);
     if let Some(url) = postgres_url {
-        config.store.postgres_url = url;
+        config.store.postgres_url = url.into();
     }
     config.server.listen = "127.0.0.1:0".parse()?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;

@@ -63,6 +63,66 @@ pub enum PgClock {
     Engine,
 }
 
+/// A PostgreSQL connection string (URL or `key=value` form). It may hold a password, so
+/// `{:?}` and [`PostgresUrl::redacted`] show where the database is and never the secret.
+#[derive(Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct PostgresUrl(String);
+
+impl PostgresUrl {
+    /// The connection string itself, for the driver only.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    /// Whether none was given.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Where the database is (hosts, ports, database, user), never the password: for logs
+    /// and errors.
+    pub fn redacted(&self) -> String {
+        let Ok(config) = self.0.parse::<tokio_postgres::Config>() else {
+            return "(a postgres_url that does not parse)".to_owned();
+        };
+        let hosts: Vec<String> = config
+            .get_hosts()
+            .iter()
+            .map(|host| match host {
+                tokio_postgres::config::Host::Tcp(name) => name.clone(),
+                tokio_postgres::config::Host::Unix(path) => path.display().to_string(),
+            })
+            .collect();
+        let ports: Vec<String> = config.get_ports().iter().map(u16::to_string).collect();
+        format!(
+            "host={} port={} dbname={} user={}",
+            hosts.join(","),
+            ports.join(","),
+            config.get_dbname().unwrap_or("(default)"),
+            config.get_user().unwrap_or("(default)")
+        )
+    }
+}
+
+impl std::fmt::Debug for PostgresUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.redacted())
+    }
+}
+
+impl From<String> for PostgresUrl {
+    fn from(url: String) -> PostgresUrl {
+        PostgresUrl(url)
+    }
+}
+
+impl From<&str> for PostgresUrl {
+    fn from(url: &str) -> PostgresUrl {
+        PostgresUrl(url.to_owned())
+    }
+}
+
 /// Where the records live (`[store]` in the server's file).
 #[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -72,7 +132,7 @@ pub struct StoreConfig {
     pub kind: Option<StoreKind>,
     /// The PostgreSQL connection string (URL or `key=value` form); `sslmode=require`
     /// asks for TLS. Never logged with its password.
-    pub postgres_url: String,
+    pub postgres_url: PostgresUrl,
     /// Connections to PostgreSQL at most; each shard holds one.
     pub postgres_pool_size: usize,
     /// More roots (PEM) to check the database's certificate against, beside the
@@ -98,7 +158,7 @@ impl Default for StoreConfig {
     fn default() -> Self {
         StoreConfig {
             kind: None,
-            postgres_url: String::new(),
+            postgres_url: PostgresUrl::default(),
             postgres_pool_size: 16,
             postgres_tls_ca_path: None,
             postgres_statement_timeout_ms: 10_000,
@@ -115,7 +175,7 @@ impl std::fmt::Debug for StoreConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StoreConfig")
             .field("kind", &self.kind)
-            .field("postgres_url", &crate::store::postgres::redact(&self.postgres_url))
+            .field("postgres_url", &self.postgres_url)
             .field("postgres_pool_size", &self.postgres_pool_size)
             .field("postgres_tls_ca_path", &self.postgres_tls_ca_path)
             .field("postgres_statement_timeout_ms", &self.postgres_statement_timeout_ms)
@@ -337,7 +397,7 @@ impl StoreConfig {
                 "postgres_url",
                 "is empty; kind = \"postgres\" needs a connection string",
             ));
-        } else if self.postgres_url.parse::<tokio_postgres::Config>().is_err() {
+        } else if self.postgres_url.expose().parse::<tokio_postgres::Config>().is_err() {
             problems.push(Problem::new("postgres_url", "does not parse as a PostgreSQL connection string"));
         }
         problems.within_because(
@@ -370,5 +430,30 @@ impl StoreConfig {
             problems.push(Problem::new("postgres_schema", detail));
         }
         problems.into_result()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Configurations are logged at start and errors carry where the database is: the
+    /// password appears in neither, in either form of connection string.
+    #[test]
+    fn the_password_never_leaves_the_connection_string() {
+        for url in [
+            "postgres://gate:s3cret-pw@db.internal:6543/oncegate?sslmode=require",
+            "host=db.internal port=6543 user=gate password=s3cret-pw dbname=oncegate",
+        ] {
+            let shown = PostgresUrl::from(url).redacted();
+            assert_eq!(shown, "host=db.internal port=6543 dbname=oncegate user=gate");
+            let config = StoreConfig { postgres_url: url.into(), ..StoreConfig::default() };
+            let debug = format!("{config:?}");
+            assert!(!debug.contains("s3cret-pw") && debug.contains("db.internal"), "{debug}");
+        }
+        assert_eq!(
+            PostgresUrl::from("postgres://gate:s3cret-pw@[::1").redacted(),
+            "(a postgres_url that does not parse)"
+        );
     }
 }

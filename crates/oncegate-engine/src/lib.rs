@@ -42,7 +42,9 @@ use oncegate_core::{
 use tokio::sync::oneshot;
 
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use config::{Durability, EngineConfig, PgClock, SHARDS_DEFAULT, SHARDS_MAX, StoreConfig, StoreKind};
+pub use config::{
+    Durability, EngineConfig, PgClock, PostgresUrl, SHARDS_DEFAULT, SHARDS_MAX, StoreConfig, StoreKind,
+};
 pub use error::{Error, OpenError};
 pub use faults::Faults;
 pub use gate::TenantGate;

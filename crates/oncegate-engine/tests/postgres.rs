@@ -36,7 +36,7 @@ fn node_with(
         data_dir: dir.to_owned(),
         store: StoreConfig {
             kind: Some(StoreKind::Postgres),
-            postgres_url: url.to_owned(),
+            postgres_url: url.into(),
             postgres_clock: clock,
             ..StoreConfig::default()
         },
@@ -55,7 +55,7 @@ fn one_shard(dir: &std::path::Path, url: &str, store: impl FnOnce(&mut StoreConf
         shards: 1,
         store: StoreConfig {
             kind: Some(StoreKind::Postgres),
-            postgres_url: url.to_owned(),
+            postgres_url: url.into(),
             ..StoreConfig::default()
         },
         ..EngineConfig::default()

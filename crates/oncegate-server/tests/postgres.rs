@@ -17,8 +17,11 @@ async fn a_database_outage_is_unavailable_and_not_serving_until_it_returns() {
     let Some(cluster) = tokio::task::spawn_blocking(pg::Cluster::start).await.unwrap() else { return };
     let url = cluster.database("front");
     let server = common::start_with(move |c| {
-        c.store =
-            StoreConfig { kind: Some(StoreKind::Postgres), postgres_url: url, ..StoreConfig::default() };
+        c.store = StoreConfig {
+            kind: Some(StoreKind::Postgres),
+            postgres_url: url.into(),
+            ..StoreConfig::default()
+        };
         c.engine.reopen_backoff_ms_min = 10;
         c.engine.reopen_backoff_ms_max = 200;
     })

@@ -114,7 +114,7 @@ impl Cli {
     fn store_config(&self) -> oncegate_engine::StoreConfig {
         oncegate_engine::StoreConfig {
             kind: Some(self.store),
-            postgres_url: self.postgres.clone(),
+            postgres_url: self.postgres.as_str().into(),
             ..Default::default()
         }
     }

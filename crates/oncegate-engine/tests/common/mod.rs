@@ -50,7 +50,7 @@ pub fn store_for(dir: &Path) -> StoreConfig {
         Backend::Sqlite => StoreConfig { kind: Some(StoreKind::Sqlite), ..StoreConfig::default() },
         Backend::Postgres => StoreConfig {
             kind: Some(StoreKind::Postgres),
-            postgres_url: pg::database_for(dir).expect("the cluster was started by with_backend"),
+            postgres_url: pg::database_for(dir).expect("the cluster was started by with_backend").into(),
             postgres_clock: PgClock::Engine,
             ..StoreConfig::default()
         },
