@@ -11,7 +11,6 @@
 //! channel) with `_blocking` twins for synchronous callers.
 
 pub mod backup;
-mod book;
 mod clock;
 mod config;
 mod error;

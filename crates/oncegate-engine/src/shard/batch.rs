@@ -7,8 +7,8 @@ use std::time::Instant;
 
 use oncegate_core::{Command, Reply, ReserveReply, Scope, answers_from_earlier_bucket, decide};
 
+use super::book::{Book, Outbox};
 use super::{Alarm, Asked, Derive, Moved, Request, Shard, ShardState};
-use crate::book::{Book, Outbox};
 use crate::store::{Meta, Store, StoreError, Txn};
 use crate::{EngineConfig, Error};
 
@@ -212,7 +212,7 @@ impl Shard {
         self.shared.waiters.store(self.book.waiters_len as u64, Ordering::Relaxed);
         match result {
             Ok(value) => {
-                self.book.settle(&self.shared);
+                self.shared.set_records(self.book.settle());
                 durable(&value, &self.shared);
                 self.shared.publish();
                 for (reply, answer) in outbox {
@@ -225,7 +225,7 @@ impl Shard {
                 self.book.discard_delta();
                 let refusal = if error.is_disk_full() && self.store.is_some() {
                     self.refuse_writes(&error);
-                    crate::book::disk_full(self.id, &self.path)
+                    super::book::disk_full(self.id, &self.path)
                 } else {
                     self.record_failure(&error);
                     self.unavailable(&format!("storage failure: {error}"))

@@ -35,20 +35,21 @@ use crossbeam_channel::{Receiver, Sender, at, never, select};
 use oncegate_core::{ClockGuard, Command, Reply, Scope};
 use tokio::sync::oneshot;
 
-use crate::book::Book;
 use crate::files::Files;
 use crate::quota::Quotas;
 use crate::store::{Store, StoreError};
 use crate::{Clock, EngineConfig, Error, Faults, manifest};
 
 mod batch;
+mod book;
 mod moves;
 mod open;
 mod state;
 
 use open::Asked;
 
-pub(crate) use crate::book::Parked;
+use book::Book;
+pub(crate) use book::Parked;
 pub(crate) use moves::{Handover, MoveOut};
 pub use state::ShardState;
 pub(crate) use state::{Arrival, FrameFloor, Marks, Shared, Start};
@@ -324,7 +325,7 @@ impl Shard {
             store.refuse_writes(true);
         }
         self.shared.failures.fetch_add(1, Ordering::Relaxed);
-        self.shared.set_last_error(format!("{}", crate::book::disk_full(self.id, &self.path)));
+        self.shared.set_last_error(format!("{}", book::disk_full(self.id, &self.path)));
     }
 
     /// Takes writes again once the pause after a full disk is over (the next write
@@ -351,9 +352,9 @@ impl Shard {
     /// What a write refused alone hears: the disk is full, or the file at its limit.
     fn write_refusal(&self) -> Error {
         if self.store.as_ref().is_some_and(Store::writes_refused) {
-            crate::book::disk_full(self.id, &self.path)
+            book::disk_full(self.id, &self.path)
         } else {
-            crate::book::file_full(self.id, &self.config)
+            book::file_full(self.id, &self.config)
         }
     }
 

@@ -27,7 +27,7 @@ use crossbeam_channel::Sender;
 use oncegate_core::{Record, Scope};
 
 use super::Shard;
-use crate::book::{Book, Parked};
+use super::book::{Book, Parked};
 use crate::error::Error;
 use crate::store::{Meta, StoreError, Txn};
 use crate::token;
@@ -155,9 +155,9 @@ impl Shard {
             self.book.discard_delta();
             let refusal = if error.is_disk_full() {
                 self.refuse_writes(error);
-                crate::book::disk_full(self.id, &self.path)
+                super::book::disk_full(self.id, &self.path)
             } else {
-                crate::book::file_full(self.id, &self.config)
+                super::book::file_full(self.id, &self.config)
             };
             if let Some(store) = self.store.as_mut()
                 && let Err(error) = store.sync_commits(false)

@@ -107,7 +107,7 @@ impl Shard {
         if let Some(counted) = store.take_count() {
             self.book.reset_records(counted);
         }
-        self.book.settle(&self.shared);
+        self.shared.set_records(self.book.settle());
         Ok(Store::Postgres(store))
     }
 
@@ -157,7 +157,7 @@ impl Shard {
         self.handed = None;
         self.book.next_reclaim_ms = store.next_reclaim_ms();
         self.book.reset_records(store.take_own_count());
-        self.book.settle(&self.shared);
+        self.shared.set_records(self.book.settle());
         Ok(store)
     }
 

@@ -86,6 +86,12 @@ impl Shared {
         ShardState::from_u8(self.state.load(Ordering::Acquire))
     }
 
+    /// Publishes the record counts of the last commit.
+    pub fn set_records(&self, counts: super::book::RecordCounts) {
+        self.records_pending.store(counts.pending, Ordering::Relaxed);
+        self.records_completed.store(counts.completed, Ordering::Relaxed);
+    }
+
     pub fn set_state(&self, state: ShardState) {
         let waiting = self.waiting.lock().unwrap_or_else(|p| p.into_inner());
         self.state.store(state as u8, Ordering::Release);

@@ -6,13 +6,11 @@
 //! book as it was and the rest of the batch goes on.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::Ordering;
 
 use oncegate_core::{Change, Command, Decision, Record, Reply, Reserve, ReserveReply, Scope, decide};
 use tokio::sync::oneshot;
 
 use crate::quota::{Quotas, Tally};
-use crate::shard::Shared;
 use crate::store::{StoreError, Txn};
 use crate::{EngineConfig, Error};
 
@@ -69,6 +67,14 @@ pub(crate) fn file_full(shard: u32, config: &EngineConfig) -> Error {
     }
 }
 
+/// A shard's stored records by state, as of its last commit.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct RecordCounts {
+    /// Pending records (expired ones not yet reclaimed included).
+    pub pending: u64,
+    /// Completed records (expired ones not yet reclaimed included).
+    pub completed: u64,
+}
 pub(crate) struct Book {
     pub next_token: u64,
     queues: HashMap<Scope, WaitQueue>,
@@ -149,11 +155,14 @@ impl Book {
         Ok(())
     }
 
-    /// The transaction committed: its record counts become true.
-    pub fn settle(&mut self, shared: &Shared) {
+    /// The transaction committed: its record counts become true, and are returned for
+    /// the shard to publish.
+    pub fn settle(&mut self) -> RecordCounts {
         self.records.absorb(std::mem::take(&mut self.records_delta));
-        shared.records_pending.store(self.records.pending.max(0) as u64, Ordering::Relaxed);
-        shared.records_completed.store(self.records.completed.max(0) as u64, Ordering::Relaxed);
+        RecordCounts {
+            pending: self.records.pending.max(0) as u64,
+            completed: self.records.completed.max(0) as u64,
+        }
     }
 
     /// Whether parked reserves wait on `scope` (a change to it must wake them).
