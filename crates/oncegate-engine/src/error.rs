@@ -215,5 +215,5 @@ pub enum OpenError {
     },
     /// The slot map cannot be read or is damaged.
     #[error(transparent)]
-    SlotMap(#[from] crate::slots::SlotMapError),
+    SlotMap(#[from] crate::placement::slots::SlotMapError),
 }

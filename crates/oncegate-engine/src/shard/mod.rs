@@ -140,7 +140,7 @@ pub(crate) struct Parts {
     /// The files seam (the operating system's, or a simulated disk).
     pub files: Arc<dyn Files>,
     /// Which shard owns each slot, as slots move.
-    pub slots: Arc<crate::slots::LiveMap>,
+    pub slots: Arc<crate::placement::slots::LiveMap>,
     /// The shared PostgreSQL store, when the records live there instead of in files.
     pub postgres: Option<Arc<crate::store::postgres::Postgres>>,
 }
@@ -191,7 +191,7 @@ pub(crate) struct Shard {
     epoch: u64,
     book: Book,
     files: Arc<dyn Files>,
-    slots: Arc<crate::slots::LiveMap>,
+    slots: Arc<crate::placement::slots::LiveMap>,
     postgres: Option<Arc<crate::store::postgres::Postgres>>,
     /// Rows of slots that moved away; alarms delete them in chunks.
     leaving: Vec<moves::Leaving>,

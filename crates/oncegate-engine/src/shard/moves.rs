@@ -29,8 +29,8 @@ use oncegate_core::{Record, Scope};
 use super::Shard;
 use super::book::{Book, Parked};
 use crate::error::Error;
+use crate::placement::token;
 use crate::store::{Meta, StoreError, Txn};
-use crate::token;
 
 /// The mover's request to a source shard: hand `slot` over.
 pub(crate) struct MoveOut {

@@ -157,7 +157,7 @@ pub(crate) struct Tuning {
     pub batch_writes_max: u64,
     /// The slots this file's shard owns; rows of other slots (left by a slot move that
     /// was cut short) are deleted at open. `None`: every slot (tools that copy rows).
-    pub owned: Option<crate::slots::Owned>,
+    pub owned: Option<crate::placement::slots::Owned>,
     /// The files seam, and with it the SQLite VFS.
     pub files: Arc<dyn Files>,
     /// How the directory routes keys: the hash stored beside each record is its.
@@ -194,7 +194,7 @@ impl Tuning {
     pub fn of(
         config: &crate::EngineConfig,
         files: Arc<dyn Files>,
-        owned: Option<crate::slots::Owned>,
+        owned: Option<crate::placement::slots::Owned>,
         routing: Routing,
     ) -> Tuning {
         let limits = &config.limits;

@@ -10,9 +10,10 @@
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use super::ShardHandle;
+use crate::error::Error;
+use crate::placement::slots::{SlotMap, SlotMove};
 use crate::shard::{Moved, Request};
-use crate::slots::{SlotMap, SlotMove};
-use crate::{Error, ShardHandle};
 
 /// The routing table.
 pub(crate) struct Table {
@@ -94,7 +95,7 @@ pub(crate) fn hand_over(shard: &ShardHandle, shard_id: u32, moved: Moved) {
         && let Moved::Held(requests) = unsent.into_inner()
     {
         for request in requests {
-            let _ = request.reply.send(Err(crate::Pending::lost(shard_id)));
+            let _ = request.reply.send(Err(super::pending::Pending::<()>::lost(shard_id)));
         }
     }
 }

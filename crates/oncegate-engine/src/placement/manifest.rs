@@ -22,7 +22,7 @@ use oncegate_core::route::Routing;
 
 use crate::OpenError;
 use crate::files::{Files, LockGuard, write_atomically};
-use crate::slots::{self, SlotMap};
+use crate::placement::slots::{self, SlotMap};
 
 /// The manifest's file name inside the data directory.
 pub const MANIFEST_FILE: &str = "oncegate.manifest.toml";

@@ -6,7 +6,8 @@ use std::future::Future;
 use oncegate_core::gate::{CommitRequest, Gate, GateError, KeyRequest, Renewed, ReserveRequest, Reserved};
 use oncegate_core::{Code, Tenant, View};
 
-use crate::{Engine, Error};
+use super::Engine;
+use crate::error::Error;
 
 impl GateError for Error {
     fn code(&self) -> Code {

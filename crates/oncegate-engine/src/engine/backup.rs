@@ -14,8 +14,10 @@
 
 use std::path::{Path, PathBuf};
 
+use super::Engine;
+use crate::error::OpenError;
 use crate::files::{Files, write_atomically};
-use crate::{Engine, OpenError, manifest, slots};
+use crate::placement::{manifest, slots};
 
 /// What a backup copied.
 #[derive(Clone, Debug, PartialEq, Eq)]
