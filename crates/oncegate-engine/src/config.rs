@@ -75,6 +75,18 @@ impl PostgresUrl {
         &self.0
     }
 
+    /// Whether the driver reads it as a connection string.
+    #[cfg(feature = "postgres")]
+    fn parses(&self) -> bool {
+        self.0.parse::<tokio_postgres::Config>().is_ok()
+    }
+
+    /// Without the driver nothing parses.
+    #[cfg(not(feature = "postgres"))]
+    fn parses(&self) -> bool {
+        false
+    }
+
     /// Whether none was given.
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
@@ -82,6 +94,14 @@ impl PostgresUrl {
 
     /// Where the database is (hosts, ports, database, user), never the password: for logs
     /// and errors.
+    #[cfg(not(feature = "postgres"))]
+    pub fn redacted(&self) -> String {
+        "(a postgres_url, hidden: this build has no PostgreSQL store)".to_owned()
+    }
+
+    /// Where the database is (hosts, ports, database, user), never the password: for logs
+    /// and errors.
+    #[cfg(feature = "postgres")]
     pub fn redacted(&self) -> String {
         let Ok(config) = self.0.parse::<tokio_postgres::Config>() else {
             return "(a postgres_url that does not parse)".to_owned();
@@ -392,12 +412,14 @@ impl StoreConfig {
         if self.kind() != StoreKind::Postgres {
             return problems.into_result();
         }
-        if self.postgres_url.is_empty() {
+        if cfg!(not(feature = "postgres")) {
+            problems.push(Problem::new("kind", "is postgres, which this build was made without"));
+        } else if self.postgres_url.is_empty() {
             problems.push(Problem::new(
                 "postgres_url",
                 "is empty; kind = \"postgres\" needs a connection string",
             ));
-        } else if self.postgres_url.expose().parse::<tokio_postgres::Config>().is_err() {
+        } else if !self.postgres_url.parses() {
             problems.push(Problem::new("postgres_url", "does not parse as a PostgreSQL connection string"));
         }
         problems.within_because(

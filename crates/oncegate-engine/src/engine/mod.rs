@@ -110,7 +110,7 @@ struct Inner {
     faults: Faults,
     files: Arc<dyn files::Files>,
     /// The shared PostgreSQL store, when the records live there.
-    postgres: Option<Arc<store::postgres::Postgres>>,
+    postgres: Option<store::SharedDb>,
     /// Held while shards are added or a backup runs: the slot map changes under neither.
     growing: Mutex<()>,
     /// Held for the engine's life: one process owns a data directory.

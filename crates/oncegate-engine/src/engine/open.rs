@@ -93,12 +93,13 @@ struct Placement {
     map: slots::SlotMap,
     shards: u32,
     routing: oncegate_core::route::Routing,
-    postgres: Option<Arc<store::postgres::Postgres>>,
+    postgres: Option<store::SharedDb>,
 }
 
 /// Reads (or creates) a data directory's slot map, or, for PostgreSQL, computes one and
 /// opens the pool: the records are in the database, and shards only spread this node's
 /// work, so any count serves every key and the map is never stored.
+#[cfg_attr(not(feature = "postgres"), allow(unused_variables))]
 fn place(
     config: &EngineConfig,
     kind: StoreKind,
@@ -110,6 +111,13 @@ fn place(
             let (map, shards, routing) = manifest::open_or_create(files, &config.data_dir, config.shards)?;
             Placement { map, shards, routing, postgres: None }
         }
+        #[cfg(not(feature = "postgres"))]
+        StoreKind::Postgres => {
+            return Err(OpenError::Unsupported {
+                what: "the PostgreSQL store: this build was made without the `postgres` feature",
+            });
+        }
+        #[cfg(feature = "postgres")]
         StoreKind::Postgres => {
             let node = manifest::node_name(files, &config.data_dir)?;
             let pg = store::postgres::Postgres::new(
@@ -149,7 +157,7 @@ struct Common {
     quotas: quota::Quotas,
     files: Arc<dyn files::Files>,
     slots: Arc<slots::LiveMap>,
-    postgres: Option<Arc<store::postgres::Postgres>>,
+    postgres: Option<store::SharedDb>,
 }
 
 /// Makes one shard's channels and starts its thread.

@@ -142,7 +142,7 @@ pub(crate) struct Parts {
     /// Which shard owns each slot, as slots move.
     pub slots: Arc<crate::placement::slots::LiveMap>,
     /// The shared PostgreSQL store, when the records live there instead of in files.
-    pub postgres: Option<Arc<crate::store::postgres::Postgres>>,
+    pub postgres: Option<crate::store::SharedDb>,
 }
 
 /// Sent once per shard when its first open attempt is over, with the file it could not
@@ -192,7 +192,7 @@ pub(crate) struct Shard {
     book: Book,
     files: Arc<dyn Files>,
     slots: Arc<crate::placement::slots::LiveMap>,
-    postgres: Option<Arc<crate::store::postgres::Postgres>>,
+    postgres: Option<crate::store::SharedDb>,
     /// Rows of slots that moved away; alarms delete them in chunks.
     leaving: Vec<moves::Leaving>,
     /// The rows of the slot this shard last handed over, until the move ends.

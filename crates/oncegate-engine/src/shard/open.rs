@@ -7,7 +7,9 @@ use std::sync::atomic::Ordering;
 use oncegate_core::ClockGuard;
 
 use super::{Shard, ShardState};
-use crate::store::{Meta, Store, StoreError, Tuning, Txn, postgres, sqlite};
+#[cfg(feature = "postgres")]
+use crate::store::postgres;
+use crate::store::{Meta, Store, StoreError, Tuning, Txn, sqlite};
 use crate::{manifest, token};
 
 /// Who asks for an open.
@@ -58,9 +60,13 @@ impl Shard {
         }
     }
 
+    #[cfg_attr(not(feature = "postgres"), allow(unused_variables))]
     fn try_open(&mut self, asked: Asked) -> Result<Store, StoreError> {
         match self.postgres.clone() {
+            #[cfg(feature = "postgres")]
             Some(pg) => self.open_postgres(&pg, asked),
+            #[cfg(not(feature = "postgres"))]
+            Some(none) => match none {},
             None => self.open_own(),
         }
     }
@@ -70,6 +76,7 @@ impl Shard {
     /// any node persisted) only schedules its alarms, and decides when the engine's clock
     /// is configured to. No restart grace: other nodes go on serving the keys while this
     /// one is down, so its downtime is not a pause of anyone's lease.
+    #[cfg(feature = "postgres")]
     fn open_postgres(
         &mut self,
         pg: &std::sync::Arc<postgres::Postgres>,

@@ -17,12 +17,23 @@
 //! the decisions use. Everything else is the same calls on either side.
 
 mod checkpointer;
+#[cfg(feature = "postgres")]
 pub(crate) mod postgres;
 pub(crate) mod sqlite;
 
 use oncegate_core::{Event, Key, Namespace, Record, Scope, Tenant, Transition};
 
 pub(crate) use sqlite::{Tuning, configure};
+
+/// The PostgreSQL store every shard of a node shares, when the records live there. A
+/// build without the `postgres` feature has none: the type has no value.
+#[cfg(feature = "postgres")]
+pub(crate) type SharedDb = std::sync::Arc<postgres::Postgres>;
+/// The PostgreSQL store every shard of a node shares, when the records live there. A
+/// build without the `postgres` feature has none: the type has no value.
+#[cfg(not(feature = "postgres"))]
+#[derive(Clone)]
+pub(crate) enum SharedDb {}
 
 use crate::quota::Tally;
 
@@ -48,6 +59,7 @@ pub enum StoreError {
     #[error("writes are refused until the disk has room")]
     WritesRefused,
     /// PostgreSQL refused or failed, or could not be reached.
+    #[cfg(feature = "postgres")]
     #[error("postgres: {0}")]
     Postgres(String),
     /// The file or table is not what a shard's store must be.
@@ -139,6 +151,7 @@ impl Meta {
 /// An open store: the shard's SQLite file or its connection to PostgreSQL.
 pub(crate) enum Store {
     Sqlite(sqlite::Store),
+    #[cfg(feature = "postgres")]
     Postgres(postgres::Store),
 }
 
@@ -146,6 +159,7 @@ pub(crate) enum Store {
 /// rolls it back.
 pub(crate) enum Txn<'s> {
     Sqlite(sqlite::Txn<'s>),
+    #[cfg(feature = "postgres")]
     Postgres(postgres::Txn<'s>),
 }
 
@@ -154,6 +168,7 @@ macro_rules! dispatch {
     ($self:expr, $kind:ident, $s:ident => $body:expr) => {
         match $self {
             $kind::Sqlite($s) => $body,
+            #[cfg(feature = "postgres")]
             $kind::Postgres($s) => $body,
         }
     };
@@ -162,17 +177,21 @@ macro_rules! dispatch {
 impl Store {
     /// Starts a write transaction for a batch deciding `keys`, at the shard's own reading
     /// of time `local_now_ms` (the time itself is [`Txn::now`]).
+    #[cfg_attr(not(feature = "postgres"), allow(unused_variables))]
     pub fn begin(&mut self, keys: &[&Scope], local_now_ms: u64) -> Result<Txn<'_>, StoreError> {
         match self {
             Store::Sqlite(store) => store.begin(local_now_ms).map(Txn::Sqlite),
+            #[cfg(feature = "postgres")]
             Store::Postgres(store) => store.begin(keys, local_now_ms, true).map(Txn::Postgres),
         }
     }
 
     /// Starts a read-only transaction (no lock, no write, nothing to sync).
+    #[cfg_attr(not(feature = "postgres"), allow(unused_variables))]
     pub fn begin_read(&mut self, keys: &[&Scope], local_now_ms: u64) -> Result<Txn<'_>, StoreError> {
         match self {
             Store::Sqlite(store) => store.begin_read(local_now_ms).map(Txn::Sqlite),
+            #[cfg(feature = "postgres")]
             Store::Postgres(store) => store.begin(keys, local_now_ms, false).map(Txn::Postgres),
         }
     }
@@ -188,6 +207,7 @@ impl Store {
     pub fn waiters_poll_ms(&self) -> Option<u64> {
         match self {
             Store::Sqlite(_) => None,
+            #[cfg(feature = "postgres")]
             Store::Postgres(store) => Some(store.waiters_poll_ms()),
         }
     }
@@ -195,7 +215,7 @@ impl Store {
     /// Whether the store is the shard's own (its SQLite file): token epochs
     /// and the restart grace belong to those.
     pub fn is_own(&self) -> bool {
-        !matches!(self, Store::Postgres(_))
+        matches!(self, Store::Sqlite(_))
     }
 
     /// The (hash, row id) of every row of `slot` in the shard's file (none in a shared
@@ -203,6 +223,7 @@ impl Store {
     pub fn slot_rows(&self, slot: u32) -> Vec<(u64, i64)> {
         match self {
             Store::Sqlite(store) => store.slot_rows(slot),
+            #[cfg(feature = "postgres")]
             Store::Postgres(_) => Vec::new(),
         }
     }
@@ -212,6 +233,7 @@ impl Store {
     pub fn take_own_count(&mut self) -> crate::quota::Tally {
         match self {
             Store::Sqlite(store) => store.take_count(),
+            #[cfg(feature = "postgres")]
             Store::Postgres(_) => crate::quota::Tally::default(),
         }
     }
@@ -220,6 +242,7 @@ impl Store {
     /// write fails alone with [`StoreError::WritesRefused`], reclaim deletes nothing and
     /// the counters are not written, so a batch of reads commits nothing. A shared store
     /// is not refused here (its database answers for its own disk).
+    #[cfg_attr(not(feature = "postgres"), allow(irrefutable_let_patterns))]
     pub fn refuse_writes(&mut self, on: bool) {
         if let Store::Sqlite(store) = self {
             store.refuse_writes(on);
@@ -237,12 +260,14 @@ impl Store {
     pub fn sync_commits(&mut self, on: bool) -> Result<(), StoreError> {
         match self {
             Store::Sqlite(store) => store.sync_commits(on),
+            #[cfg(feature = "postgres")]
             Store::Postgres(_) => Err(MOVES_ON_POSTGRES),
         }
     }
 }
 
 /// Shards on PostgreSQL share one table: no slot move runs there.
+#[cfg(feature = "postgres")]
 const MOVES_ON_POSTGRES: StoreError = StoreError::Unsupported { store: "postgres", what: "slot moves" };
 
 impl<'s> Txn<'s> {
@@ -257,6 +282,7 @@ impl<'s> Txn<'s> {
     pub fn next_token(&self, counter: u64) -> Result<u64, StoreError> {
         match self {
             Txn::Sqlite(_) => Ok(counter),
+            #[cfg(feature = "postgres")]
             Txn::Postgres(txn) => txn.next_token(counter),
         }
     }
@@ -286,6 +312,7 @@ impl<'s> Txn<'s> {
     pub fn set_meta(&self, meta: Meta) -> Result<(), StoreError> {
         match self {
             Txn::Sqlite(txn) => txn.set_meta(meta),
+            #[cfg(feature = "postgres")]
             Txn::Postgres(_) => Ok(()),
         }
     }
@@ -295,6 +322,7 @@ impl<'s> Txn<'s> {
     pub fn pending_leased_after(&self, after_ms: u64) -> Result<Vec<(Scope, Record)>, StoreError> {
         match self {
             Txn::Sqlite(txn) => txn.pending_leased_after(after_ms),
+            #[cfg(feature = "postgres")]
             Txn::Postgres(_) => Ok(Vec::new()),
         }
     }
@@ -304,6 +332,7 @@ impl<'s> Txn<'s> {
     pub fn failed_alone(&self, error: &StoreError) -> bool {
         match self {
             Txn::Sqlite(txn) => txn.failed_alone(error),
+            #[cfg(feature = "postgres")]
             Txn::Postgres(_) => false,
         }
     }
@@ -312,6 +341,7 @@ impl<'s> Txn<'s> {
     pub fn acks_early(&self) -> bool {
         match self {
             Txn::Sqlite(txn) => txn.acks_early(),
+            #[cfg(feature = "postgres")]
             Txn::Postgres(_) => false,
         }
     }
@@ -331,6 +361,7 @@ impl<'s> Txn<'s> {
     pub fn records_of(&self, rows: &[(u64, i64)]) -> Result<Vec<(Scope, Record)>, StoreError> {
         match self {
             Txn::Sqlite(txn) => txn.records_of(rows),
+            #[cfg(feature = "postgres")]
             Txn::Postgres(_) => Err(MOVES_ON_POSTGRES),
         }
     }
@@ -341,6 +372,7 @@ impl<'s> Txn<'s> {
     pub fn delete_rows(&self, rows: &[(u64, i64)]) -> Result<Tally, StoreError> {
         match self {
             Txn::Sqlite(txn) => txn.delete_rows(rows),
+            #[cfg(feature = "postgres")]
             Txn::Postgres(_) => Err(MOVES_ON_POSTGRES),
         }
     }
