@@ -36,12 +36,18 @@
 //! # }
 //! ```
 
+//! The gRPC [`Client`] is the `remote` feature (on by default); without it the crate is
+//! `once`, keys and retries over any `Gate`, with no network stack.
+
+#[cfg(feature = "remote")]
 mod client;
 pub mod keys;
 mod once;
 mod retry;
+#[cfg(feature = "remote")]
 mod session;
 
+#[cfg(feature = "remote")]
 pub use client::{Client, ClientBuilder, ClientError, Refusal, Transport};
 pub use once::{GateExt, Lease, OnCancel, OnceError, OnceOptions, Ran, WorkError, once};
 pub use oncegate_core::gate::{
