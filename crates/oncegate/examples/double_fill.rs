@@ -6,7 +6,7 @@
 //! The gateway is written against the `Gate` trait with `once`: here on the engine in
 //! process; `examples/client_once.rs` runs the same on a remote server.
 //!
-//! Run it with `cargo run --example double_fill`.
+//! Run it with `cargo run -p oncegate --example double_fill`.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 

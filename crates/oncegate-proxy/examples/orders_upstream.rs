@@ -2,7 +2,7 @@
 //! POST places an order (`201`, `{"order":"A-<n>"}`) and says so on stderr, so that one
 //! can watch the proxy run it once however often the client retries.
 //!
-//! `cargo run --example orders_upstream` listens on 127.0.0.1:9000 (or the first argument).
+//! `cargo run -p oncegate-proxy --example orders_upstream` listens on 127.0.0.1:9000 (or the first argument).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

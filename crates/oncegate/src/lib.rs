@@ -1,8 +1,11 @@
 //! oncegate: an idempotency gate that answers, durably and at most once per key, "may
 //! this attempt proceed?".
 //!
-//! This root package is the embedded API: open an [`Engine`] on a data directory and
-//! call it in-process, with the same behaviour the gRPC server gives over the network.
+//! This crate is the embedded API: open an [`Engine`] on a data directory and call it
+//! in-process, with the same behaviour the gRPC server gives over the network. It pulls
+//! in no gRPC, HTTP, command line or PostgreSQL client; the `postgres` feature adds the
+//! shared PostgreSQL store and `remote` the gRPC [`client::Client`]
+//! (`oncegate = { version = "0.1", features = ["remote"] }`).
 //!
 //! ```no_run
 //! use oncegate::{Engine, EngineConfig, ReserveRequest, core::{ReserveReply, Tenant}};
@@ -21,11 +24,12 @@
 pub use oncegate_client as client;
 pub use oncegate_core as core;
 pub use oncegate_engine::{
-    Clock, CommitRequest, Durability, Engine, EngineConfig, Error, Faults, KeyRequest, ManualClock,
-    OpenError, Renewed, ReserveRequest, Reserved, ShardState, ShardStats, SystemClock, TenantGate,
+    Clock, CommitRequest, Durability, Engine, EngineConfig, Error, KeyRequest, ManualClock, OpenError,
+    Renewed, ReserveRequest, Reserved, ShardState, ShardStats, StoreConfig, StoreKind, SystemClock,
+    TenantGate,
 };
 
 /// The README's examples compile as doc tests, so they cannot drift from the API.
 #[cfg(doctest)]
-#[doc = include_str!("../README.md")]
+#[doc = include_str!("../../../README.md")]
 struct ReadmeDoctests;

@@ -2,14 +2,14 @@
 //! the client crate's `once`. (For the example, the server runs in this process on a
 //! free port; point `Client::builder` at a real one, with `.token(..)` and `https://`.)
 //!
-//! Run it with `cargo run --example client_once`.
+//! Run it with `cargo run -p oncegate-client --example client_once`.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use oncegate::client::{Client, GateExt, OnceOptions, Ran, WorkError};
-use oncegate::core::Fingerprint;
-use oncegate::{Engine, EngineConfig};
+use oncegate_client::{Client, GateExt, OnceOptions, Ran, WorkError};
+use oncegate_core::Fingerprint;
+use oncegate_engine::{Engine, EngineConfig};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
