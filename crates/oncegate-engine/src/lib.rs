@@ -32,7 +32,7 @@ pub use config::{
     Durability, EngineConfig, PgClock, PostgresUrl, SHARDS_DEFAULT, SHARDS_MAX, StoreConfig, StoreKind,
 };
 pub use engine::{BackedUp, Engine, ShardStats, TenantGate};
-pub use error::{Error, OpenError};
+pub use error::{BackupError, Error, OpenError, ResizeError};
 pub use faults::Faults;
 pub use oncegate_core::gate::{CommitRequest, Gate, KeyRequest, Renewed, ReserveRequest, Reserved};
 pub use placement::{manifest, slots, token};

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 
 use common::*;
 use oncegate_core::ReserveReply;
-use oncegate_engine::{Engine, EngineConfig, Faults, ManualClock, OpenError};
+use oncegate_engine::{BackupError, Engine, EngineConfig, Faults, ManualClock, ResizeError};
 
 /// Keys completed so far, with their tokens.
 type Completed = Arc<Mutex<HashMap<String, u64>>>;
@@ -117,7 +117,7 @@ fn a_backup_goes_to_a_new_directory_only() {
     std::fs::create_dir(&taken).unwrap();
     std::fs::write(taken.join("something"), b"x").unwrap();
     let refused = engine.backup(&taken, &mut |_, _| {}).unwrap_err();
-    assert!(matches!(refused, OpenError::Config(_)), "{refused:?}");
+    assert!(matches!(refused, BackupError::NotEmpty { .. }), "{refused:?}");
     assert!(refused.to_string().contains("not empty"), "{refused}");
 }
 
@@ -138,7 +138,7 @@ fn a_backup_and_an_add_shards_refuse_each_other() {
             }
         })
         .unwrap();
-    assert!(matches!(refused, Some(Err(OpenError::Busy { .. }))), "{refused:?}");
+    assert!(matches!(refused, Some(Err(ResizeError::Busy { .. }))), "{refused:?}");
     // The mover stops after a few slots (as a crash would): the add's end does not matter.
     faults.stop_moves_after(20);
     let mut refused = None;
@@ -147,5 +147,5 @@ fn a_backup_and_an_add_shards_refuse_each_other() {
             refused = Some(engine.backup(&dir.path().join("copy-2"), &mut |_, _| {}));
         }
     });
-    assert!(matches!(refused, Some(Err(OpenError::Busy { .. }))), "{refused:?}");
+    assert!(matches!(refused, Some(Err(BackupError::Busy { .. }))), "{refused:?}");
 }

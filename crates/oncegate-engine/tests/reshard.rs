@@ -11,7 +11,7 @@ use common::*;
 use oncegate_core::ReserveReply;
 use oncegate_engine::files::OsFiles;
 use oncegate_engine::reshard::{Resharded, add_shards, add_shards_on};
-use oncegate_engine::{Engine, EngineConfig, Faults, ManualClock, OpenError};
+use oncegate_engine::{Engine, EngineConfig, Faults, ManualClock, OpenError, ResizeError};
 
 const KEYS: usize = 120;
 
@@ -174,7 +174,10 @@ fn a_reshard_under_the_other_store_is_refused_before_anything_changes() {
     };
     let refused =
         add_shards(&EngineConfig { store, ..sqlite.clone() }, 4, &mut |_, _| {}).expect_err("refused");
-    assert!(matches!(refused, OpenError::OtherStore { found: "sqlite", .. }), "{refused:?}");
+    assert!(
+        matches!(refused, ResizeError::Open(OpenError::OtherStore { found: "sqlite", .. })),
+        "{refused:?}"
+    );
     let engine = open(sqlite, &clock, &Faults::default());
     assert_eq!(engine.stats().len(), 2, "no shard was added");
     check(&engine, &written);
@@ -196,13 +199,13 @@ fn a_reshard_of_a_postgresql_node_s_directory_says_why_it_cannot_be() {
     };
     let refused =
         add_shards(&EngineConfig { store, ..config(dir.path()) }, 4, &mut |_, _| {}).expect_err("refused");
-    assert!(matches!(refused, OpenError::Unsupported { .. }), "{refused:?}");
+    assert!(matches!(refused, ResizeError::Unsupported { .. }), "{refused:?}");
     let unset = add_shards(&config_unset(dir.path()), 4, &mut |_, _| {}).expect_err("refused");
-    assert!(matches!(unset, OpenError::Unsupported { .. }), "{unset:?}");
+    assert!(matches!(unset, ResizeError::Unsupported { .. }), "{unset:?}");
     let sqlite = StoreConfig { kind: Some(StoreKind::Sqlite), ..StoreConfig::default() };
     let told_sqlite = add_shards(&EngineConfig { store: sqlite, ..config(dir.path()) }, 4, &mut |_, _| {})
         .expect_err("refused");
-    assert!(matches!(told_sqlite, OpenError::Unsupported { .. }), "{told_sqlite:?}");
+    assert!(matches!(told_sqlite, ResizeError::Unsupported { .. }), "{told_sqlite:?}");
     let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert!(!names.iter().any(|n| n.to_string_lossy().starts_with("shard-")), "no shard created: {names:?}");
 }

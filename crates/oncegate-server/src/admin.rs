@@ -223,10 +223,7 @@ impl pb::admin_server::Admin for AdminService {
         tracing::warn!(action = "add_shards", who = "admin", to, "operator started adding shards");
         // The moves block on shard replies and fsyncs; they go on if the caller goes away
         // (a half-spread map is correct, only uneven).
-        let unanswered = || {
-            let reason = "the add ended without an answer; see the server's log".to_owned();
-            Refusal::AddShards(oncegate_engine::OpenError::Interrupted { reason }).to_status()
-        };
+        let unanswered = || Refusal::Ended { what: "the add" }.to_status();
         stream_blocking(unanswered, move |tx| {
             engine
                 .add_shards(to, &mut |moved, total| {
@@ -274,10 +271,7 @@ impl pb::admin_server::Admin for AdminService {
         tracing::warn!(action = "backup", who = "admin", to = %to.display(), "operator started a backup");
         // The copies read whole files and sync them; a backup the caller leaves goes on to
         // its end (the directory is complete or it is an error).
-        let unanswered = || {
-            let reason = "the backup ended without an answer; see the server's log".to_owned();
-            Refusal::Backup(oncegate_engine::OpenError::Interrupted { reason }).to_status()
-        };
+        let unanswered = || Refusal::Ended { what: "the backup" }.to_status();
         stream_blocking(unanswered, move |tx| {
             engine
                 .backup(&to, &mut |copied, total| {

@@ -4,6 +4,7 @@
 //! refusal itself rather than read back from the status it became.
 
 use oncegate_core::Code;
+use oncegate_engine::{BackupError, ResizeError};
 
 pub use oncegate_proto::status::grpc_code;
 pub use oncegate_proto::{CODE_METADATA, FIELD_METADATA, LIMIT_METADATA};
@@ -52,10 +53,16 @@ pub enum Refusal {
     },
     /// An online add-shards could not start or stopped (`Admin.AddShards`).
     #[error("adding shards: {0}")]
-    AddShards(oncegate_engine::OpenError),
+    AddShards(#[source] oncegate_engine::ResizeError),
     /// An online backup could not start or stopped (`Admin.Backup`).
     #[error("backing up: {0}")]
-    Backup(oncegate_engine::OpenError),
+    Backup(#[source] oncegate_engine::BackupError),
+    /// A long operator task ended without an answer (its thread panicked).
+    #[error("{what} ended without an answer; see the server's log")]
+    Ended {
+        /// The task: "the add", "the backup".
+        what: &'static str,
+    },
     /// The tenant sent more requests (or finishing calls) than its rate allows.
     #[error(
         "tenant {tenant} is over its rate; {limit} is {per_s} (burst {burst}); retry in {retry_after_ms} ms"
@@ -85,16 +92,12 @@ impl Refusal {
             Refusal::Unauthenticated(_) => Code::Unauthenticated,
             Refusal::Unanswered { .. } | Refusal::Unstarted { .. } => Code::Unavailable,
             Refusal::Exhausted { .. } | Refusal::RateLimited { .. } => Code::ResourceExhausted,
-            Refusal::AddShards(oncegate_engine::OpenError::Config(_)) => Code::InvalidArgument,
-            Refusal::AddShards(
-                oncegate_engine::OpenError::Busy { .. } | oncegate_engine::OpenError::SlotStuck { .. },
-            ) => Code::Conflict,
+            Refusal::AddShards(ResizeError::Target { .. }) => Code::InvalidArgument,
+            Refusal::AddShards(ResizeError::Busy { .. } | ResizeError::SlotStuck { .. }) => Code::Conflict,
             Refusal::AddShards(_) => Code::Unavailable,
-            Refusal::Backup(oncegate_engine::OpenError::Config(_)) => Code::InvalidArgument,
-            Refusal::Backup(
-                oncegate_engine::OpenError::Busy { .. } | oncegate_engine::OpenError::Unsupported { .. },
-            ) => Code::Conflict,
-            Refusal::Backup(_) => Code::Unavailable,
+            Refusal::Backup(BackupError::NotEmpty { .. }) => Code::InvalidArgument,
+            Refusal::Backup(BackupError::Busy { .. } | BackupError::Unsupported { .. }) => Code::Conflict,
+            Refusal::Backup(_) | Refusal::Ended { .. } => Code::Unavailable,
         }
     }
 
@@ -117,14 +120,15 @@ impl Refusal {
             Refusal::Engine(E::DiskFull { .. }) => (None, Some(DISK_LIMIT)),
             Refusal::Exhausted { limit, .. } => (None, Some(limit)),
             Refusal::RateLimited { limit, .. } => (None, Some(limit)),
-            Refusal::AddShards(oncegate_engine::OpenError::Config(_)) => (Some("shards_total"), None),
-            Refusal::Backup(oncegate_engine::OpenError::Config(_)) => (Some("to"), None),
+            Refusal::AddShards(ResizeError::Target { .. }) => (Some("shards_total"), None),
+            Refusal::Backup(BackupError::NotEmpty { .. }) => (Some("to"), None),
             Refusal::Engine(_)
             | Refusal::Unauthenticated(_)
             | Refusal::Unanswered { .. }
             | Refusal::Unstarted { .. }
             | Refusal::AddShards(_)
-            | Refusal::Backup(_) => (None, None),
+            | Refusal::Backup(_)
+            | Refusal::Ended { .. } => (None, None),
         }
     }
 

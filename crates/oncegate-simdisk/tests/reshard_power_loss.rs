@@ -10,8 +10,8 @@ use std::sync::Arc;
 use oncegate_core::{Outcome, ReserveReply, State, Tenant};
 use oncegate_engine::reshard::add_shards_on;
 use oncegate_engine::{
-    CommitRequest, Engine, EngineConfig, Faults, KeyRequest, ManualClock, OpenError, ReserveRequest,
-    StoreConfig, StoreKind,
+    CommitRequest, Engine, EngineConfig, Faults, KeyRequest, ManualClock, ReserveRequest, StoreConfig,
+    StoreKind,
 };
 use oncegate_simdisk::disk::{Cut, Disk};
 use rand::SeedableRng;
@@ -35,7 +35,7 @@ fn open(disk: &Disk, shards: u32) -> Engine {
 }
 
 /// The offline reshard from 2 shards to 4 on `disk`.
-fn reshard(disk: &Disk) -> Result<oncegate_engine::reshard::Resharded, OpenError> {
+fn reshard(disk: &Disk) -> Result<oncegate_engine::reshard::Resharded, oncegate_engine::ResizeError> {
     add_shards_on(&config(2), 4, Arc::new(disk.boot()), &Faults::default(), &mut |_, _| {})
 }
 

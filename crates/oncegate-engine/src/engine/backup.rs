@@ -15,7 +15,7 @@
 use std::path::{Path, PathBuf};
 
 use super::Engine;
-use crate::error::OpenError;
+use crate::error::BackupError;
 use crate::files::{Files, write_atomically};
 use crate::placement::{manifest, slots};
 
@@ -35,29 +35,27 @@ impl Engine {
     /// `to` while the engine serves; calls `progress(shards_copied, shards)` after each
     /// shard. Refused on PostgreSQL (the database has its own backups), while slots move,
     /// and when `to` exists and is not empty.
-    pub fn backup(&self, to: &Path, progress: &mut dyn FnMut(u32, u32)) -> Result<BackedUp, OpenError> {
+    pub fn backup(&self, to: &Path, progress: &mut dyn FnMut(u32, u32)) -> Result<BackedUp, BackupError> {
         let inner = &self.inner;
         if inner.postgres.is_some() {
-            return Err(OpenError::Unsupported {
+            return Err(BackupError::Unsupported {
                 what: "a node on PostgreSQL keeps no records of its own: back up the database instead",
             });
         }
         // The slot map stays as it is until the copy is done.
-        let _no_moves = inner.map_unchanged("an add-shards or another backup is running on this server")?;
+        let _no_moves = inner
+            .map_unchanged()
+            .ok_or(BackupError::Busy { what: "an add-shards or another backup is running on this server" })?;
         if inner.table().moving.is_some() {
-            return Err(OpenError::Busy { what: "a slot is moving" });
+            return Err(BackupError::Busy { what: "a slot is moving" });
         }
         let files = &*inner.files;
         let io = |path: &Path| {
             let path = path.to_owned();
-            move |source| OpenError::Io { path, source }
+            move |source| BackupError::Io { path, source }
         };
         match files.list(to) {
-            Ok(names) if !names.is_empty() => {
-                let reason =
-                    format!("{} exists and is not empty; a backup goes to a new directory", to.display());
-                return Err(OpenError::Config(vec![oncegate_core::Problem::new("to", reason)]));
-            }
+            Ok(names) if !names.is_empty() => return Err(BackupError::NotEmpty { path: to.to_owned() }),
             Ok(_) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(io(to)(e)),
@@ -73,7 +71,7 @@ impl Engine {
             files.create(&copy).map_err(io(&copy))?;
             bytes +=
                 crate::store::sqlite::copy_file(&manifest::shard_file(dir, shard), &copy, files.sqlite_vfs())
-                    .map_err(|e| OpenError::Shard { shard, reason: e.to_string() })?;
+                    .map_err(|source| BackupError::Copy { shard, source })?;
             files.sync_file(&copy).map_err(io(&copy))?;
             progress(shard + 1, shards);
         }
@@ -96,11 +94,11 @@ fn file_name(path: &Path) -> String {
 
 /// Copies a small file of the directory (the manifest, the map, an epoch), durably; one
 /// that does not exist (a directory without a slot map yet) is skipped.
-fn copy_small(files: &dyn Files, from: &Path, to: &Path) -> Result<(), OpenError> {
+fn copy_small(files: &dyn Files, from: &Path, to: &Path) -> Result<(), BackupError> {
     match files.read(from) {
         Ok(bytes) => write_atomically(files, to, &bytes)
-            .map_err(|source| OpenError::Io { path: to.to_owned(), source }),
+            .map_err(|source| BackupError::Io { path: to.to_owned(), source }),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(source) => Err(OpenError::Io { path: from.to_owned(), source }),
+        Err(source) => Err(BackupError::Io { path: from.to_owned(), source }),
     }
 }

@@ -24,7 +24,7 @@ use oncegate_core::{ClockGuard, Limits, Scope, Tenant};
 
 use crate::clock::Clock;
 use crate::config::EngineConfig;
-use crate::error::{Error, OpenError};
+use crate::error::Error;
 use crate::faults::Faults;
 use crate::files;
 use crate::placement::slots;
@@ -278,13 +278,13 @@ impl Inner {
 
     /// The shards, taken out of the table so that waiting on one holds no lock.
     /// Takes the lock an add-shards and a backup hold while they run, so that the slot
-    /// map changes under neither; `busy` says why it is refused while the other holds it.
-    /// A poisoned lock only says an earlier holder panicked; the table says where it was.
-    fn map_unchanged(&self, busy: &'static str) -> Result<std::sync::MutexGuard<'_, ()>, OpenError> {
+    /// map changes under neither; `None` while the other holds it. A poisoned lock only
+    /// says an earlier holder panicked; the table says where it was.
+    fn map_unchanged(&self) -> Option<std::sync::MutexGuard<'_, ()>> {
         match self.growing.try_lock() {
-            Ok(guard) => Ok(guard),
-            Err(std::sync::TryLockError::Poisoned(poisoned)) => Ok(poisoned.into_inner()),
-            Err(std::sync::TryLockError::WouldBlock) => Err(OpenError::Busy { what: busy }),
+            Ok(guard) => Some(guard),
+            Err(std::sync::TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
         }
     }
 

@@ -126,7 +126,7 @@ fn place(
                 node.clone(),
                 Arc::clone(clock),
             )
-            .map_err(|e| OpenError::Postgres { reason: e.to_string() })?;
+            .map_err(OpenError::Postgres)?;
             tracing::info!(database = %pg.display, node = %node, shards = config.shards, "records in PostgreSQL");
             Placement {
                 map: slots::SlotMap::even(config.shards),

@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 use super::routes::{Moving, hand_over};
 use super::{Engine, Inner, ShardHandle};
 use crate::config::{Durability, EngineConfig, SHARDS_MAX, StoreKind};
-use crate::error::{Error, OpenError};
+use crate::error::{Error, OpenError, ResizeError};
 use crate::faults::Faults;
 use crate::files::{Files, OsFiles};
 use crate::placement::manifest;
@@ -94,7 +94,7 @@ pub type Progress<'a> = &'a mut dyn FnMut(u32, u32);
 
 /// Adds shards to the stopped directory of `config` (its `shards` is ignored: the
 /// directory's manifest says how many it has) until it has `to`.
-pub fn add_shards(config: &EngineConfig, to: u32, progress: Progress<'_>) -> Result<Resharded, OpenError> {
+pub fn add_shards(config: &EngineConfig, to: u32, progress: Progress<'_>) -> Result<Resharded, ResizeError> {
     add_shards_on(config, to, Arc::new(OsFiles), &Faults::default(), progress)
 }
 
@@ -106,18 +106,18 @@ pub fn add_shards_on(
     files: Arc<dyn Files>,
     faults: &Faults,
     progress: Progress<'_>,
-) -> Result<Resharded, OpenError> {
+) -> Result<Resharded, ResizeError> {
     let _lock = manifest::lock(&*files, &config.data_dir)?;
     // A directory of another store (a PostgreSQL node's, the log store's) is refused
     // before anything changes. Settled first, so that a PostgreSQL node's directory (no
     // manifest) hears why, whatever kind the command was given.
     let mut config = config.clone();
     if manifest::is_node_dir(&*files, &config.data_dir)? {
-        return Err(OpenError::Unsupported { what: NO_SLOTS_ON_POSTGRES });
+        return Err(ResizeError::Unsupported { what: NO_SLOTS_ON_POSTGRES });
     }
     let kind = manifest::settle_store_kind(&*files, &mut config)?;
     if kind == StoreKind::Postgres {
-        return Err(OpenError::Unsupported { what: NO_SLOTS_ON_POSTGRES });
+        return Err(ResizeError::Unsupported { what: NO_SLOTS_ON_POSTGRES });
     }
     let dir = &config.data_dir;
     let manifest = manifest::read(&*files, dir)?.ok_or_else(|| OpenError::Manifest {
@@ -127,13 +127,7 @@ pub fn add_shards_on(
     let config = &config;
     let before = manifest.shards;
     if to < before || to > SHARDS_MAX {
-        return Err(OpenError::Config(vec![oncegate_core::Problem::new(
-            "to",
-            format!(
-                "is {to}; the directory has {before} shards, and shards can be added up to {}, never removed",
-                SHARDS_MAX
-            ),
-        )]));
+        return Err(ResizeError::Target { to, shards: before, max: SHARDS_MAX });
     }
     let (mut map, _, routing) = manifest::open_or_create(&*files, dir, before)?;
     // Read again: opening may have moved an older directory's routing to the map.
@@ -201,9 +195,8 @@ fn move_group(
     from: u32,
     dest: u32,
     group: &HashSet<u32>,
-) -> Result<u64, OpenError> {
-    let shard_error =
-        |shard: u32| move |e: crate::store::StoreError| OpenError::Shard { shard, reason: e.to_string() };
+) -> Result<u64, ResizeError> {
+    let shard_error = |shard: u32| move |source| ResizeError::Store { shard, source };
     let dir = &config.data_dir;
     let (mut source, source_meta, _) =
         Store::open(&manifest::shard_file(dir, from), tuning, faults, false).map_err(shard_error(from))?;
@@ -236,9 +229,9 @@ fn move_group(
 }
 
 /// A point where a test may stop the reshard, as a crash would.
-fn step(faults: &Faults) -> Result<(), OpenError> {
+fn step(faults: &Faults) -> Result<(), ResizeError> {
     if faults.op_should_fail() {
-        return Err(OpenError::Interrupted { reason: "injected fault: reshard stopped".to_owned() });
+        return Err(ResizeError::Interrupted { reason: "injected fault: reshard stopped" });
     }
     Ok(())
 }
@@ -252,28 +245,27 @@ impl Engine {
     /// their share to the new ones, at most `slot_moves_per_second_max` per second.
     /// `progress` hears the slots moved and the slots to move. Run again after an error
     /// or a crash, it resumes the moves that are left (`to` may then equal the count).
-    pub fn add_shards(&self, to: u32, progress: Progress<'_>) -> Result<Resharded, OpenError> {
+    pub fn add_shards(&self, to: u32, progress: Progress<'_>) -> Result<Resharded, ResizeError> {
         let inner = &self.inner;
         if inner.postgres.is_some() {
-            return Err(OpenError::Unsupported { what: NO_SLOTS_ON_POSTGRES });
+            return Err(ResizeError::Unsupported { what: NO_SLOTS_ON_POSTGRES });
         }
-        let _one_at_a_time =
-            inner.map_unchanged("another add-shards or a backup is running on this server")?;
+        let _one_at_a_time = inner
+            .map_unchanged()
+            .ok_or(ResizeError::Busy { what: "another add-shards or a backup is running on this server" })?;
         if let Some(moving) = &inner.table().moving {
             // A slot whose map flip could not be written nor undone: only a restart,
             // reading the map from disk, can say which shard owns it.
             let (slot, to) = (moving.step.slot, moving.step.to);
-            return Err(OpenError::SlotStuck { slot, to, reason: "its map could not be written".to_owned() });
+            return Err(ResizeError::SlotStuck {
+                slot,
+                to,
+                reason: "its map could not be written".to_owned(),
+            });
         }
         let before = inner.handles().len() as u32;
         if to < before || to > SHARDS_MAX {
-            return Err(OpenError::Config(vec![oncegate_core::Problem::new(
-                "shards_total",
-                format!(
-                    "is {to}; the server has {before} shards, and shards can be added up to {}, never removed",
-                    SHARDS_MAX
-                ),
-            )]));
+            return Err(ResizeError::Target { to, shards: before, max: SHARDS_MAX });
         }
         if to > before {
             self.start_new_shards(before, to)?;
@@ -289,7 +281,7 @@ impl Engine {
         let mut pauses_ms = Vec::with_capacity(total as usize);
         for (done, (slot, from, dest)) in moves.into_iter().enumerate() {
             if inner.closing.load(Ordering::Acquire) {
-                return Err(OpenError::Interrupted { reason: "the engine is shutting down".to_owned() });
+                return Err(ResizeError::Interrupted { reason: "the engine is shutting down" });
             }
             let started = Instant::now();
             let moved = self.move_slot(SlotMove { slot, from, to: dest })?;
@@ -316,7 +308,7 @@ impl Engine {
     /// Makes shards `before..to` part of the directory (epochs, manifest), starts them
     /// and adds them to the routing table; they own no slot yet. (The manifest may
     /// already count some of them: an earlier add that stopped before starting them.)
-    fn start_new_shards(&self, before: u32, to: u32) -> Result<(), OpenError> {
+    fn start_new_shards(&self, before: u32, to: u32) -> Result<(), ResizeError> {
         let inner = &self.inner;
         let dir = &inner.config.data_dir;
         let manifest = manifest::read(&*inner.files, dir)?.ok_or_else(|| OpenError::Manifest {
@@ -331,15 +323,16 @@ impl Engine {
     }
 
     /// Moves one slot; returns the records it carried.
-    fn move_slot(&self, step: SlotMove) -> Result<u64, OpenError> {
+    fn move_slot(&self, step: SlotMove) -> Result<u64, ResizeError> {
         let inner = &self.inner;
         let (source, destination) = {
             let mut table = inner.table_mut();
             let shard = |id: u32| {
-                table.shards.get(id as usize).cloned().ok_or_else(|| OpenError::Shard {
-                    shard: id,
-                    reason: "the shard is not running".to_owned(),
-                })
+                table
+                    .shards
+                    .get(id as usize)
+                    .cloned()
+                    .ok_or_else(|| not_running(id, "the shard is not running"))
             };
             let shards = (shard(step.from)?, shard(step.to)?);
             table.moving = Some(Moving::new(step));
@@ -375,9 +368,9 @@ impl Engine {
         source: &ShardHandle,
         destination: &ShardHandle,
         parked: &mut Parked,
-    ) -> Result<u64, OpenError> {
-        let failed = |shard: u32| move |error: Error| OpenError::Shard { shard, reason: error.to_string() };
-        let gone = |shard: u32| OpenError::Shard { shard, reason: "the shard stopped".to_owned() };
+    ) -> Result<u64, ResizeError> {
+        let failed = |shard: u32| move |source: Error| ResizeError::Shard { shard, source };
+        let gone = |shard: u32| not_running(shard, "the shard stopped");
         let (reply, handover) = crossbeam_channel::bounded(1);
         source.data.send(Mail::MoveOut(MoveOut { slot: step.slot, reply })).map_err(|_| gone(step.from))?;
         let mut handover = handover.recv().map_err(|_| gone(step.from))?.map_err(failed(step.from))?;
@@ -389,7 +382,7 @@ impl Engine {
     }
 
     /// Step 3: the map with the slot at its destination, durable before it is returned.
-    fn flip(&self, step: SlotMove) -> Result<SlotMap, OpenError> {
+    fn flip(&self, step: SlotMove) -> Result<SlotMap, ResizeError> {
         let mut map = self.inner.table().map.clone();
         map.set_owner(step.slot, step.to);
         map.version += 1;
@@ -405,8 +398,8 @@ impl Engine {
         step: SlotMove,
         destination: &ShardHandle,
         parked: Parked,
-        error: OpenError,
-    ) -> OpenError {
+        error: ResizeError,
+    ) -> ResizeError {
         let inner = &self.inner;
         let mut old = inner.table().map.clone();
         old.version += 2;
@@ -418,7 +411,7 @@ impl Engine {
             }
             Err(again) => {
                 tracing::error!(slot = step.slot, %error, %again, "the slot map could not be written; the slot answers unavailable until a restart");
-                let stuck = OpenError::SlotStuck {
+                let stuck = ResizeError::SlotStuck {
                     slot: step.slot,
                     to: step.to,
                     reason: format!("{error}; undoing it failed too: {again}"),
@@ -466,10 +459,15 @@ impl Engine {
     }
 }
 
+/// A shard that cannot take part in a move: it stopped, or never ran.
+fn not_running(shard: u32, reason: &str) -> ResizeError {
+    ResizeError::Shard { shard, source: Error::Unavailable { shard, reason: reason.to_owned() } }
+}
+
 /// Where a test may stop a move dead, as a crash would (`Faults::stop_moves_after`).
-fn stop_point(inner: &Inner) -> Result<(), OpenError> {
+fn stop_point(inner: &Inner) -> Result<(), ResizeError> {
     if inner.faults.move_should_stop() {
-        return Err(OpenError::Interrupted { reason: "injected fault: slot move stopped".to_owned() });
+        return Err(ResizeError::Interrupted { reason: "injected fault: slot move stopped" });
     }
     Ok(())
 }

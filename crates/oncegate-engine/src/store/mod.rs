@@ -58,10 +58,36 @@ pub enum StoreError {
     /// The shard refuses writes since its disk filled up, until a retry finds room.
     #[error("writes are refused until the disk has room")]
     WritesRefused,
-    /// PostgreSQL refused or failed, or could not be reached.
+    /// PostgreSQL refused or failed, or could not be reached: the server's message and
+    /// code when it sent one (the connection string never appears).
+    #[cfg(feature = "postgres")]
+    #[error("postgres: {}", postgres::describe(.0))]
+    Postgres(#[source] tokio_postgres::Error),
+    /// The PostgreSQL store could not be set up: its connection string, its TLS roots,
+    /// its pool or its runtime.
+    #[cfg(feature = "postgres")]
+    #[error("postgres {what}: {source}")]
+    PostgresSetup {
+        /// What was being set up.
+        what: String,
+        /// What failed.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// PostgreSQL gave no answer within a bound.
+    #[cfg(feature = "postgres")]
+    #[error("postgres: no answer within {field} ({limit_ms} ms)")]
+    PostgresTimeout {
+        /// The setting that bounds it.
+        field: &'static str,
+        /// Its value.
+        limit_ms: u64,
+    },
+    /// The database is not one the store may use (read-only, another schema's tables),
+    /// or a decision broke the store's own rule (a bug).
     #[cfg(feature = "postgres")]
     #[error("postgres: {0}")]
-    Postgres(String),
+    PostgresRefused(String),
     /// The file or table is not what a shard's store must be.
     #[error("integrity check failed: {0}")]
     Corrupt(String),

@@ -63,7 +63,7 @@ async fn derived_format(client: &Object) -> Result<Routing, StoreError> {
     let row = client
         .query_one("SELECT derived_keys FROM oncegate_schema WHERE id = 0", &[])
         .await
-        .map_err(pg_error)?;
+        .map_err(StoreError::Postgres)?;
     match row.get::<_, &str>(0) {
         DERIVED_BUCKET_BASE => Ok(Routing::BucketBase),
         DERIVED_WHOLE_KEY => Ok(Routing::WholeKey),
@@ -230,13 +230,18 @@ fn retryable(error: &tokio_postgres::Error) -> bool {
     matches!(error.code(), Some(c) if *c == SqlState::T_R_DEADLOCK_DETECTED || *c == SqlState::T_R_SERIALIZATION_FAILURE)
 }
 
-fn pg_error(error: tokio_postgres::Error) -> StoreError {
-    // The server's message and code when there is one; the connection string never
-    // appears in either.
+/// The server's message and code when there is one, else the driver's words; the
+/// connection string appears in neither.
+pub(crate) fn describe(error: &tokio_postgres::Error) -> String {
     match error.as_db_error() {
-        Some(db) => StoreError::Postgres(format!("{} ({})", db.message(), db.code().code())),
-        None => StoreError::Postgres(error.to_string()),
+        Some(db) => format!("{} ({})", db.message(), db.code().code()),
+        None => error.to_string(),
     }
+}
+
+/// A step of setting the store up failed.
+fn setup(what: &str, source: impl std::error::Error + Send + Sync + 'static) -> StoreError {
+    StoreError::PostgresSetup { what: what.to_owned(), source: Box::new(source) }
 }
 
 /// PostgreSQL integers are signed; times and counters stay far below `i64::MAX`, and
@@ -260,18 +265,19 @@ fn tls(ca_path: Option<&std::path::Path>) -> Result<tokio_postgres_rustls::MakeR
         let _ = roots.add(cert);
     }
     if let Some(path) = ca_path {
-        let unreadable = |e: &dyn std::fmt::Display| {
-            StoreError::Postgres(format!("postgres_tls_ca_path {}: {e}", path.display()))
+        let unreadable = |source: Box<dyn std::error::Error + Send + Sync>| StoreError::PostgresSetup {
+            what: format!("postgres_tls_ca_path {}", path.display()),
+            source,
         };
-        let certs = CertificateDer::pem_file_iter(path).map_err(|e| unreadable(&e))?;
+        let certs = CertificateDer::pem_file_iter(path).map_err(|e| unreadable(e.into()))?;
         for cert in certs {
-            roots.add(cert.map_err(|e| unreadable(&e))?).map_err(|e| unreadable(&e))?;
+            roots.add(cert.map_err(|e| unreadable(e.into()))?).map_err(|e| unreadable(e.into()))?;
         }
     }
     let config =
         rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
             .with_safe_default_protocol_versions()
-            .map_err(|e| StoreError::Postgres(format!("tls: {e}")))?
+            .map_err(|e| setup("tls", e))?
             .with_root_certificates(roots)
             .with_no_client_auth();
     Ok(tokio_postgres_rustls::MakeRustlsConnect::new(config))
@@ -291,9 +297,7 @@ impl Postgres {
     /// read-only (a standby), the schema created or checked, the statements prepared. A connection that fails any step is closed, never handed back to the
     /// pool.
     fn connect(&self, report: bool) -> Result<(Object, Statements), StoreError> {
-        let client = self.run(async {
-            self.pool.get().await.map_err(|e| StoreError::Postgres(format!("connect: {e}")))
-        })?;
+        let client = self.run(async { self.pool.get().await.map_err(|e| setup("connect", e)) })?;
         let timeout_ms = self.config.postgres_statement_timeout_ms;
         let schema = &self.config.postgres_schema;
         let ready = self.run(async {
@@ -307,19 +311,22 @@ impl Postgres {
                     &[&limit, schema],
                 )
                 .await
-                .map_err(pg_error)?
+                .map_err(StoreError::Postgres)?
                 .get(3);
             check_schema_named(&client, schema).await?;
             if let Some(setting) = session_synchronous_commit(self.durability, &inherited) {
                 client
                     .query("SELECT set_config('synchronous_commit', $1, false)", &[&setting])
                     .await
-                    .map_err(pg_error)?;
+                    .map_err(StoreError::Postgres)?;
             }
-            let read_only: String =
-                client.query_one("SHOW transaction_read_only", &[]).await.map_err(pg_error)?.get(0);
+            let read_only: String = client
+                .query_one("SHOW transaction_read_only", &[])
+                .await
+                .map_err(StoreError::Postgres)?
+                .get(0);
             if read_only == "on" {
-                return Err(StoreError::Postgres(
+                return Err(StoreError::PostgresRefused(
                     "the database is read-only (a standby?); oncegate needs the primary".to_owned(),
                 ));
             }
@@ -352,12 +359,9 @@ impl Postgres {
             .thread_name("oncegate-postgres")
             .enable_all()
             .build()
-            .map_err(|e| StoreError::Postgres(format!("runtime: {e}")))?;
-        let mut pg: tokio_postgres::Config = config
-            .postgres_url
-            .expose()
-            .parse()
-            .map_err(|e| StoreError::Postgres(format!("postgres_url does not parse: {e}")))?;
+            .map_err(|e| setup("runtime", e))?;
+        let mut pg: tokio_postgres::Config =
+            config.postgres_url.expose().parse().map_err(|e| setup("postgres_url", e))?;
         pg.connect_timeout(Duration::from_millis(config.postgres_statement_timeout_ms));
         pg.application_name("oncegate");
         let manager = Manager::from_config(
@@ -371,7 +375,7 @@ impl Postgres {
             .create_timeout(Some(Duration::from_millis(config.postgres_statement_timeout_ms)))
             .wait_timeout(Some(Duration::from_millis(config.postgres_statement_timeout_ms)))
             .build()
-            .map_err(|e| StoreError::Postgres(format!("pool: {e}")))?;
+            .map_err(|e| setup("pool", e))?;
         Ok(Postgres {
             runtime: Some(runtime),
             pool,
@@ -407,7 +411,7 @@ impl Postgres {
         let runtime = self.runtime.as_ref().expect("the runtime lives as long as the store");
         runtime
             .block_on(async { tokio::time::timeout(limit, future).await })
-            .map_err(|_| StoreError::Postgres(format!("no answer within {field} ({limit_ms} ms)")))
+            .map_err(|_| StoreError::PostgresTimeout { field, limit_ms })
     }
 }
 
@@ -500,7 +504,7 @@ impl Store {
             let mark: i64 = client
                 .query_one("SELECT coalesce(max(high_water_ms), 0) FROM oncegate_clock", &[])
                 .await
-                .map_err(pg_error)?
+                .map_err(StoreError::Postgres)?
                 .get(0);
             Ok((mark, derived_format(&client).await?))
         });
@@ -595,7 +599,7 @@ impl Store {
                 Err(Retry::Again(error)) if attempt < LOCK_ATTEMPTS_MAX => {
                     tracing::debug!(%error, attempt, "lock lost a deadlock or serialization check; trying again");
                 }
-                Err(Retry::Again(error)) => return Err(pg_error(error)),
+                Err(Retry::Again(error)) => return Err(StoreError::Postgres(error)),
                 Err(Retry::Fail(error)) => return Err(error),
             }
         };
@@ -633,8 +637,9 @@ impl Store {
         write: bool,
     ) -> Result<(Times, (u64, u64), HashMap<Scope, Option<Record>>), Retry> {
         let (client, s) = (self.client(), self.statements());
-        let fail =
-            |e: tokio_postgres::Error| if retryable(&e) { Retry::Again(e) } else { Retry::Fail(pg_error(e)) };
+        let fail = |e: tokio_postgres::Error| {
+            if retryable(&e) { Retry::Again(e) } else { Retry::Fail(StoreError::Postgres(e)) }
+        };
         let (local, cap) = (to_sql(clock.local_ms), to_sql(clock.cap_ms));
         let keys: [&(dyn ToSql + Sync); 1] = [&hashes];
         let rows: [&(dyn ToSql + Sync); 3] = [&scopes.tenant, &scopes.namespace, &scopes.key];
@@ -710,7 +715,7 @@ struct Statements {
 
 impl Statements {
     async fn prepare(client: &Object) -> Result<Statements, StoreError> {
-        let prepare = |sql: String| async move { client.prepare(&sql).await.map_err(pg_error) };
+        let prepare = |sql: String| async move { client.prepare(&sql).await.map_err(StoreError::Postgres) };
         Ok(Statements {
             // Read committed, whatever the database's default: the time and the rows are
             // read after the locks are held, and must see what the lock's last holder
@@ -807,7 +812,7 @@ async fn report_durability(client: &Object, shown: &str, inherited: &str) -> Res
             &[],
         )
         .await
-        .map_err(pg_error)?;
+        .map_err(StoreError::Postgres)?;
     let (sync, standby_names, standbys): (String, String, i64) = (row.get(0), row.get(1), row.get(2));
     if sync != inherited {
         tracing::info!(database = %shown, inherited_synchronous_commit = %inherited, synchronous_commit = %sync, "the session would not have flushed its commits; oncegate's sessions do (durability = \"full\")");
@@ -831,11 +836,11 @@ async fn report_durability(client: &Object, shown: &str, inherited: &str) -> Res
 /// schema in the `search_path` that does not exist.
 async fn check_schema_named(client: &Object, schema: &str) -> Result<(), StoreError> {
     let current: Option<String> =
-        client.query_one("SELECT current_schema()", &[]).await.map_err(pg_error)?.get(0);
+        client.query_one("SELECT current_schema()", &[]).await.map_err(StoreError::Postgres)?.get(0);
     if current.as_deref() == Some(schema) {
         return Ok(());
     }
-    Err(StoreError::Postgres(format!(
+    Err(StoreError::PostgresRefused(format!(
         "postgres_schema {schema:?} does not exist in the database; create it (CREATE SCHEMA) or name one that does"
     )))
 }
@@ -852,12 +857,12 @@ async fn refuse_tables_elsewhere(client: &Object, schema: &str) -> Result<(), St
             &[],
         )
         .await
-        .map_err(pg_error)?
+        .map_err(StoreError::Postgres)?
         .get(0);
     if elsewhere.is_empty() {
         return Ok(());
     }
-    Err(StoreError::Postgres(format!(
+    Err(StoreError::PostgresRefused(format!(
         "oncegate's tables are in schema {elsewhere}, not in postgres_schema {schema:?}: name that schema in \
          postgres_schema (tables made here would be empty, and every key granted again)"
     )))
@@ -870,27 +875,27 @@ async fn migrate(client: &Object, schema: &str) -> Result<(), StoreError> {
     if version == Some(SCHEMA_VERSION) {
         return Ok(());
     }
-    client.batch_execute("BEGIN").await.map_err(pg_error)?;
+    client.batch_execute("BEGIN").await.map_err(StoreError::Postgres)?;
     let done = async {
-        client.execute("SELECT pg_advisory_xact_lock($1)", &[&SCHEMA_LOCK]).await.map_err(pg_error)?;
+        client.execute("SELECT pg_advisory_xact_lock($1)", &[&SCHEMA_LOCK]).await.map_err(StoreError::Postgres)?;
         match current_version(client).await? {
             None => {
                 refuse_tables_elsewhere(client, schema).await?;
-                client.batch_execute(SCHEMA_1).await.map_err(pg_error)?;
+                client.batch_execute(SCHEMA_1).await.map_err(StoreError::Postgres)?;
                 client
                     .batch_execute(
                         "CREATE TABLE oncegate_schema (id integer PRIMARY KEY CHECK (id = 0), version bigint NOT NULL, \
                          derived_keys text NOT NULL);",
                     )
                     .await
-                    .map_err(pg_error)?;
+                    .map_err(StoreError::Postgres)?;
                 client
                     .execute(
                         "INSERT INTO oncegate_schema (id, version, derived_keys) VALUES (0, $1, $2)",
                         &[&SCHEMA_VERSION, &DERIVED_BUCKET_BASE],
                     )
                     .await
-                    .map_err(pg_error)?;
+                    .map_err(StoreError::Postgres)?;
                 tracing::info!(version = SCHEMA_VERSION, "created the oncegate schema");
                 Ok(())
             }
@@ -902,7 +907,7 @@ async fn migrate(client: &Object, schema: &str) -> Result<(), StoreError> {
                          UPDATE oncegate_schema SET version = {SCHEMA_VERSION} WHERE id = 0;"
                     ))
                     .await
-                    .map_err(pg_error)?;
+                    .map_err(StoreError::Postgres)?;
                 tracing::info!(from = 1, to = SCHEMA_VERSION, "upgraded the oncegate schema");
                 Ok(())
             }
@@ -912,7 +917,7 @@ async fn migrate(client: &Object, schema: &str) -> Result<(), StoreError> {
     }
     .await;
     let end = if done.is_ok() { "COMMIT" } else { "ROLLBACK" };
-    client.batch_execute(end).await.map_err(pg_error)?;
+    client.batch_execute(end).await.map_err(StoreError::Postgres)?;
     done
 }
 
@@ -925,13 +930,15 @@ async fn current_version(client: &Object) -> Result<Option<i64>, StoreError> {
             &[],
         )
         .await
-        .map_err(pg_error)?
+        .map_err(StoreError::Postgres)?
         .get(0);
     if !exists {
         return Ok(None);
     }
-    let row =
-        client.query_opt("SELECT version FROM oncegate_schema WHERE id = 0", &[]).await.map_err(pg_error)?;
+    let row = client
+        .query_opt("SELECT version FROM oncegate_schema WHERE id = 0", &[])
+        .await
+        .map_err(StoreError::Postgres)?;
     let version = row.map(|r| r.get::<_, i64>(0));
     match version {
         Some(v) if v > SCHEMA_VERSION => Err(StoreError::Schema { found: v, supported: SCHEMA_VERSION }),
@@ -950,7 +957,7 @@ async fn check_sequence(client: &Object) -> Result<(), StoreError> {
             &[],
         )
         .await
-        .map_err(pg_error)?
+        .map_err(StoreError::Postgres)?
         .ok_or_else(|| StoreError::Corrupt("the token sequence oncegate_tokens is missing".to_owned()))?;
     let (increment, cache, cycle): (i64, i64, bool) = (row.get(0), row.get(1), row.get(2));
     if increment != TOKEN_BLOCK as i64 || cache != 1 || cycle {
@@ -967,10 +974,10 @@ async fn check_sequence(client: &Object) -> Result<(), StoreError> {
 /// timeout is `limit_ms` instead of the connection's; and, from the same pass, the check
 /// that the token sequence is past every token they hold ([`sequence_past`]).
 async fn count(client: &mut Object, owned: &[i32], limit_ms: u64) -> Result<Tally, StoreError> {
-    let tx = client.transaction().await.map_err(pg_error)?;
+    let tx = client.transaction().await.map_err(StoreError::Postgres)?;
     tx.query_one("SELECT set_config('statement_timeout', $1, true)", &[&limit_ms.to_string()])
         .await
-        .map_err(pg_error)?;
+        .map_err(StoreError::Postgres)?;
     let rows = tx
         .query(
             "SELECT tenant, outcome IS NULL, count(*), max(token) FROM oncegate_records WHERE slot = ANY($1) \
@@ -978,10 +985,12 @@ async fn count(client: &mut Object, owned: &[i32], limit_ms: u64) -> Result<Tall
             &[&owned],
         )
         .await
-        .map_err(pg_error)?;
-    let sequence =
-        tx.query_one("SELECT last_value, is_called FROM oncegate_tokens", &[]).await.map_err(pg_error)?;
-    tx.commit().await.map_err(pg_error)?;
+        .map_err(StoreError::Postgres)?;
+    let sequence = tx
+        .query_one("SELECT last_value, is_called FROM oncegate_tokens", &[])
+        .await
+        .map_err(StoreError::Postgres)?;
+    tx.commit().await.map_err(StoreError::Postgres)?;
     let stored_max = rows.iter().map(|row| from_sql(row.get::<_, i64>(3))).max().unwrap_or(0);
     sequence_past(stored_max, sequence.get(0), sequence.get(1))?;
     let mut tally = Tally::default();
@@ -1067,7 +1076,10 @@ impl Drop for Txn<'_> {
     fn drop(&mut self) {
         if self.open.get() {
             let (client, rollback) = (self.store.client(), &self.store.statements().rollback);
-            let _ = self.store.pg.run(async { client.execute(rollback, &[]).await.map_err(pg_error) });
+            let _ = self
+                .store
+                .pg
+                .run(async { client.execute(rollback, &[]).await.map_err(StoreError::Postgres) });
         }
     }
 }
@@ -1097,7 +1109,7 @@ impl Txn<'_> {
         let first: i64 = self
             .store
             .pg
-            .run(async { Ok(client.query_one(nextval, &[]).await.map_err(pg_error)?.get(0)) })?;
+            .run(async { Ok(client.query_one(nextval, &[]).await.map_err(StoreError::Postgres)?.get(0)) })?;
         let first = from_sql(first);
         self.tokens.set((first, first + TOKEN_BLOCK));
         Ok(first)
@@ -1115,7 +1127,7 @@ impl Txn<'_> {
             // Locked (or read) at begin and not found: the key has no record.
             return Ok(None);
         }
-        Err(StoreError::Postgres("a key was decided without being locked first (a bug)".to_owned()))
+        Err(StoreError::PostgresRefused("a key was decided without being locked first (a bug)".to_owned()))
     }
 
     pub fn put(&self, scope: &Scope, record: &Record) -> Result<u64, StoreError> {
@@ -1143,7 +1155,7 @@ impl Txn<'_> {
                     &[&to_sql(now_ms), &self.store.owned, &self.locked, &limit_rows],
                 )
                 .await
-                .map_err(pg_error)
+                .map_err(StoreError::Postgres)
         })?;
         let mut removed = Tally::default();
         for row in &rows {
@@ -1279,7 +1291,8 @@ async fn write_changes(
         let Some((lane, ms)) = mark else { return Ok(0) };
         client.execute(&statements.raise_mark, &[&lane, &ms]).await
     };
-    tokio::try_join!(raise, delete, upsert, client.execute(&statements.commit, &[])).map_err(pg_error)?;
+    tokio::try_join!(raise, delete, upsert, client.execute(&statements.commit, &[]))
+        .map_err(StoreError::Postgres)?;
     Ok(())
 }
 
