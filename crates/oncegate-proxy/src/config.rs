@@ -134,17 +134,27 @@ impl Default for StoredStatuses {
     }
 }
 
+/// Why a `stored_statuses` list was refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum StatusRuleError {
+    /// No entry: nothing would ever be replayed.
+    #[error("is empty: no answer would be stored, and every retry would run again")]
+    Empty,
+    /// An entry that is none of the three forms.
+    #[error("{0:?} is not a status (`503`), a class (`5xx`) or an exclusion (`!409`)")]
+    Entry(String),
+}
+
 impl StoredStatuses {
     /// Reads `["2xx", "4xx", "!409", "503"]`; `Err` names the entry that is none of these.
     /// An empty list is refused: nothing would ever be replayed.
-    pub fn parse(entries: &[String]) -> Result<StoredStatuses, String> {
+    pub fn parse(entries: &[String]) -> Result<StoredStatuses, StatusRuleError> {
         if entries.is_empty() {
-            return Err("is empty: no answer would be stored, and every retry would run again".to_owned());
+            return Err(StatusRuleError::Empty);
         }
         let mut rule = StoredStatuses { classes: Vec::new(), statuses: Vec::new(), excluded: Vec::new() };
         for entry in entries {
-            let bad =
-                || format!("{entry:?} is not a status (`503`), a class (`5xx`) or an exclusion (`!409`)");
+            let bad = || StatusRuleError::Entry(entry.clone());
             let status = |text: &str| match text.as_bytes() {
                 [b'1'..=b'5', b'0'..=b'9', b'0'..=b'9'] => text.parse::<u16>().map_err(|_| bad()),
                 _ => Err(bad()),
@@ -338,7 +348,9 @@ impl ProxyFile {
         if let Some(entries) = self.stored_statuses {
             match StoredStatuses::parse(&entries) {
                 Ok(rule) => config.stored_statuses = rule,
-                Err(problem) => parse.problems.push(Problem::new("proxy.stored_statuses", problem)),
+                Err(problem) => {
+                    parse.problems.push(Problem::new("proxy.stored_statuses", problem.to_string()))
+                }
             }
         }
         config.soft_failure = self.soft_failure.and_then(|soft| {
