@@ -1,11 +1,14 @@
 //! What a listener's connections may hold, shared by the gRPC port (`oncegate-server`),
 //! its metrics listener and the Idempotency-Key proxy (`oncegate-proxy`): a connection's
 //! deadlines (its first request head, then an idle timeout) read from what the service
-//! has open on it ([`activity`]), and the plain HTTP listener ([`serve`]) with its
-//! connection limit.
+//! has open on it ([`activity`]), the plain HTTP listener ([`serve`]) with its
+//! connection limit, and the problem document every HTTP error is ([`problem`]).
 
 pub mod activity;
+pub mod problem;
 pub mod serve;
+
+pub use problem::Problem;
 
 use std::io;
 use std::time::Duration;

@@ -40,7 +40,7 @@ use oncegate_client::{Gate, Lease, OnCancel, OnceError, Ran, ReserveRequest, Wor
 use oncegate_core::Fingerprint;
 use sha2::{Digest, Sha256};
 
-pub use config::{ProxyConfig, ProxyFile, StoredStatuses};
+pub use config::{ProxyConfig, ProxyFile, StatusRuleError, StoredStatuses};
 pub use problem::Problem;
 pub use stored::Stored;
 
@@ -305,7 +305,7 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
             Ok(Ran::Now(bytes)) => Ok(with_cookies(replay(&bytes, false), cookies.get())),
             Ok(Ran::Replayed { response, .. }) => Ok(replay(&response, true)),
             Ok(Ran::InProgress { retry_after_ms }) => Err(Problem {
-                retry_after_s: Some(retry_after_ms.div_ceil(1000).max(1)),
+                retry_after_s: Some(oncegate_listen::problem::retry_after_s(retry_after_ms)),
                 ..Problem::new(
                     StatusCode::CONFLICT,
                     "Request in progress",

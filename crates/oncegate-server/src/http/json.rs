@@ -263,26 +263,6 @@ enum StateName {
     Completed,
 }
 
-/// An error, as RFC 9457 `application/problem+json`, with oncegate's stable code.
-#[derive(Debug, Serialize, ToSchema)]
-pub(crate) struct Problem {
-    /// `https://oncegate.dev/problems/{code}`.
-    #[serde(rename = "type")]
-    pub kind: String,
-    pub title: &'static str,
-    pub status: u16,
-    /// What happened, naming the field, the value and the limit.
-    pub detail: String,
-    /// The stable code: `invalid_argument`, `lease_lost`, `unavailable`, ...
-    pub code: &'static str,
-    /// The request field at fault, for `invalid_argument`.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub field: Option<&'static str>,
-    /// The limit reached, for `resource_exhausted`.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub limit: Option<&'static str>,
-}
-
 /// A request body of the HTTP API: the proto message it becomes (and so its call on the
 /// gRPC front's path), and the JSON that the message's reply becomes.
 pub(crate) trait Body: DeserializeOwned + Send + 'static {

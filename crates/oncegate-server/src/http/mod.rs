@@ -18,10 +18,11 @@ use axum::Json;
 use axum::extract::rejection::{JsonRejection, PathRejection};
 use axum::extract::{DefaultBodyLimit, FromRequest, FromRequestParts, Path, State};
 use axum::http::request::Parts;
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use oncegate_core::{Code, Tenant};
+use oncegate_listen::Problem;
 use oncegate_proto::v1 as pb;
 use serde::Serialize;
 use tokio::time::Instant;
@@ -30,8 +31,8 @@ use utoipa::OpenApi;
 use crate::gate::{Call, Deadline, GateService};
 use crate::status::Refusal;
 use json::{
-    Body, CommitAnswer, CommitBody, GetAnswer, HeartbeatAnswer, HeartbeatBody, Problem, ReleaseAnswer,
-    ReleaseBody, ReserveAnswer, ReserveBody,
+    Body, CommitAnswer, CommitBody, GetAnswer, HeartbeatAnswer, HeartbeatBody, ReleaseAnswer, ReleaseBody,
+    ReserveAnswer, ReserveBody,
 };
 
 /// When a request for the router reached the port: tonic's request timeout counts from
@@ -484,25 +485,12 @@ fn problem_document(
     limit: Option<&'static str>,
     retry_after_ms: Option<u64>,
 ) -> Response {
-    let document = Problem {
-        kind: format!("https://oncegate.dev/problems/{}", code.as_str()),
-        title: status.canonical_reason().unwrap_or("Error"),
-        status: status.as_u16(),
-        detail,
-        code: code.as_str(),
-        field,
-        limit,
-    };
-    let mut response = (status, Json(document)).into_response();
-    let headers = response.headers_mut();
-    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
-    if code == Code::Unauthenticated {
-        headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-    }
-    if let Some(ms) = retry_after_ms {
-        headers.insert(header::RETRY_AFTER, HeaderValue::from(ms.div_ceil(1_000).max(1)));
-    }
-    response
+    let title = status.canonical_reason().unwrap_or("Error");
+    let mut document = Problem::new(status, title, code.as_str(), detail);
+    document.field = field;
+    document.limit = limit;
+    document.retry_after_s = retry_after_ms.map(oncegate_listen::problem::retry_after_s);
+    document.into_response()
 }
 
 /// The OpenAPI document, generated from the handlers and body types above.
