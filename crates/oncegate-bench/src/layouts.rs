@@ -160,7 +160,7 @@ impl Store {
         if layout.rows_carry_counters() {
             conn.pragma_update(None, "page_size", 2048)?;
         }
-        oncegate_engine::configure_sqlite(&conn, &oncegate_engine::EngineConfig::default())?;
+        oncegate_engine::testing::configure_sqlite(&conn, &oncegate_engine::EngineConfig::default())?;
         conn.execute_batch(layout.schema())?;
         conn.execute_batch(
             "CREATE TABLE meta (id INTEGER PRIMARY KEY, next_token INTEGER, high_water_ms INTEGER);

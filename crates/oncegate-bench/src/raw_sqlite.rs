@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use crate::Work;
 
 /// The raw SQLite group-commit ceiling: `shards` threads, each with its own WAL file set up
-/// by the engine's own settings (`oncegate_engine::configure_sqlite`), each committing batches of `batch` fresh keys (insert-if-absent with a
+/// by the engine's own settings (`oncegate_engine::testing::configure_sqlite`), each committing batches of `batch` fresh keys (insert-if-absent with a
 /// response-less pending row) and then a second transaction completing them (the
 /// response written), as fast as it can: no channels, no decisions, no network. Returns
 /// completed pairs per second.
@@ -31,7 +31,7 @@ pub fn raw_sqlite_ceiling(
             let flags = rusqlite::OpenFlags::default();
             let mut conn = rusqlite::Connection::open_with_flags_and_vfs(&path, flags, "unix-excl")?;
             // Exactly the engine's settings and VFS: the ceiling is of the same SQLite.
-            oncegate_engine::configure_sqlite(&conn, &settings)?;
+            oncegate_engine::testing::configure_sqlite(&conn, &settings)?;
             conn.execute_batch(
                 "CREATE TABLE IF NOT EXISTS records (key TEXT PRIMARY KEY, token INTEGER NOT NULL,
                  expires_at_ms INTEGER NOT NULL, response BLOB) WITHOUT ROWID",

@@ -64,7 +64,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     engine.release_blocking(&tenant, key("released", released))?;
     engine.shutdown();
     // The lock file is per process; it has no place in a fixture.
-    std::fs::remove_file(dir.join(oncegate_engine::manifest::LOCK_FILE))?;
+    std::fs::remove_file(dir.join(oncegate_engine::testing::manifest::LOCK_FILE))?;
     println!(
         "wrote {} (tokens: pending {pending}, done {done}, failed {failed}, released {released})",
         dir.display()

@@ -33,9 +33,10 @@ pub use config::{
 };
 pub use engine::{BackedUp, Engine, ShardStats, TenantGate};
 pub use error::{BackupError, Error, OpenError, ResizeError};
+#[doc(hidden)]
 pub use faults::Faults;
 pub use oncegate_core::gate::{CommitRequest, Gate, KeyRequest, Renewed, ReserveRequest, Reserved};
-pub use placement::{manifest, slots, token};
+pub use placement::slots::{SlotMapError, SlotMove};
 pub use shard::ShardState;
 pub use store::StoreError;
 
@@ -44,9 +45,25 @@ pub mod reshard {
     pub use crate::engine::{Pauses, Progress, Resharded, add_shards, add_shards_on};
 }
 
-/// Applies the settings of a shard file's connection to `conn` (WAL, `synchronous`, the
-/// checkpoint interval, the page cache) from `config`: the benchmark's raw-SQLite ceiling
-/// runs with exactly the engine's settings this way.
-pub fn configure_sqlite(conn: &rusqlite::Connection, config: &EngineConfig) -> Result<(), StoreError> {
-    store::configure(conn, config.durability, config.wal_checkpoint_pages, config.page_cache_bytes_max)
+/// What the workspace's own tests and tools reach into: the data directory's layout and
+/// SQLite's settings for the benchmark's raw ceiling. Not the API: it changes without
+/// notice.
+#[doc(hidden)]
+pub mod testing {
+    pub use crate::placement::{manifest, slots, token};
+
+    /// Applies the settings of a shard file's connection to `conn` (WAL, `synchronous`,
+    /// the checkpoint interval, the page cache) from `config`: the benchmark's raw-SQLite
+    /// ceiling runs with exactly the engine's settings this way.
+    pub fn configure_sqlite(
+        conn: &rusqlite::Connection,
+        config: &crate::EngineConfig,
+    ) -> Result<(), crate::StoreError> {
+        crate::store::configure(
+            conn,
+            config.durability,
+            config.wal_checkpoint_pages,
+            config.page_cache_bytes_max,
+        )
+    }
 }

@@ -10,7 +10,7 @@ use std::sync::{Arc, PoisonError, RwLock};
 
 use oncegate_core::{Record, Tenant};
 
-use crate::Error;
+use crate::error::Error;
 
 /// Stored records: pending, completed, and all of them by tenant (expired records not yet
 /// reclaimed included).

@@ -46,7 +46,7 @@ fn write_until(engine: &Engine, writers: usize, stop: &AtomicBool, completed: &C
 
 #[test]
 fn a_backup_under_load_restores_every_acknowledged_commit_with_tokens_above_the_original() {
-    let clock = ManualClock::new(oncegate_engine::token::FLOOR_ORIGIN_MS + 400 * 86_400_000);
+    let clock = ManualClock::new(oncegate_engine::testing::token::FLOOR_ORIGIN_MS + 400 * 86_400_000);
     let faults = Faults::default();
     let dir = tempfile::tempdir().unwrap();
     let (original, copy) = (dir.path().join("original"), dir.path().join("copy"));
@@ -84,7 +84,7 @@ fn a_backup_under_load_restores_every_acknowledged_commit_with_tokens_above_the_
     }
 
     for shard in 0..2 {
-        let file = oncegate_engine::manifest::shard_file(&copy, shard);
+        let file = oncegate_engine::testing::manifest::shard_file(&copy, shard);
         let check: String = rusqlite::Connection::open(&file)
             .unwrap()
             .query_row("PRAGMA integrity_check", [], |row| row.get(0))

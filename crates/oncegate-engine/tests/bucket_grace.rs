@@ -7,7 +7,7 @@ mod common;
 
 use common::*;
 use oncegate_core::{Code, Key, Outcome, ReserveReply};
-use oncegate_engine::manifest::{MANIFEST_FILE, ROUTING, ROUTING_WHOLE_KEY};
+use oncegate_engine::testing::manifest::{MANIFEST_FILE, ROUTING, ROUTING_WHOLE_KEY};
 use oncegate_engine::{Engine, ManualClock, ReserveRequest};
 
 const BUCKET_MS: u64 = 60_000;

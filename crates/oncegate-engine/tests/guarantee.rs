@@ -129,7 +129,7 @@ fn a_data_directory_without_its_manifest_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let clock = ManualClock::new(T0);
     drop(open(config(dir.path()), &clock, &Faults::default()));
-    std::fs::remove_file(dir.path().join(oncegate_engine::manifest::MANIFEST_FILE)).unwrap();
+    std::fs::remove_file(dir.path().join(oncegate_engine::testing::manifest::MANIFEST_FILE)).unwrap();
     for shards in [2, 3] {
         let refused = oncegate_engine::Engine::open_with(
             EngineConfig { shards, ..config(dir.path()) },
@@ -148,7 +148,7 @@ fn tokens_stay_above_every_token_issued_before_a_file_restore() {
     let dir = tempfile::tempdir().unwrap();
     let clock = ManualClock::new(T0);
     let config = EngineConfig { shards: 1, ..config(dir.path()) };
-    let shard_file = oncegate_engine::manifest::shard_file(dir.path(), 0);
+    let shard_file = oncegate_engine::testing::manifest::shard_file(dir.path(), 0);
     drop(open(config.clone(), &clock, &Faults::default()));
     let backup = std::fs::read(&shard_file).unwrap();
 
@@ -176,7 +176,7 @@ fn tokens_stay_above_every_token_issued_before_a_file_restore() {
     assert!(engine.reopen_shard(0).unwrap());
     let after_reopen = granted(&engine.reserve_blocking(&t, reserve("other")).unwrap().reply);
     assert!(after_reopen > after_restore);
-    assert_eq!(oncegate_engine::token::epoch_of(after_reopen), 3, "new, restart, reopen");
+    assert_eq!(oncegate_engine::testing::token::epoch_of(after_reopen), 3, "new, restart, reopen");
 }
 
 on_each_store! {
@@ -270,7 +270,7 @@ fn a_row_whose_hash_does_not_match_its_key_fails_the_shard_at_process_start() {
     let token = granted(&engine.reserve_blocking(&tenant(), reserve("k")).unwrap().reply);
     engine.commit_blocking(&tenant(), commit("k", token, b"done")).unwrap();
     drop(engine);
-    let shard_file = oncegate_engine::manifest::shard_file(dir.path(), 0);
+    let shard_file = oncegate_engine::testing::manifest::shard_file(dir.path(), 0);
     let conn = rusqlite::Connection::open(&shard_file).unwrap();
     conn.execute("UPDATE records SET hash = hash + 1", []).unwrap();
     drop(conn);

@@ -10,7 +10,7 @@ use std::time::Duration;
 use common::*;
 use oncegate_core::route::slot_of;
 use oncegate_core::{ReserveReply, State};
-use oncegate_engine::slots::SlotMove;
+use oncegate_engine::testing::slots::SlotMove;
 use oncegate_engine::{Engine, EngineConfig, Faults, ManualClock};
 
 const KEYS: usize = 90;
@@ -332,7 +332,7 @@ impl oncegate_engine::files::Files for MapWritesFail {
         oncegate_engine::files::OsFiles.sync_file(path)
     }
     fn rename(&self, from: &std::path::Path, to: &std::path::Path) -> std::io::Result<()> {
-        let is_map = to.file_name().is_some_and(|name| name == oncegate_engine::slots::SLOTS_FILE);
+        let is_map = to.file_name().is_some_and(|name| name == oncegate_engine::testing::slots::SLOTS_FILE);
         let failing = &self.failing;
         let fail = is_map
             && failing

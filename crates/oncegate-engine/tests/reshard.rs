@@ -125,7 +125,7 @@ fn more_shards_than_the_directory_has_are_refused_with_how_to_add_them() {
 #[test]
 fn a_moved_key_without_a_row_is_granted_above_its_last_token() {
     use oncegate_core::route::slot_of;
-    use oncegate_engine::slots::SlotMap;
+    use oncegate_engine::testing::slots::SlotMap;
     let dir = tempfile::tempdir().unwrap();
     let clock = ManualClock::new(T0);
     fill(dir.path(), &clock);
@@ -191,7 +191,7 @@ fn a_reshard_under_the_other_store_is_refused_before_anything_changes() {
 fn a_reshard_of_a_postgresql_node_s_directory_says_why_it_cannot_be() {
     use oncegate_engine::{StoreConfig, StoreKind};
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join(oncegate_engine::manifest::NODE_FILE), "node-1\n").unwrap();
+    std::fs::write(dir.path().join(oncegate_engine::testing::manifest::NODE_FILE), "node-1\n").unwrap();
     let store = StoreConfig {
         kind: Some(StoreKind::Postgres),
         postgres_url: "postgres://db/x".into(),

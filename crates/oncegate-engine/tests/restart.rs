@@ -157,7 +157,7 @@ fn a_postgresql_node_s_directory_is_refused_under_an_own_store() {
     let clock = ManualClock::new(T0);
     for kind in [None, Some(StoreKind::Sqlite)] {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join(oncegate_engine::manifest::NODE_FILE), "node-1\n").unwrap();
+        std::fs::write(dir.path().join(oncegate_engine::testing::manifest::NODE_FILE), "node-1\n").unwrap();
         let store = StoreConfig { kind, ..StoreConfig::default() };
         let opened = oncegate_engine::Engine::open_with(
             EngineConfig { store, ..config(dir.path()) },
@@ -226,7 +226,7 @@ fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
 /// after its own epoch file's, which the original had used after the copy was taken.
 #[test]
 fn a_restored_copy_grants_above_every_token_the_original_granted() {
-    let clock = ManualClock::new(oncegate_engine::token::FLOOR_ORIGIN_MS + 400 * 86_400_000);
+    let clock = ManualClock::new(oncegate_engine::testing::token::FLOOR_ORIGIN_MS + 400 * 86_400_000);
     let faults = Faults::default();
     let t = tenant();
     let dir = tempfile::tempdir().unwrap();

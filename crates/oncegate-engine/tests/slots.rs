@@ -9,8 +9,8 @@ use std::sync::Arc;
 use common::*;
 use oncegate_core::route::SLOT_COUNT;
 use oncegate_core::{ReserveReply, State};
-use oncegate_engine::manifest::{MANIFEST_FILE, ROUTING, ROUTING_COMPUTED, ROUTING_WHOLE_KEY};
-use oncegate_engine::slots::SLOTS_FILE;
+use oncegate_engine::testing::manifest::{MANIFEST_FILE, ROUTING, ROUTING_COMPUTED, ROUTING_WHOLE_KEY};
+use oncegate_engine::testing::slots::SLOTS_FILE;
 use oncegate_engine::{Engine, EngineConfig, Faults, ManualClock, OpenError};
 
 fn try_open(config: EngineConfig, clock: &ManualClock) -> Result<Engine, OpenError> {

@@ -14,7 +14,7 @@ pub mod http;
 mod listen;
 mod session;
 mod status;
-pub mod telemetry;
+mod telemetry;
 mod tenants;
 mod tls;
 
@@ -29,17 +29,19 @@ use tonic::service::Routes;
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
-pub use admin::AdminService;
-pub use auth::{AdminAuth, Auth, token_sha256};
+pub(crate) use admin::AdminService;
+pub use auth::token_sha256;
+pub(crate) use auth::{AdminAuth, Auth};
 pub use config::{
     AdminConfig, Config, ConfigError, LogConfig, LogFormat, ServerConfig, TenantConfig, TenantEntry,
     TokenSha256,
 };
 pub use dispatch::is_loopback_host;
+pub(crate) use gate::GateService;
 use gate::SessionLimits;
-pub use gate::{GateService, key_digest};
+pub use gate::key_digest;
 use oncegate_listen::serve::HttpLimits;
-pub use status::{CODE_METADATA, FIELD_METADATA, LIMIT_METADATA, Refusal, grpc_code, status};
+pub use status::{CODE_METADATA, FIELD_METADATA, LIMIT_METADATA};
 pub use tls::TlsError;
 
 /// The fully qualified name of the gate service, as health checks name it.

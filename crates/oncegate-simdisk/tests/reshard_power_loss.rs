@@ -75,8 +75,10 @@ fn fill(disk: &Disk) -> Written {
 /// Opens the directory with the shard count its manifest has, and checks every key.
 fn check(disk: &Disk, written: &Written, context: &str) -> u32 {
     let boot = disk.boot();
-    let shards =
-        oncegate_engine::manifest::read(&boot, &config(2).data_dir).unwrap().expect("a manifest").shards;
+    let shards = oncegate_engine::testing::manifest::read(&boot, &config(2).data_dir)
+        .unwrap()
+        .expect("a manifest")
+        .shards;
     let engine = open(disk, shards);
     let tenant = Tenant::default_tenant();
     for (key, (token, committed)) in written {

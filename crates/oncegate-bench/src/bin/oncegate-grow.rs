@@ -87,7 +87,8 @@ fn main() -> anyhow::Result<()> {
     };
     // The phase during the add: its length is the add's expected time (the move rate
     // bounds it), capped at the phase length, less the runner's warm-up.
-    let moves = oncegate_engine::slots::SlotMap::even(cli.shards).moves_to_spread(cli.to).len() as f64;
+    let moves =
+        oncegate_engine::testing::slots::SlotMap::even(cli.shards).moves_to_spread(cli.to).len() as f64;
     let expected = match cli.slot_moves_per_second_max {
         0 => phase,
         rate => Duration::from_secs_f64(moves / f64::from(rate)),

@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use oncegate_core::route::Routing;
 
-use crate::OpenError;
+use crate::error::OpenError;
 use crate::files::{Files, LockGuard, write_atomically};
 use crate::placement::slots::{self, SlotMap};
 
@@ -127,9 +127,9 @@ pub fn node_name(files: &dyn Files, data_dir: &Path) -> Result<String, OpenError
 /// shards between the look and the open.
 pub fn settle_store_kind(
     files: &dyn Files,
-    config: &mut crate::EngineConfig,
-) -> Result<crate::StoreKind, OpenError> {
-    use crate::StoreKind::{Postgres, Sqlite};
+    config: &mut crate::config::EngineConfig,
+) -> Result<crate::config::StoreKind, OpenError> {
+    use crate::config::StoreKind::{Postgres, Sqlite};
     let dir = &config.data_dir;
     let shards = shard_names(files, dir)?;
     if let Some(log) = shards.iter().find(|name| name.ends_with(LOG_SHARD_SUFFIX)) {
@@ -138,7 +138,7 @@ pub fn settle_store_kind(
     let node = is_node_dir(files, dir)?;
     let configured =
         config.store.kind.map_or_else(|| "unset".to_owned(), |kind| format!("\"{}\"", kind.name()));
-    let refuse = |found: crate::StoreKind, example: &str| OpenError::OtherStore {
+    let refuse = |found: crate::config::StoreKind, example: &str| OpenError::OtherStore {
         dir: dir.clone(),
         found: found.name(),
         example: example.to_owned(),

@@ -9,8 +9,9 @@ use oncegate_core::{Command, Reply, ReserveReply, Scope, answers_from_earlier_bu
 
 use super::book::{Book, Outbox};
 use super::{Alarm, Asked, Derive, Moved, Request, Shard, ShardState};
+use crate::config::EngineConfig;
+use crate::error::Error;
 use crate::store::{Meta, Store, StoreError, Txn};
-use crate::{EngineConfig, Error};
 
 impl Shard {
     /// Serves a batch of requests in one transaction.

@@ -10,9 +10,10 @@ use std::collections::{HashMap, VecDeque};
 use oncegate_core::{Change, Command, Decision, Record, Reply, Reserve, ReserveReply, Scope, decide};
 use tokio::sync::oneshot;
 
+use crate::config::EngineConfig;
+use crate::error::Error;
 use crate::quota::{Quotas, Tally};
 use crate::store::{StoreError, Txn};
-use crate::{EngineConfig, Error};
 
 /// Where a request's answer goes.
 pub(crate) type ReplyTo = oneshot::Sender<Result<Reply, Error>>;

@@ -35,10 +35,14 @@ use crossbeam_channel::{Receiver, Sender, at, never, select};
 use oncegate_core::{ClockGuard, Command, Reply, Scope};
 use tokio::sync::oneshot;
 
+use crate::clock::Clock;
+use crate::config::EngineConfig;
+use crate::error::Error;
+use crate::faults::Faults;
 use crate::files::Files;
+use crate::placement::manifest;
 use crate::quota::Quotas;
 use crate::store::{Store, StoreError};
-use crate::{Clock, EngineConfig, Error, Faults, manifest};
 
 mod batch;
 mod book;

@@ -7,10 +7,10 @@ use std::sync::atomic::Ordering;
 use oncegate_core::ClockGuard;
 
 use super::{Shard, ShardState};
+use crate::placement::{manifest, token};
 #[cfg(feature = "postgres")]
 use crate::store::postgres;
 use crate::store::{Meta, Store, StoreError, Tuning, Txn, sqlite};
-use crate::{manifest, token};
 
 /// Who asks for an open.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

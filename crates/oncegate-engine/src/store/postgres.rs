@@ -45,8 +45,9 @@ use tokio_postgres::{Row, Statement};
 
 use super::{Meta, StoreError, decode_history, encode_history, stored_scope, stored_tenant};
 use crate::config::{Durability, PgClock, StoreConfig};
+use crate::faults::Faults;
+use crate::placement::slots;
 use crate::quota::Tally;
-use crate::{Faults, slots};
 
 /// How every node routes keys to its shards. Rows are found by key, so routing only
 /// spreads the work; derived keys go by their base, so a reserve decides both buckets of
@@ -207,7 +208,7 @@ pub(crate) struct Postgres {
     /// The engine's clock, whose monotonic readings pace the database's (a node's
     /// transactions may see the database's clock run ahead of them by
     /// [`CLOCK_SLEW_PER_MILLE`] only).
-    clock: Arc<dyn crate::Clock>,
+    clock: Arc<dyn crate::clock::Clock>,
 }
 
 impl Drop for Postgres {
@@ -352,7 +353,7 @@ impl Postgres {
         config: &StoreConfig,
         durability: Durability,
         node: String,
-        clock: Arc<dyn crate::Clock>,
+        clock: Arc<dyn crate::clock::Clock>,
     ) -> Result<Postgres, StoreError> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)

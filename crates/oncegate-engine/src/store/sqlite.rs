@@ -16,11 +16,12 @@ use rusqlite::{Connection, OpenFlags, OptionalExtension, Transaction, Transactio
 
 use super::checkpointer::{self, Checkpointer};
 use super::{Meta, StoreError, decode_history, encode_history, stored_scope, stored_tenant};
+use crate::config::Durability;
+use crate::faults::Faults;
 use crate::files::Files;
 use crate::index::{Index, Undo};
 use crate::quota::Tally;
 use crate::schedule::Schedule;
-use crate::{Durability, Faults};
 
 /// The schema version this code reads and writes (`PRAGMA user_version`).
 const SCHEMA_VERSION: i64 = 6;
@@ -192,7 +193,7 @@ pub(crate) struct Store {
 impl Tuning {
     /// The settings of an engine's shard files.
     pub fn of(
-        config: &crate::EngineConfig,
+        config: &crate::config::EngineConfig,
         files: Arc<dyn Files>,
         owned: Option<crate::placement::slots::Owned>,
         routing: Routing,
