@@ -81,7 +81,6 @@ impl Index {
     }
 
     /// Rows indexed.
-    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.one.len() + self.more.values().map(Vec::len).sum::<usize>()
     }

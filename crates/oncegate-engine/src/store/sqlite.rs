@@ -188,6 +188,9 @@ pub(crate) struct Store {
     /// The configured durability, which [`Store::sync_commits`] puts back.
     durability: Durability,
     routing: Routing,
+    /// The counters of the last commit (as opened before the first): every commit's are
+    /// at least these.
+    committed: Cell<Meta>,
 }
 
 impl Tuning {
@@ -413,6 +416,7 @@ impl Store {
             writes_refused: false,
             durability: tuning.durability,
             routing: tuning.routing,
+            committed: Cell::new(meta),
         };
         Ok((store, meta, version == 0))
     }
@@ -497,6 +501,7 @@ impl Store {
             routing: self.routing,
             checkpointer: &self.checkpointer,
             refused: self.writes_refused,
+            committed: &self.committed,
         })
     }
 
@@ -538,6 +543,8 @@ pub(crate) struct Txn<'s> {
     checkpointer: &'s Checkpointer,
     /// Writes are refused: the disk is full.
     refused: bool,
+    /// The store's counters as of its last commit.
+    committed: &'s Cell<Meta>,
 }
 
 /// A row found by scope.
@@ -664,6 +671,11 @@ fn scan(conn: &Connection, tuning: &Tuning, verify_hashes: bool) -> Result<Scann
             }
         }
     }
+    assert_eq!(
+        index.len() as i64,
+        tally.pending + tally.completed,
+        "the index and the tally count the same owned rows"
+    );
     Ok(Scanned { index, schedule, tally, rows: counters, foreign })
 }
 
@@ -978,6 +990,11 @@ impl Txn<'_> {
     /// refusals or `in progress` still records the time they were decided at; not while
     /// writes are refused on a full disk, when that time goes unpersisted, as a read's).
     pub fn commit(mut self, meta: Meta) -> Result<(), StoreError> {
+        let before = self.committed.get();
+        assert!(
+            meta.next_token >= before.next_token && meta.high_water_ms >= before.high_water_ms,
+            "the counters never go back across a commit: {before:?} then {meta:?}"
+        );
         if self.deleted.get() || !self.wrote.get() {
             self.set_meta(meta)?;
         }
@@ -1000,6 +1017,7 @@ impl Txn<'_> {
         self.undo.borrow_mut().clear();
         self.unscheduled.borrow_mut().clear();
         self.checkpointer.committed();
+        self.committed.set(meta);
         Ok(())
     }
 }
@@ -1015,11 +1033,17 @@ impl Txn<'_> {
         self.failpoint()?;
         let mut stmt = self.tx().prepare_cached(SELECT_RECORD)?;
         let mut records = Vec::with_capacity(rows.len());
-        for (_, id) in rows {
+        for (hash, id) in rows {
             let (tenant, namespace, key, record) = stmt.query_row(params![id], |row| {
                 Ok((row.get(0)?, row.get(1)?, row.get(2)?, read_record(row, 3)?))
             })?;
-            records.push((stored_scope(tenant, namespace, key)?, record));
+            let scope = stored_scope(tenant, namespace, key)?;
+            // The row was found by its hash; a record that does not hash to it would move
+            // to a slot its key never routes to.
+            if self.routing.hash(&scope) != *hash {
+                return Err(StoreError::Corrupt(format!("row {id}: its stored hash is not its key's")));
+            }
+            records.push((scope, record));
         }
         Ok(records)
     }
