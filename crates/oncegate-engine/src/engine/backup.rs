@@ -37,7 +37,7 @@ impl Engine {
     /// and when `to` exists and is not empty.
     pub fn backup(&self, to: &Path, progress: &mut dyn FnMut(u32, u32)) -> Result<BackedUp, BackupError> {
         let inner = &self.inner;
-        if inner.postgres.is_some() {
+        if inner.cx.postgres.is_some() {
             return Err(BackupError::Unsupported {
                 what: "a node on PostgreSQL keeps no records of its own: back up the database instead",
             });
@@ -49,7 +49,7 @@ impl Engine {
         if inner.table().moving.is_some() {
             return Err(BackupError::Busy { what: "a slot is moving" });
         }
-        let files = &*inner.files;
+        let files = &*inner.cx.files;
         let io = |path: &Path| {
             let path = path.to_owned();
             move |source| BackupError::Io { path, source }
@@ -61,7 +61,7 @@ impl Engine {
             Err(e) => return Err(io(to)(e)),
         }
         files.create_dir_all(to).map_err(io(to))?;
-        let dir = &inner.config.data_dir;
+        let dir = &inner.cx.config.data_dir;
         let shards = inner.handles().len() as u32;
         let mut bytes = 0;
         progress(0, shards);

@@ -35,7 +35,7 @@ impl Engine {
     /// The format derived keys take: the directory's routing, or a shared store's as its
     /// schema records it (known once a shard has opened).
     fn derived_format(&self) -> Result<route::Routing, Error> {
-        self.inner.floor.format.get().copied().ok_or_else(|| self.not_yet_opened())
+        self.inner.cx.floor.format.get().copied().ok_or_else(|| self.not_yet_opened())
     }
 
     fn not_yet_opened(&self) -> Error {
@@ -50,11 +50,11 @@ impl Engine {
     /// land in another bucket than its first attempt (and so on another shard): derived
     /// keys are refused until then.
     fn derive_now_ms(&self) -> Result<u64, Error> {
-        let floor = &self.inner.floor;
+        let floor = &self.inner.cx.floor;
         if floor.unopened.load(Ordering::SeqCst) > 0 {
             return Err(self.not_yet_opened());
         }
-        let monotonic = self.inner.clock.monotonic_ms();
+        let monotonic = self.inner.cx.clock.monotonic_ms();
         let mut frame = self.inner.frame.lock().unwrap_or_else(|p| p.into_inner());
         frame.raise(floor.high_water_ms.load(Ordering::SeqCst));
         Ok(frame.read(monotonic))
@@ -73,7 +73,7 @@ impl Engine {
         derive: Option<Box<Derive>>,
         narrow: Narrow<T>,
     ) -> Result<Pending<T>, Error> {
-        let slot = self.inner.live.routing.slot_of(&scope);
+        let slot = self.inner.cx.slots.routing.slot_of(&scope);
         let table = self.inner.table();
         let shard = table.map.owner(slot);
         if self.inner.closing.load(Ordering::Acquire) {
@@ -85,12 +85,12 @@ impl Engine {
         span.record("shard", shard);
         let request = Request { scope, command, reply, span, derive };
         let sent = match table.moving.as_ref().filter(|moving| moving.step.slot == slot) {
-            Some(moving) => moving.hold(request, self.inner.config.mailbox_depth_max),
+            Some(moving) => moving.hold(request, self.inner.cx.config.mailbox_depth_max),
             None => handle.data.try_send(Mail::Call(request)).map_err(|error| match error {
                 TrySendError::Full(_) => Error::ResourceExhausted {
                     what: format!("shard {shard} mailbox"),
                     limit_name: "mailbox_depth_max",
-                    limit: self.inner.config.mailbox_depth_max,
+                    limit: self.inner.cx.config.mailbox_depth_max,
                 },
                 TrySendError::Disconnected(_) => Pending::<T>::lost(shard),
             }),

@@ -25,12 +25,9 @@ use oncegate_core::{ClockGuard, Limits, Scope, Tenant};
 use crate::clock::Clock;
 use crate::config::EngineConfig;
 use crate::error::Error;
-use crate::faults::Faults;
 use crate::files;
 use crate::placement::slots;
-use crate::quota;
-use crate::shard::{self, Control, FrameFloor, Mail, Marks, ShardState, Shared, Start};
-use crate::store;
+use crate::shard::{self, Context, Control, Mail, ShardState, Shared};
 
 pub use backup::BackedUp;
 pub use gate::TenantGate;
@@ -86,31 +83,17 @@ struct ShardHandle {
 }
 
 struct Inner {
-    config: Arc<EngineConfig>,
-    clock: Arc<dyn Clock>,
+    /// What the engine and every shard share (configuration, clock, files, slot map,
+    /// quotas, the clock marks).
+    cx: Arc<Context>,
     /// The shards and the slot map that routes to them (`routes.rs`).
     table: RwLock<routes::Table>,
-    /// The map as shards read it when they open, with the slot moving now.
-    live: Arc<slots::LiveMap>,
     closing: AtomicBool,
     /// The time frame for deriving keys in directories routed by whole keys (bucket
     /// routing derives in the shard's transaction), anchored like the shards' (wall clock
     /// at open, then monotonic time), so a clock step cannot move a derived key into
     /// another bucket.
     frame: Mutex<ClockGuard>,
-    /// The shards' persisted marks, which the frame never goes below.
-    floor: Arc<FrameFloor>,
-    /// The marks of the shards opened with the engine, which lift every shard's frame
-    /// (and the derived keys') to one time.
-    marks: Arc<Marks>,
-    /// Each tenant's most records per shard, read by every shard.
-    quotas: quota::Quotas,
-    /// What shards added later start from, like the first ones.
-    start: Start,
-    faults: Faults,
-    files: Arc<dyn files::Files>,
-    /// The shared PostgreSQL store, when the records live there.
-    postgres: Option<store::SharedDb>,
     /// Held while shards are added or a backup runs: the slot map changes under neither.
     growing: Mutex<()>,
     /// Held for the engine's life: one process owns a data directory.
@@ -133,28 +116,28 @@ impl Engine {
     /// (`tenants[].records_per_shard_max`); the tenant's existing keys are served as
     /// before, and reclaiming its expired records makes room again.
     pub fn set_records_per_shard_max(&self, table: std::collections::HashMap<Tenant, u64>) {
-        self.inner.quotas.set(table);
+        self.inner.cx.quotas.set(table);
     }
 
     /// The clock every decision reads; fronts that keep time of their own (rate limits)
     /// read it too, so that tests drive them with the same manual clock.
     pub fn clock(&self) -> &Arc<dyn Clock> {
-        &self.inner.clock
+        &self.inner.cx.clock
     }
 
     /// The configuration the engine runs with.
     pub fn config(&self) -> &EngineConfig {
-        &self.inner.config
+        &self.inner.cx.config
     }
 
     /// The request limits.
     pub fn limits(&self) -> &Limits {
-        &self.inner.config.limits
+        &self.inner.cx.config.limits
     }
 
     /// The shard that owns a scope: the slot map's owner of the scope's slot.
     pub fn shard_of(&self, scope: &Scope) -> u32 {
-        self.inner.table().map.owner(self.inner.live.routing.slot_of(scope))
+        self.inner.table().map.owner(self.inner.cx.slots.routing.slot_of(scope))
     }
 
     /// Each shard's state, cheaply (no message to the shard): for health checks.

@@ -14,7 +14,9 @@ use crate::faults::Faults;
 use crate::files;
 use crate::placement::{manifest, slots};
 use crate::quota;
-use crate::shard::{self, Arrival, Control, FrameFloor, Marks, Parts, Shard, ShardState, Shared, Start};
+use crate::shard::{
+    self, Arrival, Context, Control, FrameFloor, Marks, Parts, Shard, ShardState, Shared, Start,
+};
 use crate::store;
 
 impl Engine {
@@ -46,11 +48,10 @@ impl Engine {
         let mut config = config;
         let kind = manifest::settle_store_kind(&*files, &mut config)?;
         let Placement { map, shards, routing, postgres } = place(&config, kind, &*files, &clock)?;
-        let config = Arc::new(config);
         // The one wall-clock reading of the process: every shard's frame, and the frame of
         // derived keys, is anchored to it; nothing re-anchors until the next process.
         let start = Start { wall_ms: clock.now_ms(), monotonic_ms: clock.monotonic_ms() };
-        let floor = Arc::new(FrameFloor::default());
+        let floor = FrameFloor::default();
         if postgres.is_none() {
             // A file store's derived keys take the directory's format; a shared store's,
             // the database's, which its shards read when they open.
@@ -61,26 +62,29 @@ impl Engine {
         frame.anchor(start.wall_ms, start.monotonic_ms);
         // A shared store's time is the database's: its shards do not wait for each other.
         let marks = Arc::new(Marks::new(if postgres.is_none() { shards as usize } else { 0 }));
-        let inner = Inner {
-            live: Arc::new(slots::LiveMap::new(map.clone(), routing)),
-            table: RwLock::new(routes::Table { map, shards: Vec::new(), moving: None }),
+        let cx = Context {
+            slots: slots::LiveMap::new(map.clone(), routing),
             config,
             clock,
-            closing: AtomicBool::new(false),
-            frame: Mutex::new(frame),
+            start,
             floor,
             marks,
-            quotas: quota::Quotas::default(),
-            start,
             faults,
+            quotas: quota::Quotas::default(),
             files,
             postgres,
+        };
+        let inner = Inner {
+            cx: Arc::new(cx),
+            table: RwLock::new(routes::Table { map, shards: Vec::new(), moving: None }),
+            closing: AtomicBool::new(false),
+            frame: Mutex::new(frame),
             growing: Mutex::new(()),
             _lock: lock,
         };
         let handles = inner.start_shards(0..shards)?;
         // The shards' one frame, which derived keys share.
-        let base_ms = start.wall_ms.max(inner.marks.highest_ms());
+        let base_ms = start.wall_ms.max(inner.cx.marks.highest_ms());
         inner.frame.lock().unwrap_or_else(|p| p.into_inner()).anchor(base_ms, start.monotonic_ms);
         inner.table_mut().shards = handles;
         Ok(Engine { inner: Arc::new(inner) })
@@ -146,23 +150,9 @@ fn place(
     Ok(placement)
 }
 
-/// What every shard of an engine shares.
-struct Common {
-    config: Arc<EngineConfig>,
-    clock: Arc<dyn Clock>,
-    start: Start,
-    floor: Arc<FrameFloor>,
-    marks: Arc<Marks>,
-    faults: Faults,
-    quotas: quota::Quotas,
-    files: Arc<dyn files::Files>,
-    slots: Arc<slots::LiveMap>,
-    postgres: Option<store::SharedDb>,
-}
-
 /// Makes one shard's channels and starts its thread.
-fn start_shard(id: u32, common: Common, started: shard::Started) -> Result<ShardHandle, OpenError> {
-    let (data_tx, data) = crossbeam_channel::bounded(common.config.mailbox_depth_max);
+fn start_shard(id: u32, cx: &Arc<Context>, started: shard::Started) -> Result<ShardHandle, OpenError> {
+    let (data_tx, data) = crossbeam_channel::bounded(cx.config.mailbox_depth_max);
     // Bounded by what it carries: one message per move's end, whose held requests are
     // callers already waiting.
     let (moved_tx, moved) = crossbeam_channel::unbounded();
@@ -171,27 +161,18 @@ fn start_shard(id: u32, common: Common, started: shard::Started) -> Result<Shard
     let (control_tx, control) = crossbeam_channel::bounded(16);
     let (gone_tx, gone) = crossbeam_channel::bounded(1);
     let shared = Arc::new(Shared::default());
-    let data_dir = common.config.data_dir.clone();
     let parts = Parts {
         id,
-        config: common.config,
-        clock: common.clock,
-        start: common.start,
-        floor: common.floor,
-        arrival: Arrival::new(common.marks),
-        faults: common.faults,
+        cx: Arc::clone(cx),
+        arrival: Arrival::new(Arc::clone(&cx.marks)),
         shared: Arc::clone(&shared),
         data,
         moved,
         control,
         gone,
-        quotas: common.quotas,
-        files: common.files,
-        slots: common.slots,
-        postgres: common.postgres,
     };
     let thread = spawn_shard(Shard::new(parts), id, Arc::clone(&shared), started)
-        .map_err(|source| OpenError::Io { path: data_dir, source })?;
+        .map_err(|source| OpenError::Io { path: cx.config.data_dir.clone(), source })?;
     Ok(ShardHandle {
         data: data_tx,
         moved: moved_tx,
@@ -238,21 +219,6 @@ fn spawn_shard(
 }
 
 impl Inner {
-    fn common(&self) -> Common {
-        Common {
-            config: Arc::clone(&self.config),
-            clock: Arc::clone(&self.clock),
-            start: self.start,
-            floor: Arc::clone(&self.floor),
-            marks: Arc::clone(&self.marks),
-            faults: self.faults.clone(),
-            quotas: self.quotas.clone(),
-            files: Arc::clone(&self.files),
-            slots: Arc::clone(&self.live),
-            postgres: self.postgres.clone(),
-        }
-    }
-
     /// Starts shards `ids` and returns once each has made its first open attempt, so
     /// states read right after are meaningful. A shard whose file failed to open is not
     /// fatal: it answers `unavailable` and keeps retrying while the others serve. A full
@@ -263,13 +229,13 @@ impl Inner {
         let mut handles = Vec::with_capacity(ids.len());
         for id in ids.clone() {
             // Counted before it starts: its first open takes it off again.
-            self.floor.unopened.fetch_add(1, Ordering::SeqCst);
-            match start_shard(id, self.common(), started_tx.clone()) {
+            self.cx.floor.unopened.fetch_add(1, Ordering::SeqCst);
+            match start_shard(id, &self.cx, started_tx.clone()) {
                 Ok(handle) => handles.push(Arc::new(handle)),
                 Err(error) => {
-                    self.floor.unopened.fetch_sub(1, Ordering::SeqCst);
+                    self.cx.floor.unopened.fetch_sub(1, Ordering::SeqCst);
                     // The shards already started must not wait for marks that never come.
-                    self.marks.abandon();
+                    self.cx.marks.abandon();
                     return Err(error);
                 }
             }

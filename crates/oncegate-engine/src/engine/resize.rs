@@ -247,7 +247,7 @@ impl Engine {
     /// or a crash, it resumes the moves that are left (`to` may then equal the count).
     pub fn add_shards(&self, to: u32, progress: Progress<'_>) -> Result<Resharded, ResizeError> {
         let inner = &self.inner;
-        if inner.postgres.is_some() {
+        if inner.cx.postgres.is_some() {
             return Err(ResizeError::Unsupported { what: NO_SLOTS_ON_POSTGRES });
         }
         let _one_at_a_time = inner
@@ -273,7 +273,7 @@ impl Engine {
         let moves = inner.table().map.moves_to_spread(to);
         let total = moves.len() as u32;
         progress(0, total);
-        let pause = match inner.config.slot_moves_per_second_max {
+        let pause = match inner.cx.config.slot_moves_per_second_max {
             0 => Duration::ZERO,
             rate => Duration::from_secs(1) / rate,
         };
@@ -310,12 +310,12 @@ impl Engine {
     /// already count some of them: an earlier add that stopped before starting them.)
     fn start_new_shards(&self, before: u32, to: u32) -> Result<(), ResizeError> {
         let inner = &self.inner;
-        let dir = &inner.config.data_dir;
-        let manifest = manifest::read(&*inner.files, dir)?.ok_or_else(|| OpenError::Manifest {
+        let dir = &inner.cx.config.data_dir;
+        let manifest = manifest::read(&*inner.cx.files, dir)?.ok_or_else(|| OpenError::Manifest {
             path: dir.join(manifest::MANIFEST_FILE),
             reason: "the manifest disappeared while the engine ran".to_owned(),
         })?;
-        prepare_new_shards(&*inner.files, dir, &manifest, to)?;
+        prepare_new_shards(&*inner.cx.files, dir, &manifest, to)?;
         let handles = inner.start_shards(before..to)?;
         inner.table_mut().shards.extend(handles);
         tracing::info!(from = before, to, "new shards started; slots move to them next");
@@ -338,7 +338,7 @@ impl Engine {
             table.moving = Some(Moving::new(step));
             shards
         };
-        inner.live.set_moving(Some(step));
+        inner.cx.slots.set_moving(Some(step));
         let mut parked = Parked::default();
         let records = match self.copy_slot(step, &source, &destination, &mut parked) {
             Ok(records) => records,
@@ -386,7 +386,7 @@ impl Engine {
         let mut map = self.inner.table().map.clone();
         map.set_owner(step.slot, step.to);
         map.version += 1;
-        slots::write(&*self.inner.files, &self.inner.config.data_dir, &map)?;
+        slots::write(&*self.inner.cx.files, &self.inner.cx.config.data_dir, &map)?;
         Ok(map)
     }
 
@@ -403,7 +403,7 @@ impl Engine {
         let inner = &self.inner;
         let mut old = inner.table().map.clone();
         old.version += 2;
-        match slots::write(&*inner.files, &inner.config.data_dir, &old) {
+        match slots::write(&*inner.cx.files, &inner.cx.config.data_dir, &old) {
             Ok(()) => {
                 inner.table_mut().map.version = old.version;
                 self.end_move(step, None, parked);
@@ -448,8 +448,8 @@ impl Engine {
         let handle = Arc::clone(&table.shards[owner as usize]);
         // Shards that open from now on keep the slot's rows only where it lives.
         match flipped {
-            Some(map) => inner.live.set_map(map),
-            None => inner.live.set_moving(None),
+            Some(map) => inner.cx.slots.set_map(map),
+            None => inner.cx.slots.set_moving(None),
         }
         hand_over(&handle, owner, Moved::Adopt(parked));
         let held = table.moving.take().map(|moving| moving.take_held()).unwrap_or_default();
@@ -466,7 +466,7 @@ fn not_running(shard: u32, reason: &str) -> ResizeError {
 
 /// Where a test may stop a move dead, as a crash would (`Faults::stop_moves_after`).
 fn stop_point(inner: &Inner) -> Result<(), ResizeError> {
-    if inner.faults.move_should_stop() {
+    if inner.cx.faults.move_should_stop() {
         return Err(ResizeError::Interrupted { reason: "injected fault: slot move stopped" });
     }
     Ok(())

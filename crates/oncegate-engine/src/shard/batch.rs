@@ -11,7 +11,7 @@ use super::book::{Book, Outbox};
 use super::{Alarm, Asked, Derive, Moved, Request, Shard, ShardState};
 use crate::config::EngineConfig;
 use crate::error::Error;
-use crate::store::{Meta, Store, StoreError, Txn};
+use crate::store::{Meta, Store, StoreError, Txn, sqlite};
 
 impl Shard {
     /// Serves a batch of requests in one transaction.
@@ -26,21 +26,21 @@ impl Shard {
             }
             return;
         }
-        self.faults.pass_gate();
-        self.faults.maybe_panic();
+        self.cx.faults.pass_gate();
+        self.cx.faults.maybe_panic();
         let batch_span = tracing::debug_span!("batch", shard = self.id, len);
         for request in &requests {
             batch_span.follows_from(&request.span);
         }
         let _entered = batch_span.enter();
-        let local_now = self.guard.read(self.clock.monotonic_ms());
+        let local_now = self.guard.read(self.cx.clock.monotonic_ms());
         let token_before = self.book.next_token;
         let mut outbox: Outbox = Vec::with_capacity(requests.len());
         let refusal = self.write_refusal();
         let store = self.store.as_mut().expect("checked above");
         let mut batch = Batch {
             book: &mut self.book,
-            config: &self.config,
+            config: &self.cx.config,
             shard: self.id,
             refusal,
             store_estimate_ms: local_now.saturating_add_signed(self.store_ahead_ms),
@@ -62,7 +62,12 @@ impl Shard {
             shared.commits.fetch_add(u64::from(*wrote), Ordering::Relaxed);
         });
         // A batch that wrote while writes were being tried again found room.
-        if wrote == Some(true) && self.store.as_ref().is_some_and(|store| !store.writes_refused()) {
+        if wrote == Some(true)
+            && self
+                .store
+                .as_ref()
+                .is_some_and(|store| !store.own().is_some_and(sqlite::Store::writes_refused))
+        {
             self.writes_resumed();
         }
     }
@@ -78,12 +83,12 @@ impl Shard {
             }
             return;
         }
-        let local_now = self.guard.read(self.clock.monotonic_ms());
-        let limit = self.config.reclaim_batch_max;
+        let local_now = self.guard.read(self.cx.clock.monotonic_ms());
+        let limit = self.cx.config.reclaim_batch_max;
         let full = self.write_refusal();
         let store = self.store.as_mut().expect("checked above");
         // A full disk reclaims nothing and drops no moved slot's rows (deletes write).
-        let refusing = store.writes_refused();
+        let refusing = store.own().is_some_and(sqlite::Store::writes_refused);
         let token_before = self.book.next_token;
         let mut outbox: Outbox = Vec::new();
         let book = &mut self.book;
@@ -163,7 +168,7 @@ impl Shard {
             }
         }
         if self.store.is_some() {
-            let local_now = self.guard.read(self.clock.monotonic_ms());
+            let local_now = self.guard.read(self.cx.clock.monotonic_ms());
             let full = self.write_refusal();
             let store = self.store.as_mut().expect("checked above");
             let token_before = self.book.next_token;
@@ -178,7 +183,9 @@ impl Shard {
                 }
                 // A clean stop records its time: the restart grace measures from it.
                 let meta = Meta { next_token: book.next_token, high_water_ms: now };
-                txn.set_meta(meta)?;
+                if let Some(own) = txn.own() {
+                    own.set_meta(meta)?;
+                }
                 txn.commit(meta)
             })();
             self.conclude(result, outbox, token_before, |(), _| {});
@@ -334,7 +341,7 @@ impl Batch<'_> {
         for scope in &touched {
             self.book.serve_waiters(&txn, scope, self.now, false, &full, self.outbox)?;
         }
-        if txn.acks_early() {
+        if txn.own().is_some_and(sqlite::Txn::acks_early) {
             // The deliberate bug the power-loss harness must catch: answers before COMMIT.
             for (reply, answer) in self.outbox.drain(..) {
                 let _ = reply.send(answer);
@@ -385,7 +392,7 @@ impl Batch<'_> {
                 self.outbox.push((reply, Err(refusal)));
                 return Ok(());
             }
-            Err(error) if txn.failed_alone(&error) => {
+            Err(error) if failed_alone(txn, &error) => {
                 self.outbox.push((reply, Err(self.refusal.clone())));
                 return Ok(());
             }
@@ -466,4 +473,11 @@ impl Batch<'_> {
         }
         Ok(chosen)
     }
+}
+
+/// Whether `error` undid only the statement that raised it (a full SQLite file), so that
+/// its request alone is refused and the batch goes on. A shared store's error is never
+/// one.
+pub(super) fn failed_alone(txn: &Txn<'_>, error: &StoreError) -> bool {
+    txn.own().is_some_and(|own| own.failed_alone(error))
 }

@@ -272,7 +272,7 @@ impl Book {
             }
             match self.record(txn, scope, record.as_ref(), &decision) {
                 Ok(()) => {}
-                Err(error) if txn.failed_alone(&error) => {
+                Err(error) if super::batch::failed_alone(txn, &error) => {
                     outbox.push((waiter.reply, Err(full.clone())));
                     continue;
                 }

@@ -42,7 +42,7 @@ use crate::faults::Faults;
 use crate::files::Files;
 use crate::placement::manifest;
 use crate::quota::Quotas;
-use crate::store::{Store, StoreError};
+use crate::store::{Store, StoreError, sqlite};
 
 mod batch;
 mod book;
@@ -123,30 +123,42 @@ pub(crate) enum Control {
     DropSlot(u32),
 }
 
-/// What a shard is made of, handed over by the engine.
+/// What every shard of an engine shares, built once when the engine opens; the engine
+/// holds it too.
+pub(crate) struct Context {
+    pub config: EngineConfig,
+    /// The clock every decision reads.
+    pub clock: Arc<dyn Clock>,
+    /// The process's one reading of the wall clock, which every frame is anchored to.
+    pub start: Start,
+    /// The shards' persisted marks, which derived keys' frame never goes below.
+    pub floor: FrameFloor,
+    /// The marks of the shards opened with the engine, which lift every frame to one time.
+    pub marks: Arc<Marks>,
+    pub faults: Faults,
+    /// Each tenant's most records per shard.
+    pub quotas: Quotas,
+    /// The files seam (the operating system's, or a simulated disk).
+    pub files: Arc<dyn Files>,
+    /// Which shard owns each slot, as slots move.
+    pub slots: crate::placement::slots::LiveMap,
+    /// The shared PostgreSQL store, when the records live there instead of in files.
+    pub postgres: Option<crate::store::SharedDb>,
+}
+
+/// What one shard is made of, handed over by the engine: the engine's context, and the
+/// shard's own channels and counters.
 pub(crate) struct Parts {
     pub id: u32,
-    pub config: Arc<EngineConfig>,
-    pub clock: Arc<dyn Clock>,
-    pub start: Start,
-    pub floor: Arc<FrameFloor>,
+    pub cx: Arc<Context>,
     /// Its place among the shards opening together, whose marks lift one frame.
     pub arrival: Arrival,
-    pub faults: Faults,
     pub shared: Arc<Shared>,
     pub data: Receiver<Mail>,
     pub moved: Receiver<Moved>,
     pub control: Receiver<Control>,
     /// Nudges from callers that stopped waiting.
     pub gone: Receiver<()>,
-    /// Each tenant's most records per shard.
-    pub quotas: Quotas,
-    /// The files seam (the operating system's, or a simulated disk).
-    pub files: Arc<dyn Files>,
-    /// Which shard owns each slot, as slots move.
-    pub slots: Arc<crate::placement::slots::LiveMap>,
-    /// The shared PostgreSQL store, when the records live there instead of in files.
-    pub postgres: Option<crate::store::SharedDb>,
 }
 
 /// Sent once per shard when its first open attempt is over, with the file it could not
@@ -173,17 +185,13 @@ const HALTED_SYNC: &str = "a commit failed in its sync, and the disk may have lo
 
 pub(crate) struct Shard {
     id: u32,
-    config: Arc<EngineConfig>,
+    cx: Arc<Context>,
     path: PathBuf,
     epoch_path: PathBuf,
-    clock: Arc<dyn Clock>,
-    start: Start,
-    floor: Arc<FrameFloor>,
     arrival: Arrival,
     /// Whether a clean open has completed in this process (the first one anchors the
     /// clock, runs the integrity check and the restart grace).
     opened: bool,
-    faults: Faults,
     shared: Arc<Shared>,
     data: Receiver<Mail>,
     moved: Receiver<Moved>,
@@ -194,9 +202,6 @@ pub(crate) struct Shard {
     /// The token epoch of the current open (see `token.rs`).
     epoch: u64,
     book: Book,
-    files: Arc<dyn Files>,
-    slots: Arc<crate::placement::slots::LiveMap>,
-    postgres: Option<crate::store::SharedDb>,
     /// Rows of slots that moved away; alarms delete them in chunks.
     leaving: Vec<moves::Leaving>,
     /// The rows of the slot this shard last handed over, until the move ends.
@@ -221,36 +226,16 @@ pub(crate) struct Shard {
 
 impl Shard {
     pub fn new(parts: Parts) -> Shard {
-        let Parts {
-            id,
-            config,
-            clock,
-            start,
-            floor,
-            arrival,
-            faults,
-            shared,
-            data,
-            moved,
-            control,
-            gone,
-            quotas,
-            files,
-            slots,
-            postgres,
-        } = parts;
+        let Parts { id, cx, arrival, shared, data, moved, control, gone } = parts;
         Shard {
             id,
-            path: manifest::shard_file(&config.data_dir, id),
-            epoch_path: manifest::epoch_file(&config.data_dir, id),
-            backoff_ms: config.reopen_backoff_ms_min,
-            config,
-            clock,
-            start,
-            floor,
+            path: manifest::shard_file(&cx.config.data_dir, id),
+            epoch_path: manifest::epoch_file(&cx.config.data_dir, id),
+            backoff_ms: cx.config.reopen_backoff_ms_min,
+            book: Book::new(id, cx.quotas.clone()),
+            cx,
             arrival,
             opened: false,
-            faults,
             shared,
             data,
             moved,
@@ -259,10 +244,6 @@ impl Shard {
             store: None,
             guard: ClockGuard::new(0),
             epoch: 0,
-            book: Book::new(id, quotas),
-            files,
-            slots,
-            postgres,
             leaving: Vec::new(),
             handed: None,
             received: std::collections::HashSet::new(),
@@ -301,7 +282,7 @@ impl Shard {
         } else {
             tracing::error!(shard = self.id, %error, "storage failure; answering unavailable until a clean reopen");
             self.reopen_at = Some(Instant::now() + Duration::from_millis(self.backoff_ms));
-            self.backoff_ms = (self.backoff_ms * 2).min(self.config.reopen_backoff_ms_max);
+            self.backoff_ms = (self.backoff_ms * 2).min(self.cx.config.reopen_backoff_ms_max);
             self.shared.set_last_error(error.to_string());
         }
         // Fail closed: nobody parked on this shard may be granted by a later open.
@@ -317,16 +298,16 @@ impl Shard {
     /// naming the disk) while reads and replays go on, and tried again after a pause that
     /// doubles from `reopen_backoff_ms_min` to `_max` while the disk stays full.
     fn refuse_writes(&mut self, error: &StoreError) {
-        let backoff_ms = self.write_retry.as_ref().map_or(self.config.reopen_backoff_ms_min, |retry| {
-            (retry.backoff_ms * 2).min(self.config.reopen_backoff_ms_max)
+        let backoff_ms = self.write_retry.as_ref().map_or(self.cx.config.reopen_backoff_ms_min, |retry| {
+            (retry.backoff_ms * 2).min(self.cx.config.reopen_backoff_ms_max)
         });
         if self.write_retry.as_ref().is_none_or(|retry| !retry.refusing) {
             tracing::warn!(shard = self.id, path = %self.path.display(), %error, retry_ms = backoff_ms, "the disk is full: writes are refused, reads and replays go on");
         }
-        let retry_at_ms = self.clock.monotonic_ms() + backoff_ms;
+        let retry_at_ms = self.cx.clock.monotonic_ms() + backoff_ms;
         self.write_retry = Some(WriteRetry { retry_at_ms, backoff_ms, refusing: true });
-        if let Some(store) = self.store.as_mut() {
-            store.refuse_writes(true);
+        if let Some(own) = self.store.as_mut().and_then(Store::own_mut) {
+            own.refuse_writes(true);
         }
         self.shared.failures.fetch_add(1, Ordering::Relaxed);
         self.shared.set_last_error(format!("{}", book::disk_full(self.id, &self.path)));
@@ -337,11 +318,11 @@ impl Shard {
     fn retry_writes_when_due(&mut self) {
         if let Some(retry) = self.write_retry.as_mut()
             && retry.refusing
-            && retry.retry_at_ms <= self.clock.monotonic_ms()
+            && retry.retry_at_ms <= self.cx.clock.monotonic_ms()
         {
             retry.refusing = false;
-            if let Some(store) = self.store.as_mut() {
-                store.refuse_writes(false);
+            if let Some(own) = self.store.as_mut().and_then(Store::own_mut) {
+                own.refuse_writes(false);
             }
         }
     }
@@ -355,10 +336,10 @@ impl Shard {
 
     /// What a write refused alone hears: the disk is full, or the file at its limit.
     fn write_refusal(&self) -> Error {
-        if self.store.as_ref().is_some_and(Store::writes_refused) {
+        if self.store.as_ref().and_then(Store::own).is_some_and(sqlite::Store::writes_refused) {
             book::disk_full(self.id, &self.path)
         } else {
-            book::file_full(self.id, &self.config)
+            book::file_full(self.id, &self.cx.config)
         }
     }
 
@@ -383,7 +364,8 @@ impl Shard {
             // Deleting a moved slot's rows is background work: it takes turns with the
             // mailbox (select picks at random among ready operations) instead of going
             // first, so a large slot never stalls the shard's traffic.
-            let refusing = self.store.as_ref().is_some_and(Store::writes_refused);
+            let refusing =
+                self.store.as_ref().and_then(Store::own).is_some_and(sqlite::Store::writes_refused);
             let timer = if self.store.is_some() && !self.leaving.is_empty() && !refusing {
                 at(Instant::now())
             } else {
@@ -461,7 +443,7 @@ impl Shard {
             return self.reopen_at;
         };
         let mut guard = self.guard;
-        let now_ms = guard.read(self.clock.monotonic_ms()).saturating_add_signed(self.store_ahead_ms);
+        let now_ms = guard.read(self.cx.clock.monotonic_ms()).saturating_add_signed(self.store_ahead_ms);
         // A shared store's waiters are read again at its poll interval: another node may
         // have committed or released their key.
         let poll_ms =
@@ -469,7 +451,7 @@ impl Shard {
         // While writes are refused reclaim deletes nothing: it waits for the next try.
         let reclaim_ms = match self.write_retry.as_ref().filter(|retry| retry.refusing) {
             Some(retry) => {
-                let retry_in_ms = retry.retry_at_ms.saturating_sub(self.clock.monotonic_ms());
+                let retry_in_ms = retry.retry_at_ms.saturating_sub(self.cx.clock.monotonic_ms());
                 self.book.next_reclaim_ms.map(|at| at.max(now_ms + retry_in_ms))
             }
             None => self.book.next_reclaim_ms,
@@ -509,7 +491,7 @@ impl Shard {
     /// A moving slot's held requests, in order, in batches of at most `batch_len_max`.
     fn serve_held(&mut self, mut held: std::collections::VecDeque<Request>) {
         while !held.is_empty() {
-            let batch: Vec<Request> = held.drain(..held.len().min(self.config.batch_len_max)).collect();
+            let batch: Vec<Request> = held.drain(..held.len().min(self.cx.config.batch_len_max)).collect();
             self.serve_batch(batch);
         }
     }
@@ -518,7 +500,7 @@ impl Shard {
     /// all, stopping at a slot's hand-over (handled after the requests before it, and
     /// before those after it).
     fn drain(&self, first: Option<Mail>) -> (Vec<Request>, Option<Mail>) {
-        let mut requests = Vec::with_capacity(self.config.batch_len_max.min(64));
+        let mut requests = Vec::with_capacity(self.cx.config.batch_len_max.min(64));
         let mut next = first;
         loop {
             match next {
@@ -526,7 +508,7 @@ impl Shard {
                 Some(mail) => return (requests, Some(mail)),
                 None => return (requests, None),
             }
-            if requests.len() >= self.config.batch_len_max {
+            if requests.len() >= self.cx.config.batch_len_max {
                 return (requests, None);
             }
             next = self.data.try_recv().ok();

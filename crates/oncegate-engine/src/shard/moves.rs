@@ -30,7 +30,7 @@ use super::Shard;
 use super::book::{Book, Parked};
 use crate::error::Error;
 use crate::placement::token;
-use crate::store::{Meta, StoreError, Txn};
+use crate::store::{MOVES_ON_POSTGRES, Meta, Store, StoreError, Txn};
 
 /// The mover's request to a source shard: hand `slot` over.
 pub(crate) struct MoveOut {
@@ -71,9 +71,13 @@ impl Shard {
             let _ = reply.send(Err(self.unavailable(self.closed_reason())));
             return;
         };
-        let now = self.guard.read(self.clock.monotonic_ms());
-        let rows = store.slot_rows(slot);
-        let read = store.begin_read(&[], now).and_then(|txn| {
+        let now = self.guard.read(self.cx.clock.monotonic_ms());
+        let Some(own) = store.own_mut() else {
+            let _ = reply.send(Err(self.unavailable(&MOVES_ON_POSTGRES.to_string())));
+            return;
+        };
+        let rows = own.slot_rows(slot);
+        let read = own.begin_read(now).and_then(|txn| {
             let records = txn.records_of(&rows);
             txn.finish_read();
             records
@@ -89,9 +93,9 @@ impl Shard {
         // Nothing of the slot reaches this shard from now on, so these are the rows to
         // drop when the move ends (reclaim may take some first).
         self.handed = Some(Leaving { slot, rows });
-        let parked = self.book.take_parked(slot, self.slots.routing);
+        let parked = self.book.take_parked(slot, self.cx.slots.routing);
         self.shared.waiters.store(self.book.waiters_len as u64, Ordering::Relaxed);
-        let high_water_ms = self.guard.read(self.clock.monotonic_ms());
+        let high_water_ms = self.guard.read(self.cx.clock.monotonic_ms());
         let meta = Meta { next_token: self.book.next_token, high_water_ms };
         // A mover that has gone drops the hand-over: its waiters hear `unavailable`.
         let _ = reply.send(Ok(Handover { slot, records, meta, parked }));
@@ -110,7 +114,7 @@ impl Shard {
         // process share one frame, `open.rs`; only one that could not read its mark at
         // the start, and found it above the start's base later, runs ahead of the rest.)
         let source_now = handover.meta.high_water_ms;
-        let ahead_ms = self.guard.read(self.clock.monotonic_ms()).saturating_sub(source_now);
+        let ahead_ms = self.guard.read(self.cx.clock.monotonic_ms()).saturating_sub(source_now);
         self.guard.raise(source_now);
         // Every token the source issued is below its counter.
         self.book.next_token = self.book.next_token.max(handover.meta.next_token);
@@ -120,16 +124,17 @@ impl Shard {
             self.record_failure(&error);
             return Err(self.unavailable(&format!("storage failure: {error}")));
         }
-        let now = self.guard.read(self.clock.monotonic_ms());
+        let now = self.guard.read(self.cx.clock.monotonic_ms());
         let Handover { slot, records, .. } = handover;
         let stale = self.stale_copies(slot);
-        let store = self.store.as_mut().expect("checked above");
+        let store = self.store.as_mut().and_then(Store::own_mut);
         let book = &mut self.book;
         let mut written = 0;
         let result = (move || -> Result<u64, StoreError> {
+            let store = store.ok_or(MOVES_ON_POSTGRES)?;
             // Synced whatever the durability: the map will name this copy as the truth.
             store.sync_commits(true)?;
-            let txn = store.begin(&[], now)?;
+            let txn = store.begin(now)?;
             let stale = txn.delete_rows(&stale)?;
             book.records_delta.remove(&stale);
             for (scope, mut record) in records {
@@ -157,10 +162,10 @@ impl Shard {
                 self.refuse_writes(error);
                 super::book::disk_full(self.id, &self.path)
             } else {
-                super::book::file_full(self.id, &self.config)
+                super::book::file_full(self.id, &self.cx.config)
             };
-            if let Some(store) = self.store.as_mut()
-                && let Err(error) = store.sync_commits(false)
+            if let Some(own) = self.store.as_mut().and_then(Store::own_mut)
+                && let Err(error) = own.sync_commits(false)
             {
                 self.record_failure(&error);
             }
@@ -184,7 +189,7 @@ impl Shard {
         let listed = listed.map(|at| self.leaving.remove(at));
         match (listed, self.received.insert(slot)) {
             (None, true) => Vec::new(),
-            _ => self.store.as_ref().map(|store| store.slot_rows(slot)).unwrap_or_default(),
+            _ => self.store.as_ref().and_then(Store::own).map(|own| own.slot_rows(slot)).unwrap_or_default(),
         }
     }
 
@@ -210,12 +215,12 @@ impl Shard {
     /// slot back here comes after this on the same channel and takes the list back.
     pub(super) fn leave(&mut self, slot: u32) {
         let handed = self.handed.take();
-        let Some(store) = self.store.as_ref() else { return };
+        let Some(own) = self.store.as_ref().and_then(Store::own) else { return };
         // The source listed the rows when it handed the slot over; a destination whose
         // copy is being undone lists them now.
         let rows = match handed {
             Some(handed) if handed.slot == slot => handed.rows,
-            _ => store.slot_rows(slot),
+            _ => own.slot_rows(slot),
         };
         // One list per slot: a slot that left twice (two undone moves) is listed once.
         self.leaving.retain(|leaving| leaving.slot != slot);
@@ -243,6 +248,10 @@ pub(super) fn drop_leaving(
     limit: usize,
     book: &mut Book,
 ) -> Result<(), StoreError> {
+    if leaving.is_empty() {
+        return Ok(());
+    }
+    let txn = txn.own().ok_or(MOVES_ON_POSTGRES)?;
     let mut budget = limit;
     while budget > 0 {
         let Some(last) = leaving.last_mut() else { break };

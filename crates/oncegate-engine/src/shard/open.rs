@@ -10,7 +10,7 @@ use super::{Shard, ShardState};
 use crate::placement::{manifest, token};
 #[cfg(feature = "postgres")]
 use crate::store::postgres;
-use crate::store::{Meta, Store, StoreError, Tuning, Txn, sqlite};
+use crate::store::{Meta, Store, StoreError, Tuning, sqlite};
 
 /// Who asks for an open.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,10 +31,10 @@ impl Shard {
                 self.store = Some(store);
                 if !self.opened {
                     self.opened = true;
-                    self.floor.high_water_ms.fetch_max(self.guard.high_water_ms(), Ordering::SeqCst);
-                    self.floor.unopened.fetch_sub(1, Ordering::SeqCst);
+                    self.cx.floor.high_water_ms.fetch_max(self.guard.high_water_ms(), Ordering::SeqCst);
+                    self.cx.floor.unopened.fetch_sub(1, Ordering::SeqCst);
                 }
-                self.backoff_ms = self.config.reopen_backoff_ms_min;
+                self.backoff_ms = self.cx.config.reopen_backoff_ms_min;
                 self.reopen_at = None;
                 // A new store takes writes; the next that does not fit says so again.
                 self.write_retry = None;
@@ -51,7 +51,7 @@ impl Shard {
                     self.open_found_disk_full = Some(path);
                 }
                 // The shards opening with this one wait for its mark; it has none to give.
-                if !self.opened && self.postgres.is_none() {
+                if !self.opened && self.cx.postgres.is_none() {
                     self.arrival.highest_with(None);
                 }
                 self.record_failure(&error);
@@ -62,7 +62,7 @@ impl Shard {
 
     #[cfg_attr(not(feature = "postgres"), allow(unused_variables))]
     fn try_open(&mut self, asked: Asked) -> Result<Store, StoreError> {
-        match self.postgres.clone() {
+        match self.cx.postgres.clone() {
             #[cfg(feature = "postgres")]
             Some(pg) => self.open_postgres(&pg, asked),
             #[cfg(not(feature = "postgres"))]
@@ -82,46 +82,46 @@ impl Shard {
         pg: &std::sync::Arc<postgres::Postgres>,
         asked: Asked,
     ) -> Result<Store, StoreError> {
-        let owned = self.slots.owned(self.id);
+        let owned = self.cx.slots.owned(self.id);
         let process_start = !self.opened;
         let (mut store, meta, format) = postgres::Store::open(
             pg,
             self.id,
             &owned,
-            &self.faults,
+            &self.cx.faults,
             postgres::Opening { first: process_start, count: process_start || asked == Asked::ByOperator },
-            self.config.reclaim_granularity_ms,
+            self.cx.config.reclaim_granularity_ms,
         )?;
         // Every shard reads the same row; the first to open tells the engine.
-        let _ = self.floor.format.set(format);
+        let _ = self.cx.floor.format.set(format);
         // A reopen keeps the frame and is not lifted to the database's mark: the mark is
         // in the database's time, which may run ahead of the node's, and a frame lifted
         // to it would stand still until the node's clock caught up, and with it the pace
         // that every transaction's time is held to.
         let now = if process_start {
-            self.anchor_at(self.start.wall_ms, meta.high_water_ms)
+            self.anchor_at(self.cx.start.wall_ms, meta.high_water_ms)
         } else {
-            self.guard.read(self.clock.monotonic_ms())
+            self.guard.read(self.cx.clock.monotonic_ms())
         };
         // Other nodes' records come due without this shard hearing of them: it looks for
         // them once a reclaim window after it opens, and after each reclaim from then on.
         // Alarms are in the store's time: the shard's own plus how far ahead of it the
         // store's was at the last batch (0 before the first).
         let store_now = now.saturating_add_signed(self.store_ahead_ms);
-        self.book.next_reclaim_ms = Some(store_now + self.config.reclaim_granularity_ms);
+        self.book.next_reclaim_ms = Some(store_now + self.cx.config.reclaim_granularity_ms);
         // Counted when the node starts and when an operator reopens the shard; a reconnect
         // after a failure keeps the shard's own counts.
         if let Some(counted) = store.take_count() {
             self.book.reset_records(counted);
         }
         self.shared.set_records(self.book.settle());
-        Ok(Store::Postgres(store))
+        Ok(Store::Shared(store))
     }
 
     /// Opens the shard's own store (its SQLite file): the token epoch, the
     /// clock frame, the restart grace, and the counters written before the first grant.
     fn open_own(&mut self) -> Result<Store, StoreError> {
-        let owned = self.slots.owned(self.id);
+        let owned = self.cx.slots.owned(self.id);
         // Opened as a moving slot's destination, the file keeps that slot's rows: they
         // are copies of an earlier attempt, which the move's copy must replace.
         if let Some(moving) = owned.moving.filter(|m| m.to == self.id) {
@@ -132,14 +132,18 @@ impl Shard {
         let process_start = !self.opened;
         let tuning = Tuning {
             checkpoints: Arc::clone(&self.shared.checkpoints),
-            ..Tuning::of(&self.config, Arc::clone(&self.files), Some(owned), self.slots.routing)
+            ..Tuning::of(&self.cx.config, Arc::clone(&self.cx.files), Some(owned), self.cx.slots.routing)
         };
-        let (store, meta, created) = sqlite::Store::open(&self.path, &tuning, &self.faults, process_start)?;
-        let mut store = Store::Sqlite(store);
+        let (mut store, meta, created) =
+            sqlite::Store::open(&self.path, &tuning, &self.cx.faults, process_start)?;
         let stored_epoch =
-            manifest::read_epoch(&*self.files, &self.epoch_path).map_err(|e| self.epoch_error(e))?;
-        let epoch =
-            token::epoch_at_open(stored_epoch, meta.next_token, created, token::floor(self.clock.now_ms()));
+            manifest::read_epoch(&*self.cx.files, &self.epoch_path).map_err(|e| self.epoch_error(e))?;
+        let epoch = token::epoch_at_open(
+            stored_epoch,
+            meta.next_token,
+            created,
+            token::floor(self.cx.clock.now_ms()),
+        );
         if epoch > token::EPOCH_MAX {
             return Err(StoreError::Corrupt(format!(
                 "token epoch {epoch} is past the last one ({}); tokens would no longer increase",
@@ -149,7 +153,7 @@ impl Shard {
         // Durable before the first grant of this open, so no later open can reuse it.
         self.write_epoch(epoch)?;
         let now = if process_start { self.anchor(meta.high_water_ms) } else { self.keep_frame(meta) };
-        let txn = store.begin(&[], now)?;
+        let txn = store.begin(now)?;
         if process_start {
             self.restart_grace(&txn, meta.high_water_ms, now)?;
         }
@@ -163,9 +167,9 @@ impl Shard {
         self.leaving.clear();
         self.handed = None;
         self.book.next_reclaim_ms = store.next_reclaim_ms();
-        self.book.reset_records(store.take_own_count());
+        self.book.reset_records(store.take_count());
         self.shared.set_records(self.book.settle());
-        Ok(store)
+        Ok(Store::Own(store))
     }
 
     /// The process's first open of the shard's own store: anchors the frame at the
@@ -174,20 +178,20 @@ impl Shard {
     /// of them keeps its leases' time left without aging the destination's).
     pub(super) fn anchor(&mut self, high_water_ms: u64) -> u64 {
         let highest_ms = self.arrival.highest_with(Some(high_water_ms));
-        self.anchor_at(self.start.wall_ms.max(highest_ms), high_water_ms)
+        self.anchor_at(self.cx.start.wall_ms.max(highest_ms), high_water_ms)
     }
 
     /// Anchors the frame at `base_ms`, never below the persisted mark, and says how far
     /// time moved while the shard was down.
     pub(super) fn anchor_at(&mut self, base_ms: u64, high_water_ms: u64) -> u64 {
-        if !anchor_once(&mut self.guard, base_ms, self.start.monotonic_ms, high_water_ms) {
-            return self.guard.read(self.clock.monotonic_ms());
+        if !anchor_once(&mut self.guard, base_ms, self.cx.start.monotonic_ms, high_water_ms) {
+            return self.guard.read(self.cx.clock.monotonic_ms());
         }
         if high_water_ms > 0 && base_ms > high_water_ms {
             tracing::info!(
                 shard = self.id,
                 forward_ms = base_ms - high_water_ms,
-                wall_behind_ms = base_ms - self.start.wall_ms,
+                wall_behind_ms = base_ms - self.cx.start.wall_ms,
                 "time is past the persisted high-water mark (downtime, a step while stopped, or another shard's later mark); records and leases aged by that much"
             );
         } else if base_ms < high_water_ms {
@@ -197,13 +201,13 @@ impl Shard {
                 "the wall clock is behind the persisted high-water mark; time continues from the mark"
             );
         }
-        self.guard.read(self.clock.monotonic_ms())
+        self.guard.read(self.cx.clock.monotonic_ms())
     }
 
     /// An in-process reopen: the frame stays; only a higher persisted mark lifts it.
     pub(super) fn keep_frame(&mut self, meta: Meta) -> u64 {
         self.guard.raise(meta.high_water_ms);
-        self.guard.read(self.clock.monotonic_ms())
+        self.guard.read(self.cx.clock.monotonic_ms())
     }
 
     /// After a process restart every lease that was live at the stop runs at least
@@ -211,13 +215,13 @@ impl Shard {
     /// the downtime.
     pub(super) fn restart_grace(
         &self,
-        txn: &Txn<'_>,
+        txn: &sqlite::Txn<'_>,
         high_water_ms: u64,
         now: u64,
     ) -> Result<(), StoreError> {
         let mut extended = 0usize;
         for (scope, mut record) in txn.pending_leased_after(high_water_ms)? {
-            if record.apply_restart_grace(high_water_ms, now, self.config.lease_restart_grace_ms) {
+            if record.apply_restart_grace(high_water_ms, now, self.cx.config.lease_restart_grace_ms) {
                 txn.put(&scope, &record).inspect_err(|error| {
                     if error.is_full() {
                         tracing::warn!(
@@ -241,19 +245,19 @@ impl Shard {
     }
 
     pub(super) fn write_epoch(&self, epoch: u64) -> Result<(), StoreError> {
-        manifest::write_epoch(&*self.files, &self.epoch_path, epoch).map_err(|e| self.epoch_error(e))
+        manifest::write_epoch(&*self.cx.files, &self.epoch_path, epoch).map_err(|e| self.epoch_error(e))
     }
 
     /// Moves to a new token epoch when the current one could run out within one batch
     /// and one round of waiters: the new epoch is durable before any token of it is used.
     /// A failure to write it fails the shard like any I/O error.
     pub(super) fn ensure_token_room(&mut self) {
-        let room = (self.config.batch_len_max + self.config.waiters_per_shard_max + 1) as u64;
-        let on_file = self.store.as_ref().is_some_and(Store::is_own);
+        let room = (self.cx.config.batch_len_max + self.cx.config.waiters_per_shard_max + 1) as u64;
+        let on_file = self.store.as_ref().is_some_and(|store| store.own().is_some());
         if !on_file || !token::needs_new_epoch(self.book.next_token, room) {
             return;
         }
-        let epoch = token::next_epoch(self.epoch, token::floor(self.clock.now_ms()));
+        let epoch = token::next_epoch(self.epoch, token::floor(self.cx.clock.now_ms()));
         if epoch > token::EPOCH_MAX {
             let reason = format!("token epoch {epoch} is past the last one ({})", token::EPOCH_MAX);
             return self.record_failure(&StoreError::Corrupt(reason));

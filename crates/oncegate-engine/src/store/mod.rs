@@ -174,31 +174,40 @@ impl Meta {
     }
 }
 
-/// An open store: the shard's SQLite file or its connection to PostgreSQL.
+/// An open store: the shard's own SQLite file, or its connection to the PostgreSQL table
+/// every node shares. What only a node's own store has (slot rows, forced syncs, the
+/// counts read at open, refused writes on a full disk, `meta`, the restart grace) is
+/// reached through [`Store::own`] and [`Txn::own`].
 pub(crate) enum Store {
-    Sqlite(sqlite::Store),
+    /// The shard's SQLite file.
+    Own(sqlite::Store),
+    /// The shared PostgreSQL table.
     #[cfg(feature = "postgres")]
-    Postgres(postgres::Store),
+    Shared(postgres::Store),
 }
 
 /// One transaction of a batch, an alarm or a move. Dropping it without [`Txn::commit`]
 /// rolls it back.
 pub(crate) enum Txn<'s> {
-    Sqlite(sqlite::Txn<'s>),
+    Own(sqlite::Txn<'s>),
     #[cfg(feature = "postgres")]
-    Postgres(postgres::Txn<'s>),
+    Shared(postgres::Txn<'s>),
 }
 
 /// Calls the same method on whichever store is behind `$self`.
 macro_rules! dispatch {
     ($self:expr, $kind:ident, $s:ident => $body:expr) => {
         match $self {
-            $kind::Sqlite($s) => $body,
+            $kind::Own($s) => $body,
             #[cfg(feature = "postgres")]
-            $kind::Postgres($s) => $body,
+            $kind::Shared($s) => $body,
         }
     };
 }
+
+/// Shards on PostgreSQL share one table: no slot move runs there.
+pub(crate) const MOVES_ON_POSTGRES: StoreError =
+    StoreError::Unsupported { store: "postgres", what: "slot moves" };
 
 impl Store {
     /// Starts a write transaction for a batch deciding `keys`, at the shard's own reading
@@ -206,9 +215,9 @@ impl Store {
     #[cfg_attr(not(feature = "postgres"), allow(unused_variables))]
     pub fn begin(&mut self, keys: &[&Scope], local_now_ms: u64) -> Result<Txn<'_>, StoreError> {
         match self {
-            Store::Sqlite(store) => store.begin(local_now_ms).map(Txn::Sqlite),
+            Store::Own(store) => store.begin(local_now_ms).map(Txn::Own),
             #[cfg(feature = "postgres")]
-            Store::Postgres(store) => store.begin(keys, local_now_ms, true).map(Txn::Postgres),
+            Store::Shared(store) => store.begin(keys, local_now_ms, true).map(Txn::Shared),
         }
     }
 
@@ -216,9 +225,9 @@ impl Store {
     #[cfg_attr(not(feature = "postgres"), allow(unused_variables))]
     pub fn begin_read(&mut self, keys: &[&Scope], local_now_ms: u64) -> Result<Txn<'_>, StoreError> {
         match self {
-            Store::Sqlite(store) => store.begin_read(local_now_ms).map(Txn::Sqlite),
+            Store::Own(store) => store.begin_read(local_now_ms).map(Txn::Own),
             #[cfg(feature = "postgres")]
-            Store::Postgres(store) => store.begin(keys, local_now_ms, false).map(Txn::Postgres),
+            Store::Shared(store) => store.begin(keys, local_now_ms, false).map(Txn::Shared),
         }
     }
 
@@ -232,69 +241,30 @@ impl Store {
     /// (another node may commit or release the key).
     pub fn waiters_poll_ms(&self) -> Option<u64> {
         match self {
-            Store::Sqlite(_) => None,
+            Store::Own(_) => None,
             #[cfg(feature = "postgres")]
-            Store::Postgres(store) => Some(store.waiters_poll_ms()),
+            Store::Shared(store) => Some(store.waiters_poll_ms()),
         }
     }
 
-    /// Whether the store is the shard's own (its SQLite file): token epochs
-    /// and the restart grace belong to those.
-    pub fn is_own(&self) -> bool {
-        matches!(self, Store::Sqlite(_))
-    }
-
-    /// The (hash, row id) of every row of `slot` in the shard's file (none in a shared
-    /// table, whose rows no slot move touches).
-    pub fn slot_rows(&self, slot: u32) -> Vec<(u64, i64)> {
+    /// The node's own store, when the records are in its file.
+    pub fn own(&self) -> Option<&sqlite::Store> {
         match self {
-            Store::Sqlite(store) => store.slot_rows(slot),
+            Store::Own(store) => Some(store),
             #[cfg(feature = "postgres")]
-            Store::Postgres(_) => Vec::new(),
+            Store::Shared(_) => None,
         }
     }
 
-    /// The record counts an own store read at open (a shared table counts its own way,
-    /// in `open_postgres`).
-    pub fn take_own_count(&mut self) -> crate::quota::Tally {
+    /// [`Store::own`], to change it.
+    pub fn own_mut(&mut self) -> Option<&mut sqlite::Store> {
         match self {
-            Store::Sqlite(store) => store.take_count(),
+            Store::Own(store) => Some(store),
             #[cfg(feature = "postgres")]
-            Store::Postgres(_) => crate::quota::Tally::default(),
-        }
-    }
-
-    /// Refuses writes (`on`) while the disk is full, or takes them again: refused, a
-    /// write fails alone with [`StoreError::WritesRefused`], reclaim deletes nothing and
-    /// the counters are not written, so a batch of reads commits nothing. A shared store
-    /// is not refused here (its database answers for its own disk).
-    #[cfg_attr(not(feature = "postgres"), allow(irrefutable_let_patterns))]
-    pub fn refuse_writes(&mut self, on: bool) {
-        if let Store::Sqlite(store) = self {
-            store.refuse_writes(on);
-        }
-    }
-
-    /// Whether writes are refused ([`Store::refuse_writes`]).
-    pub fn writes_refused(&self) -> bool {
-        matches!(self, Store::Sqlite(store) if store.writes_refused())
-    }
-
-    /// Commits are synced from now on whatever the durability (`on`: a slot move's copy,
-    /// which the map will name as the slot's truth), or again as configured. Slot moves
-    /// are between a node's own SQLite files only.
-    pub fn sync_commits(&mut self, on: bool) -> Result<(), StoreError> {
-        match self {
-            Store::Sqlite(store) => store.sync_commits(on),
-            #[cfg(feature = "postgres")]
-            Store::Postgres(_) => Err(MOVES_ON_POSTGRES),
+            Store::Shared(_) => None,
         }
     }
 }
-
-/// Shards on PostgreSQL share one table: no slot move runs there.
-#[cfg(feature = "postgres")]
-const MOVES_ON_POSTGRES: StoreError = StoreError::Unsupported { store: "postgres", what: "slot moves" };
 
 impl<'s> Txn<'s> {
     /// The time every decision of this transaction uses.
@@ -307,9 +277,9 @@ impl<'s> Txn<'s> {
     /// PostgreSQL hands out tokens drawn from its sequence after the keys were locked.
     pub fn next_token(&self, counter: u64) -> Result<u64, StoreError> {
         match self {
-            Txn::Sqlite(_) => Ok(counter),
+            Txn::Own(_) => Ok(counter),
             #[cfg(feature = "postgres")]
-            Txn::Postgres(txn) => txn.next_token(counter),
+            Txn::Shared(txn) => txn.next_token(counter),
         }
     }
 
@@ -334,41 +304,12 @@ impl<'s> Txn<'s> {
         dispatch!(self, Txn, t => t.reclaim(now_ms, limit))
     }
 
-    /// Writes the counters (SQLite's `meta`; PostgreSQL keeps none of its own).
-    pub fn set_meta(&self, meta: Meta) -> Result<(), StoreError> {
+    /// The transaction of the node's own store, when the records are in its file.
+    pub fn own(&self) -> Option<&sqlite::Txn<'s>> {
         match self {
-            Txn::Sqlite(txn) => txn.set_meta(meta),
+            Txn::Own(txn) => Some(txn),
             #[cfg(feature = "postgres")]
-            Txn::Postgres(_) => Ok(()),
-        }
-    }
-
-    /// Pending records whose lease runs past `after_ms`: those the restart grace extends
-    /// (none in a shared table, whose keys other nodes go on serving).
-    pub fn pending_leased_after(&self, after_ms: u64) -> Result<Vec<(Scope, Record)>, StoreError> {
-        match self {
-            Txn::Sqlite(txn) => txn.pending_leased_after(after_ms),
-            #[cfg(feature = "postgres")]
-            Txn::Postgres(_) => Ok(Vec::new()),
-        }
-    }
-
-    /// Whether `error` undid only the statement that raised it (a full SQLite file), so
-    /// that its request alone is refused and the batch goes on.
-    pub fn failed_alone(&self, error: &StoreError) -> bool {
-        match self {
-            Txn::Sqlite(txn) => txn.failed_alone(error),
-            #[cfg(feature = "postgres")]
-            Txn::Postgres(_) => false,
-        }
-    }
-
-    /// Whether the ack-before-commit bug is switched on (the power-loss harness's proof).
-    pub fn acks_early(&self) -> bool {
-        match self {
-            Txn::Sqlite(txn) => txn.acks_early(),
-            #[cfg(feature = "postgres")]
-            Txn::Postgres(_) => false,
+            Txn::Shared(_) => None,
         }
     }
 
@@ -380,27 +321,6 @@ impl<'s> Txn<'s> {
     /// Makes the transaction durable; returns only once the store says it is.
     pub fn commit(self, meta: Meta) -> Result<(), StoreError> {
         dispatch!(self, Txn, t => t.commit(meta))
-    }
-
-    /// The stored records of `rows` (from [`Store::slot_rows`]) with their scopes, for a
-    /// slot's hand-over.
-    pub fn records_of(&self, rows: &[(u64, i64)]) -> Result<Vec<(Scope, Record)>, StoreError> {
-        match self {
-            Txn::Sqlite(txn) => txn.records_of(rows),
-            #[cfg(feature = "postgres")]
-            Txn::Postgres(_) => Err(MOVES_ON_POSTGRES),
-        }
-    }
-
-    /// Deletes the records `rows` names (from [`Store::slot_rows`], of a slot no request
-    /// reaches here any more); returns what was deleted. Those gone since (reclaimed)
-    /// are skipped.
-    pub fn delete_rows(&self, rows: &[(u64, i64)]) -> Result<Tally, StoreError> {
-        match self {
-            Txn::Sqlite(txn) => txn.delete_rows(rows),
-            #[cfg(feature = "postgres")]
-            Txn::Postgres(_) => Err(MOVES_ON_POSTGRES),
-        }
     }
 }
 
