@@ -3,11 +3,13 @@
 
 mod common;
 
-use common::{T0, granted, start_in};
+use common::{Running, T0, granted, start_in};
 use oncegate_engine::EngineConfig;
 use oncegate_proto::v1 as pb;
 use oncegate_proto::v1::admin_client::AdminClient;
+use oncegate_proto::v1::gate_client::GateClient;
 use oncegate_server::{AdminConfig, Config, TenantConfig, TokenSha256, token_sha256};
+use tonic::transport::Channel;
 use tonic::{Code, Request};
 
 fn with_token<T>(token: &str, message: T) -> Request<T> {
@@ -75,37 +77,31 @@ async fn without_an_admin_token_the_service_is_closed_once_there_are_tenants() {
     server.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn inspect_force_release_and_purge() {
-    let dir = tempfile::tempdir().unwrap();
-    let server = start_in(config(dir.path(), true), Some(dir)).await;
-    let mut admin = AdminClient::new(server.channel().await);
-    let mut gate = server.client().await;
-    let reserve = |name: &str| {
-        with_token(
-            "acme-secret",
-            pb::ReserveRequest {
-                namespace: "live".into(),
-                key: name.into(),
-                fingerprint: b"fp".to_vec(),
-                ..Default::default()
-            },
-        )
+/// The tenant's reserve of `name`, with fingerprint `fp`.
+fn reserve(name: &str) -> Request<pb::ReserveRequest> {
+    let request = pb::ReserveRequest {
+        namespace: "live".into(),
+        key: name.into(),
+        fingerprint: b"fp".to_vec(),
+        ..Default::default()
     };
-    let granted = |r: pb::ReserveResponse| match r.outcome {
-        Some(pb::reserve_response::Outcome::Granted(g)) => g.token,
-        other => panic!("expected a grant, got {other:?}"),
-    };
+    with_token("acme-secret", request)
+}
 
-    let first = granted(gate.reserve(reserve("stuck")).await.unwrap().into_inner());
-    let view = admin
-        .inspect(with_token(
-            "admin-secret",
-            pb::InspectRequest { tenant: "acme".into(), namespace: "live".into(), key: "stuck".into() },
-        ))
-        .await
-        .unwrap()
-        .into_inner();
+/// Reserves `name` as the tenant; the token of its grant.
+async fn reserve_granted(gate: &mut GateClient<Channel>, name: &str) -> u64 {
+    granted(&gate.reserve(reserve(name)).await.unwrap().into_inner())
+}
+
+/// Inspects the tenant's key `name` with the admin token.
+async fn inspect(admin: &mut AdminClient<Channel>, name: &str) -> pb::InspectResponse {
+    let request = pb::InspectRequest { tenant: "acme".into(), namespace: "live".into(), key: name.into() };
+    admin.inspect(with_token("admin-secret", request)).await.unwrap().into_inner()
+}
+
+/// Inspect shows the pending grant `first`: its fingerprint, expiry and one transition.
+async fn inspect_shows_the_pending_grant(admin: &mut AdminClient<Channel>, first: u64) {
+    let view = inspect(admin, "stuck").await;
     assert_eq!(
         (view.state, view.token, view.fingerprint.as_slice()),
         (pb::State::Pending as i32, first, &b"fp"[..])
@@ -113,7 +109,10 @@ async fn inspect_force_release_and_purge() {
     assert_eq!(view.expires_at_ms, T0 + 24 * 3_600_000);
     assert_eq!(view.history.len(), 1);
     assert_eq!(view.history[0].kind, pb::TransitionKind::TransitionGranted as i32);
+}
 
+/// Force-release needs a reason, then removes the pending grant `first`.
+async fn force_release_the_pending_key(admin: &mut AdminClient<Channel>, first: u64) {
     let no_reason = admin.force_release(with_token("admin-secret", key("stuck", " "))).await.unwrap_err();
     assert_eq!(no_reason.code(), Code::InvalidArgument);
     let removed = admin
@@ -122,29 +121,23 @@ async fn inspect_force_release_and_purge() {
         .unwrap()
         .into_inner();
     assert_eq!((removed.previous, removed.token), (pb::State::Pending as i32, first));
-    let second = granted(gate.reserve(reserve("stuck")).await.unwrap().into_inner());
-    assert!(second > first, "the next grant has a greater token: {second} > {first}");
+}
 
-    gate.commit(with_token(
-        "acme-secret",
-        pb::CommitRequest {
-            namespace: "live".into(),
-            key: "stuck".into(),
-            token: second,
-            outcome: pb::Outcome::Failed as i32,
-            response: b"declined".to_vec(),
-        },
-    ))
-    .await
-    .unwrap();
-    let view = admin
-        .inspect(with_token(
-            "admin-secret",
-            pb::InspectRequest { tenant: "acme".into(), namespace: "live".into(), key: "stuck".into() },
-        ))
-        .await
-        .unwrap()
-        .into_inner();
+/// Commits the grant `token` of `stuck` as failed.
+async fn commit_failed(gate: &mut GateClient<Channel>, token: u64) {
+    let request = pb::CommitRequest {
+        namespace: "live".into(),
+        key: "stuck".into(),
+        token,
+        outcome: pb::Outcome::Failed as i32,
+        response: b"declined".to_vec(),
+    };
+    gate.commit(with_token("acme-secret", request)).await.unwrap();
+}
+
+/// The history holds only the grant `second` and its commit.
+async fn the_history_starts_again(admin: &mut AdminClient<Channel>, second: u64) {
+    let view = inspect(admin, "stuck").await;
     let kinds: Vec<i32> = view.history.iter().map(|e| e.kind).collect();
     assert_eq!(
         kinds,
@@ -152,6 +145,10 @@ async fn inspect_force_release_and_purge() {
         "the history starts again after a force-release"
     );
     assert_eq!(view.history[1].token, second);
+}
+
+/// The completed key (grant `second`) cannot be force-released but is purged.
+async fn purge_the_completed_key(admin: &mut AdminClient<Channel>, second: u64) {
     let refused = admin.force_release(with_token("admin-secret", key("stuck", "retry"))).await.unwrap_err();
     assert_eq!(refused.code(), Code::FailedPrecondition, "a completed key is purged, not released");
     let purged = admin
@@ -160,11 +157,14 @@ async fn inspect_force_release_and_purge() {
         .unwrap()
         .into_inner();
     assert_eq!((purged.previous, purged.token), (pb::State::Completed as i32, second));
-    let third = granted(gate.reserve(reserve("stuck")).await.unwrap().into_inner());
-    assert!(third > second);
-    let missing = admin.purge(with_token("admin-secret", key("never", "typo"))).await.unwrap_err();
-    assert_eq!(missing.code(), Code::NotFound);
+}
 
+/// A failed store commit refuses the reserve; both shards reopen; shard 9 is refused.
+async fn fail_and_reopen_the_shards(
+    server: &Running,
+    gate: &mut GateClient<Channel>,
+    admin: &mut AdminClient<Channel>,
+) {
     server.faults.fail_commits(1);
     assert_eq!(gate.reserve(reserve("a")).await.unwrap_err().code(), Code::Unavailable);
     for shard in 0..2 {
@@ -177,6 +177,30 @@ async fn inspect_force_release_and_purge() {
         .await
         .unwrap_err();
     assert_eq!(out_of_range.code(), Code::InvalidArgument);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspect_force_release_and_purge() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start_in(config(dir.path(), true), Some(dir)).await;
+    let mut admin = AdminClient::new(server.channel().await);
+    let mut gate = server.client().await;
+
+    let first = reserve_granted(&mut gate, "stuck").await;
+    inspect_shows_the_pending_grant(&mut admin, first).await;
+    force_release_the_pending_key(&mut admin, first).await;
+    let second = reserve_granted(&mut gate, "stuck").await;
+    assert!(second > first, "the next grant has a greater token: {second} > {first}");
+
+    commit_failed(&mut gate, second).await;
+    the_history_starts_again(&mut admin, second).await;
+    purge_the_completed_key(&mut admin, second).await;
+    let third = reserve_granted(&mut gate, "stuck").await;
+    assert!(third > second);
+    let missing = admin.purge(with_token("admin-secret", key("never", "typo"))).await.unwrap_err();
+    assert_eq!(missing.code(), Code::NotFound);
+
+    fail_and_reopen_the_shards(&server, &mut gate, &mut admin).await;
     drop((admin, gate));
     server.stop().await;
 }

@@ -56,234 +56,205 @@ enum Expect {
     Code(&'static [Code]),
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn malformed_requests_are_refused_naming_the_field() {
-    let dir = tempfile::tempdir().unwrap();
-    let config = Config {
-        engine: EngineConfig { data_dir: dir.path().to_owned(), shards: 2, ..EngineConfig::default() },
-        ..Config::default()
-    };
-    config.check().unwrap();
-    let server = start_in(config, Some(dir)).await;
-    let addr = server.addr;
-    let channel = server.channel().await;
-    let mut gate = GateClient::new(channel.clone());
+/// One call of a case.
+enum Call {
+    Reserve(pb::ReserveRequest),
+    /// A reserve whose bytes a typed request cannot hold (invalid UTF-8).
+    RawReserve(RawReserve),
+    Commit(pb::CommitRequest),
+    Release(pb::ReleaseRequest),
+    Heartbeat(pb::HeartbeatRequest),
+    Get(pb::GetRequest),
+}
 
-    // One key held, for commit, release and heartbeat cases.
-    let held = gate.reserve(reserve("held")).await.unwrap().into_inner();
-    let Some(pb::reserve_response::Outcome::Granted(grant)) = held.outcome else { panic!("{held:?}") };
-    let token = grant.token;
+const DAY_MS: u64 = 86_400_000;
 
-    let long = |n: usize| "k".repeat(n);
-    let day = 86_400_000u64;
-    let mut cases: Vec<(&str, Result<(), Status>, Expect)> = Vec::new();
-    macro_rules! case {
-        ($name:expr, $call:expr, $expect:expr) => {
-            cases.push(($name, $call.await.map(drop), $expect));
-        };
-    }
-    let g = &mut gate;
-    case!(
-        "namespace empty",
-        g.reserve(pb::ReserveRequest { namespace: "".into(), ..reserve("a") }),
-        Expect::Invalid("namespace")
-    );
-    case!(
-        "namespace 65 bytes",
-        g.reserve(pb::ReserveRequest { namespace: "n".repeat(65), ..reserve("a") }),
-        Expect::Invalid("namespace")
-    );
-    case!(
-        "namespace with a slash",
-        g.reserve(pb::ReserveRequest { namespace: "live/test".into(), ..reserve("a") }),
-        Expect::Invalid("namespace")
-    );
-    case!(
-        "namespace non-ascii",
-        g.reserve(pb::ReserveRequest { namespace: "живой".into(), ..reserve("a") }),
-        Expect::Invalid("namespace")
-    );
-    case!("key empty, no parts", g.reserve(reserve("")), Expect::Invalid("key"));
-    case!("key 512 bytes (at the limit)", g.reserve(reserve(&long(512))), Expect::Ok);
-    case!("key 513 bytes", g.reserve(reserve(&long(513))), Expect::Invalid("key"));
-    case!("key holding NUL", g.reserve(reserve("order\u{0}42")), Expect::Invalid("key"));
-    case!("key part holding NUL", g.reserve(parts(&["a", "b\u{0}"], 60_000)), Expect::Invalid("key_parts"));
-    case!(
-        "key and key_parts together",
-        g.reserve(pb::ReserveRequest { key: "a".into(), ..parts(&["p"], 1000) }),
-        Expect::Invalid("key_parts")
-    );
-    case!("an empty key part", g.reserve(parts(&["a", ""], 60_000)), Expect::Invalid("key_parts"));
-    case!("a key part with ':'", g.reserve(parts(&["a:b"], 60_000)), Expect::Invalid("key_parts"));
-    case!("17 key parts", g.reserve(parts(&["p"; 17], 60_000)), Expect::Invalid("key_parts"));
-    case!("16 key parts (at the limit)", g.reserve(parts(&["q"; 16], 60_000)), Expect::Ok);
-    case!("zero bucket", g.reserve(parts(&["a"], 0)), Expect::Invalid("bucket_ms"));
-    case!("bucket over 7 days", g.reserve(parts(&["a"], 7 * day + 1)), Expect::Invalid("bucket_ms"));
-    case!(
-        "bucket without parts",
-        g.reserve(pb::ReserveRequest { bucket_ms: 1000, ..reserve("a") }),
-        Expect::Invalid("bucket_ms")
-    );
-    case!("derived key over 512 bytes", g.reserve(parts(&[&long(510)], 1)), Expect::Invalid("key"));
-    case!(
-        "ttl 999 ms",
-        g.reserve(pb::ReserveRequest { ttl_ms: 999, ..reserve("a") }),
-        Expect::Invalid("ttl_ms")
-    );
-    case!(
-        "ttl 1 s (at the limit)",
-        g.reserve(pb::ReserveRequest { ttl_ms: 1000, ..reserve("ttl-min") }),
-        Expect::Ok
-    );
-    case!(
-        "ttl over 7 days",
-        g.reserve(pb::ReserveRequest { ttl_ms: 7 * day + 1, ..reserve("a") }),
-        Expect::Invalid("ttl_ms")
-    );
-    case!(
-        "lease 99 ms",
-        g.reserve(pb::ReserveRequest { lease_ms: 99, ..reserve("a") }),
-        Expect::Invalid("lease_ms")
-    );
-    case!(
-        "lease over 1 h",
-        g.reserve(pb::ReserveRequest { lease_ms: 3_600_001, ..reserve("a") }),
-        Expect::Invalid("lease_ms")
-    );
-    case!(
-        "fingerprint 65 bytes",
-        g.reserve(pb::ReserveRequest { fingerprint: vec![1; 65], ..reserve("a") }),
-        Expect::Invalid("fingerprint")
-    );
-    case!(
-        "fingerprint 64 bytes (at the limit)",
-        g.reserve(pb::ReserveRequest { fingerprint: vec![1; 64], ..reserve("fp-max") }),
-        Expect::Ok
-    );
-    case!(
-        "wait over 30 s",
-        g.reserve(pb::ReserveRequest { wait_ms: 30_001, ..reserve("a") }),
-        Expect::Invalid("wait_ms")
-    );
-    case!(
-        "key not utf-8",
-        raw_reserve(
-            channel.clone(),
-            RawReserve { namespace: b"live".to_vec(), key: vec![0xff, 0xfe], ..Default::default() }
+fn long(n: usize) -> String {
+    "k".repeat(n)
+}
+
+fn with_reserve(
+    name: &'static str,
+    request: pb::ReserveRequest,
+    expect: Expect,
+) -> (&'static str, Call, Expect) {
+    (name, Call::Reserve(request), expect)
+}
+
+fn raw(namespace: &[u8], key: &[u8], key_parts: Vec<Vec<u8>>, bucket_ms: u64) -> Call {
+    Call::RawReserve(RawReserve { namespace: namespace.to_vec(), key: key.to_vec(), key_parts, bucket_ms })
+}
+
+/// The reserves: one row per field rule, at and over each limit.
+fn reserve_cases() -> Vec<(&'static str, Call, Expect)> {
+    use Expect::{Invalid, Ok};
+    let r = reserve;
+    vec![
+        with_reserve(
+            "namespace empty",
+            pb::ReserveRequest { namespace: "".into(), ..r("a") },
+            Invalid("namespace"),
         ),
-        Expect::Invalid("key")
-    );
-    case!(
-        "namespace not utf-8",
-        raw_reserve(
-            channel.clone(),
-            RawReserve { namespace: vec![0xc3, 0x28], key: b"a".to_vec(), ..Default::default() }
+        with_reserve(
+            "namespace 65 bytes",
+            pb::ReserveRequest { namespace: "n".repeat(65), ..r("a") },
+            Invalid("namespace"),
         ),
-        Expect::Invalid("namespace")
-    );
-    case!(
-        "key part not utf-8",
-        raw_reserve(
-            channel.clone(),
-            RawReserve {
-                namespace: b"live".to_vec(),
-                key_parts: vec![vec![0x80]],
-                bucket_ms: 1000,
-                ..Default::default()
-            }
+        with_reserve(
+            "namespace with a slash",
+            pb::ReserveRequest { namespace: "live/test".into(), ..r("a") },
+            Invalid("namespace"),
         ),
-        Expect::Invalid("key_parts")
-    );
-    case!("commit token 0", g.commit(commit(0, 1, 1)), Expect::Invalid("token"));
-    case!("commit outcome unspecified", g.commit(commit(token, 0, 1)), Expect::Invalid("outcome"));
-    case!("commit outcome unknown (9)", g.commit(commit(token, 9, 1)), Expect::Invalid("outcome"));
-    case!("commit outcome negative", g.commit(commit(token, -1, 1)), Expect::Invalid("outcome"));
-    case!("response 64 KiB + 1", g.commit(commit(token, 1, 64 * 1024 + 1)), Expect::Invalid("response"));
-    case!(
-        "commit key 513 bytes",
-        g.commit(pb::CommitRequest { key: long(513), ..commit(token, 1, 1) }),
-        Expect::Invalid("key")
-    );
-    case!(
-        "release token 0",
-        g.release(pb::ReleaseRequest { namespace: "live".into(), key: "held".into(), token: 0 }),
-        Expect::Invalid("token")
-    );
-    case!(
-        "release bad namespace",
-        g.release(pb::ReleaseRequest { namespace: "a b".into(), key: "held".into(), token }),
-        Expect::Invalid("namespace")
-    );
-    case!(
-        "heartbeat token 0",
-        g.heartbeat(pb::HeartbeatRequest {
-            namespace: "live".into(),
-            key: "held".into(),
-            token: 0,
-            lease_ms: 0
-        }),
-        Expect::Invalid("token")
-    );
-    case!(
-        "heartbeat lease 50 ms",
-        g.heartbeat(pb::HeartbeatRequest {
+        with_reserve(
+            "namespace non-ascii",
+            pb::ReserveRequest { namespace: "живой".into(), ..r("a") },
+            Invalid("namespace"),
+        ),
+        with_reserve("key empty, no parts", r(""), Invalid("key")),
+        with_reserve("key 512 bytes (at the limit)", r(&long(512)), Ok),
+        with_reserve("key 513 bytes", r(&long(513)), Invalid("key")),
+        with_reserve("key holding NUL", r("order\u{0}42"), Invalid("key")),
+        with_reserve("key part holding NUL", parts(&["a", "b\u{0}"], 60_000), Invalid("key_parts")),
+        with_reserve(
+            "key and key_parts together",
+            pb::ReserveRequest { key: "a".into(), ..parts(&["p"], 1000) },
+            Invalid("key_parts"),
+        ),
+        with_reserve("an empty key part", parts(&["a", ""], 60_000), Invalid("key_parts")),
+        with_reserve("a key part with ':'", parts(&["a:b"], 60_000), Invalid("key_parts")),
+        with_reserve("17 key parts", parts(&["p"; 17], 60_000), Invalid("key_parts")),
+        with_reserve("16 key parts (at the limit)", parts(&["q"; 16], 60_000), Ok),
+        with_reserve("zero bucket", parts(&["a"], 0), Invalid("bucket_ms")),
+        with_reserve("bucket over 7 days", parts(&["a"], 7 * DAY_MS + 1), Invalid("bucket_ms")),
+        with_reserve(
+            "bucket without parts",
+            pb::ReserveRequest { bucket_ms: 1000, ..r("a") },
+            Invalid("bucket_ms"),
+        ),
+        with_reserve("derived key over 512 bytes", parts(&[&long(510)], 1), Invalid("key")),
+        with_reserve("ttl 999 ms", pb::ReserveRequest { ttl_ms: 999, ..r("a") }, Invalid("ttl_ms")),
+        with_reserve("ttl 1 s (at the limit)", pb::ReserveRequest { ttl_ms: 1000, ..r("ttl-min") }, Ok),
+        with_reserve(
+            "ttl over 7 days",
+            pb::ReserveRequest { ttl_ms: 7 * DAY_MS + 1, ..r("a") },
+            Invalid("ttl_ms"),
+        ),
+        with_reserve("lease 99 ms", pb::ReserveRequest { lease_ms: 99, ..r("a") }, Invalid("lease_ms")),
+        with_reserve(
+            "lease over 1 h",
+            pb::ReserveRequest { lease_ms: 3_600_001, ..r("a") },
+            Invalid("lease_ms"),
+        ),
+        with_reserve(
+            "fingerprint 65 bytes",
+            pb::ReserveRequest { fingerprint: vec![1; 65], ..r("a") },
+            Invalid("fingerprint"),
+        ),
+        with_reserve(
+            "fingerprint 64 bytes (at the limit)",
+            pb::ReserveRequest { fingerprint: vec![1; 64], ..r("fp-max") },
+            Ok,
+        ),
+        with_reserve("wait over 30 s", pb::ReserveRequest { wait_ms: 30_001, ..r("a") }, Invalid("wait_ms")),
+        ("key not utf-8", raw(b"live", &[0xff, 0xfe], Vec::new(), 0), Invalid("key")),
+        ("namespace not utf-8", raw(&[0xc3, 0x28], b"a", Vec::new(), 0), Invalid("namespace")),
+        ("key part not utf-8", raw(b"live", b"", vec![vec![0x80]], 1000), Invalid("key_parts")),
+    ]
+}
+
+/// The calls on the held key (`token` is its grant).
+fn held_key_cases(token: u64) -> Vec<(&'static str, Call, Expect)> {
+    use Expect::Invalid;
+    let heartbeat = |token, lease_ms| {
+        Call::Heartbeat(pb::HeartbeatRequest {
             namespace: "live".into(),
             key: "held".into(),
             token,
-            lease_ms: 50
-        }),
-        Expect::Invalid("lease_ms")
-    );
-    case!(
-        "get key empty",
-        g.get(pb::GetRequest { namespace: "live".into(), key: "".into() }),
-        Expect::Invalid("key")
-    );
-    case!(
-        "message over 256 KiB",
-        g.commit(commit(token, 1, 300 * 1024)),
-        Expect::Code(&[Code::OutOfRange, Code::ResourceExhausted])
-    );
+            lease_ms,
+        })
+    };
+    vec![
+        ("commit token 0", Call::Commit(commit(0, 1, 1)), Invalid("token")),
+        ("commit outcome unspecified", Call::Commit(commit(token, 0, 1)), Invalid("outcome")),
+        ("commit outcome unknown (9)", Call::Commit(commit(token, 9, 1)), Invalid("outcome")),
+        ("commit outcome negative", Call::Commit(commit(token, -1, 1)), Invalid("outcome")),
+        ("response 64 KiB + 1", Call::Commit(commit(token, 1, 64 * 1024 + 1)), Invalid("response")),
+        (
+            "commit key 513 bytes",
+            Call::Commit(pb::CommitRequest { key: long(513), ..commit(token, 1, 1) }),
+            Invalid("key"),
+        ),
+        (
+            "release token 0",
+            Call::Release(pb::ReleaseRequest { namespace: "live".into(), key: "held".into(), token: 0 }),
+            Invalid("token"),
+        ),
+        (
+            "release bad namespace",
+            Call::Release(pb::ReleaseRequest { namespace: "a b".into(), key: "held".into(), token }),
+            Invalid("namespace"),
+        ),
+        ("heartbeat token 0", heartbeat(0, 0), Invalid("token")),
+        ("heartbeat lease 50 ms", heartbeat(token, 50), Invalid("lease_ms")),
+        (
+            "get key empty",
+            Call::Get(pb::GetRequest { namespace: "live".into(), key: "".into() }),
+            Invalid("key"),
+        ),
+        (
+            "message over 256 KiB",
+            Call::Commit(commit(token, 1, 300 * 1024)),
+            Expect::Code(&[Code::OutOfRange, Code::ResourceExhausted]),
+        ),
+    ]
+}
+
+/// Sends one case's call.
+async fn send(gate: &mut GateClient<Channel>, channel: &Channel, call: Call) -> Result<(), Status> {
+    match call {
+        Call::Reserve(request) => gate.reserve(request).await.map(drop),
+        Call::RawReserve(request) => raw_reserve(channel.clone(), request).await,
+        Call::Commit(request) => gate.commit(request).await.map(drop),
+        Call::Release(request) => gate.release(request).await.map(drop),
+        Call::Heartbeat(request) => gate.heartbeat(request).await.map(drop),
+        Call::Get(request) => gate.get(request).await.map(drop),
+    }
+}
+
+/// Checks one case's answer against what it must get.
+fn check(name: &str, result: &Result<(), Status>, expect: &Expect) {
+    match (expect, result) {
+        (Expect::Ok, Ok(())) => {}
+        (Expect::Invalid(field), Err(status)) => {
+            assert_eq!(status.code(), Code::InvalidArgument, "{name}: {status:?}");
+            let trailer = |k| status.metadata().get(k).and_then(|v| v.to_str().ok());
+            assert_eq!(trailer(CODE_METADATA), Some("invalid_argument"), "{name}: {status:?}");
+            assert_eq!(trailer(FIELD_METADATA), Some(*field), "{name}: {status:?}");
+            assert!(status.message().contains(field), "{name}: the message names the field: {status:?}");
+        }
+        (Expect::Code(codes), Err(status)) => assert!(codes.contains(&status.code()), "{name}: {status:?}"),
+        (_, other) => panic!("{name}: unexpected {other:?}"),
+    }
+}
+
+/// Metadata over the server's 16 KiB: refused by the transport, whichever way it says so.
+async fn oversized_metadata(gate: &mut GateClient<Channel>) {
     let mut huge = Request::new(reserve("a"));
     huge.metadata_mut().insert("x-padding", "p".repeat(64 * 1024).parse().unwrap());
-    let huge_result = g.reserve(huge).await.map(drop);
-    cases.push((
-        "metadata over 16 KiB",
-        huge_result,
-        Expect::Code(&[
-            Code::Internal,
-            Code::Unavailable,
-            Code::Unknown,
-            Code::ResourceExhausted,
-            Code::Cancelled,
-        ]),
-    ));
+    let codes = &[Code::Internal, Code::Unavailable, Code::Unknown, Code::ResourceExhausted, Code::Cancelled];
+    check("metadata over 16 KiB", &gate.reserve(huge).await.map(drop), &Expect::Code(codes));
+}
 
-    assert!(cases.len() >= 30, "the table has {} cases", cases.len());
-    for (name, result, expect) in &cases {
-        match (expect, result) {
-            (Expect::Ok, Ok(())) => {}
-            (Expect::Invalid(field), Err(status)) => {
-                assert_eq!(status.code(), Code::InvalidArgument, "{name}: {status:?}");
-                let trailer = |k| status.metadata().get(k).and_then(|v| v.to_str().ok());
-                assert_eq!(trailer(CODE_METADATA), Some("invalid_argument"), "{name}: {status:?}");
-                assert_eq!(trailer(FIELD_METADATA), Some(*field), "{name}: {status:?}");
-                assert!(status.message().contains(field), "{name}: the message names the field: {status:?}");
-            }
-            (Expect::Code(codes), Err(status)) => {
-                assert!(codes.contains(&status.code()), "{name}: {status:?}")
-            }
-            (_, other) => panic!("{name}: unexpected {other:?}"),
-        }
-    }
-
-    // Garbage on a raw socket: the connection is refused, the server is not.
+/// Garbage on a raw socket: the connection is refused, the server is not.
+fn garbage_on_the_socket(addr: std::net::SocketAddr) {
     let mut socket = std::net::TcpStream::connect(addr).unwrap();
     socket.write_all(b"\x00\x01GARBAGE not http/2 at all \xff\xfe\r\n\r\n").unwrap();
     let mut sink = Vec::new();
     let _ = socket.read_to_end(&mut sink);
+}
 
-    // Nothing changed: the refused keys are free, the held key is as it was.
+/// Nothing changed: the refused keys are free, the held key is as it was.
+async fn nothing_changed(addr: std::net::SocketAddr, token: u64) {
     let mut gate =
         GateClient::new(Channel::from_shared(format!("http://{addr}")).unwrap().connect().await.unwrap());
     let view =
@@ -296,6 +267,32 @@ async fn malformed_requests_are_refused_naming_the_field() {
         (pb::State::Pending as i32, token),
         "refused calls left the held key alone"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_requests_are_refused_naming_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = Config {
+        engine: EngineConfig { data_dir: dir.path().to_owned(), shards: 2, ..EngineConfig::default() },
+        ..Config::default()
+    };
+    config.check().unwrap();
+    let server = start_in(config, Some(dir)).await;
+    let channel = server.channel().await;
+    let mut gate = GateClient::new(channel.clone());
+
+    // One key held, for commit, release and heartbeat cases.
+    let held = gate.reserve(reserve("held")).await.unwrap().into_inner();
+    let Some(pb::reserve_response::Outcome::Granted(grant)) = held.outcome else { panic!("{held:?}") };
+    let cases: Vec<_> = reserve_cases().into_iter().chain(held_key_cases(grant.token)).collect();
+    assert!(cases.len() >= 30, "the table has {} cases", cases.len());
+    for (name, call, expect) in cases {
+        check(name, &send(&mut gate, &channel, call).await, &expect);
+    }
+    oversized_metadata(&mut gate).await;
+
+    garbage_on_the_socket(server.addr);
+    nothing_changed(server.addr, grant.token).await;
     drop((gate, channel));
     server.stop().await;
 }

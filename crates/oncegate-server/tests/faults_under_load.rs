@@ -15,14 +15,15 @@ use oncegate_engine::{Engine, EngineConfig, ShardState};
 use oncegate_proto::v1 as pb;
 use oncegate_proto::v1::gate_client::GateClient;
 use oncegate_server::Config;
-use tonic::Code;
+use tokio::task::JoinHandle;
 use tonic::transport::Channel;
+use tonic::{Code, Streaming};
 use tonic_health::pb::health_check_response::ServingStatus;
-use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse, health_client::HealthClient};
 
 mod common;
 
-use common::start_in;
+use common::{Running, start_in};
 
 const ROUNDS: u64 = 8;
 const CLIENTS: u64 = 16;
@@ -37,6 +38,9 @@ enum Fate {
     Committed(u64),
 }
 
+/// What became of each key the clients tried, by key.
+type Fates = Arc<Mutex<BTreeMap<String, Fate>>>;
+
 fn reserve(key: &str) -> pb::ReserveRequest {
     pb::ReserveRequest { namespace: "live".into(), key: key.into(), ..Default::default() }
 }
@@ -46,7 +50,7 @@ async fn client(
     round: u64,
     id: u64,
     stop: Arc<AtomicBool>,
-    fates: Arc<Mutex<BTreeMap<String, Fate>>>,
+    fates: Fates,
     acks: Arc<AtomicU64>,
 ) {
     let mut gate = GateClient::new(channel);
@@ -100,8 +104,8 @@ fn key_on(engine: &Engine, shard: u32, prefix: &str) -> String {
         .unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn random_store_failures_under_load_fail_closed_and_recover() {
+/// The real server on two shards whose reopens back off 20 to 200 ms, health polled every 10 ms.
+async fn start_two_shards() -> Running {
     let dir = tempfile::tempdir().unwrap();
     let mut config = Config {
         engine: EngineConfig {
@@ -114,94 +118,140 @@ async fn random_store_failures_under_load_fail_closed_and_recover() {
         ..Config::default()
     };
     config.server.health_poll_ms = 10;
-    let server = start_in(config, Some(dir)).await;
-    let (engine, faults) = (server.engine.clone(), server.faults.clone());
-    let channel = server.channel().await;
-    let fates: Arc<Mutex<BTreeMap<String, Fate>>> = Arc::default();
-    let mut seed = 0x2545_f491_4f6c_dd1du64;
-    let mut recoveries = Vec::new();
+    start_in(config, Some(dir)).await
+}
 
-    for round in 0..ROUNDS {
-        let stop = Arc::new(AtomicBool::new(false));
-        let acks = Arc::new(AtomicU64::new(0));
-        let clients: Vec<_> = (0..CLIENTS)
-            .map(|id| {
-                tokio::spawn(client(channel.clone(), round, id, stop.clone(), fates.clone(), acks.clone()))
-            })
-            .collect();
-        // Reopens fail until the fault clears; the failpoint fires at a random operation.
-        faults.fail_opens(u32::MAX);
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        faults.fail_op_after(1 + (seed % 400) as u32);
-        let failed = {
-            let engine = engine.clone();
-            tokio::task::spawn_blocking(move || {
-                loop {
-                    for shard in 0..2 {
-                        if engine.wait_shard_state(shard, ShardState::Failed, Duration::from_millis(20)) {
-                            return shard;
-                        }
-                    }
-                }
-            })
-            .await
-            .unwrap()
-        };
-        let serving = 1 - failed;
+/// The clients of one round and what they share with the test.
+struct Load {
+    stop: Arc<AtomicBool>,
+    acks: Arc<AtomicU64>,
+    clients: Vec<JoinHandle<()>>,
+}
 
-        // While failed: its keys are refused, the other shard serves, health says so.
-        let mut gate = GateClient::new(channel.clone());
-        let refused =
-            gate.reserve(reserve(&key_on(&engine, failed, &format!("refused-{round}")))).await.unwrap_err();
-        assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
-        let probe = key_on(&engine, serving, &format!("served-{round}"));
-        let served_meanwhile = gate.reserve(reserve(&probe)).await;
-        assert!(served_meanwhile.is_ok(), "the other shard keeps serving: {served_meanwhile:?}");
-        let mut health = HealthClient::new(channel.clone());
-        let mut watch = health
-            .watch(HealthCheckRequest { service: "oncegate.v1.Gate".into() })
-            .await
-            .unwrap()
-            .into_inner();
-        loop {
-            if watch.message().await.unwrap().unwrap().status == ServingStatus::NotServing as i32 {
-                break;
-            }
-        }
+/// Starts the round's 16 clients.
+fn start_clients(channel: &Channel, round: u64, fates: &Fates) -> Load {
+    let stop = Arc::new(AtomicBool::new(false));
+    let acks = Arc::new(AtomicU64::new(0));
+    let clients = (0..CLIENTS)
+        .map(|id| tokio::spawn(client(channel.clone(), round, id, stop.clone(), fates.clone(), acks.clone())))
+        .collect();
+    Load { stop, acks, clients }
+}
 
-        // The fault clears: the shard must serve again within 5 s.
-        faults.fail_opens(0);
-        let cleared = std::time::Instant::now();
-        let recovered = {
-            let engine = engine.clone();
-            tokio::task::spawn_blocking(move || {
-                engine.wait_shard_state(failed, ShardState::Serving, Duration::from_secs(5))
-            })
-            .await
-            .unwrap()
-        };
-        assert!(recovered, "round {round}: shard {failed} did not recover within 5 s");
-        recoveries.push(cleared.elapsed());
-        loop {
-            if watch.message().await.unwrap().unwrap().status == ServingStatus::Serving as i32 {
-                break;
-            }
-        }
-        drop(watch);
-        stop.store(true, Ordering::Relaxed);
-        for c in clients {
-            c.await.unwrap();
-        }
-        assert!(acks.load(Ordering::Relaxed) > 0, "round {round} acknowledged something");
+/// Stops the round's clients and waits for them: the round acknowledged something.
+async fn stop_clients(load: Load, round: u64) {
+    load.stop.store(true, Ordering::Relaxed);
+    for c in load.clients {
+        c.await.unwrap();
     }
+    assert!(load.acks.load(Ordering::Relaxed) > 0, "round {round} acknowledged something");
+}
 
-    // Every acknowledgement is durable; nothing refused was stored.
+/// Steps the xorshift `seed`: the failpoint fires after 1 to 400 store operations.
+fn next_fault_after(seed: &mut u64) -> u32 {
+    *seed ^= *seed << 13;
+    *seed ^= *seed >> 7;
+    *seed ^= *seed << 17;
+    1 + (*seed % 400) as u32
+}
+
+/// Waits until a shard has failed; which one.
+async fn wait_for_a_failed_shard(engine: &Engine) -> u32 {
+    let engine = engine.clone();
+    tokio::task::spawn_blocking(move || {
+        loop {
+            for shard in 0..2 {
+                if engine.wait_shard_state(shard, ShardState::Failed, Duration::from_millis(20)) {
+                    return shard;
+                }
+            }
+        }
+    })
+    .await
+    .unwrap()
+}
+
+/// While `failed` is failed: its keys are refused and the other shard serves.
+async fn the_failed_shard_refuses_and_the_other_serves(
+    channel: &Channel,
+    engine: &Engine,
+    failed: u32,
+    round: u64,
+) {
+    let serving = 1 - failed;
     let mut gate = GateClient::new(channel.clone());
-    let fates = fates.lock().unwrap().clone();
+    let refused =
+        gate.reserve(reserve(&key_on(engine, failed, &format!("refused-{round}")))).await.unwrap_err();
+    assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
+    let probe = key_on(engine, serving, &format!("served-{round}"));
+    let served_meanwhile = gate.reserve(reserve(&probe)).await;
+    assert!(served_meanwhile.is_ok(), "the other shard keeps serving: {served_meanwhile:?}");
+}
+
+/// Watches the health of the Gate service.
+async fn watch_gate_health(channel: &Channel) -> Streaming<HealthCheckResponse> {
+    let mut health = HealthClient::new(channel.clone());
+    health.watch(HealthCheckRequest { service: "oncegate.v1.Gate".into() }).await.unwrap().into_inner()
+}
+
+/// Reads the health watch until it says `status`.
+async fn wait_for_health(watch: &mut Streaming<HealthCheckResponse>, status: ServingStatus) {
+    loop {
+        if watch.message().await.unwrap().unwrap().status == status as i32 {
+            break;
+        }
+    }
+}
+
+/// Asserts the shard `failed` serves again within 5 s of now; how long it took.
+async fn recovers_within_5s(engine: &Engine, failed: u32, round: u64) -> Duration {
+    let cleared = std::time::Instant::now();
+    let recovered = {
+        let engine = engine.clone();
+        tokio::task::spawn_blocking(move || {
+            engine.wait_shard_state(failed, ShardState::Serving, Duration::from_secs(5))
+        })
+        .await
+        .unwrap()
+    };
+    assert!(recovered, "round {round}: shard {failed} did not recover within 5 s");
+    cleared.elapsed()
+}
+
+/// One round under load: a random store fault, checked while failed, then cleared; the recovery time.
+async fn fault_round(
+    server: &Running,
+    channel: &Channel,
+    fates: &Fates,
+    round: u64,
+    seed: &mut u64,
+) -> Duration {
+    let (engine, faults) = (&server.engine, &server.faults);
+    let load = start_clients(channel, round, fates);
+    // Reopens fail until the fault clears; the failpoint fires at a random operation.
+    faults.fail_opens(u32::MAX);
+    faults.fail_op_after(next_fault_after(seed));
+    let failed = wait_for_a_failed_shard(engine).await;
+
+    // While failed: its keys are refused, the other shard serves, health says so.
+    the_failed_shard_refuses_and_the_other_serves(channel, engine, failed, round).await;
+    let mut watch = watch_gate_health(channel).await;
+    wait_for_health(&mut watch, ServingStatus::NotServing).await;
+
+    // The fault clears: the shard must serve again within 5 s.
+    faults.fail_opens(0);
+    let recovery = recovers_within_5s(engine, failed, round).await;
+    wait_for_health(&mut watch, ServingStatus::Serving).await;
+    drop(watch);
+    stop_clients(load, round).await;
+    recovery
+}
+
+/// Every acknowledgement is durable; nothing refused was stored. Counts refused, granted, committed.
+async fn every_ack_is_durable(channel: &Channel, fates: &BTreeMap<String, Fate>) -> [usize; 3] {
+    let mut gate = GateClient::new(channel.clone());
     let mut counts = [0usize; 3];
-    for (key, fate) in &fates {
+    for (key, fate) in fates {
         let view = gate
             .get(pb::GetRequest { namespace: "live".into(), key: key.clone() })
             .await
@@ -228,6 +278,23 @@ async fn random_store_failures_under_load_fail_closed_and_recover() {
             }
         }
     }
+    counts
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_store_failures_under_load_fail_closed_and_recover() {
+    let server = start_two_shards().await;
+    let channel = server.channel().await;
+    let fates: Fates = Arc::default();
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    let mut recoveries = Vec::new();
+    for round in 0..ROUNDS {
+        recoveries.push(fault_round(&server, &channel, &fates, round, &mut seed).await);
+    }
+
+    // Every acknowledgement is durable; nothing refused was stored.
+    let fates = fates.lock().unwrap().clone();
+    let counts = every_ack_is_durable(&channel, &fates).await;
     assert!(counts[0] > 0, "some reserves met the fault");
     println!(
         "faults under load: {ROUNDS} rounds, {} refused (none stored), {} grants and {} commits acknowledged (all stored), \
@@ -237,6 +304,6 @@ async fn random_store_failures_under_load_fail_closed_and_recover() {
         counts[2],
         recoveries.iter().max().unwrap()
     );
-    drop((gate, channel));
+    drop(channel);
     server.stop().await;
 }
