@@ -39,14 +39,19 @@ impl StoreKind {
     }
 }
 
-impl std::str::FromStr for StoreKind {
-    type Err = String;
+/// A store kind that is neither `sqlite` nor `postgres`.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown store kind {0:?}; sqlite or postgres")]
+pub struct UnknownStoreKind(pub String);
 
-    fn from_str(name: &str) -> Result<StoreKind, String> {
+impl std::str::FromStr for StoreKind {
+    type Err = UnknownStoreKind;
+
+    fn from_str(name: &str) -> Result<StoreKind, UnknownStoreKind> {
         match name {
             "sqlite" => Ok(StoreKind::Sqlite),
             "postgres" => Ok(StoreKind::Postgres),
-            other => Err(format!("unknown store kind {other:?}; sqlite or postgres")),
+            other => Err(UnknownStoreKind(other.to_owned())),
         }
     }
 }

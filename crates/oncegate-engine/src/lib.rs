@@ -30,6 +30,7 @@ mod store;
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use config::{
     Durability, EngineConfig, PgClock, PostgresUrl, SHARDS_DEFAULT, SHARDS_MAX, StoreConfig, StoreKind,
+    UnknownStoreKind,
 };
 pub use engine::{BackedUp, Engine, ShardStats, TenantGate};
 pub use error::{BackupError, Error, OpenError, ResizeError};
