@@ -16,7 +16,6 @@
 //! takes the keys and the shard's own reading of time, and [`Txn::now`] answers the time
 //! the decisions use. Everything else is the same calls on either side.
 
-mod checkpointer;
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
 pub(crate) mod sqlite;
