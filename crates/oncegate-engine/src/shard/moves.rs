@@ -84,6 +84,13 @@ impl Shard {
         });
         let records = match read {
             Ok(records) => records,
+            // A row that does not hash to where it was found fails the move, not the
+            // shard: its keys are served as before, and the row is named in the log.
+            Err(error @ StoreError::Corrupt(_)) => {
+                tracing::error!(shard = self.id, slot, %error, "the slot cannot move: a row of it is damaged");
+                let _ = reply.send(Err(self.unavailable(&format!("the slot cannot move: {error}"))));
+                return;
+            }
             Err(error) => {
                 self.record_failure(&error);
                 let _ = reply.send(Err(self.unavailable(&format!("storage failure: {error}"))));
