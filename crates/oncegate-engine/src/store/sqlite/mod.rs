@@ -399,6 +399,7 @@ impl Store {
         }
         write_meta(&tx, counters)?;
         tx.commit()?;
+        self.committed.set(self.committed.get().max(counters));
         Ok(copied)
     }
 
@@ -414,6 +415,7 @@ impl Store {
         let ids = ids_in_slots(&tx, slots)?;
         delete_rows(&tx, &ids)?;
         tx.commit()?;
+        self.committed.set(self.committed.get().max(meta));
         Ok(ids.len() as u64)
     }
 }
