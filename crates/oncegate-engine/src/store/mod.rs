@@ -58,10 +58,12 @@ pub enum StoreError {
     #[error("writes are refused until the disk has room")]
     WritesRefused,
     /// PostgreSQL refused or failed, or could not be reached: the server's message and
-    /// code when it sent one (the connection string never appears).
+    /// code when it sent one. The driver's error is kept for callers that match on it,
+    /// but not chained as a source: its text carries the server's DETAIL and HINT, which
+    /// may quote rows, and logs print the whole chain.
     #[cfg(feature = "postgres")]
     #[error("postgres: {}", postgres::describe(.0))]
-    Postgres(#[source] tokio_postgres::Error),
+    Postgres(tokio_postgres::Error),
     /// The PostgreSQL store could not be set up: its connection string, its TLS roots,
     /// its pool or its runtime.
     #[cfg(feature = "postgres")]
