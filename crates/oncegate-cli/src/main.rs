@@ -1,7 +1,7 @@
 //! `oncegate`: the server (`serve`), a token helper (`hash-token`), client verbs
 //! (`reserve`, `commit`, `release`, `heartbeat`, `get`), operator verbs (`status`,
-//! `inspect`, `admin release|purge|add-shards|backup`, `reshard`) and the Idempotency-Key reverse
-//! proxy (`proxy`).
+//! `inspect`, `admin release|purge|add-shards|backup`, `reshard`), the Idempotency-Key reverse
+//! proxy (`proxy`) and the HTTP API's description (`openapi`).
 
 mod add_shards;
 mod backup;

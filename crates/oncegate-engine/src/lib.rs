@@ -1,10 +1,11 @@
 //! The oncegate shard engine and its embedded API.
 //!
-//! Each key hashes (see `oncegate_core::route`) to one shard. A shard is an actor: one OS
-//! thread that alone owns its store (one SQLite file in WAL mode, or one connection to
-//! the PostgreSQL table every node shares; `store/`) and is fed through a bounded
-//! crossbeam-channel mailbox. It applies a drained batch in one transaction and answers
-//! only after the commit is durable. See `docs/ARCHITECTURE.md` for the protocol.
+//! Each key hashes (see `oncegate_core::route`) to a slot, which the slot map gives to one
+//! shard. A shard is an actor: one OS thread that alone owns its store (one SQLite file in
+//! WAL mode, or one connection to the PostgreSQL table every node shares; `store/`) and
+//! is fed through a bounded crossbeam-channel mailbox. It applies a drained batch in one transaction and answers
+//! only after the commit is durable. `docs/ARCHITECTURE.md` is the map; `shard/mod.rs`
+//! has the actor's protocol.
 //!
 //! The same [`Engine`] serves the gRPC front and in-process (embedded) callers: its
 //! methods are `async` (usable from any runtime; the answer travels on a oneshot

@@ -4,7 +4,7 @@
 //! stored response instead.
 //!
 //! The gateway is written against the `Gate` trait with `once`: here on the engine in
-//! process; `examples/client_once.rs` runs the same on a remote server.
+//! process; the client crate's `client_once` example runs the same on a remote server.
 //!
 //! Run it with `cargo run -p oncegate --example double_fill`.
 

@@ -5,7 +5,7 @@
 //! in-process, with the same behaviour the gRPC server gives over the network. It pulls
 //! in no gRPC, HTTP, command line or PostgreSQL client; the `postgres` feature adds the
 //! shared PostgreSQL store and `remote` the gRPC [`client::Client`]
-//! (`oncegate = { version = "0.1", features = ["remote"] }`).
+//! (`oncegate = { path = "…/crates/oncegate", features = ["remote"] }`).
 //!
 //! ```no_run
 //! use oncegate::{Engine, EngineConfig, ReserveRequest, core::{ReserveReply, Tenant}};
@@ -23,10 +23,11 @@
 
 pub use oncegate_client as client;
 pub use oncegate_core as core;
+pub use oncegate_engine::reshard::{Pauses, Resharded};
 pub use oncegate_engine::{
-    Clock, CommitRequest, Durability, Engine, EngineConfig, Error, KeyRequest, ManualClock, OpenError,
-    Renewed, ReserveRequest, Reserved, ShardState, ShardStats, StoreConfig, StoreKind, SystemClock,
-    TenantGate,
+    BackedUp, BackupError, Clock, CommitRequest, Durability, Engine, EngineConfig, Error, KeyRequest,
+    ManualClock, OpenError, PgClock, PostgresUrl, Renewed, ReserveRequest, Reserved, ResizeError, ShardState,
+    ShardStats, StoreConfig, StoreKind, SystemClock, TenantGate,
 };
 
 /// The README's examples compile as doc tests, so they cannot drift from the API.

@@ -259,7 +259,6 @@ impl Inner {
         self.table.write().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The shards, taken out of the table so that waiting on one holds no lock.
     /// Takes the lock an add-shards and a backup hold while they run, so that the slot
     /// map changes under neither; `None` while the other holds it. A poisoned lock only
     /// says an earlier holder panicked; the table says where it was.
@@ -271,6 +270,7 @@ impl Inner {
         }
     }
 
+    /// The shards, taken out of the table so that waiting on one holds no lock.
     fn handles(&self) -> Vec<Arc<ShardHandle>> {
         self.table().shards.clone()
     }

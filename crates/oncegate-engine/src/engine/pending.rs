@@ -89,18 +89,20 @@ pub(super) struct Pending<T> {
 
 impl<T> Pending<T> {
     /// What callers hear when the shard stopped before it answered.
-    pub fn lost(shard: u32) -> Error {
+    pub(super) fn lost(shard: u32) -> Error {
         Error::Unavailable { shard, reason: "the shard stopped before answering".to_owned() }
     }
 
-    pub async fn wait(mut self) -> Result<T, Error> {
+    /// Waits for the answer; dropped meanwhile, the request is given up.
+    pub(super) async fn wait(mut self) -> Result<T, Error> {
         let Some(rx) = self.rx.as_mut() else { return Err(Pending::<T>::lost(self.shard)) };
         let answer = rx.await;
         self.rx = None;
         self.read(answer.unwrap_or_else(|_| Err(Pending::<T>::lost(self.shard))))
     }
 
-    pub fn wait_blocking(mut self) -> Result<T, Error> {
+    /// Blocks the thread until the answer comes (it cannot give up).
+    pub(super) fn wait_blocking(mut self) -> Result<T, Error> {
         // A blocked thread cannot give up, so the receiver is taken before it blocks.
         let Some(rx) = self.rx.take() else { return Err(Pending::<T>::lost(self.shard)) };
         self.read(rx.blocking_recv().unwrap_or_else(|_| Err(Pending::<T>::lost(self.shard))))

@@ -48,7 +48,7 @@ use crate::placement::manifest;
 use crate::placement::slots::{self, SlotMap, SlotMove};
 use crate::shard::{Control, Mail, MoveOut, Moved, Parked};
 use crate::store::Tuning;
-use crate::store::sqlite::Store;
+use crate::store::sqlite;
 
 /// What a reshard did.
 #[derive(Clone, Debug, PartialEq)]
@@ -199,9 +199,11 @@ fn move_group(
     let shard_error = |shard: u32| move |source| ResizeError::Store { shard, source };
     let dir = &config.data_dir;
     let (mut source, source_meta, _) =
-        Store::open(&manifest::shard_file(dir, from), tuning, faults, false).map_err(shard_error(from))?;
+        sqlite::Store::open(&manifest::shard_file(dir, from), tuning, faults, false)
+            .map_err(shard_error(from))?;
     let (mut destination, destination_meta, _) =
-        Store::open(&manifest::shard_file(dir, dest), tuning, faults, false).map_err(shard_error(dest))?;
+        sqlite::Store::open(&manifest::shard_file(dir, dest), tuning, faults, false)
+            .map_err(shard_error(dest))?;
     step(faults)?;
     // The destination's counters start above the source's, not only above the tokens of
     // the rows it copies: a key of the group released or reclaimed at the source has no

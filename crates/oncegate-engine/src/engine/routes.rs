@@ -1,7 +1,7 @@
 //! Where each request goes: the live slot map, the shards' handles, and the one slot that
 //! may be moving, whose requests wait here in arrival order until its move ends.
 //!
-//! Callers take the table's read lock to route and send; the mover (`grow.rs`) takes the
+//! Callers take the table's read lock to route and send; the mover (`resize.rs`) takes the
 //! write lock only to start and end a move, and never waits for a shard while it holds it. A request is sent to its shard while the
 //! read lock is held, so when the mover holds the write lock every request routed by the
 //! old table is already in its shard's mailbox, ahead of anything sent after: that is

@@ -51,7 +51,7 @@ pub const ROUTING_COMPUTED: &str = "xxh3-64/len-prefixed/slots-16384/mod-shards"
 pub struct Manifest {
     /// The format of the manifest and of the shard files.
     pub format_version: u32,
-    /// The number of shards (raised only by adding shards, `reshard.rs`).
+    /// The number of shards (raised only by adding shards, `engine/resize.rs`).
     pub shards: u32,
     /// How keys map to shards.
     pub routing: String,

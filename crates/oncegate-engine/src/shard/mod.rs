@@ -3,8 +3,11 @@
 //!
 //! The protocol, in the order the loop runs it:
 //!
-//! 1. **Control first.** Shutdown, alarm and reopen requests arrive on their own channel
-//!    and are handled before any data, so an operator can always reach a busy shard.
+//! 1. **Control first.** Shutdown, alarm, reopen and a slot move's requests (take a
+//!    slot in, drop a slot's rows) arrive on their own channel and are handled before
+//!    any data, so an operator can always reach a busy shard. What a finished move hands
+//!    the slot's new owner (its parked reserves, then its held requests) comes on a
+//!    third channel, read before the mailbox.
 //! 2. **Batch.** The actor drains up to `batch_len_max` requests from its bounded
 //!    mailbox, decides each with the core (later ones see earlier ones' effects because
 //!    each reads inside the same transaction), writes the token counter and the clock
@@ -18,10 +21,13 @@
 //!    shard, which drops its parked reserve at once; a request whose caller has gone is
 //!    never granted and never parked.
 //! 5. **Failure.** A write that does not fit in the file is refused alone
-//!    (`resource_exhausted`) and the batch goes on. Any other storage error rolls the
-//!    transaction back, answers `unavailable` to every request of the batch and every
-//!    parked waiter, closes the file and marks the shard failed. A failed shard answers
-//!    `unavailable` at once and retries a clean open with exponential backoff.
+//!    (`resource_exhausted`) and the batch goes on. A full disk keeps the file open and
+//!    refuses writes (reads and replays go on) until a retry finds room. A failed sync
+//!    halts the shard until the process restarts (a reopen could read back what the disk
+//!    lost). Any other storage error rolls the transaction back, answers `unavailable` to
+//!    every request of the batch and every parked waiter, closes the file and marks the
+//!    shard failed; it answers `unavailable` at once and retries a clean open with
+//!    exponential backoff.
 //!
 //! Time: the shard's clock guard is anchored once per process (at the engine's start);
 //! an in-process reopen keeps that frame, so a wall-clock step never reaches a decision.
@@ -126,15 +132,18 @@ pub(crate) enum Control {
 /// What every shard of an engine shares, built once when the engine opens; the engine
 /// holds it too.
 pub(crate) struct Context {
+    /// The engine's configuration.
     pub config: EngineConfig,
     /// The clock every decision reads.
     pub clock: Arc<dyn Clock>,
     /// The process's one reading of the wall clock, which every frame is anchored to.
     pub start: Start,
-    /// The shards' persisted marks, which derived keys' frame never goes below.
+    /// What derived keys need from the shards: the highest persisted mark, how many
+    /// shards have not opened yet, and the format a shared store's schema names.
     pub floor: FrameFloor,
     /// The marks of the shards opened with the engine, which lift every frame to one time.
     pub marks: Arc<Marks>,
+    /// The fault seam the tests arm (inert otherwise).
     pub faults: Faults,
     /// Each tenant's most records per shard.
     pub quotas: Quotas,

@@ -1,5 +1,5 @@
 //! A slot moving between two live shards: the actors' side. The engine's mover
-//! (`grow.rs`) drives the steps and holds the slot's new requests meanwhile; every record
+//! (`engine/resize.rs`) drives the steps and holds the slot's new requests meanwhile; every record
 //! is read, written and deleted by the shard that owns the file, on its own thread.
 //!
 //! 1. **Out.** The source receives the hand-over on its data channel, behind every

@@ -68,7 +68,7 @@ pub(crate) struct Store {
     batch_pages_max: u64,
     /// Whether the statement journal's triggers exist on this connection.
     journaled: bool,
-    /// Whether writes are refused (the disk is full): see [`super::Store::refuse_writes`].
+    /// Whether writes are refused (the disk is full): see [`Store::refuse_writes`].
     writes_refused: bool,
     /// The configured durability, which [`Store::sync_commits`] puts back.
     durability: Durability,
@@ -262,7 +262,7 @@ impl Store {
         Ok((store, meta, version == 0))
     }
 
-    /// Refuses writes while the disk is full (see [`super::Store::refuse_writes`]).
+    /// Refuses writes while the disk is full (the shard does, through `Store::own_mut`).
     pub fn refuse_writes(&mut self, on: bool) {
         self.writes_refused = on;
     }
@@ -359,7 +359,7 @@ impl Store {
     }
 }
 
-/// Copying a slot's rows from one shard file to another, for moving slots (`reshard.rs`).
+/// Copying a slot's rows from one shard file to another, for adding shards to a stopped directory (`engine/resize.rs`).
 impl Store {
     /// Copies every row of `slots` from `src` into this store, replacing any rows of those
     /// slots already here (left by a copy that was cut short), in one transaction that
