@@ -34,10 +34,12 @@ pub use config::{
     UnknownStoreKind,
 };
 pub use engine::{BackedUp, Engine, ShardStats, TenantGate};
-pub use error::{BackupError, Error, OpenError, ResizeError};
+pub use engine::{BackupError, OpenError, ResizeError};
+pub use error::Error;
 #[doc(hidden)]
 pub use faults::Faults;
 pub use oncegate_core::gate::{CommitRequest, Gate, KeyRequest, Renewed, ReserveRequest, Reserved};
+pub use placement::LayoutError;
 pub use placement::slots::{SlotMapError, SlotMove};
 pub use shard::ShardState;
 pub use store::StoreError;

@@ -8,7 +8,7 @@ use std::time::Duration;
 use common::*;
 use oncegate_core::{Code, Previous, ReserveReply, State};
 use oncegate_engine::{
-    Engine, EngineConfig, Error, Faults, ManualClock, OpenError, ReserveRequest, ShardState,
+    Engine, EngineConfig, Error, Faults, LayoutError, ManualClock, OpenError, ReserveRequest, ShardState,
 };
 
 on_each_store! {
@@ -239,7 +239,10 @@ fn a_directory_keeps_its_shard_count_and_is_locked() {
     let clock = ManualClock::new(T0);
     let engine = open(EngineConfig { shards: 3, ..config(dir.path()) }, &clock, &Faults::default());
     let second = Engine::open(EngineConfig { shards: 3, ..config(dir.path()) });
-    assert!(matches!(second, Err(OpenError::Locked { .. })), "a second owner is refused");
+    assert!(
+        matches!(second, Err(OpenError::Layout(LayoutError::Locked { .. }))),
+        "a second owner is refused"
+    );
     engine.shutdown();
     drop(engine);
     let err = Engine::open(EngineConfig { shards: 4, ..config(dir.path()) }).err().expect("refused");

@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use common::*;
 use oncegate_core::{Code, Previous, ReserveReply, State};
-use oncegate_engine::{EngineConfig, Faults, ManualClock, OpenError, ReserveRequest, ShardState};
+use oncegate_engine::{
+    EngineConfig, Faults, LayoutError, ManualClock, OpenError, ReserveRequest, ShardState,
+};
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -138,7 +140,10 @@ fn a_data_directory_without_its_manifest_is_refused() {
         )
         .err()
         .expect("refused");
-        assert!(matches!(refused, OpenError::ManifestMissing { shard_files: 2, .. }), "{refused:?}");
+        assert!(
+            matches!(refused, OpenError::Layout(LayoutError::ManifestMissing { shard_files: 2, .. })),
+            "{refused:?}"
+        );
         assert!(refused.to_string().contains("Restore the manifest"), "{refused}");
     }
 }

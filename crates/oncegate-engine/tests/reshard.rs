@@ -11,7 +11,7 @@ use common::*;
 use oncegate_core::ReserveReply;
 use oncegate_engine::files::OsFiles;
 use oncegate_engine::reshard::{Resharded, add_shards, add_shards_on};
-use oncegate_engine::{Engine, EngineConfig, Faults, ManualClock, OpenError, ResizeError};
+use oncegate_engine::{Engine, EngineConfig, Faults, LayoutError, ManualClock, OpenError, ResizeError};
 
 const KEYS: usize = 120;
 
@@ -112,7 +112,10 @@ fn more_shards_than_the_directory_has_are_refused_with_how_to_add_them() {
     )
     .err()
     .expect("refused");
-    assert!(matches!(refused, OpenError::ShardCount { found: 2, configured: 4, .. }), "{refused:?}");
+    assert!(
+        matches!(refused, OpenError::Layout(LayoutError::ShardCount { found: 2, configured: 4, .. })),
+        "{refused:?}"
+    );
     assert!(refused.to_string().contains("oncegate reshard"), "{refused}");
     let fewer = add_shards(&config(dir.path()), 1, &mut |_, _| {}).expect_err("refused");
     assert!(fewer.to_string().contains("never removed"), "{fewer}");
@@ -175,7 +178,7 @@ fn a_reshard_under_the_other_store_is_refused_before_anything_changes() {
     let refused =
         add_shards(&EngineConfig { store, ..sqlite.clone() }, 4, &mut |_, _| {}).expect_err("refused");
     assert!(
-        matches!(refused, ResizeError::Open(OpenError::OtherStore { found: "sqlite", .. })),
+        matches!(refused, ResizeError::Layout(LayoutError::OtherStore { found: "sqlite", .. })),
         "{refused:?}"
     );
     let engine = open(sqlite, &clock, &Faults::default());

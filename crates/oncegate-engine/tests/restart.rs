@@ -107,7 +107,7 @@ fn files_an_older_version_left_readable_by_others_are_made_owner_only_at_open() 
 /// invisible and every key granted again.
 #[test]
 fn a_data_directory_of_the_other_store_is_refused() {
-    use oncegate_engine::{OpenError, StoreConfig, StoreKind};
+    use oncegate_engine::{LayoutError, OpenError, StoreConfig, StoreKind};
     let clock = ManualClock::new(T0);
     let faults = Faults::default();
     let dir = tempfile::tempdir().unwrap();
@@ -124,7 +124,11 @@ fn a_data_directory_of_the_other_store_is_refused() {
         std::sync::Arc::new(clock.clone()),
         faults,
     );
-    assert!(matches!(opened, Err(OpenError::OtherStore { found: "sqlite", .. })), "{:?}", opened.err());
+    assert!(
+        matches!(opened, Err(OpenError::Layout(LayoutError::OtherStore { found: "sqlite", .. }))),
+        "{:?}",
+        opened.err()
+    );
 }
 
 /// With no store kind configured, a new data directory gets SQLite, and an existing one
@@ -153,7 +157,7 @@ fn an_unset_store_kind_keeps_the_directory_s_own_store() {
 /// opened as a new SQLite directory, every key in the table would be granted again.
 #[test]
 fn a_postgresql_node_s_directory_is_refused_under_an_own_store() {
-    use oncegate_engine::{OpenError, StoreConfig, StoreKind};
+    use oncegate_engine::{LayoutError, OpenError, StoreConfig, StoreKind};
     let clock = ManualClock::new(T0);
     for kind in [None, Some(StoreKind::Sqlite)] {
         let dir = tempfile::tempdir().unwrap();
@@ -164,7 +168,10 @@ fn a_postgresql_node_s_directory_is_refused_under_an_own_store() {
             std::sync::Arc::new(clock.clone()),
             Faults::default(),
         );
-        assert!(matches!(opened, Err(OpenError::OtherStore { found: "postgres", .. })), "{kind:?}");
+        assert!(
+            matches!(opened, Err(OpenError::Layout(LayoutError::OtherStore { found: "postgres", .. }))),
+            "{kind:?}"
+        );
         let mut names: Vec<_> = std::fs::read_dir(dir.path())
             .unwrap()
             .map(|e| e.unwrap().file_name().into_string().unwrap())
@@ -180,7 +187,7 @@ fn a_postgresql_node_s_directory_is_refused_under_an_own_store() {
 /// again.
 #[test]
 fn a_directory_of_the_log_store_is_refused_with_one_sentence() {
-    use oncegate_engine::OpenError;
+    use oncegate_engine::{LayoutError, OpenError};
     let clock = ManualClock::new(T0);
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir(dir.path().join("shard-0000.log")).unwrap();
@@ -193,7 +200,7 @@ fn a_directory_of_the_log_store_is_refused_with_one_sentence() {
             Faults::default(),
         );
         let error = opened.err().expect("refused");
-        assert!(matches!(error, OpenError::LogStore { .. }), "{kind:?}: {error:?}");
+        assert!(matches!(error, OpenError::Layout(LayoutError::LogStore { .. })), "{kind:?}: {error:?}");
         let said = error.to_string();
         assert!(
             said.contains("shard-0000.log")

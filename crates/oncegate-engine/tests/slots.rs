@@ -11,7 +11,7 @@ use oncegate_core::route::SLOT_COUNT;
 use oncegate_core::{ReserveReply, State};
 use oncegate_engine::testing::manifest::{MANIFEST_FILE, ROUTING, ROUTING_COMPUTED, ROUTING_WHOLE_KEY};
 use oncegate_engine::testing::slots::SLOTS_FILE;
-use oncegate_engine::{Engine, EngineConfig, Faults, ManualClock, OpenError};
+use oncegate_engine::{Engine, EngineConfig, Faults, LayoutError, ManualClock, OpenError};
 
 fn try_open(config: EngineConfig, clock: &ManualClock) -> Result<Engine, OpenError> {
     Engine::open_with(config, Arc::new(clock.clone()), Faults::default())
@@ -113,7 +113,7 @@ fn a_lost_slot_map_is_refused_not_recomputed() {
     drop(open(config.clone(), &clock, &Faults::default()));
     std::fs::remove_file(dir.path().join(SLOTS_FILE)).unwrap();
     let refused = try_open(config, &clock).err().expect("refused");
-    assert!(matches!(refused, OpenError::SlotMapMissing { .. }), "{refused:?}");
+    assert!(matches!(refused, OpenError::Layout(LayoutError::SlotMapMissing { .. })), "{refused:?}");
     assert!(refused.to_string().contains("will not guess"), "{refused}");
 }
 
@@ -128,6 +128,6 @@ fn a_damaged_slot_map_is_refused() {
     bytes[100] ^= 0x01;
     std::fs::write(&path, bytes).unwrap();
     let refused = try_open(config, &clock).err().expect("refused");
-    assert!(matches!(refused, OpenError::SlotMap(_)), "{refused:?}");
+    assert!(matches!(refused, OpenError::Layout(LayoutError::SlotMap(_))), "{refused:?}");
     assert!(refused.to_string().contains("checksum"), "{refused}");
 }

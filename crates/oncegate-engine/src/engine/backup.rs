@@ -15,7 +15,7 @@
 use std::path::{Path, PathBuf};
 
 use super::Engine;
-use crate::error::BackupError;
+use super::error::BackupError;
 use crate::files::{Files, write_atomically};
 use crate::placement::{manifest, slots};
 

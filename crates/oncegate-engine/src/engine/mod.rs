@@ -9,6 +9,7 @@
 
 mod backup;
 mod calls;
+mod error;
 mod gate;
 mod open;
 mod pending;
@@ -30,6 +31,7 @@ use crate::placement::slots;
 use crate::shard::{self, Context, Control, Mail, ShardState, Shared};
 
 pub use backup::BackedUp;
+pub use error::{BackupError, OpenError, ResizeError};
 pub use gate::TenantGate;
 pub use resize::{Pauses, Progress, Resharded, add_shards, add_shards_on};
 

@@ -6,10 +6,10 @@ use std::thread::JoinHandle;
 
 use oncegate_core::ClockGuard;
 
+use super::error::OpenError;
 use super::{Engine, Inner, ShardHandle, routes};
 use crate::clock::{Clock, SystemClock};
 use crate::config::{EngineConfig, StoreKind};
-use crate::error::OpenError;
 use crate::faults::Faults;
 use crate::files;
 use crate::placement::{manifest, slots};

@@ -38,12 +38,14 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use super::error::ResizeError;
 use super::routes::{Moving, hand_over};
 use super::{Engine, Inner, ShardHandle};
 use crate::config::{Durability, EngineConfig, SHARDS_MAX, StoreKind};
-use crate::error::{Error, OpenError, ResizeError};
+use crate::error::Error;
 use crate::faults::Faults;
 use crate::files::{Files, OsFiles};
+use crate::placement::LayoutError;
 use crate::placement::manifest;
 use crate::placement::slots::{self, SlotMap, SlotMove};
 use crate::shard::{Control, Mail, MoveOut, Moved, Parked};
@@ -120,7 +122,7 @@ pub fn add_shards_on(
         return Err(ResizeError::Unsupported { what: NO_SLOTS_ON_POSTGRES });
     }
     let dir = &config.data_dir;
-    let manifest = manifest::read(&*files, dir)?.ok_or_else(|| OpenError::Manifest {
+    let manifest = manifest::read(&*files, dir)?.ok_or_else(|| LayoutError::Manifest {
         path: dir.join(manifest::MANIFEST_FILE),
         reason: "not found: this is not a data directory".to_owned(),
     })?;
@@ -166,11 +168,11 @@ pub(crate) fn prepare_new_shards(
     dir: &std::path::Path,
     manifest: &manifest::Manifest,
     to: u32,
-) -> Result<(), OpenError> {
+) -> Result<(), LayoutError> {
     let epoch = (0..to)
         .map(|shard| manifest::read_epoch(files, &manifest::epoch_file(dir, shard)))
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|source| OpenError::Io { path: dir.to_owned(), source })?
+        .map_err(|source| LayoutError::Io { path: dir.to_owned(), source })?
         .into_iter()
         .flatten()
         .max()
@@ -178,7 +180,7 @@ pub(crate) fn prepare_new_shards(
         + 1;
     for shard in manifest.shards..to {
         let path = manifest::epoch_file(dir, shard);
-        manifest::write_epoch(files, &path, epoch).map_err(|source| OpenError::Io { path, source })?;
+        manifest::write_epoch(files, &path, epoch).map_err(|source| LayoutError::Io { path, source })?;
     }
     if to != manifest.shards {
         manifest::set_shards(files, dir, manifest, to)?;
@@ -313,7 +315,7 @@ impl Engine {
     fn start_new_shards(&self, before: u32, to: u32) -> Result<(), ResizeError> {
         let inner = &self.inner;
         let dir = &inner.cx.config.data_dir;
-        let manifest = manifest::read(&*inner.cx.files, dir)?.ok_or_else(|| OpenError::Manifest {
+        let manifest = manifest::read(&*inner.cx.files, dir)?.ok_or_else(|| LayoutError::Manifest {
             path: dir.join(manifest::MANIFEST_FILE),
             reason: "the manifest disappeared while the engine ran".to_owned(),
         })?;

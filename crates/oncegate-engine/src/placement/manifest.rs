@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use oncegate_core::route::Routing;
 
-use crate::error::OpenError;
+use super::LayoutError;
 use crate::files::{Files, LockGuard, write_atomically};
 use crate::placement::slots::{self, SlotMap};
 
@@ -96,7 +96,7 @@ pub fn write_epoch(files: &dyn Files, path: &Path, epoch: u64) -> std::io::Resul
 /// The node's name in a shared PostgreSQL store (its rows of the clock table are named
 /// after it): made once per data directory, so that a restarted node takes up its own
 /// rows again and two nodes never share one.
-pub fn node_name(files: &dyn Files, data_dir: &Path) -> Result<String, OpenError> {
+pub fn node_name(files: &dyn Files, data_dir: &Path) -> Result<String, LayoutError> {
     let path = data_dir.join(NODE_FILE);
     match files.read(&path) {
         Ok(bytes) => {
@@ -128,17 +128,17 @@ pub fn node_name(files: &dyn Files, data_dir: &Path) -> Result<String, OpenError
 pub fn settle_store_kind(
     files: &dyn Files,
     config: &mut crate::config::EngineConfig,
-) -> Result<crate::config::StoreKind, OpenError> {
+) -> Result<crate::config::StoreKind, LayoutError> {
     use crate::config::StoreKind::{Postgres, Sqlite};
     let dir = &config.data_dir;
     let shards = shard_names(files, dir)?;
     if let Some(log) = shards.iter().find(|name| name.ends_with(LOG_SHARD_SUFFIX)) {
-        return Err(OpenError::LogStore { dir: dir.clone(), example: log.clone() });
+        return Err(LayoutError::LogStore { dir: dir.clone(), example: log.clone() });
     }
     let node = is_node_dir(files, dir)?;
     let configured =
         config.store.kind.map_or_else(|| "unset".to_owned(), |kind| format!("\"{}\"", kind.name()));
-    let refuse = |found: crate::config::StoreKind, example: &str| OpenError::OtherStore {
+    let refuse = |found: crate::config::StoreKind, example: &str| LayoutError::OtherStore {
         dir: dir.clone(),
         found: found.name(),
         example: example.to_owned(),
@@ -156,7 +156,7 @@ pub fn settle_store_kind(
 
 /// Whether `dir` is a PostgreSQL node's directory (it holds the node's name, and no
 /// records of its own).
-pub(crate) fn is_node_dir(files: &dyn Files, dir: &Path) -> Result<bool, OpenError> {
+pub(crate) fn is_node_dir(files: &dyn Files, dir: &Path) -> Result<bool, LayoutError> {
     let path = dir.join(NODE_FILE);
     match files.read(&path) {
         Ok(_) => Ok(true),
@@ -170,13 +170,13 @@ pub(crate) fn is_node_dir(files: &dyn Files, dir: &Path) -> Result<bool, OpenErr
 const LOG_SHARD_SUFFIX: &str = ".log";
 
 /// How many shards (`shard-*.sqlite` files) a data directory holds.
-fn shard_file_count(files: &dyn Files, data_dir: &Path) -> Result<usize, OpenError> {
+fn shard_file_count(files: &dyn Files, data_dir: &Path) -> Result<usize, LayoutError> {
     Ok(shard_names(files, data_dir)?.iter().filter(|name| name.ends_with(".sqlite")).count())
 }
 
 /// The shards in a data directory (none when it does not exist), sorted:
 /// `shard-*.sqlite` files, and `shard-*.log` directories of the log store.
-fn shard_names(files: &dyn Files, data_dir: &Path) -> Result<Vec<String>, OpenError> {
+fn shard_names(files: &dyn Files, data_dir: &Path) -> Result<Vec<String>, LayoutError> {
     let names = match files.list(data_dir) {
         Ok(names) => names,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
@@ -192,18 +192,18 @@ fn shard_names(files: &dyn Files, data_dir: &Path) -> Result<Vec<String>, OpenEr
     Ok(shards)
 }
 
-fn io(path: &Path) -> impl FnOnce(std::io::Error) -> OpenError + '_ {
-    move |source| OpenError::Io { path: path.to_owned(), source }
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> LayoutError + '_ {
+    move |source| LayoutError::Io { path: path.to_owned(), source }
 }
 
 /// Takes the directory's exclusive lock; the lock lasts as long as the returned guard.
 /// Files an older version (or an operator) made readable by others are made owner-only
 /// by the process that owns the directory.
-pub fn lock(files: &dyn Files, data_dir: &Path) -> Result<LockGuard, OpenError> {
+pub fn lock(files: &dyn Files, data_dir: &Path) -> Result<LockGuard, LayoutError> {
     files.create_dir_all(data_dir).map_err(io(data_dir))?;
     let path = data_dir.join(LOCK_FILE);
     let guard =
-        files.lock(&path).map_err(io(&path))?.ok_or_else(|| OpenError::Locked { path: path.clone() })?;
+        files.lock(&path).map_err(io(&path))?.ok_or_else(|| LayoutError::Locked { path: path.clone() })?;
     files.restrict(&path).map_err(io(&path))?;
     let manifest = data_dir.join(MANIFEST_FILE);
     files.restrict(&manifest).map_err(io(&manifest))?;
@@ -218,14 +218,14 @@ pub fn open_or_create(
     files: &dyn Files,
     data_dir: &Path,
     shards: u32,
-) -> Result<(SlotMap, u32, Routing), OpenError> {
+) -> Result<(SlotMap, u32, Routing), LayoutError> {
     let (manifest, new) = read_or_new(files, data_dir, shards)?;
     let shards = manifest.shards;
     // A map in a new directory is a creation's that did not reach its manifest.
     let found = if new { None } else { slots::read(files, data_dir, shards)? };
     if manifest.routing != ROUTING_COMPUTED {
         // After a slot has moved, no computed map is right: a lost map is never guessed.
-        let map = found.ok_or_else(|| OpenError::SlotMapMissing { path: slots::path(data_dir) })?;
+        let map = found.ok_or_else(|| LayoutError::SlotMapMissing { path: slots::path(data_dir) })?;
         return Ok((map, shards, manifest.key_routing()));
     }
     // Routed by `slot % shards` until now: the map is that, exactly. A map file already
@@ -247,7 +247,7 @@ pub fn open_or_create(
     Ok((map, shards, manifest.key_routing()))
 }
 
-fn write_manifest(files: &dyn Files, path: &Path, manifest: &Manifest) -> Result<(), OpenError> {
+fn write_manifest(files: &dyn Files, path: &Path, manifest: &Manifest) -> Result<(), LayoutError> {
     let text = format!(
         "# Written by oncegate when this data directory was created or upgraded; never edit it.\n{}",
         toml::to_string(manifest).expect("the manifest serialises")
@@ -257,11 +257,11 @@ fn write_manifest(files: &dyn Files, path: &Path, manifest: &Manifest) -> Result
 
 /// Reads the manifest, or makes one (not yet written, routed by the computed map, which
 /// [`open_or_create`] turns into the slot map) for a new directory; says which.
-fn read_or_new(files: &dyn Files, data_dir: &Path, shards: u32) -> Result<(Manifest, bool), OpenError> {
+fn read_or_new(files: &dyn Files, data_dir: &Path, shards: u32) -> Result<(Manifest, bool), LayoutError> {
     let path = data_dir.join(MANIFEST_FILE);
     if let Some(manifest) = read(files, data_dir)? {
         if manifest.shards < shards {
-            return Err(OpenError::ShardCount {
+            return Err(LayoutError::ShardCount {
                 path: data_dir.to_owned(),
                 found: manifest.shards,
                 configured: shards,
@@ -271,30 +271,30 @@ fn read_or_new(files: &dyn Files, data_dir: &Path, shards: u32) -> Result<(Manif
     }
     let shard_files = shard_file_count(files, data_dir)?;
     if shard_files > 0 {
-        return Err(OpenError::ManifestMissing { path, shard_files });
+        return Err(LayoutError::ManifestMissing { path, shard_files });
     }
     Ok((Manifest { format_version: FORMAT_VERSION, shards, routing: ROUTING_COMPUTED.to_owned() }, true))
 }
 
 /// Reads and checks the manifest; `None` when the directory has none.
-pub fn read(files: &dyn Files, data_dir: &Path) -> Result<Option<Manifest>, OpenError> {
+pub fn read(files: &dyn Files, data_dir: &Path) -> Result<Option<Manifest>, LayoutError> {
     let path = data_dir.join(MANIFEST_FILE);
     let bytes = match files.read(&path) {
         Ok(bytes) => bytes,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(source) => return Err(OpenError::Io { path, source }),
+        Err(source) => return Err(LayoutError::Io { path, source }),
     };
     let text = String::from_utf8_lossy(&bytes);
     let manifest: Manifest = toml::from_str(&text)
-        .map_err(|e| OpenError::Manifest { path: path.clone(), reason: e.message().to_owned() })?;
+        .map_err(|e| LayoutError::Manifest { path: path.clone(), reason: e.message().to_owned() })?;
     if manifest.format_version != FORMAT_VERSION {
         let reason =
             format!("format_version is {}; this version reads {FORMAT_VERSION}", manifest.format_version);
-        return Err(OpenError::Manifest { path, reason });
+        return Err(LayoutError::Manifest { path, reason });
     }
     if ![ROUTING, ROUTING_WHOLE_KEY, ROUTING_COMPUTED].contains(&manifest.routing.as_str()) {
         let reason = format!("routing is {:?}; this version routes by {ROUTING:?}", manifest.routing);
-        return Err(OpenError::Manifest { path, reason });
+        return Err(LayoutError::Manifest { path, reason });
     }
     Ok(Some(manifest))
 }
@@ -306,6 +306,6 @@ pub(crate) fn set_shards(
     data_dir: &Path,
     manifest: &Manifest,
     shards: u32,
-) -> Result<(), OpenError> {
+) -> Result<(), LayoutError> {
     write_manifest(files, &data_dir.join(MANIFEST_FILE), &Manifest { shards, ..manifest.clone() })
 }
