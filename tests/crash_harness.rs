@@ -127,22 +127,8 @@ async fn client_loop(
             format!("c{cycle}-{client}-{fresh}")
         };
         let wait_ms = if shared && rng.below(3) == 0 { 300 } else { 0 };
-        let request = pb::ReserveRequest {
-            namespace: "live".into(),
-            key: key.clone(),
-            ttl_ms: TTL_MS,
-            lease_ms: LEASE_MS,
-            wait_ms,
-            ..Default::default()
-        };
-        let answer = match classify(tokio::time::timeout(CALL_TIMEOUT, gate.reserve(request)).await) {
-            Ok(r) => match r.outcome {
-                Some(O::Granted(g)) => Answer::Granted { token: g.token, lease_until_ms: g.lease_until_ms },
-                Some(O::InProgress(_)) => Answer::InProgress,
-                Some(O::Completed(c)) => Answer::Completed { token: c.token, response: c.response },
-                Some(O::Mismatch(_)) => Answer::Mismatch,
-                None => panic!("a reserve answer without an outcome"),
-            },
+        let answer = match call_reserve(&mut gate, &key, wait_ms).await {
+            Ok(answer) => answer,
             Err(other) => {
                 record(&key, Op::Reserve, other);
                 continue;
@@ -151,40 +137,69 @@ async fn client_loop(
         record(&key, Op::Reserve, Result3::Ok(answer.clone()));
         let Answer::Granted { token, .. } = answer else { continue };
         if rng.below(3) == 0 {
-            let request = pb::HeartbeatRequest {
-                namespace: "live".into(),
-                key: key.clone(),
-                token,
-                lease_ms: LEASE_MS,
-            };
-            match classify(tokio::time::timeout(CALL_TIMEOUT, gate.heartbeat(request)).await) {
-                Ok(r) => record(
-                    &key,
-                    Op::Heartbeat,
-                    Result3::Ok(Answer::Renewed { token, lease_until_ms: r.lease_until_ms }),
-                ),
-                Err(other) => record(&key, Op::Heartbeat, other),
-            }
+            record(&key, Op::Heartbeat, call_heartbeat(&mut gate, &key, token).await);
         }
         if rng.below(4) > 0 {
-            let request = pb::CommitRequest {
-                namespace: "live".into(),
-                key: key.clone(),
-                token,
-                outcome: pb::Outcome::Succeeded as i32,
-                response: response_for(&key, token),
-            };
-            match classify(tokio::time::timeout(CALL_TIMEOUT, gate.commit(request)).await) {
-                Ok(_) => record(&key, Op::Commit(token), Result3::Ok(Answer::Committed)),
-                Err(other) => record(&key, Op::Commit(token), other),
-            }
+            record(&key, Op::Commit(token), call_commit(&mut gate, &key, token).await);
         } else {
-            let request = pb::ReleaseRequest { namespace: "live".into(), key: key.clone(), token };
-            match classify(tokio::time::timeout(CALL_TIMEOUT, gate.release(request)).await) {
-                Ok(_) => record(&key, Op::Release(token), Result3::Ok(Answer::Released)),
-                Err(other) => record(&key, Op::Release(token), other),
-            }
+            record(&key, Op::Release(token), call_release(&mut gate, &key, token).await);
         }
+    }
+}
+
+type Gate = GateClient<tonic::transport::Channel>;
+
+/// Sends a reserve of `key` and gives its answer, or what else came of it.
+async fn call_reserve(gate: &mut Gate, key: &str, wait_ms: u64) -> Result<Answer, Result3> {
+    let request = pb::ReserveRequest {
+        namespace: "live".into(),
+        key: key.to_owned(),
+        ttl_ms: TTL_MS,
+        lease_ms: LEASE_MS,
+        wait_ms,
+        ..Default::default()
+    };
+    let r = classify(tokio::time::timeout(CALL_TIMEOUT, gate.reserve(request)).await)?;
+    Ok(match r.outcome {
+        Some(O::Granted(g)) => Answer::Granted { token: g.token, lease_until_ms: g.lease_until_ms },
+        Some(O::InProgress(_)) => Answer::InProgress,
+        Some(O::Completed(c)) => Answer::Completed { token: c.token, response: c.response },
+        Some(O::Mismatch(_)) => Answer::Mismatch,
+        None => panic!("a reserve answer without an outcome"),
+    })
+}
+
+/// Sends a heartbeat for `token`'s lease on `key` and says what came of it.
+async fn call_heartbeat(gate: &mut Gate, key: &str, token: u64) -> Result3 {
+    let request =
+        pb::HeartbeatRequest { namespace: "live".into(), key: key.to_owned(), token, lease_ms: LEASE_MS };
+    match classify(tokio::time::timeout(CALL_TIMEOUT, gate.heartbeat(request)).await) {
+        Ok(r) => Result3::Ok(Answer::Renewed { token, lease_until_ms: r.lease_until_ms }),
+        Err(other) => other,
+    }
+}
+
+/// Sends `token`'s commit of `key`, with the response named after both, and says what came of it.
+async fn call_commit(gate: &mut Gate, key: &str, token: u64) -> Result3 {
+    let request = pb::CommitRequest {
+        namespace: "live".into(),
+        key: key.to_owned(),
+        token,
+        outcome: pb::Outcome::Succeeded as i32,
+        response: response_for(key, token),
+    };
+    match classify(tokio::time::timeout(CALL_TIMEOUT, gate.commit(request)).await) {
+        Ok(_) => Result3::Ok(Answer::Committed),
+        Err(other) => other,
+    }
+}
+
+/// Sends `token`'s release of `key` and says what came of it.
+async fn call_release(gate: &mut Gate, key: &str, token: u64) -> Result3 {
+    let request = pb::ReleaseRequest { namespace: "live".into(), key: key.to_owned(), token };
+    match classify(tokio::time::timeout(CALL_TIMEOUT, gate.release(request)).await) {
+        Ok(_) => Result3::Ok(Answer::Released),
+        Err(other) => other,
     }
 }
 

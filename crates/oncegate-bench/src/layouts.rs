@@ -301,12 +301,7 @@ impl Store {
             let hash = hash_of(key) as i64;
             let sql = match mem.layout {
                 Layout::Today => {
-                    tx.prepare_cached(
-                        "UPDATE records SET outcome = 1, response = ?2, completed_at_ms = ?3, history = ?4,
-                           expires_at_ms = ?3 + 3600000, reclaim_at_ms = ?3 + 3600000
-                         WHERE tenant = 'default' AND namespace = 'bench' AND key = ?1",
-                    )?
-                    .execute(params![key, response, now, &HISTORY[..]])?;
+                    Store::commit_by_scope(tx, key, now, response)?;
                     continue;
                 }
                 Layout::Compact => {
@@ -318,59 +313,105 @@ impl Store {
                        expires_at_ms = ?3 + 3600000 WHERE hash = ?1"
                 }
                 Layout::AppendSplit => {
-                    let id = mem.index.get(&(hash as u64)).copied().unwrap_or(0);
-                    tx.prepare_cached(
-                        "UPDATE records SET outcome = 1, completed_at_ms = ?2,
-                           expires_at_ms = ?2 + 3600000, reclaim_at_ms = ?2 + 3600000 WHERE id = ?1",
-                    )?
-                    .execute(params![id, now])?;
-                    tx.prepare_cached("INSERT INTO completions (id, response, history) VALUES (?1, ?2, ?3)")?
-                        .execute(params![id, response, &HISTORY[..]])?;
+                    Store::commit_split(tx, mem.id_of(hash), now, response)?;
                     continue;
                 }
                 Layout::OneBlob => {
-                    let id = mem.index.get(&(hash as u64)).copied().unwrap_or(0);
-                    let mut body = Vec::with_capacity(512);
-                    encode(&mut body, hash, key, now, Some(response), &HISTORY[..]);
-                    tx.prepare_cached("UPDATE records SET body = ?2 WHERE id = ?1")?
-                        .execute(params![id, body])?;
+                    Store::commit_one_blob(tx, mem.id_of(hash), hash, key, now, response)?;
                     continue;
                 }
                 Layout::PendingSide => {
-                    let id = mem.index.get(&(hash as u64)).copied().unwrap_or(0);
-                    tx.prepare_cached(
-                        "INSERT INTO records (hash, tenant, namespace, key, token, attempt, lease_until_ms,
-                           expires_at_ms, ttl_ms, reclaim_at_ms, fingerprint, outcome, response, completed_at_ms, history)
-                         SELECT hash, tenant, namespace, key, token, attempt, lease_until_ms, ?2 + 3600000, ttl_ms,
-                           ?2 + 3600000, fingerprint, 1, ?3, ?2, ?4 FROM pending WHERE id = ?1",
-                    )?
-                    .execute(params![id, now, response, &HISTORY[..]])?;
-                    mem.index.insert(hash as u64, tx.last_insert_rowid());
-                    tx.prepare_cached("DELETE FROM pending WHERE id = ?1")?.execute(params![id])?;
+                    Store::commit_pending_side(mem, tx, hash, now, response)?;
                     continue;
                 }
                 Layout::AppendInMemoryFull | Layout::Schema5 => {
-                    let id = mem.index.get(&(hash as u64)).copied().unwrap_or(0);
                     tx.prepare_cached(
                         "UPDATE records SET outcome = 1, response = ?2, completed_at_ms = ?3, history = ?4,
                            expires_at_ms = ?3 + 3600000, reclaim_at_ms = ?3 + 3600000 WHERE id = ?1",
                     )?
-                    .execute(params![id, response, now, &HISTORY[..]])?;
+                    .execute(params![mem.id_of(hash), response, now, &HISTORY[..]])?;
                     continue;
                 }
                 Layout::AppendInMemory => {
-                    let id = mem.index.get(&(hash as u64)).copied().unwrap_or(0);
                     tx.prepare_cached(
                         "UPDATE records SET outcome = 1, response = ?2, completed_at_ms = ?3,
                            expires_at_ms = ?3 + 3600000 WHERE id = ?1",
                     )?
-                    .execute(params![id, response, now])?;
+                    .execute(params![mem.id_of(hash), response, now])?;
                     continue;
                 }
             };
             tx.prepare_cached(sql)?.execute(params![hash, response, now])?;
         }
         Ok(())
+    }
+
+    /// `Today`'s commit: completes the record found by its three text columns.
+    fn commit_by_scope(tx: &Transaction<'_>, key: &str, now: i64, response: &[u8]) -> anyhow::Result<()> {
+        tx.prepare_cached(
+            "UPDATE records SET outcome = 1, response = ?2, completed_at_ms = ?3, history = ?4,
+               expires_at_ms = ?3 + 3600000, reclaim_at_ms = ?3 + 3600000
+             WHERE tenant = 'default' AND namespace = 'bench' AND key = ?1",
+        )?
+        .execute(params![key, response, now, &HISTORY[..]])?;
+        Ok(())
+    }
+
+    /// `AppendSplit`'s commit: completes record `id` in place and writes its response and
+    /// history to the completions table.
+    fn commit_split(tx: &Transaction<'_>, id: i64, now: i64, response: &[u8]) -> anyhow::Result<()> {
+        tx.prepare_cached(
+            "UPDATE records SET outcome = 1, completed_at_ms = ?2,
+               expires_at_ms = ?2 + 3600000, reclaim_at_ms = ?2 + 3600000 WHERE id = ?1",
+        )?
+        .execute(params![id, now])?;
+        tx.prepare_cached("INSERT INTO completions (id, response, history) VALUES (?1, ?2, ?3)")?
+            .execute(params![id, response, &HISTORY[..]])?;
+        Ok(())
+    }
+
+    /// `OneBlob`'s commit: encodes the whole completed record and overwrites record `id` with it.
+    fn commit_one_blob(
+        tx: &Transaction<'_>,
+        id: i64,
+        hash: i64,
+        key: &str,
+        now: i64,
+        response: &[u8],
+    ) -> anyhow::Result<()> {
+        let mut body = Vec::with_capacity(512);
+        encode(&mut body, hash, key, now, Some(response), &HISTORY[..]);
+        tx.prepare_cached("UPDATE records SET body = ?2 WHERE id = ?1")?.execute(params![id, body])?;
+        Ok(())
+    }
+
+    /// `PendingSide`'s commit: appends the completed record to `records`, points the
+    /// in-memory index at it, and deletes the pending row.
+    fn commit_pending_side(
+        mem: &mut Memory<'_>,
+        tx: &Transaction<'_>,
+        hash: i64,
+        now: i64,
+        response: &[u8],
+    ) -> anyhow::Result<()> {
+        let id = mem.id_of(hash);
+        tx.prepare_cached(
+            "INSERT INTO records (hash, tenant, namespace, key, token, attempt, lease_until_ms,
+               expires_at_ms, ttl_ms, reclaim_at_ms, fingerprint, outcome, response, completed_at_ms, history)
+             SELECT hash, tenant, namespace, key, token, attempt, lease_until_ms, ?2 + 3600000, ttl_ms,
+               ?2 + 3600000, fingerprint, 1, ?3, ?2, ?4 FROM pending WHERE id = ?1",
+        )?
+        .execute(params![id, now, response, &HISTORY[..]])?;
+        mem.index.insert(hash as u64, tx.last_insert_rowid());
+        tx.prepare_cached("DELETE FROM pending WHERE id = ?1")?.execute(params![id])?;
+        Ok(())
+    }
+}
+
+impl Memory<'_> {
+    /// The id the in-memory index holds for `hash`, or 0 (no row) if none.
+    fn id_of(&self, hash: i64) -> i64 {
+        self.index.get(&(hash as u64)).copied().unwrap_or(0)
     }
 }
 

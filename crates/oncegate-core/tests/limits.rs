@@ -19,7 +19,13 @@ struct Bound {
     field: &'static str,
 }
 
+/// Every request limit's bound: the lengths, then the numbers.
 fn bounds(l: &Limits) -> Vec<Bound> {
+    length_bounds(l).into_iter().chain(number_bounds(l)).collect()
+}
+
+/// The bounds on lengths in bytes: keys, names, fingerprints and responses.
+fn length_bounds(l: &Limits) -> Vec<Bound> {
     vec![
         Bound {
             name: "key",
@@ -63,6 +69,12 @@ fn bounds(l: &Limits) -> Vec<Bound> {
             max: l.response_bytes_max as u64,
             field: "response",
         },
+    ]
+}
+
+/// The bounds on numbers: durations, the count of key parts and the token.
+fn number_bounds(l: &Limits) -> Vec<Bound> {
+    vec![
         Bound {
             name: "ttl",
             check: |l, n| l.ttl_ms(n).map(drop),

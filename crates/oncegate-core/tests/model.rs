@@ -111,25 +111,6 @@ struct ModelKey {
 
 fn model(slot: &mut Option<ModelKey>, command: &Command, now: u64, next: u64) -> Result<Reply, Error> {
     let state = model_state(slot, now);
-    let grant =
-        |slot: &mut Option<ModelKey>, r: &Reserve, attempt: u32, previous: Previous, fp: Fingerprint| {
-            *slot = Some(ModelKey {
-                token: next,
-                attempt,
-                lease_until: now + r.lease_ms,
-                expires_at: now + r.ttl_ms,
-                ttl: r.ttl_ms,
-                fingerprint: fp,
-                done: None,
-            });
-            Ok(Reply::Reserve(ReserveReply::Granted {
-                token: next,
-                attempt,
-                lease_until_ms: now + r.lease_ms,
-                expires_at_ms: now + r.ttl_ms,
-                previous,
-            }))
-        };
     match (command, state) {
         (Command::Inspect, _) => unreachable!("the model test does not generate inspect"),
         (Command::ForceRelease | Command::Purge, State::Free) => Err(Error::NotFound),
@@ -140,48 +121,8 @@ fn model(slot: &mut Option<ModelKey>, command: &Command, now: u64, next: u64) ->
             Ok(Reply::Removed { previous, token })
         }
         (Command::Get, State::Free) => Ok(Reply::Get(View::FREE)),
-        (Command::Get, state) => {
-            let k = slot.as_ref().unwrap();
-            Ok(Reply::Get(View {
-                state,
-                token: k.token,
-                attempt: k.attempt,
-                lease_until_ms: k.lease_until,
-                expires_at_ms: k.expires_at,
-                outcome: k.done.as_ref().map(|d| d.0),
-                response: k.done.as_ref().map(|d| d.1.clone()).unwrap_or_default(),
-            }))
-        }
-        (Command::Reserve(r), State::Free) => grant(slot, r, 1, Previous::None, r.fingerprint.clone()),
-        (Command::Reserve(r), _)
-            if !r.fingerprint.is_none() && r.fingerprint != slot.as_ref().unwrap().fingerprint =>
-        {
-            Ok(Reply::Reserve(ReserveReply::Mismatch { expires_at_ms: slot.as_ref().unwrap().expires_at }))
-        }
-        (Command::Reserve(_), State::Pending) => {
-            let k = slot.as_ref().unwrap();
-            Ok(Reply::Reserve(ReserveReply::InProgress {
-                attempt: k.attempt,
-                lease_until_ms: k.lease_until,
-                retry_after_ms: (k.lease_until - now).clamp(1, oncegate_core::RETRY_AFTER_MS_MAX),
-            }))
-        }
-        (Command::Reserve(r), State::Abandoned) => {
-            let k = slot.clone().unwrap();
-            let fp = if r.fingerprint.is_none() { k.fingerprint } else { r.fingerprint.clone() };
-            grant(slot, r, k.attempt + 1, Previous::Abandoned, fp)
-        }
-        (Command::Reserve(_), State::Completed) => {
-            let k = slot.as_ref().unwrap();
-            let (outcome, response, at) = k.done.clone().unwrap();
-            Ok(Reply::Reserve(ReserveReply::Completed {
-                token: k.token,
-                outcome,
-                response,
-                completed_at_ms: at,
-                expires_at_ms: k.expires_at,
-            }))
-        }
+        (Command::Get, state) => Ok(Reply::Get(model_view(slot.as_ref().unwrap(), state))),
+        (Command::Reserve(r), state) => model_reserve(slot, r, state, now, next),
         (Command::Commit(_) | Command::Release { .. } | Command::Heartbeat { .. }, State::Free) => {
             Err(Error::NotFound)
         }
@@ -219,6 +160,87 @@ fn model(slot: &mut Option<ModelKey>, command: &Command, now: u64, next: u64) ->
             k.lease_until = now + lease_ms;
             Ok(Reply::Heartbeat { lease_until_ms: k.lease_until, expires_at_ms: k.expires_at })
         }
+    }
+}
+
+/// The model's answer to a reserve of a key in `state` (expiry already applied).
+fn model_reserve(
+    slot: &mut Option<ModelKey>,
+    r: &Reserve,
+    state: State,
+    now: u64,
+    next: u64,
+) -> Result<Reply, Error> {
+    match state {
+        State::Free => model_grant(slot, r, now, next, 1, Previous::None, r.fingerprint.clone()),
+        _ if !r.fingerprint.is_none() && r.fingerprint != slot.as_ref().unwrap().fingerprint => {
+            Ok(Reply::Reserve(ReserveReply::Mismatch { expires_at_ms: slot.as_ref().unwrap().expires_at }))
+        }
+        State::Pending => {
+            let k = slot.as_ref().unwrap();
+            Ok(Reply::Reserve(ReserveReply::InProgress {
+                attempt: k.attempt,
+                lease_until_ms: k.lease_until,
+                retry_after_ms: (k.lease_until - now).clamp(1, oncegate_core::RETRY_AFTER_MS_MAX),
+            }))
+        }
+        State::Abandoned => {
+            let k = slot.clone().unwrap();
+            let fp = if r.fingerprint.is_none() { k.fingerprint } else { r.fingerprint.clone() };
+            model_grant(slot, r, now, next, k.attempt + 1, Previous::Abandoned, fp)
+        }
+        State::Completed => {
+            let k = slot.as_ref().unwrap();
+            let (outcome, response, at) = k.done.clone().unwrap();
+            Ok(Reply::Reserve(ReserveReply::Completed {
+                token: k.token,
+                outcome,
+                response,
+                completed_at_ms: at,
+                expires_at_ms: k.expires_at,
+            }))
+        }
+    }
+}
+
+/// Grants the key to token `next` in the model, with this attempt, previous state and fingerprint.
+fn model_grant(
+    slot: &mut Option<ModelKey>,
+    r: &Reserve,
+    now: u64,
+    next: u64,
+    attempt: u32,
+    previous: Previous,
+    fp: Fingerprint,
+) -> Result<Reply, Error> {
+    *slot = Some(ModelKey {
+        token: next,
+        attempt,
+        lease_until: now + r.lease_ms,
+        expires_at: now + r.ttl_ms,
+        ttl: r.ttl_ms,
+        fingerprint: fp,
+        done: None,
+    });
+    Ok(Reply::Reserve(ReserveReply::Granted {
+        token: next,
+        attempt,
+        lease_until_ms: now + r.lease_ms,
+        expires_at_ms: now + r.ttl_ms,
+        previous,
+    }))
+}
+
+/// The view a get reports of a held model key.
+fn model_view(k: &ModelKey, state: State) -> View {
+    View {
+        state,
+        token: k.token,
+        attempt: k.attempt,
+        lease_until_ms: k.lease_until,
+        expires_at_ms: k.expires_at,
+        outcome: k.done.as_ref().map(|d| d.0),
+        response: k.done.as_ref().map(|d| d.1.clone()).unwrap_or_default(),
     }
 }
 
@@ -283,48 +305,16 @@ fn run(steps: Vec<Step>) -> Result<(), TestCaseError> {
         match step {
             Step::Advance(ms) => wall += ms,
             Step::ClockBack(ms) => wall = wall.saturating_sub(ms),
-            Step::Reclaim => {
-                store.retain(|_, record| {
-                    let expired = record.is_expired(now);
-                    if expired {
-                        // The safety property checked here does not trust is_expired.
-                        assert!(
-                            record.completion.is_some() || now >= record.lease_until_ms,
-                            "reclaim would delete a pending record with a live lease"
-                        );
-                    }
-                    !expired
-                });
-            }
+            Step::Reclaim => reclaim(&mut store, now),
             Step::Call { client, key, op } => {
                 let key = match op {
                     Op::Reserve { grace: true, .. } => grace_target(&store, &mut models, key, now)?,
                     _ => key,
                 };
-                let pick = |t: &TokenPick| match t {
+                let command = command_for(&op, |t| match t {
                     TokenPick::Mine => mine.get(&(client, key)).copied().unwrap_or(1),
                     TokenPick::Any(t) => *t,
-                };
-                let command = match &op {
-                    Op::Reserve { fingerprint: f, lease_ms, ttl_ms, .. } => Command::Reserve(Reserve {
-                        ttl_ms: *ttl_ms,
-                        lease_ms: *lease_ms,
-                        fingerprint: fingerprint(*f),
-                        wait_ms: 0,
-                    }),
-                    Op::Commit { token, failed, response } => Command::Commit(Commit {
-                        token: pick(token),
-                        outcome: if *failed { Outcome::Failed } else { Outcome::Succeeded },
-                        response: vec![*response; 3],
-                    }),
-                    Op::Release { token } => Command::Release { token: pick(token) },
-                    Op::Heartbeat { token, lease_ms } => {
-                        Command::Heartbeat { token: pick(token), lease_ms: *lease_ms }
-                    }
-                    Op::Get => Command::Get,
-                    Op::ForceRelease => Command::ForceRelease,
-                    Op::Purge => Command::Purge,
-                };
+                });
                 let decision = decide(store.get(&key), &command, now, next_token);
                 let expected = model(models.entry(key).or_default(), &command, now, next_token);
                 prop_assert_eq!(&decision.reply, &expected, "command {:?} at {}", command, now);
@@ -348,6 +338,43 @@ fn run(steps: Vec<Step>) -> Result<(), TestCaseError> {
         }
     }
     Ok(())
+}
+
+/// The shard's alarm: deletes every expired record, asserting none holds a live lease.
+fn reclaim(store: &mut BTreeMap<usize, Record>, now: u64) {
+    store.retain(|_, record| {
+        let expired = record.is_expired(now);
+        if expired {
+            // The safety property checked here does not trust is_expired.
+            assert!(
+                record.completion.is_some() || now >= record.lease_until_ms,
+                "reclaim would delete a pending record with a live lease"
+            );
+        }
+        !expired
+    });
+}
+
+/// The command a generated op stands for, its tokens picked by `pick`.
+fn command_for(op: &Op, pick: impl Fn(&TokenPick) -> u64) -> Command {
+    match op {
+        Op::Reserve { fingerprint: f, lease_ms, ttl_ms, .. } => Command::Reserve(Reserve {
+            ttl_ms: *ttl_ms,
+            lease_ms: *lease_ms,
+            fingerprint: fingerprint(*f),
+            wait_ms: 0,
+        }),
+        Op::Commit { token, failed, response } => Command::Commit(Commit {
+            token: pick(token),
+            outcome: if *failed { Outcome::Failed } else { Outcome::Succeeded },
+            response: vec![*response; 3],
+        }),
+        Op::Release { token } => Command::Release { token: pick(token) },
+        Op::Heartbeat { token, lease_ms } => Command::Heartbeat { token: pick(token), lease_ms: *lease_ms },
+        Op::Get => Command::Get,
+        Op::ForceRelease => Command::ForceRelease,
+        Op::Purge => Command::Purge,
+    }
 }
 
 /// Checks the contract's safety properties from the replies alone.

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use common::*;
-use oncegate_core::{Change, Command, Commit, Outcome, Record, Reply, Reserve, ReserveReply, decide};
+use oncegate_core::{Change, Command, Commit, Outcome, Record, Reply, Reserve, ReserveReply, Tenant, decide};
 use oncegate_engine::{CommitRequest, Engine, EngineConfig, Error, Faults, KeyRequest, ManualClock};
 
 const CLIENTS: usize = 6;
@@ -102,80 +102,7 @@ fn run_calls(engines: &[Engine], round: usize) -> BTreeMap<String, Vec<Call>> {
         let handles: Vec<_> = (0..CLIENTS)
             .map(|client| {
                 let (engine, tick) = (&engines[client % engines.len()], &tick);
-                s.spawn(move || {
-                    let t = tenant();
-                    let mut seed = (round * 7919 + client * 104_729 + 1) as u64;
-                    let mut random = |n: u64| {
-                        seed ^= seed << 13;
-                        seed ^= seed >> 7;
-                        seed ^= seed << 17;
-                        seed % n
-                    };
-                    let mut mine: BTreeMap<String, u64> = BTreeMap::new();
-                    let mut out = Vec::new();
-                    for _ in 0..OPS_PER_CLIENT {
-                        let key = format!("hot-{}", random(KEYS as u64));
-                        let token = match random(4) {
-                            0 => 1 + random(12),
-                            _ => *mine.get(&key).unwrap_or(&1),
-                        };
-                        let fingerprint = if random(6) == 0 { b"B".to_vec() } else { Vec::new() };
-                        let kind = random(10);
-                        let invoked = tick.fetch_add(1, Ordering::SeqCst);
-                        let (command, answer): (Command, Result<Reply, Error>) = match kind {
-                            0..=3 => {
-                                let request = oncegate_engine::ReserveRequest {
-                                    fingerprint: fingerprint.clone(),
-                                    ..reserve_for(&key, LEASE_MS, TTL_MS, 0)
-                                };
-                                let command = Command::Reserve(Reserve {
-                                    ttl_ms: TTL_MS,
-                                    lease_ms: LEASE_MS,
-                                    fingerprint: oncegate_core::Fingerprint::from_stored(fingerprint),
-                                    wait_ms: 0,
-                                });
-                                let answer =
-                                    engine.reserve_blocking(&t, request).map(|r| Reply::Reserve(r.reply));
-                                (command, answer)
-                            }
-                            4..=5 => {
-                                let outcome =
-                                    if random(5) == 0 { Outcome::Failed } else { Outcome::Succeeded };
-                                let request = CommitRequest { outcome, ..commit(&key, token, b"result") };
-                                let command =
-                                    Command::Commit(Commit { token, outcome, response: b"result".to_vec() });
-                                let answer = engine
-                                    .commit_blocking(&t, request)
-                                    .map(|e| Reply::Commit { expires_at_ms: e });
-                                (command, answer)
-                            }
-                            6 => (
-                                Command::Release { token },
-                                engine.release_blocking(&t, key_req(&key, token, 0)).map(|()| Reply::Release),
-                            ),
-                            7 => (
-                                Command::Heartbeat { token, lease_ms: LEASE_MS },
-                                engine.heartbeat_blocking(&t, key_req(&key, token, LEASE_MS)).map(|r| {
-                                    Reply::Heartbeat {
-                                        lease_until_ms: r.lease_until_ms,
-                                        expires_at_ms: r.expires_at_ms,
-                                    }
-                                }),
-                            ),
-                            _ => (Command::Get, engine.get_blocking(&t, key_req(&key, 0, 0)).map(Reply::Get)),
-                        };
-                        let returned = tick.fetch_add(1, Ordering::SeqCst);
-                        if let Ok(Reply::Reserve(ReserveReply::Granted { token, .. })) = &answer {
-                            mine.insert(key.clone(), *token);
-                        }
-                        let answer = answer.map_err(|e| match e {
-                            Error::Refused(refusal) => refusal,
-                            other => panic!("no storage or load error is expected here: {other}"),
-                        });
-                        out.push((key, Call { command, answer, invoked, returned }));
-                    }
-                    out
-                })
+                s.spawn(move || client_history(engine, tick, round, client))
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
@@ -185,6 +112,88 @@ fn run_calls(engines: &[Engine], round: usize) -> BTreeMap<String, Vec<Call>> {
         by_key.entry(key).or_default().push(call);
     }
     by_key
+}
+
+/// One client's random calls, each with its key and its invocation and response ticks.
+fn client_history(engine: &Engine, tick: &AtomicU64, round: usize, client: usize) -> Vec<(String, Call)> {
+    let t = tenant();
+    let mut seed = (round * 7919 + client * 104_729 + 1) as u64;
+    let mut random = |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
+    };
+    let mut mine: BTreeMap<String, u64> = BTreeMap::new();
+    let mut out = Vec::new();
+    for _ in 0..OPS_PER_CLIENT {
+        let key = format!("hot-{}", random(KEYS as u64));
+        let token = match random(4) {
+            0 => 1 + random(12),
+            _ => *mine.get(&key).unwrap_or(&1),
+        };
+        let fingerprint = if random(6) == 0 { b"B".to_vec() } else { Vec::new() };
+        let kind = random(10);
+        let invoked = tick.fetch_add(1, Ordering::SeqCst);
+        let (command, answer) = send(engine, &t, &key, kind, token, fingerprint, &mut random);
+        let returned = tick.fetch_add(1, Ordering::SeqCst);
+        if let Ok(Reply::Reserve(ReserveReply::Granted { token, .. })) = &answer {
+            mine.insert(key.clone(), *token);
+        }
+        let answer = answer.map_err(|e| match e {
+            Error::Refused(refusal) => refusal,
+            other => panic!("no storage or load error is expected here: {other}"),
+        });
+        out.push((key, Call { command, answer, invoked, returned }));
+    }
+    out
+}
+
+/// Sends the command of the drawn `kind` to `engine`, and gives it with the engine's answer.
+fn send(
+    engine: &Engine,
+    t: &Tenant,
+    key: &str,
+    kind: u64,
+    token: u64,
+    fingerprint: Vec<u8>,
+    random: &mut impl FnMut(u64) -> u64,
+) -> (Command, Result<Reply, Error>) {
+    match kind {
+        0..=3 => {
+            let request = oncegate_engine::ReserveRequest {
+                fingerprint: fingerprint.clone(),
+                ..reserve_for(key, LEASE_MS, TTL_MS, 0)
+            };
+            let command = Command::Reserve(Reserve {
+                ttl_ms: TTL_MS,
+                lease_ms: LEASE_MS,
+                fingerprint: oncegate_core::Fingerprint::from_stored(fingerprint),
+                wait_ms: 0,
+            });
+            let answer = engine.reserve_blocking(t, request).map(|r| Reply::Reserve(r.reply));
+            (command, answer)
+        }
+        4..=5 => {
+            let outcome = if random(5) == 0 { Outcome::Failed } else { Outcome::Succeeded };
+            let request = CommitRequest { outcome, ..commit(key, token, b"result") };
+            let command = Command::Commit(Commit { token, outcome, response: b"result".to_vec() });
+            let answer = engine.commit_blocking(t, request).map(|e| Reply::Commit { expires_at_ms: e });
+            (command, answer)
+        }
+        6 => (
+            Command::Release { token },
+            engine.release_blocking(t, key_req(key, token, 0)).map(|()| Reply::Release),
+        ),
+        7 => (
+            Command::Heartbeat { token, lease_ms: LEASE_MS },
+            engine.heartbeat_blocking(t, key_req(key, token, LEASE_MS)).map(|r| Reply::Heartbeat {
+                lease_until_ms: r.lease_until_ms,
+                expires_at_ms: r.expires_at_ms,
+            }),
+        ),
+        _ => (Command::Get, engine.get_blocking(t, key_req(key, 0, 0)).map(Reply::Get)),
+    }
 }
 
 fn key_req(key: &str, token: u64, lease_ms: u64) -> KeyRequest {
