@@ -139,9 +139,10 @@ impl StoreError {
         }
     }
 
-    /// Whether the error is SQLite's `SQLITE_FULL`: the file reached
-    /// `shard_file_bytes_max` (SQLite's `max_page_count`) or the disk is full.
-    pub fn is_full(&self) -> bool {
+    /// Whether a statement hit SQLite's `SQLITE_FULL`: the file reached
+    /// `shard_file_bytes_max` (SQLite's `max_page_count`), or the disk is full (which
+    /// [`StoreError::is_disk_full`] tells apart).
+    pub(crate) fn is_full(&self) -> bool {
         match self {
             StoreError::Sqlite(e) => e.sqlite_error_code() == Some(rusqlite::ErrorCode::DiskFull),
             _ => false,
