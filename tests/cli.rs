@@ -53,6 +53,17 @@ impl Call for Server {
     }
 }
 
+/// `--version` names the version, the commit and the stores the binary was built with.
+#[test]
+fn version_names_the_commit_and_the_stores() {
+    let out = Command::new(BIN).arg("--version").output().unwrap();
+    assert!(out.status.success());
+    let line = String::from_utf8(out.stdout).unwrap();
+    let expected = format!("oncegate {} (commit ", env!("CARGO_PKG_VERSION"));
+    assert!(line.starts_with(&expected), "{line}");
+    assert!(line.trim_end().ends_with("stores sqlite,postgres)"), "{line}");
+}
+
 #[test]
 fn client_verbs_walk_through_the_double_fill() {
     let dir = tempfile::tempdir().unwrap();

@@ -20,7 +20,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// An idempotency gate: durably and at most once per key, may this attempt proceed?
 #[derive(Parser)]
-#[command(name = "oncegate", version, about)]
+#[command(name = "oncegate", version = oncegate_server::build::long_version(), about)]
 struct Cli {
     #[command(subcommand)]
     command: Verb,

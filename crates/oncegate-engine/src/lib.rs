@@ -44,6 +44,11 @@ pub use placement::slots::{SlotMapError, SlotMove};
 pub use shard::ShardState;
 pub use store::StoreError;
 
+/// The stores this build can keep records in (the PostgreSQL store is the `postgres`
+/// feature).
+pub const STORE_KINDS: &[&str] =
+    if cfg!(feature = "postgres") { &["sqlite", "postgres"] } else { &["sqlite"] };
+
 /// Adding shards to a stopped data directory (`oncegate reshard`), and what an add did.
 pub mod reshard {
     pub use crate::engine::{Pauses, Progress, Resharded, add_shards, add_shards_on};

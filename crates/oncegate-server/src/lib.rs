@@ -44,6 +44,27 @@ use oncegate_listen::serve::HttpLimits;
 pub use status::{CODE_METADATA, FIELD_METADATA, LIMIT_METADATA};
 pub use tls::TlsError;
 
+/// What this build is: its version, the git commit it was built from and the stores it
+/// can keep records in, as `oncegate --version` prints it and `oncegate_build_info`
+/// labels it.
+pub mod build {
+    /// The crate's version.
+    pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+    /// The git commit (12 hex digits), or `unknown` outside a checkout.
+    pub const COMMIT: &str = env!("ONCEGATE_GIT_COMMIT");
+
+    /// The stores, comma-separated: `sqlite,postgres`.
+    pub fn stores() -> String {
+        oncegate_engine::STORE_KINDS.join(",")
+    }
+
+    /// The line `--version` prints after the program's name.
+    pub fn long_version() -> &'static str {
+        static LINE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        LINE.get_or_init(|| format!("{VERSION} (commit {COMMIT}, stores {})", stores()))
+    }
+}
+
 /// The fully qualified name of the gate service, as health checks name it.
 pub const GATE_SERVICE_NAME: &str = "oncegate.v1.Gate";
 

@@ -54,9 +54,15 @@ pub fn handle() -> &'static PrometheusHandle {
             .expect("bucket lists are not empty")
             .build_recorder();
         let handle = recorder.handle();
+        let build_info = [
+            ("version", crate::build::VERSION.to_owned()),
+            ("commit", crate::build::COMMIT.to_owned()),
+            ("stores", crate::build::stores()),
+        ];
         // Another recorder may already be installed by an embedding program; then its
         // recorder gets the figures and this handle renders only what it saw.
         let _ = metrics::set_global_recorder(recorder);
+        metrics::gauge!("oncegate_build_info", &build_info).set(1.0);
         // Histogram samples pile up in the recorder until upkeep drains them into their
         // buckets; without it memory grows with every request when nobody scrapes (the
         // soak test found this). The exporter's own installer runs upkeep on a task; this

@@ -59,6 +59,8 @@ async fn metrics_health_and_readiness_follow_the_traffic() {
     assert_eq!(tokio::task::spawn_blocking(move || http_get(addr, "/readyz")).await.unwrap().0, 200);
     let before = scrape().await.unwrap();
     assert_eq!(value(&before, "oncegate_shard_serving", &[]), 2.0, "both shards serve");
+    let build = [("version", env!("CARGO_PKG_VERSION")), ("commit", oncegate_server::build::COMMIT)];
+    assert_eq!(value(&before, "oncegate_build_info", &build), 1.0, "the build is labelled: {before:?}");
 
     let mut client = server.client().await;
     let granted = client.reserve(reserve("a")).await.unwrap().into_inner();
