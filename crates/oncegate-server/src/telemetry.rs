@@ -97,12 +97,22 @@ pub(crate) fn record_call(
 
 /// Sets the gauges that are read, not counted: shard state and queues, process figures.
 fn refresh(engine: &Engine) {
+    let config = engine.config();
     for stats in engine.stats() {
         let shard = stats.shard.to_string();
         let gauge =
             |name: &'static str, value: f64| metrics::gauge!(name, "shard" => shard.clone()).set(value);
         gauge("oncegate_shard_serving", if stats.state == ShardState::Serving { 1.0 } else { 0.0 });
+        for state in ShardState::ALL {
+            let on = if stats.state == state { 1.0 } else { 0.0 };
+            metrics::gauge!("oncegate_shard_state", "shard" => shard.clone(), "state" => state.as_str())
+                .set(on);
+        }
         gauge("oncegate_shard_mailbox_depth", stats.mailbox_depth as f64);
+        gauge("oncegate_shard_mailbox_depth_max", config.mailbox_depth_max as f64);
+        gauge("oncegate_shard_file_bytes", stats.file_bytes as f64);
+        gauge("oncegate_shard_file_bytes_max", config.shard_file_bytes_max as f64);
+        gauge("oncegate_shard_clock_ahead_seconds", stats.clock_ahead_ms as f64 / 1_000.0);
         gauge("oncegate_shard_waiters", stats.waiters as f64);
         gauge("oncegate_shard_records_pending", stats.records_pending as f64);
         gauge("oncegate_shard_records_completed", stats.records_completed as f64);
@@ -127,6 +137,16 @@ fn refresh(engine: &Engine) {
     if let Ok(fds) = std::fs::read_dir("/proc/self/fd") {
         metrics::gauge!("process_open_fds").set(fds.count() as f64);
     }
+    if let Some(max) = process_max_fds() {
+        metrics::gauge!("process_max_fds").set(max as f64);
+    }
+}
+
+/// The soft limit on open files (`RLIMIT_NOFILE`), from `/proc/self/limits`.
+fn process_max_fds() -> Option<u64> {
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
+    line.trim_start_matches("Max open files").split_whitespace().next()?.parse().ok()
 }
 
 fn process_rss_bytes() -> Option<u64> {

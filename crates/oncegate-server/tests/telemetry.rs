@@ -61,6 +61,15 @@ async fn metrics_health_and_readiness_follow_the_traffic() {
     assert_eq!(value(&before, "oncegate_shard_serving", &[]), 2.0, "both shards serve");
     let build = [("version", env!("CARGO_PKG_VERSION")), ("commit", oncegate_server::build::COMMIT)];
     assert_eq!(value(&before, "oncegate_build_info", &build), 1.0, "the build is labelled: {before:?}");
+    // What the alert rules read (config/prometheus/oncegate-rules.yml).
+    assert_eq!(value(&before, "oncegate_shard_state", &[("state", "serving")]), 2.0);
+    assert_eq!(value(&before, "oncegate_shard_state", &[("state", "halted")]), 0.0);
+    let max = EngineConfig::default().mailbox_depth_max as f64;
+    assert_eq!(value(&before, "oncegate_shard_mailbox_depth_max", &[("shard", "0")]), max);
+    let file_max = EngineConfig::default().shard_file_bytes_max as f64;
+    assert_eq!(value(&before, "oncegate_shard_file_bytes_max", &[("shard", "0")]), file_max);
+    assert!(before.keys().any(|series| series.starts_with("oncegate_shard_clock_ahead_seconds{")));
+    assert!(value(&before, "process_max_fds", &[]) > 0.0, "the open-files limit is read");
 
     let mut client = server.client().await;
     let granted = client.reserve(reserve("a")).await.unwrap().into_inner();
@@ -89,6 +98,7 @@ async fn metrics_health_and_readiness_follow_the_traffic() {
     assert_eq!(malformed.status, 400, "{}", malformed.body);
 
     let after = scrape().await.unwrap();
+    assert!(value(&after, "oncegate_shard_file_bytes", &[]) > 0.0, "a written shard file has pages");
     let moved = |labels: &[(&str, &str)]| {
         value(&after, "oncegate_requests_total", labels) - value(&before, "oncegate_requests_total", labels)
     };

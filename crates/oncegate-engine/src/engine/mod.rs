@@ -68,6 +68,12 @@ pub struct ShardStats {
     pub records_pending: u64,
     /// Stored completed records (expired ones not yet reclaimed included).
     pub records_completed: u64,
+    /// The bytes of the shard file's pages in use, as of its last write batch (0 on
+    /// PostgreSQL): beside `shard_file_bytes_max`, how full the file is.
+    pub file_bytes: u64,
+    /// How far the shard's time runs ahead of the wall clock, in ms (negative: behind),
+    /// as of its last batch: far ahead, the clock guard holds time from going back.
+    pub clock_ahead_ms: i64,
     /// The last storage error, if any.
     pub last_error: Option<String>,
 }
@@ -247,6 +253,8 @@ impl ShardHandle {
             waiters: shared.waiters.load(Ordering::Relaxed),
             records_pending: shared.records_pending.load(Ordering::Relaxed),
             records_completed: shared.records_completed.load(Ordering::Relaxed),
+            file_bytes: shared.file_bytes.load(Ordering::Relaxed),
+            clock_ahead_ms: shared.clock_ahead_ms.load(Ordering::Relaxed),
             last_error: shared.last_error.lock().unwrap_or_else(|p| p.into_inner()).clone(),
         }
     }

@@ -210,6 +210,17 @@ impl Shard {
     /// goes back, its counts are forgotten, and every caller hears a refusal, never an
     /// acknowledgement: on a full disk `resource_exhausted` (the store stays open and
     /// refuses writes from now on), otherwise `unavailable` (the shard fails).
+    /// Publishes what the shard's gauges read besides its counters: the file's size and
+    /// how far the shard's time is from the wall clock.
+    fn publish_gauges(&mut self) {
+        if let Some(own) = self.store.as_ref().and_then(Store::own) {
+            self.shared.file_bytes.store(own.used_bytes(), Ordering::Relaxed);
+        }
+        let now = self.guard.read(self.cx.clock.monotonic_ms()) as i64;
+        let ahead_ms = now.saturating_sub(self.cx.clock.now_ms() as i64);
+        self.shared.clock_ahead_ms.store(ahead_ms, Ordering::Relaxed);
+    }
+
     pub(super) fn conclude<T>(
         &mut self,
         result: Result<T, StoreError>,
@@ -222,6 +233,7 @@ impl Shard {
             Ok(value) => {
                 self.shared.set_records(self.book.settle());
                 durable(&value, &self.shared);
+                self.publish_gauges();
                 self.shared.publish();
                 for (reply, answer) in outbox {
                     let _ = reply.send(answer);

@@ -2,7 +2,7 @@
 //! condition variable, so tests wait on them instead of sleeping), and the clock frame
 //! all shards share.
 
-use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -28,7 +28,8 @@ pub enum ShardState {
 }
 
 impl ShardState {
-    const ALL: [ShardState; 6] = [
+    /// Every state, in declaration order.
+    pub const ALL: [ShardState; 6] = [
         ShardState::Starting,
         ShardState::Serving,
         ShardState::Failed,
@@ -78,6 +79,13 @@ pub(crate) struct Shared {
     pub records_pending: AtomicU64,
     pub records_completed: AtomicU64,
     pub waiters: AtomicU64,
+    /// The bytes of the shard file's pages in use, as of its last write batch (0 on a
+    /// shared store).
+    pub file_bytes: AtomicU64,
+    /// How far the shard's time is ahead of the wall clock (ms; negative: behind), as of
+    /// its last batch. Far ahead, the wall clock stepped back (or a mark from a clock
+    /// that ran ahead was persisted) and the clock guard holds time from going back.
+    pub clock_ahead_ms: AtomicI64,
     pub last_error: Mutex<Option<String>>,
 }
 

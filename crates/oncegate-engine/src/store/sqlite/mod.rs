@@ -66,6 +66,10 @@ pub(crate) struct Store {
     pages_max: u64,
     /// The most pages one batch's writes can take.
     batch_pages_max: u64,
+    /// The file's page size, in bytes.
+    page_bytes: u64,
+    /// The file's pages in use (its pages less its free list), as of the last batch.
+    pages_used: Cell<u64>,
     /// Whether the statement journal's triggers exist on this connection.
     journaled: bool,
     /// Whether writes are refused (the disk is full): see [`Store::refuse_writes`].
@@ -252,6 +256,8 @@ impl Store {
             schedule,
             tally: Some(tally),
             pages_max: pages,
+            page_bytes: from_sql(page_bytes),
+            pages_used: Cell::new(0),
             batch_pages_max: write_pages.saturating_mul(tuning.batch_writes_max),
             journaled: false,
             writes_refused: false,
@@ -317,7 +323,14 @@ impl Store {
     fn pages_left(&self) -> Result<u64, StoreError> {
         let count: i64 = self.conn.prepare_cached("PRAGMA page_count")?.query_row([], |row| row.get(0))?;
         let free: i64 = self.conn.prepare_cached("PRAGMA freelist_count")?.query_row([], |row| row.get(0))?;
+        self.pages_used.set(from_sql(count).saturating_sub(from_sql(free)));
         Ok(self.pages_max.saturating_sub(from_sql(count)) + from_sql(free))
+    }
+
+    /// The bytes of the file's pages in use (free pages aside) as of the last write
+    /// batch: how close the file is to `shard_file_bytes_max`.
+    pub fn used_bytes(&self) -> u64 {
+        self.pages_used.get().saturating_mul(self.page_bytes)
     }
 
     /// Starts a read transaction for a batch of reads: one consistent snapshot, no write
