@@ -62,6 +62,7 @@ pub fn handle() -> &'static PrometheusHandle {
         // Another recorder may already be installed by an embedding program; then its
         // recorder gets the figures and this handle renders only what it saw.
         let _ = metrics::set_global_recorder(recorder);
+        describe();
         metrics::gauge!("oncegate_build_info", &build_info).set(1.0);
         // Histogram samples pile up in the recorder until upkeep drains them into their
         // buckets; without it memory grows with every request when nobody scrapes (the
@@ -93,6 +94,55 @@ pub(crate) fn record_call(
         .increment(1);
     metrics::histogram!("oncegate_request_duration_seconds", "rpc" => rpc)
         .record(started.elapsed().as_secs_f64());
+}
+
+/// Every metric's help text (`# HELP`), so that `promtool check metrics` and a reader of
+/// `/metrics` know what each one is; docs/operations.md has the same table.
+fn describe() {
+    use metrics::{describe_counter as counter, describe_gauge as gauge, describe_histogram as histogram};
+    counter!("oncegate_requests_total", "Calls by rpc, result (outcome or refusal code) and tenant.");
+    histogram!("oncegate_request_duration_seconds", "Time from a call's arrival to its answer.");
+    histogram!("oncegate_shard_batch_len", "Commands per shard transaction.");
+    histogram!("oncegate_shard_commit_seconds", "Time of a shard's COMMIT (its WAL fsync).");
+    gauge!("oncegate_shard_serving", "1 when the shard serves, 0 otherwise.");
+    gauge!("oncegate_shard_state", "1 for the shard's state, 0 for the others.");
+    gauge!("oncegate_shard_mailbox_depth", "Requests waiting for the shard.");
+    gauge!("oncegate_shard_mailbox_depth_max", "engine.mailbox_depth_max.");
+    gauge!("oncegate_shard_waiters", "Reserves parked with wait_ms.");
+    gauge!("oncegate_shard_records_pending", "Stored pending records (expired, unreclaimed ones included).");
+    gauge!(
+        "oncegate_shard_records_completed",
+        "Stored completed records (expired, unreclaimed ones included)."
+    );
+    gauge!("oncegate_shard_slots", "Slots the slot map gives the shard.");
+    gauge!(
+        "oncegate_shard_file_bytes",
+        "Bytes of the shard file's pages in use, as of its last write batch."
+    );
+    gauge!("oncegate_shard_file_bytes_max", "engine.shard_file_bytes_max.");
+    gauge!("oncegate_shard_clock_ahead_seconds", "The shard's time less the wall clock.");
+    counter!("oncegate_shard_reclaimed_total", "Expired records deleted by the shard's alarm.");
+    counter!("oncegate_shard_batches_total", "Shard transactions.");
+    counter!("oncegate_shard_commands_total", "Commands in shard transactions.");
+    counter!("oncegate_shard_failures_total", "Storage failures of the shard.");
+    counter!("oncegate_shard_checkpoints_total", "WAL checkpoints of the shard file.");
+    gauge!("oncegate_slot_moving", "1 while an add-shards moves a slot.");
+    counter!("oncegate_slot_moves_total", "Slots moved online.");
+    counter!("oncegate_slot_moved_records_total", "Records carried by online slot moves.");
+    histogram!("oncegate_slot_move_seconds", "One slot move, from holding its requests to releasing them.");
+    gauge!("oncegate_session_streams", "Session streams open.");
+    gauge!("oncegate_session_unsent_bytes", "Bytes of Session answers not yet taken by the transport.");
+    gauge!("oncegate_session_calls_in_flight", "Session calls started and not yet answered.");
+    counter!("oncegate_connections_refused_total", "Connections closed at once, by the limit reached.");
+    counter!("oncegate_connections_closed_total", "Connections closed at a deadline, by the limit reached.");
+    gauge!("oncegate_build_info", "1, labelled with the version, the git commit and the stores built in.");
+    gauge!("process_resident_memory_bytes", "Resident memory of the server process.");
+    gauge!("process_open_fds", "Open file descriptors of the server process.");
+    gauge!("process_max_fds", "The server process's open-files limit.");
+    // Counters without labels exist from the start, so that a rate over them (and a
+    // dashboard's panel) reads 0 rather than nothing before the first slot moves.
+    metrics::counter!("oncegate_slot_moves_total").increment(0);
+    metrics::counter!("oncegate_slot_moved_records_total").increment(0);
 }
 
 /// Sets the gauges that are read, not counted: shard state and queues, process figures.
