@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use anyhow::Context;
-use oncegate_engine::{Engine, StoreKind};
+use oncegate_engine::{Engine, ShardState, StoreKind};
 use oncegate_server::{Config, Listeners, LogFormat};
 use tracing_subscriber::EnvFilter;
 
@@ -111,11 +111,47 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         durability = ?config.engine.durability,
         "listening"
     );
-    let served = oncegate_server::serve(engine.clone(), &config, listeners, shutdown_signal()).await;
+    tokio::spawn(notify_ready(engine.clone()));
+    let stopping = async {
+        shutdown_signal().await;
+        let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
+    };
+    let served = oncegate_server::serve(engine.clone(), &config, listeners, stopping).await;
     tracing::info!("stopped accepting; in-flight calls finished; closing the shards");
     tokio::task::spawn_blocking(move || engine.shutdown()).await?;
     tracing::info!("shut down");
     served.map_err(anyhow::Error::from)
+}
+
+/// Tells systemd (`Type=notify`; a no-op without `NOTIFY_SOCKET`) that the service is
+/// ready once every shard serves: the ports are bound before the engine opens, and a
+/// shard still opening (or failing to) answers `unavailable`. Until then the status line
+/// says how many serve.
+async fn notify_ready(engine: Engine) {
+    let shards = engine.shard_states().len();
+    for shard in 0..shards as u32 {
+        let serving = engine.shard_states().iter().filter(|s| **s == ShardState::Serving).count();
+        let status = format!("{serving} of {shards} shards serving");
+        let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Status(&status)]);
+        // Waited for a second at a time, so that a shutdown (the shard stopped) ends
+        // the wait rather than keep a blocking thread.
+        loop {
+            let waiting = engine.clone();
+            let served = tokio::task::spawn_blocking(move || {
+                waiting.wait_shard_state(shard, ShardState::Serving, std::time::Duration::from_secs(1))
+            });
+            if served.await.unwrap_or(false) {
+                break;
+            }
+            if engine.shard_states().get(shard as usize).is_none_or(|s| *s == ShardState::Stopped) {
+                return;
+            }
+        }
+    }
+    let status = format!("serving, {shards} shards");
+    let _ =
+        sd_notify::notify(false, &[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status(&status)]);
+    tracing::info!(shards, "every shard serves: ready");
 }
 
 /// Resolves on SIGINT or SIGTERM.
