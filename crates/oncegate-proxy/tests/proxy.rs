@@ -50,6 +50,12 @@ async fn upstream(counts: Arc<Counts>) -> String {
             }),
         )
         .route(
+            "/trace",
+            post(|headers: axum::http::HeaderMap| async move {
+                headers.get("traceparent").map(|v| v.to_str().unwrap().to_owned()).unwrap_or_default()
+            }),
+        )
+        .route(
             "/linked",
             post(|| async {
                 let mut headers = axum::http::HeaderMap::new();
@@ -464,6 +470,18 @@ async fn attempt_headers_come_from_the_proxy_only() {
     assert!(body.starts_with("token=Some("), "the proxy's own token goes upstream: {body}");
     let ((_, _, unguarded), _) = setup.post_with("/echo", None, "{}", &forged).await;
     assert_eq!(String::from_utf8(unguarded).unwrap(), "token=None previous=None");
+}
+
+/// A caller's W3C `traceparent` goes upstream with its request, so the upstream's spans
+/// join the caller's trace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_s_traceparent_goes_upstream() {
+    let setup = setup(|_| {}).await;
+    let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let ((status, _, body), _) =
+        setup.post_with("/trace", Some("t"), "{}", &[("traceparent", traceparent)]).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(String::from_utf8(body).unwrap(), traceparent);
 }
 
 /// An answer larger than `stored_bytes_max` is passed on with a `Warning` and the key
