@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use oncegate_engine::{Engine, ShardState, StoreKind};
-use oncegate_server::{Config, Listeners, LogFormat};
+use oncegate_server::{Config, Listeners, LogFormat, TraceExport};
 use tracing_subscriber::EnvFilter;
 
 /// Flags override the environment, which overrides the file, which overrides defaults.
@@ -73,24 +73,37 @@ fn load(args: &ServeArgs) -> anyhow::Result<Config> {
     Ok(config)
 }
 
-fn init_logging(config: &Config) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(&config.log.filter));
+/// Logs to standard error under the log filter, and exports traces when `[telemetry]`
+/// says where (the export is returned, to be dropped before the runtime).
+fn init_logging(config: &Config) -> anyhow::Result<Option<TraceExport>> {
     use std::io::IsTerminal;
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    use tracing_subscriber::Layer;
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(&config.log.filter));
+    let logs = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal());
-    match config.log.format {
-        LogFormat::Json => builder.json().init(),
-        LogFormat::Text => builder.init(),
-    }
+    let logs = match config.log.format {
+        LogFormat::Json => logs.json().with_filter(filter).boxed(),
+        LogFormat::Text => logs.with_filter(filter).boxed(),
+    };
+    let (traces, export) = oncegate_server::otlp_layer(&config.telemetry)?.unzip();
+    tracing_subscriber::registry().with(logs).with(traces).init();
+    Ok(export)
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let config = load(&args)?;
-    init_logging(&config);
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    runtime.block_on(serve(config))
+    // The trace exporter's channel runs on the runtime, so it is made inside it.
+    let export = {
+        let _inside = runtime.enter();
+        init_logging(&config)?
+    };
+    let served = runtime.block_on(serve(config));
+    drop(export);
+    served
 }
 
 async fn serve(config: Config) -> anyhow::Result<()> {

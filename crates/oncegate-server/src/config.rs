@@ -20,6 +20,8 @@ pub struct Config {
     pub store: StoreConfig,
     /// Logging.
     pub log: LogConfig,
+    /// Trace export.
+    pub telemetry: TelemetryConfig,
     /// The operator's service.
     pub admin: AdminConfig,
     /// Tenants and the SHA-256 of their bearer tokens. Empty: one `default` tenant, no
@@ -259,6 +261,16 @@ pub struct LogConfig {
     pub filter: String,
 }
 
+/// Where traces go (`[telemetry]`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TelemetryConfig {
+    /// The OTLP/gRPC endpoint the request and batch spans are exported to, such as
+    /// `http://collector:4317`. Unset: `OTEL_EXPORTER_OTLP_ENDPOINT`; neither: no export,
+    /// and no cost.
+    pub otlp_endpoint: Option<String>,
+}
+
 impl Default for LogConfig {
     fn default() -> Self {
         LogConfig { format: LogFormat::Text, filter: "info".to_owned() }
@@ -450,6 +462,14 @@ impl Config {
             problems.extend(tenants);
         }
         self.check_admin(&mut problems);
+        if let Some(endpoint) = &self.telemetry.otlp_endpoint
+            && !(endpoint.starts_with("http://") || endpoint.starts_with("https://"))
+        {
+            problems.push(Problem::new(
+                "telemetry.otlp_endpoint",
+                format!("is {endpoint:?}; it needs http:// or https://"),
+            ));
+        }
         problems.into_result()
     }
 

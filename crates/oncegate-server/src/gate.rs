@@ -368,7 +368,12 @@ impl GateService {
     /// load), then [`GateService::begin`].
     async fn unary<M: Call>(&self, request: Request<M>) -> Result<Response<M::Reply>, Status> {
         let tenant = self.auth.tenant(request.metadata());
-        let answer = self.begin(tenant, request.into_inner(), None).await;
+        let metadata = request.metadata();
+        let caller =
+            crate::traces::caller_span("grpc", |key| metadata.get(key).and_then(|v| v.to_str().ok()));
+        // Entered only while the call is queued: its request span, made then, is the child.
+        let answer = caller.in_scope(|| self.begin(tenant, request.into_inner(), None));
+        let answer = answer.await;
         answer.map(|(reply, _)| Response::new(reply)).map_err(|refusal| refusal.to_status())
     }
 }

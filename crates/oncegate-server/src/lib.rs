@@ -17,6 +17,7 @@ mod status;
 mod telemetry;
 mod tenants;
 mod tls;
+mod traces;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -33,8 +34,8 @@ pub(crate) use admin::AdminService;
 pub use auth::token_sha256;
 pub(crate) use auth::{AdminAuth, Auth};
 pub use config::{
-    AdminConfig, Config, ConfigError, LogConfig, LogFormat, ServerConfig, TenantConfig, TenantEntry,
-    TokenSha256,
+    AdminConfig, Config, ConfigError, LogConfig, LogFormat, ServerConfig, TelemetryConfig, TenantConfig,
+    TenantEntry, TokenSha256,
 };
 pub use dispatch::is_loopback_host;
 pub(crate) use gate::GateService;
@@ -43,6 +44,7 @@ pub use gate::key_digest;
 use oncegate_listen::serve::HttpLimits;
 pub use status::{CODE_METADATA, FIELD_METADATA, LIMIT_METADATA};
 pub use tls::TlsError;
+pub use traces::{TraceExport, TracesError, otlp_layer};
 
 /// What this build is: its version, the git commit it was built from and the stores it
 /// can keep records in, as `oncegate --version` prints it and `oncegate_build_info`

@@ -177,7 +177,9 @@ pub(crate) fn open(
         }
     };
     let limits = gate.session;
-    let session = Session::new(gate, tenant, place);
+    let metadata = request.metadata();
+    let caller = crate::traces::caller_span("session", |key| metadata.get(key).and_then(|v| v.to_str().ok()));
+    let session = Session::new(gate, tenant, place, caller);
     let (sender, responses) = answers(limits.calls_in_flight_max, &session.backlog);
     tokio::spawn(session.run(request.into_inner(), sender));
     let mut response = Response::new(responses);
@@ -192,6 +194,9 @@ struct Session {
     limits: SessionLimits,
     /// The stream's place among its tenant's open streams, given back as it ends.
     _place: Option<OwnedSemaphorePermit>,
+    /// The caller's trace, from the stream's `traceparent`: every call of the stream
+    /// continues it (a disabled span unless traces are exported).
+    caller: tracing::Span,
     /// The bytes of the answers in `ready` and in the answers' channel.
     backlog: Arc<Backlog>,
     /// The calls in flight, by id: where each one's answer is awaited.
@@ -220,8 +225,14 @@ impl Session {
     }
 
     /// A stream's state before its first request: no call in flight.
-    fn new(gate: GateService, tenant: Tenant, place: Option<OwnedSemaphorePermit>) -> Session {
+    fn new(
+        gate: GateService,
+        tenant: Tenant,
+        place: Option<OwnedSemaphorePermit>,
+        caller: tracing::Span,
+    ) -> Session {
         Session {
+            caller,
             limits: gate.session,
             gate,
             tenant,
@@ -423,7 +434,8 @@ impl Session {
 
     /// One call on the unary path, its answer wrapped for the stream.
     fn begin<M: Call>(&self, id: u64, message: M, deadline: Deadline, wrap: fn(M::Reply) -> Out) -> Answer {
-        let answer = self.gate.begin_held(Ok(self.tenant.clone()), message, Some(deadline));
+        let answer =
+            self.caller.in_scope(|| self.gate.begin_held(Ok(self.tenant.clone()), message, Some(deadline)));
         // A combinator, not an `async` block, which would hold `answer` twice.
         Box::pin(answer.map(move |(answer, place)| {
             let result = match answer {
@@ -513,7 +525,7 @@ mod tests {
         };
         let admit = Admit::new(64, &[], engine.clock().clone());
         let gate = GateService::new(engine.clone(), Auth::new(&[]), admit, limits, Duration::from_secs(60));
-        let session = Session::new(gate, tenant.clone(), None);
+        let session = Session::new(gate, tenant.clone(), None, tracing::Span::none());
         let (frames, body) = mpsc::channel(4);
         let mut codec =
             oncegate_proto::codec::StrictCodec::<pb::SessionResponse, pb::SessionRequest>::default();

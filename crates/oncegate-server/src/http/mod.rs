@@ -159,7 +159,10 @@ async fn call<M: Call, A: Serialize>(
         within: http.answer_within,
         limit: "server.request_timeout_ms less 500 ms, from the request's arrival",
     };
-    match http.gate.begin(tenant, message, Some(deadline)).await {
+    let headers = &request.headers;
+    let caller = crate::traces::caller_span("http", |key| headers.get(key).and_then(|v| v.to_str().ok()));
+    let started = caller.in_scope(|| http.gate.begin(tenant, message, Some(deadline)));
+    match started.await {
         Ok((reply, _)) => Json(answer(reply)).into_response(),
         Err(refusal) => problem(&refusal),
     }
