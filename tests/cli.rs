@@ -53,6 +53,39 @@ impl Call for Server {
     }
 }
 
+/// Under systemd (`Type=notify`) the server says READY=1 once every shard serves and
+/// STOPPING=1 at SIGTERM, on the socket `NOTIFY_SOCKET` names.
+#[test]
+fn systemd_hears_ready_then_stopping() {
+    use std::os::unix::net::UnixDatagram;
+    let dir = tempfile::tempdir().unwrap();
+    let socket_path = dir.path().join("notify");
+    let socket = UnixDatagram::bind(&socket_path).unwrap();
+    // A bound on waiting for each message, not a pause: recv returns when one comes.
+    socket.set_read_timeout(Some(std::time::Duration::from_secs(60))).unwrap();
+    let mut child = Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--data-dir"])
+        .arg(dir.path().join("data"))
+        .env("NOTIFY_SOCKET", &socket_path)
+        .env_remove("ONCEGATE_CONFIG")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut buffer = [0u8; 512];
+    let mut next = || {
+        let n = socket.recv(&mut buffer).expect("a notification");
+        String::from_utf8_lossy(&buffer[..n]).into_owned()
+    };
+    let ready = std::iter::from_fn(|| Some(next())).find(|m| m.contains("READY=1")).unwrap();
+    assert!(ready.contains("STATUS=serving, 2 shards"), "{ready}");
+    let status = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    assert!(status.success());
+    let stopping = std::iter::from_fn(|| Some(next())).find(|m| m.contains("STOPPING=1"));
+    assert!(stopping.is_some());
+    assert!(child.wait().unwrap().success(), "a clean stop");
+}
+
 /// `--version` names the version, the commit and the stores the binary was built with.
 #[test]
 fn version_names_the_commit_and_the_stores() {

@@ -124,10 +124,11 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         durability = ?config.engine.durability,
         "listening"
     );
+    let signalled = shutdown_signal().context("listening for SIGINT and SIGTERM")?;
     tokio::spawn(notify_ready(engine.clone()));
     let stopping = async {
-        shutdown_signal().await;
-        let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
+        signalled.await;
+        notify(&[sd_notify::NotifyState::Stopping]);
     };
     let served = oncegate_server::serve(engine.clone(), &config, listeners, stopping).await;
     tracing::info!("stopped accepting; in-flight calls finished; closing the shards");
@@ -143,9 +144,11 @@ async fn serve(config: Config) -> anyhow::Result<()> {
 async fn notify_ready(engine: Engine) {
     let shards = engine.shard_states().len();
     for shard in 0..shards as u32 {
+        if engine.shard_states().get(shard as usize) == Some(&ShardState::Serving) {
+            continue;
+        }
         let serving = engine.shard_states().iter().filter(|s| **s == ShardState::Serving).count();
-        let status = format!("{serving} of {shards} shards serving");
-        let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Status(&status)]);
+        notify(&[sd_notify::NotifyState::Status(&format!("{serving} of {shards} shards serving"))]);
         // Waited for a second at a time, so that a shutdown (the shard stopped) ends
         // the wait rather than keep a blocking thread.
         loop {
@@ -162,32 +165,29 @@ async fn notify_ready(engine: Engine) {
         }
     }
     let status = format!("serving, {shards} shards");
-    let _ =
-        sd_notify::notify(false, &[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status(&status)]);
+    notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status(&status)]);
     tracing::info!(shards, "every shard serves: ready");
 }
 
-/// Resolves on SIGINT or SIGTERM.
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        if let Err(error) = tokio::signal::ctrl_c().await {
-            tracing::error!(%error, "cannot listen for SIGINT");
-            std::future::pending::<()>().await;
-        }
-    };
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
-            }
-            Err(error) => {
-                tracing::error!(%error, "cannot listen for SIGTERM");
-                std::future::pending::<()>().await;
-            }
-        }
-    };
-    tokio::select! {
-        () = ctrl_c => tracing::info!("SIGINT received; shutting down"),
-        () = terminate => tracing::info!("SIGTERM received; shutting down"),
+/// Sends `states` to the service manager, if one listens; a failure is logged, never
+/// fatal (the service serves whether or not systemd heard).
+fn notify(states: &[sd_notify::NotifyState]) {
+    if let Err(error) = sd_notify::notify(false, states) {
+        tracing::warn!(%error, "could not notify the service manager (NOTIFY_SOCKET)");
     }
+}
+
+/// Listens for SIGINT and SIGTERM from now on (the handlers are installed before this
+/// returns, so a signal sent right after READY is not the default, fatal one); the future
+/// resolves on the first.
+fn shutdown_signal() -> std::io::Result<impl Future<Output = ()>> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    let mut terminate = signal(SignalKind::terminate())?;
+    Ok(async move {
+        tokio::select! {
+            _ = interrupt.recv() => tracing::info!("SIGINT received; shutting down"),
+            _ = terminate.recv() => tracing::info!("SIGTERM received; shutting down"),
+        }
+    })
 }
