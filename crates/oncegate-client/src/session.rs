@@ -80,7 +80,7 @@ impl Sessions {
             }
             Err(status) => return Err(status.into()),
         };
-        let request = pb::SessionRequest { id, call: Some(call), timeout_ms: 0 };
+        let request = pb::SessionRequest { id, call: Some(call), timeout_ms: 0, ..Default::default() };
         if stream.calls.send((request, ends_at, answer)).await.is_err() {
             // The stream ended between the check and the send: the call never left.
             self.stream.lock().await.take();
@@ -268,7 +268,12 @@ impl Routes {
             return true;
         }
         self.taken_back.lock().unwrap_or_else(PoisonError::into_inner).insert(id);
-        let cancel = pb::SessionRequest { id, call: Some(Call::Cancel(pb::Cancel {})), timeout_ms: 0 };
+        let cancel = pb::SessionRequest {
+            id,
+            call: Some(Call::Cancel(pb::Cancel {})),
+            timeout_ms: 0,
+            ..Default::default()
+        };
         self.send((cancel, Instant::now()))
     }
 
@@ -314,7 +319,7 @@ mod tests {
 
     fn get(id: u64) -> pb::SessionRequest {
         let get = pb::GetRequest { namespace: "live".into(), key: format!("k{id}") };
-        pb::SessionRequest { id, call: Some(Call::Get(get)), timeout_ms: 0 }
+        pb::SessionRequest { id, call: Some(Call::Get(get)), timeout_ms: 0, ..Default::default() }
     }
 
     /// The limit is read from the stream's response header; a server that gives none,

@@ -379,14 +379,21 @@ impl Session {
             return Some(refused(id, Invalid::Rule { field: "id", rule }));
         }
         let deadline = self.deadline(request.timeout_ms, read_at);
-        let answer = match call {
-            In::Reserve(m) => self.begin(id, m, deadline, Out::Reserve),
-            In::Commit(m) => self.begin(id, m, deadline, Out::Commit),
-            In::Release(m) => self.begin(id, m, deadline, Out::Release),
-            In::Heartbeat(m) => self.begin(id, m, deadline, Out::Heartbeat),
-            In::Get(m) => self.begin(id, m, deadline, Out::Get),
-            In::Cancel(_) => return None, // done above
-        };
+        // The call's own trace context, or else the stream's.
+        let own = crate::traces::caller_span("session", |key| match key {
+            "traceparent" => Some(request.traceparent.as_str()).filter(|t| !t.is_empty()),
+            "tracestate" => Some(request.tracestate.as_str()).filter(|t| !t.is_empty()),
+            _ => None,
+        });
+        let caller = if own.is_none() { self.caller.clone() } else { own };
+        let answer = caller.in_scope(|| match call {
+            In::Reserve(m) => Some(self.begin(id, m, deadline, Out::Reserve)),
+            In::Commit(m) => Some(self.begin(id, m, deadline, Out::Commit)),
+            In::Release(m) => Some(self.begin(id, m, deadline, Out::Release)),
+            In::Heartbeat(m) => Some(self.begin(id, m, deadline, Out::Heartbeat)),
+            In::Get(m) => Some(self.begin(id, m, deadline, Out::Get)),
+            In::Cancel(_) => None, // done above
+        })?;
         let slot = Arc::new(Mutex::new(Slot { answer: Some(answer), waker: None }));
         self.ids.insert(id, Arc::clone(&slot));
         telemetry::SESSION_CALLS_IN_FLIGHT.fetch_add(1, Ordering::Relaxed);
@@ -434,8 +441,7 @@ impl Session {
 
     /// One call on the unary path, its answer wrapped for the stream.
     fn begin<M: Call>(&self, id: u64, message: M, deadline: Deadline, wrap: fn(M::Reply) -> Out) -> Answer {
-        let answer =
-            self.caller.in_scope(|| self.gate.begin_held(Ok(self.tenant.clone()), message, Some(deadline)));
+        let answer = self.gate.begin_held(Ok(self.tenant.clone()), message, Some(deadline));
         // A combinator, not an `async` block, which would hold `answer` twice.
         Box::pin(answer.map(move |(answer, place)| {
             let result = match answer {
@@ -568,7 +574,12 @@ mod tests {
         let (served, mut unread) = serve_unread(session, requests);
 
         let waiting = pb::ReserveRequest::from(reserve(20_000));
-        let call = pb::SessionRequest { id: 1, call: Some(In::Reserve(waiting)), timeout_ms: 0 };
+        let call = pb::SessionRequest {
+            id: 1,
+            call: Some(In::Reserve(waiting)),
+            timeout_ms: 0,
+            ..Default::default()
+        };
         frames.send(frame(&call.encode_to_vec())).await.unwrap();
         assert!(waiters(&engine, 1).await, "the stream's reserve is parked");
         // A varint cut off: the message does not decode.
@@ -613,9 +624,19 @@ mod tests {
         // The reserve parks behind the holder and fills the stream's one place; the
         // release, read next, is held aside until the reserve's deadline frees it.
         let waiting = pb::ReserveRequest::from(reserve(20_000));
-        let parked = pb::SessionRequest { id: 1, call: Some(In::Reserve(waiting)), timeout_ms: 1_000 };
+        let parked = pb::SessionRequest {
+            id: 1,
+            call: Some(In::Reserve(waiting)),
+            timeout_ms: 1_000,
+            ..Default::default()
+        };
         let release = pb::ReleaseRequest::from(release(holder));
-        let held = pb::SessionRequest { id: 2, call: Some(In::Release(release)), timeout_ms: 50 };
+        let held = pb::SessionRequest {
+            id: 2,
+            call: Some(In::Release(release)),
+            timeout_ms: 50,
+            ..Default::default()
+        };
         frames.send(frame(&parked.encode_to_vec())).await.unwrap();
         frames.send(frame(&held.encode_to_vec())).await.unwrap();
         let served = tokio::spawn(session.run(requests, answers));
@@ -658,11 +679,16 @@ mod tests {
         let (served, mut unread) = serve_unread(session, requests);
 
         let waiting = pb::ReserveRequest::from(reserve(20_000));
-        let parked = pb::SessionRequest { id: 1, call: Some(In::Reserve(waiting)), timeout_ms: 1_000 };
+        let parked = pb::SessionRequest {
+            id: 1,
+            call: Some(In::Reserve(waiting)),
+            timeout_ms: 1_000,
+            ..Default::default()
+        };
         frames.send(frame(&parked.encode_to_vec())).await.unwrap();
         assert!(waiters(&engine, 1).await, "the stream's reserve is parked");
         // No call: refused at once, and the refusal waits for room in the channel.
-        let empty = pb::SessionRequest { id: 2, call: None, timeout_ms: 0 };
+        let empty = pb::SessionRequest { id: 2, call: None, timeout_ms: 0, ..Default::default() };
         frames.send(frame(&empty.encode_to_vec())).await.unwrap();
         tokio::time::sleep(Duration::from_millis(1_500)).await;
         assert!(waiters(&engine, 0).await, "the parked reserve is dropped at its deadline");
@@ -733,11 +759,12 @@ mod tests {
         let (served, mut unread) = serve_unread(session, requests);
 
         let get = pb::GetRequest { namespace: "live".into(), key: "big".into() };
-        let get = pb::SessionRequest { id: 1, call: Some(In::Get(get)), timeout_ms: 0 };
+        let get = pb::SessionRequest { id: 1, call: Some(In::Get(get)), timeout_ms: 0, ..Default::default() };
         frames.send(frame(&get.encode_to_vec())).await.unwrap();
         assert!(unsent_at_least(&backlog, 8 << 10).await, "the get's answer waits unsent");
         let held = pb::ReserveRequest::from(reserve(0));
-        let held = pb::SessionRequest { id: 2, call: Some(In::Reserve(held)), timeout_ms: 50 };
+        let held =
+            pb::SessionRequest { id: 2, call: Some(In::Reserve(held)), timeout_ms: 50, ..Default::default() };
         frames.send(frame(&held.encode_to_vec())).await.unwrap();
         tokio::time::sleep(Duration::from_secs(1)).await;
 

@@ -83,7 +83,12 @@ async fn an_idle_connection_is_closed_and_one_with_a_stream_open_is_not() {
     let served = sent_then_closed(server.addr, ONE_REQUEST).await.expect("closed once idle");
     assert!(served.windows(7).any(|w| w == b"openapi"), "the request was answered (the OpenAPI document)");
 
-    let call = pb::SessionRequest { id: 1, call: Some(Call::Reserve(reserve("busy"))), timeout_ms: 0 };
+    let call = pb::SessionRequest {
+        id: 1,
+        call: Some(Call::Reserve(reserve("busy"))),
+        timeout_ms: 0,
+        ..Default::default()
+    };
     requests.send(call).await.unwrap();
     let answer = answers.message().await.expect("the stream is still open").expect("an answer");
     assert_eq!(answer.id, 1);

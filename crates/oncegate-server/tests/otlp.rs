@@ -8,6 +8,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{granted, reserve, start_with};
+use oncegate_proto::v1 as pb;
 use oncegate_server::TelemetryConfig;
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
     TraceService, TraceServiceServer,
@@ -17,12 +18,15 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
 };
 use opentelemetry_proto::tonic::trace::v1::Span;
 use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 
 /// The caller's trace: 16 bytes of trace id and 8 of span id, as `traceparent` carries them.
 const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
 const CALLER_SPAN_ID: &str = "00f067aa0ba902b7";
+/// Another caller's trace, carried by one call of a `Session` stream.
+const SESSION_TRACE_ID: &str = "0af7651916cd43dd8448eb211c80319c";
 
 /// A collector that hands every span it receives to the test.
 struct Collector(mpsc::UnboundedSender<Span>);
@@ -92,8 +96,12 @@ async fn a_reserve_s_spans_continue_the_caller_s_trace_and_the_batch_links_to_it
     granted(&client.reserve(request).await.unwrap().into_inner());
     export.flush();
 
+    // The request, the batch, and the caller span that is the request's parent (which
+    // ends after its child, so it may come in a later export).
     let spans = spans_until(&mut received, |spans| {
-        spans.iter().any(|s| s.name == "request") && spans.iter().any(|s| s.name == "batch")
+        let request = spans.iter().find(|s| s.name == "request");
+        let parent = request.is_some_and(|r| spans.iter().any(|s| s.span_id == r.parent_span_id));
+        parent && spans.iter().any(|s| s.name == "batch")
     })
     .await;
     let request = spans.iter().find(|s| s.name == "request").unwrap();
@@ -105,6 +113,21 @@ async fn a_reserve_s_spans_continue_the_caller_s_trace_and_the_batch_links_to_it
         batch.links.iter().any(|link| link.span_id == request.span_id && hex(&link.trace_id) == TRACE_ID),
         "the batch links to the request it served: {batch:?}"
     );
-    drop(client);
+
+    // A Session call's own traceparent puts that call in its caller's trace.
+    let call = pb::SessionRequest {
+        id: 1,
+        call: Some(pb::session_request::Call::Reserve(reserve("traced-in-a-session"))),
+        traceparent: format!("00-{SESSION_TRACE_ID}-{CALLER_SPAN_ID}-01"),
+        ..Default::default()
+    };
+    let (tx, rx) = mpsc::channel(1);
+    tx.send(call).await.unwrap();
+    let mut answers = client.session(ReceiverStream::new(rx)).await.unwrap().into_inner();
+    answers.message().await.unwrap().expect("an answer");
+    export.flush();
+    let in_session = |s: &Span| s.name == "request" && hex(&s.trace_id) == SESSION_TRACE_ID;
+    spans_until(&mut received, |spans| spans.iter().any(in_session)).await;
+    drop((tx, answers, client));
     server.stop().await;
 }

@@ -41,7 +41,7 @@ impl Stream {
 
     async fn send(&self, id: u64, call: Call) {
         self.requests
-            .send(pb::SessionRequest { id, call: Some(call), timeout_ms: 0 })
+            .send(pb::SessionRequest { id, call: Some(call), timeout_ms: 0, ..Default::default() })
             .await
             .expect("the stream is open");
     }
@@ -199,7 +199,10 @@ async fn a_client_that_closes_its_side_gets_every_answer_then_the_end_of_the_str
     let Stream { requests, mut answers } = Stream::open(&server).await;
     for id in 1..=5 {
         let call = Call::Reserve(reserve(&format!("k{id}")));
-        requests.send(pb::SessionRequest { id, call: Some(call), timeout_ms: 0 }).await.unwrap();
+        requests
+            .send(pb::SessionRequest { id, call: Some(call), timeout_ms: 0, ..Default::default() })
+            .await
+            .unwrap();
     }
     drop(requests);
     let mut ids = Vec::new();
@@ -226,7 +229,11 @@ async fn a_refused_call_is_answered_and_the_stream_goes_on() {
     assert_eq!((invalid.code.as_str(), invalid.field.as_str()), ("invalid_argument", "key"), "{invalid:?}");
     assert!(invalid.message.contains("512"), "{invalid:?}");
     let none = refusal({
-        stream.requests.send(pb::SessionRequest { id: 4, call: None, timeout_ms: 0 }).await.unwrap();
+        stream
+            .requests
+            .send(pb::SessionRequest { id: 4, call: None, timeout_ms: 0, ..Default::default() })
+            .await
+            .unwrap();
         let (id, result) = stream.next().await;
         assert_eq!(id, 4);
         result
@@ -411,7 +418,12 @@ async fn stream_ended_by(server: &Running, bad: RawSessionRequest) -> tonic::Sta
 async fn a_call_past_its_timeout_is_answered_unavailable_and_never_granted() {
     let Held { server, mut unary, holder, mut stream } = held("k", None).await;
     let waiting = pb::ReserveRequest { wait_ms: 20_000, lease_ms: 600_000, ..reserve("k") };
-    let request = pb::SessionRequest { id: 1, call: Some(Call::Reserve(waiting)), timeout_ms: 300 };
+    let request = pb::SessionRequest {
+        id: 1,
+        call: Some(Call::Reserve(waiting)),
+        timeout_ms: 300,
+        ..Default::default()
+    };
     stream.requests.send(request).await.unwrap();
     let (id, answer) = stream.next().await;
     let refusal = refusal(answer);
@@ -421,7 +433,7 @@ async fn a_call_past_its_timeout_is_answered_unavailable_and_never_granted() {
     release_and_regrant(&mut unary, holder, "the timed-out call").await;
     // The stream goes on, and a call that asks for more than the server's request timeout
     // gets the server's.
-    let get = pb::SessionRequest { id: 2, call: Some(get("k")), timeout_ms: u64::MAX };
+    let get = pb::SessionRequest { id: 2, call: Some(get("k")), timeout_ms: u64::MAX, ..Default::default() };
     stream.requests.send(get).await.unwrap();
     assert!(matches!(stream.next().await, (2, Out::Get(_))));
     server.stop().await;
@@ -436,7 +448,12 @@ async fn a_calls_place_in_the_servers_limit_is_held_while_it_waits_and_given_bac
         held_with("k", |c| c.server.requests_in_flight_max = 1).await;
     let other = || pb::GetRequest { namespace: "live".into(), key: "other".into() };
     let waiting = pb::ReserveRequest { wait_ms: 20_000, ..reserve("k") };
-    let request = pb::SessionRequest { id: 1, call: Some(Call::Reserve(waiting)), timeout_ms: 300 };
+    let request = pb::SessionRequest {
+        id: 1,
+        call: Some(Call::Reserve(waiting)),
+        timeout_ms: 300,
+        ..Default::default()
+    };
     stream.requests.send(request).await.unwrap();
     assert!(waiters(&server, 1).await, "the stream's reserve is parked");
     let shed = unary.get(other()).await.expect_err("the parked call holds the one place");

@@ -50,7 +50,8 @@ async fn unread_stream(
 ) -> Result<(mpsc::Sender<pb::SessionRequest>, tonic::Streaming<pb::SessionResponse>), tonic::Status> {
     let (requests, rx) = mpsc::channel(1024);
     for (id, call) in calls.into_iter().enumerate() {
-        let request = pb::SessionRequest { id: id as u64, call: Some(call), timeout_ms: 0 };
+        let request =
+            pb::SessionRequest { id: id as u64, call: Some(call), timeout_ms: 0, ..Default::default() };
         requests.try_send(request).expect("room for every call");
     }
     let request = authorized(ReceiverStream::new(rx), tenant);

@@ -77,7 +77,14 @@ async fn sixty_four_unread_streams_of_one_tenant_take_at_most_128_mib() {
         let (requests, rx) = mpsc::channel(64);
         for id in 0..64 {
             let get = pb::GetRequest { namespace: "live".into(), key: "big".into() };
-            requests.try_send(pb::SessionRequest { id, call: Some(Call::Get(get)), timeout_ms: 0 }).unwrap();
+            requests
+                .try_send(pb::SessionRequest {
+                    id,
+                    call: Some(Call::Get(get)),
+                    timeout_ms: 0,
+                    ..Default::default()
+                })
+                .unwrap();
         }
         let opened = GateClient::new(channels[stream % 8].clone())
             .session(authorized(ReceiverStream::new(rx), "hog"))
