@@ -30,6 +30,35 @@ fn the_documented_file_is_exactly_the_defaults() {
     assert_eq!(documented, Config::default(), "config/oncegate.toml must list the true defaults");
 }
 
+/// The Debian package's conffile is the documented file with every setting commented out
+/// but the data directory, which is `/var/lib/oncegate`: the same defaults, and it cannot
+/// drift from them.
+#[test]
+fn the_package_s_conffile_is_the_documented_file_commented_out() {
+    let documented = std::fs::read_to_string(config_dir().join("oncegate.toml")).unwrap();
+    let packaged = std::fs::read_to_string(config_dir().join("deb/oncegate.toml")).unwrap();
+    let setting = |line: &str| {
+        line.split_once(" = ").is_some_and(|(key, _)| {
+            !key.is_empty() && key.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+        })
+    };
+    let expected: Vec<String> = documented
+        .lines()
+        .skip_while(|line| line.starts_with('#'))
+        .map(|line| match line {
+            _ if line.starts_with("data_dir = ") => "data_dir = \"/var/lib/oncegate\"".to_owned(),
+            _ if setting(line) => format!("# {line}"),
+            _ => line.to_owned(),
+        })
+        .collect();
+    let body: Vec<&str> = packaged.lines().skip_while(|line| line.starts_with('#')).collect();
+    assert_eq!(body, expected, "regenerate config/deb/oncegate.toml from config/oncegate.toml");
+    let config = Config::load(&config_dir().join("deb/oncegate.toml")).unwrap();
+    let mut defaults = Config::default();
+    defaults.engine.data_dir = "/var/lib/oncegate".into();
+    assert_eq!(config, defaults);
+}
+
 #[test]
 fn unknown_keys_are_all_reported_at_once() {
     let text = "
