@@ -50,12 +50,6 @@ async fn upstream(counts: Arc<Counts>) -> String {
             }),
         )
         .route(
-            "/trace",
-            post(|headers: axum::http::HeaderMap| async move {
-                headers.get("traceparent").map(|v| v.to_str().unwrap().to_owned()).unwrap_or_default()
-            }),
-        )
-        .route(
             "/linked",
             post(|| async {
                 let mut headers = axum::http::HeaderMap::new();
@@ -120,7 +114,17 @@ async fn upstream(counts: Arc<Counts>) -> String {
                 format!("{{\"success\":{}}}", n > 1)
             }),
         );
-    serve(router).await
+    serve(echo_trace(router)).await
+}
+
+/// `/trace` answers with the `traceparent` the upstream received.
+fn echo_trace(router: axum::Router) -> axum::Router {
+    router.route(
+        "/trace",
+        post(|headers: axum::http::HeaderMap| async move {
+            headers.get("traceparent").map(|v| v.to_str().unwrap().to_owned()).unwrap_or_default()
+        }),
+    )
 }
 
 struct Setup {

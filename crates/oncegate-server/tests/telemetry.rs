@@ -34,6 +34,33 @@ fn value(samples: &BTreeMap<String, f64>, name: &str, labels: &[(&str, &str)]) -
         .sum()
 }
 
+/// After the traffic: calls and commits timed, batches measured, records counted, and the
+/// process's figures.
+fn timings_records_and_process_are_exported(scraped: &BTreeMap<String, f64>) {
+    assert!(value(scraped, "oncegate_request_duration_seconds_count", &[("rpc", "reserve")]) >= 5.0);
+    assert!(value(scraped, "oncegate_shard_commit_seconds_count", &[]) >= 2.0, "commits are timed");
+    assert!(value(scraped, "oncegate_shard_batch_len_count", &[]) >= 2.0, "batches are measured");
+    assert_eq!(value(scraped, "oncegate_shard_records_completed", &[]), 1.0);
+    assert_eq!(value(scraped, "oncegate_shard_records_pending", &[]), 0.0);
+    assert!(value(scraped, "oncegate_shard_file_bytes", &[]) > 0.0, "a written shard file has pages");
+    assert!(value(scraped, "process_resident_memory_bytes", &[]) > 0.0);
+    assert!(value(scraped, "process_open_fds", &[]) > 0.0);
+}
+
+/// The build's labels, and what the alert rules read (config/prometheus/oncegate-rules.yml).
+fn build_and_alert_gauges_are_exported(scraped: &BTreeMap<String, f64>) {
+    let build = [("version", env!("CARGO_PKG_VERSION")), ("commit", oncegate_server::build::COMMIT)];
+    assert_eq!(value(scraped, "oncegate_build_info", &build), 1.0, "the build is labelled: {scraped:?}");
+    assert_eq!(value(scraped, "oncegate_shard_state", &[("state", "serving")]), 2.0);
+    assert_eq!(value(scraped, "oncegate_shard_state", &[("state", "halted")]), 0.0);
+    let max = EngineConfig::default().mailbox_depth_max as f64;
+    assert_eq!(value(scraped, "oncegate_shard_mailbox_depth_max", &[("shard", "0")]), max);
+    let file_max = EngineConfig::default().shard_file_bytes_max as f64;
+    assert_eq!(value(scraped, "oncegate_shard_file_bytes_max", &[("shard", "0")]), file_max);
+    assert!(scraped.keys().any(|series| series.starts_with("oncegate_shard_clock_ahead_seconds{")));
+    assert!(value(scraped, "process_max_fds", &[]) > 0.0, "the open-files limit is read");
+}
+
 fn reserve(key: &str) -> pb::ReserveRequest {
     pb::ReserveRequest { namespace: "live".into(), key: key.into(), ..Default::default() }
 }
@@ -59,17 +86,7 @@ async fn metrics_health_and_readiness_follow_the_traffic() {
     assert_eq!(tokio::task::spawn_blocking(move || http_get(addr, "/readyz")).await.unwrap().0, 200);
     let before = scrape().await.unwrap();
     assert_eq!(value(&before, "oncegate_shard_serving", &[]), 2.0, "both shards serve");
-    let build = [("version", env!("CARGO_PKG_VERSION")), ("commit", oncegate_server::build::COMMIT)];
-    assert_eq!(value(&before, "oncegate_build_info", &build), 1.0, "the build is labelled: {before:?}");
-    // What the alert rules read (config/prometheus/oncegate-rules.yml).
-    assert_eq!(value(&before, "oncegate_shard_state", &[("state", "serving")]), 2.0);
-    assert_eq!(value(&before, "oncegate_shard_state", &[("state", "halted")]), 0.0);
-    let max = EngineConfig::default().mailbox_depth_max as f64;
-    assert_eq!(value(&before, "oncegate_shard_mailbox_depth_max", &[("shard", "0")]), max);
-    let file_max = EngineConfig::default().shard_file_bytes_max as f64;
-    assert_eq!(value(&before, "oncegate_shard_file_bytes_max", &[("shard", "0")]), file_max);
-    assert!(before.keys().any(|series| series.starts_with("oncegate_shard_clock_ahead_seconds{")));
-    assert!(value(&before, "process_max_fds", &[]) > 0.0, "the open-files limit is read");
+    build_and_alert_gauges_are_exported(&before);
 
     let mut client = server.client().await;
     let granted = client.reserve(reserve("a")).await.unwrap().into_inner();
@@ -98,7 +115,6 @@ async fn metrics_health_and_readiness_follow_the_traffic() {
     assert_eq!(malformed.status, 400, "{}", malformed.body);
 
     let after = scrape().await.unwrap();
-    assert!(value(&after, "oncegate_shard_file_bytes", &[]) > 0.0, "a written shard file has pages");
     let moved = |labels: &[(&str, &str)]| {
         value(&after, "oncegate_requests_total", labels) - value(&before, "oncegate_requests_total", labels)
     };
@@ -109,13 +125,7 @@ async fn metrics_health_and_readiness_follow_the_traffic() {
     assert_eq!(moved(&[("rpc", "reserve"), ("result", "invalid_argument"), ("tenant", "default")]), 2.0);
     assert_eq!(moved(&[("rpc", "commit"), ("result", "ok")]), 1.0);
     assert_eq!(moved(&[("rpc", "release"), ("result", "not_found")]), 1.0);
-    assert!(value(&after, "oncegate_request_duration_seconds_count", &[("rpc", "reserve")]) >= 5.0);
-    assert!(value(&after, "oncegate_shard_commit_seconds_count", &[]) >= 2.0, "commits are timed");
-    assert!(value(&after, "oncegate_shard_batch_len_count", &[]) >= 2.0, "batches are measured");
-    assert_eq!(value(&after, "oncegate_shard_records_completed", &[]), 1.0);
-    assert_eq!(value(&after, "oncegate_shard_records_pending", &[]), 0.0);
-    assert!(value(&after, "process_resident_memory_bytes", &[]) > 0.0);
-    assert!(value(&after, "process_open_fds", &[]) > 0.0);
+    timings_records_and_process_are_exported(&after);
 
     // A failed shard: readiness and the serving gauge say so.
     server.faults.fail_commits(2);
