@@ -53,7 +53,7 @@ impl Call for Server {
     }
 }
 
-/// Under systemd (`Type=notify`) the server says READY=1 once every shard serves and
+/// Under systemd (`Type=notify`) the server says READY=1 once it accepts calls and
 /// STOPPING=1 at SIGTERM, on the socket `NOTIFY_SOCKET` names.
 #[test]
 fn systemd_hears_ready_then_stopping() {
@@ -78,7 +78,7 @@ fn systemd_hears_ready_then_stopping() {
         String::from_utf8_lossy(&buffer[..n]).into_owned()
     };
     let ready = std::iter::from_fn(|| Some(next())).find(|m| m.contains("READY=1")).unwrap();
-    assert!(ready.contains("STATUS=serving, 2 shards"), "{ready}");
+    assert!(ready.contains("STATUS=serving; 2 of 2 shards serving"), "{ready}");
     let status = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
     assert!(status.success());
     let stopping = std::iter::from_fn(|| Some(next())).find(|m| m.contains("STOPPING=1"));

@@ -90,6 +90,9 @@ fn init_logging(config: &Config) -> anyhow::Result<Option<TraceExport>> {
     };
     let (traces, export) = oncegate_server::otlp_layer(&config.telemetry)?.unzip();
     tracing_subscriber::registry().with(logs).with(traces).init();
+    if let Some(export) = &export {
+        tracing::info!(endpoint = export.endpoint(), "exporting traces over OTLP/gRPC");
+    }
     Ok(export)
 }
 
@@ -125,12 +128,12 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         "listening"
     );
     let signalled = shutdown_signal().context("listening for SIGINT and SIGTERM")?;
-    tokio::spawn(notify_ready(engine.clone()));
     let stopping = async {
         signalled.await;
         notify(&[sd_notify::NotifyState::Stopping]);
     };
-    let served = oncegate_server::serve(engine.clone(), &config, listeners, stopping).await;
+    let ready = || notify_ready(&engine);
+    let served = oncegate_server::serve_with_ready(engine.clone(), &config, listeners, stopping, ready).await;
     tracing::info!("stopped accepting; in-flight calls finished; closing the shards");
     tokio::task::spawn_blocking(move || engine.shutdown()).await?;
     tracing::info!("shut down");
@@ -138,35 +141,17 @@ async fn serve(config: Config) -> anyhow::Result<()> {
 }
 
 /// Tells systemd (`Type=notify`; a no-op without `NOTIFY_SOCKET`) that the service is
-/// ready once every shard serves: the ports are bound before the engine opens, and a
-/// shard still opening (or failing to) answers `unavailable`. Until then the status line
-/// says how many serve.
-async fn notify_ready(engine: Engine) {
-    let shards = engine.shard_states().len();
-    for shard in 0..shards as u32 {
-        if engine.shard_states().get(shard as usize) == Some(&ShardState::Serving) {
-            continue;
-        }
-        let serving = engine.shard_states().iter().filter(|s| **s == ShardState::Serving).count();
-        notify(&[sd_notify::NotifyState::Status(&format!("{serving} of {shards} shards serving"))]);
-        // Waited for a second at a time, so that a shutdown (the shard stopped) ends
-        // the wait rather than keep a blocking thread.
-        loop {
-            let waiting = engine.clone();
-            let served = tokio::task::spawn_blocking(move || {
-                waiting.wait_shard_state(shard, ShardState::Serving, std::time::Duration::from_secs(1))
-            });
-            if served.await.unwrap_or(false) {
-                break;
-            }
-            if engine.shard_states().get(shard as usize).is_none_or(|s| *s == ShardState::Stopped) {
-                return;
-            }
-        }
-    }
-    let status = format!("serving, {shards} shards");
+/// ready: it accepts calls, and every shard has made its first open (`Engine::open`
+/// returns only then). A shard that failed to open answers `unavailable` while the others
+/// serve, so it does not hold READY back (that would leave the unit starting, or kill a
+/// node that serves most keys); the status line names how many serve, `/readyz` fails
+/// and the `OncegateShardNotServing` alert fires.
+fn notify_ready(engine: &Engine) {
+    let states = engine.shard_states();
+    let serving = states.iter().filter(|s| **s == ShardState::Serving).count();
+    let status = format!("serving; {serving} of {} shards serving", states.len());
     notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status(&status)]);
-    tracing::info!(shards, "every shard serves: ready");
+    tracing::info!(serving, shards = states.len(), "ready");
 }
 
 /// Sends `states` to the service manager, if one listens; a failure is logged, never

@@ -131,6 +131,19 @@ pub async fn serve(
     listeners: Listeners,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
+    serve_with_ready(engine, config, listeners, shutdown, || {}).await
+}
+
+/// [`serve`], calling `ready` once everything that can fail has been done (the checks,
+/// the TLS files, the services) and the listeners are about to serve: where a service
+/// manager hears READY.
+pub async fn serve_with_ready(
+    engine: Engine,
+    config: &Config,
+    listeners: Listeners,
+    shutdown: impl Future<Output = ()> + Send,
+    ready: impl FnOnce() + Send,
+) -> Result<(), ServeError> {
     let server = &config.server;
     let gate_addr = listeners.gate.local_addr().map_err(|source| ServeError::Bind {
         field: "server.listen",
@@ -162,6 +175,8 @@ pub async fn serve(
     let serving = transport
         .add_routes(routes)
         .serve_with_incoming_shutdown(listen::incoming(listeners.gate, server), signal);
+    // The listeners accept from here (they were bound before the engine opened).
+    ready();
     let grace = Duration::from_millis(server.shutdown_grace_ms);
     let deadline = async move {
         let mut stopping = stopping;
