@@ -203,13 +203,6 @@ impl Shard {
         );
     }
 
-    /// The one end of every transaction. Committed: the book's counts become true,
-    /// `durable` counts what the transaction did, the counters are published (so a
-    /// caller that got its answer sees stats that include its request), and only then
-    /// does every answer go out. Failed: nothing of it is durable, so the token counter
-    /// goes back, its counts are forgotten, and every caller hears a refusal, never an
-    /// acknowledgement: on a full disk `resource_exhausted` (the store stays open and
-    /// refuses writes from now on), otherwise `unavailable` (the shard fails).
     /// Publishes what the shard's gauges read besides its counters: the file's size and
     /// how far the shard's time is from the wall clock.
     fn publish_gauges(&mut self) {
@@ -221,6 +214,13 @@ impl Shard {
         self.shared.clock_ahead_ms.store(ahead_ms, Ordering::Relaxed);
     }
 
+    /// The one end of every transaction. Committed: the book's counts become true,
+    /// `durable` counts what the transaction did, the counters are published (so a
+    /// caller that got its answer sees stats that include its request), and only then
+    /// does every answer go out. Failed: nothing of it is durable, so the token counter
+    /// goes back, its counts are forgotten, and every caller hears a refusal, never an
+    /// acknowledgement: on a full disk `resource_exhausted` (the store stays open and
+    /// refuses writes from now on), otherwise `unavailable` (the shard fails).
     pub(super) fn conclude<T>(
         &mut self,
         result: Result<T, StoreError>,
