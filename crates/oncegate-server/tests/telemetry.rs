@@ -58,6 +58,7 @@ fn build_and_alert_gauges_are_exported(scraped: &BTreeMap<String, f64>) {
     let file_max = EngineConfig::default().shard_file_bytes_max as f64;
     assert_eq!(value(scraped, "oncegate_shard_file_bytes_max", &[("shard", "0")]), file_max);
     assert!(scraped.keys().any(|series| series.starts_with("oncegate_shard_clock_ahead_seconds{")));
+    assert!(value(scraped, "oncegate_shard_file_bytes", &[("shard", "0")]) > 0.0, "read at open");
     assert!(value(scraped, "process_max_fds", &[]) > 0.0, "the open-files limit is read");
 }
 

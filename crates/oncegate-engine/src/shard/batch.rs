@@ -205,7 +205,7 @@ impl Shard {
 
     /// Publishes what the shard's gauges read besides its counters: the file's size and
     /// how far the shard's time is from the wall clock.
-    fn publish_gauges(&mut self) {
+    pub(super) fn publish_gauges(&mut self) {
         if let Some(own) = self.store.as_ref().and_then(Store::own) {
             self.shared.file_bytes.store(own.used_bytes(), Ordering::Relaxed);
         }

@@ -38,6 +38,8 @@ impl Shard {
                 self.reopen_at = None;
                 // A new store takes writes; the next that does not fit says so again.
                 self.write_retry = None;
+                // The gauges read right after an open, before any batch.
+                self.publish_gauges();
                 self.shared.set_state(ShardState::Serving);
                 tracing::info!(shard = self.id, path = %self.path.display(), epoch = self.epoch, "shard serving");
                 true

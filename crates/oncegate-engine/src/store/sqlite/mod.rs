@@ -265,6 +265,8 @@ impl Store {
             routing: tuning.routing,
             committed: Cell::new(meta),
         };
+        // The file's size as opened, for the gauge read before the first batch.
+        store.pages_left()?;
         Ok((store, meta, version == 0))
     }
 
