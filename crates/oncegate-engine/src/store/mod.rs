@@ -326,6 +326,17 @@ impl<'s> Txn<'s> {
     }
 }
 
+/// Both stores' integers are signed; every value stored is a time in ms or a counter far
+/// below `i64::MAX`, and clamping keeps the ordering even if one ever was not.
+pub(crate) fn to_sql(value: u64) -> i64 {
+    value.min(i64::MAX as u64) as i64
+}
+
+/// The inverse of [`to_sql`]; a negative value (never written) reads as 0.
+pub(crate) fn from_sql(value: i64) -> u64 {
+    value.max(0) as u64
+}
+
 /// A tenant name read back from the store; one that does not parse is corruption.
 pub(crate) fn stored_tenant(name: String) -> Result<Tenant, StoreError> {
     Tenant::new(&name).map_err(|e| StoreError::Corrupt(e.to_string()))

@@ -211,15 +211,7 @@ impl ScopeColumns {
     }
 }
 
-/// PostgreSQL integers are signed; times and counters stay far below `i64::MAX`, and
-/// clamping keeps the ordering if one ever did not.
-pub(super) fn to_sql(value: u64) -> i64 {
-    value.min(i64::MAX as u64) as i64
-}
-
-pub(super) fn from_sql(value: i64) -> u64 {
-    value.max(0) as u64
-}
+pub(super) use crate::store::{from_sql, to_sql};
 
 /// The `synchronous_commit` a session sets for itself, given the one it `inherited` (the
 /// database's, its role's or the connection string's). Under `full` an answer leaves once

@@ -132,15 +132,7 @@ macro_rules! last_event_at {
 /// (docs/benchmarks.md). Files created before keep 4 KiB.
 pub(super) const NEW_FILE_PAGE_BYTES: i64 = 2048;
 
-/// SQLite integers are signed; every value stored here is a time in ms or a counter far
-/// below `i64::MAX`, and clamping keeps the ordering even if one ever was not.
-pub(super) fn to_sql(value: u64) -> i64 {
-    value.min(i64::MAX as u64) as i64
-}
-
-pub(super) fn from_sql(value: i64) -> u64 {
-    value.max(0) as u64
-}
+pub(super) use crate::store::{from_sql, to_sql};
 
 /// Brings a file of schema `version` to [`SCHEMA_VERSION`], each step in one transaction
 /// (a crash leaves the old file or the new one), or refuses a newer one.
