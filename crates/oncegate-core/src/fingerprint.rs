@@ -132,6 +132,18 @@ mod tests {
         assert_eq!(text, r#"{"a":"é\"","b":[1.5,2,0,1e+300],"c":null}"#);
     }
 
+    /// Without serde_json's `float_roundtrip`, its parser rounded these to a neighbour
+    /// (`9007199254740990`), so a client in another language that reads floats exactly
+    /// made another fingerprint of the same document.
+    #[test]
+    fn a_float_is_read_as_its_nearest_double() {
+        let value: serde_json::Value =
+            serde_json::from_str("[9007199254740991.0, 123456789012345680000.0]").unwrap();
+        let mut text = String::new();
+        canonical(&value, &mut text);
+        assert_eq!(text, "[9007199254740991,1.2345678901234568e+20]");
+    }
+
     #[test]
     fn a_serialize_value_and_its_text_agree() {
         #[derive(Serialize)]
