@@ -32,10 +32,10 @@ pub fn serve_child(mode: ChildMode) -> anyhow::Result<()> {
     let mut config = oncegate_server::Config::default();
     config.engine.data_dir = data_dir;
     config.engine.shards = shards;
-    config.store.kind = Some(store);
-    if let Some(url) = postgres_url {
-        config.store.postgres_url = url.into();
-    }
+    config.store = match (store, postgres_url) {
+        (oncegate_engine::StoreKind::Postgres, Some(url)) => oncegate_engine::StoreConfig::postgres(url),
+        (kind, _) => oncegate_engine::StoreConfig::of_kind(kind),
+    };
     config.server.listen = "127.0.0.1:0".parse()?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async {

@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use indicatif::{ProgressBar, ProgressStyle};
-use oncegate_engine::EngineConfig;
+use oncegate_engine::{EngineConfig, StoreConfig};
 use oncegate_server::Config;
 
 /// Flags of `oncegate reshard`.
@@ -17,9 +17,9 @@ pub struct ReshardArgs {
     /// The shard count to reach; shards are only ever added.
     #[arg(long)]
     to: u32,
-    /// The server's TOML configuration file, for its engine settings
-    /// (`engine.shard_file_bytes_max`, the page cache). The store kind is always the
-    /// directory's own.
+    /// The server's TOML configuration file, for its engine and SQLite settings
+    /// (`store.shard_file_bytes_max`, the page cache). Only SQLite directories have
+    /// slots to move, whatever the file's `store.kind`.
     #[arg(long, env = "ONCEGATE_CONFIG")]
     config: Option<PathBuf>,
 }
@@ -29,9 +29,8 @@ pub fn run(args: ReshardArgs) -> anyhow::Result<()> {
         Some(path) => Config::load(path)?,
         None => Config::default(),
     };
-    let mut config = EngineConfig { data_dir: args.data_dir, ..file.engine_config() };
-    // Unset, the kind is the directory's own, settled by the engine under its lock.
-    config.store.kind = None;
+    let store = StoreConfig::Sqlite(file.store.sqlite());
+    let config = EngineConfig { data_dir: args.data_dir, store, ..file.engine_config() };
     let bar = ProgressBar::new(0);
     if let Ok(style) = ProgressStyle::with_template("moving slots [{bar:40}] {pos}/{len}") {
         bar.set_style(style.progress_chars("=> "));

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use anyhow::Context;
-use oncegate_engine::{Engine, ShardState, StoreKind};
+use oncegate_engine::{Engine, ShardState, StoreConfig, StoreKind};
 use oncegate_server::{Config, Listeners, LogFormat, TraceExport};
 use tracing_subscriber::EnvFilter;
 
@@ -27,8 +27,7 @@ pub struct ServeArgs {
     /// Shards for a new data directory (`engine.shards`).
     #[arg(long, env = "ONCEGATE_SHARDS")]
     shards: Option<u32>,
-    /// Where the records live: `sqlite` or `postgres` (`store.kind`). Unset, the data
-    /// directory's own store, or SQLite for a new directory.
+    /// Where the records live: `sqlite` (the default) or `postgres` (`store.kind`).
     #[arg(long, env = "ONCEGATE_STORE", value_parser = clap::value_parser!(StoreKind))]
     store: Option<StoreKind>,
     /// The PostgreSQL connection string (`store.postgres_url`); `sslmode=require` asks
@@ -57,11 +56,16 @@ fn load(args: &ServeArgs) -> anyhow::Result<Config> {
     if let Some(shards) = args.shards {
         config.engine.shards = shards;
     }
-    if let Some(kind) = args.store {
-        config.store.kind = Some(kind);
+    if let Some(kind) = args.store.filter(|kind| *kind != config.store.kind()) {
+        config.store = StoreConfig::of_kind(kind);
     }
     if let Some(url) = &args.postgres_url {
-        config.store.postgres_url = url.as_str().into();
+        let StoreConfig::Postgres(postgres) = &mut config.store else {
+            anyhow::bail!(
+                "--postgres-url (ONCEGATE_POSTGRES_URL) is given but the store is SQLite: add --store postgres (or store.kind = \"postgres\")"
+            );
+        };
+        postgres.postgres_url = url.as_str().into();
     }
     if let Some(format) = &args.log_format {
         config.log.format = if format == "json" { LogFormat::Json } else { LogFormat::Text };

@@ -9,7 +9,6 @@ use std::sync::Arc;
 use oncegate_core::{Outcome, ReserveReply, Tenant};
 use oncegate_engine::{
     CommitRequest, Engine, EngineConfig, Faults, KeyRequest, ManualClock, ReserveRequest, StoreConfig,
-    StoreKind,
 };
 
 /// The fixture's clock: the reading test uses the same one, so nothing has expired.
@@ -23,7 +22,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Err(format!("{} exists; a fixture is written once", dir.display()).into());
     }
     // The fixtures are SQLite files of each schema version.
-    let store = StoreConfig { kind: Some(StoreKind::Sqlite), ..StoreConfig::default() };
+    let store = StoreConfig::default();
     let config = EngineConfig { data_dir: dir.clone(), shards: 2, store, ..EngineConfig::default() };
     let engine = Engine::open_with(config, Arc::new(ManualClock::new(T0)), Faults::default())?;
     let tenant = Tenant::new("acme")?;

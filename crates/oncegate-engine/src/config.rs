@@ -148,15 +148,190 @@ impl From<&str> for PostgresUrl {
     }
 }
 
-/// Where the records live (`[store]` in the server's file).
-#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// Where the records live (`[store]` in the server's file), tagged by `kind`: each kind
+/// has its own settings and nothing else.
+///
+/// In a file it is one flat section: `kind` (SQLite when absent) and the keys of that
+/// kind. A key of the other kind is refused, unless it holds its default (files made
+/// from the sample of earlier versions list every key).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "StoreSection", into = "StoreSection")]
+pub enum StoreConfig {
+    /// One SQLite file per shard in the data directory (the default).
+    Sqlite(SqliteConfig),
+    /// One table in a PostgreSQL database, shared by every node pointed at it.
+    Postgres(PostgresConfig),
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig::Sqlite(SqliteConfig::default())
+    }
+}
+
+/// `[store]` as written: `kind` and every key of either kind, each optional.
+#[derive(Clone, Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-pub struct StoreConfig {
-    /// `sqlite` or `postgres`. Unset, an existing data directory keeps the store that
-    /// wrote it and a new one gets SQLite ([`StoreConfig::kind`]).
-    pub kind: Option<StoreKind>,
-    /// The PostgreSQL connection string (URL or `key=value` form); `sslmode=require`
-    /// asks for TLS. Never logged with its password.
+struct StoreSection {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kind: Option<StoreKind>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    shard_file_bytes_max: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    page_cache_bytes_max: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    wal_checkpoint_pages: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    postgres_url: Option<PostgresUrl>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    postgres_pool_size: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    postgres_tls_ca_path: Option<std::path::PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    postgres_statement_timeout_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    postgres_count_timeout_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    postgres_waiters_poll_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    postgres_clock: Option<PgClock>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    postgres_schema: Option<String>,
+}
+
+/// A `[store]` key of the other kind than the section's, with a value of its own.
+#[derive(Debug, thiserror::Error)]
+#[error("store.{key} applies to kind = \"{applies_to}\", and this store's kind is \"{kind}\"")]
+pub struct OtherKindsKey {
+    key: &'static str,
+    applies_to: &'static str,
+    kind: &'static str,
+}
+
+impl TryFrom<StoreSection> for StoreConfig {
+    type Error = OtherKindsKey;
+
+    fn try_from(section: StoreSection) -> Result<StoreConfig, OtherKindsKey> {
+        let kind = section.kind.unwrap_or_default();
+        let other = match kind {
+            StoreKind::Sqlite => section.first_changed_postgres().map(|key| (key, StoreKind::Postgres)),
+            StoreKind::Postgres => section.first_changed_sqlite().map(|key| (key, StoreKind::Sqlite)),
+        };
+        if let Some((key, applies_to)) = other {
+            return Err(OtherKindsKey { key, applies_to: applies_to.name(), kind: kind.name() });
+        }
+        Ok(match kind {
+            StoreKind::Sqlite => StoreConfig::Sqlite(SqliteConfig::from_section(&section)),
+            StoreKind::Postgres => StoreConfig::Postgres(PostgresConfig::from_section(section)),
+        })
+    }
+}
+
+/// The name of `key` when `found` holds a value other than `default`.
+fn changed<T: PartialEq>(key: &'static str, found: &Option<T>, default: &T) -> Option<&'static str> {
+    found.as_ref().is_some_and(|found| found != default).then_some(key)
+}
+
+impl StoreSection {
+    /// The first of SQLite's keys set to other than its default.
+    fn first_changed_sqlite(&self) -> Option<&'static str> {
+        let d = SqliteConfig::default();
+        changed("shard_file_bytes_max", &self.shard_file_bytes_max, &d.shard_file_bytes_max)
+            .or_else(|| changed("page_cache_bytes_max", &self.page_cache_bytes_max, &d.page_cache_bytes_max))
+            .or_else(|| changed("wal_checkpoint_pages", &self.wal_checkpoint_pages, &d.wal_checkpoint_pages))
+    }
+
+    /// The first of PostgreSQL's keys set to other than its default.
+    fn first_changed_postgres(&self) -> Option<&'static str> {
+        let d = PostgresConfig::default();
+        changed("postgres_url", &self.postgres_url, &d.postgres_url)
+            .or_else(|| changed("postgres_pool_size", &self.postgres_pool_size, &d.postgres_pool_size))
+            .or_else(|| self.postgres_tls_ca_path.is_some().then_some("postgres_tls_ca_path"))
+            .or_else(|| {
+                changed(
+                    "postgres_statement_timeout_ms",
+                    &self.postgres_statement_timeout_ms,
+                    &d.postgres_statement_timeout_ms,
+                )
+            })
+            .or_else(|| {
+                changed(
+                    "postgres_count_timeout_ms",
+                    &self.postgres_count_timeout_ms,
+                    &d.postgres_count_timeout_ms,
+                )
+            })
+            .or_else(|| {
+                changed(
+                    "postgres_waiters_poll_ms",
+                    &self.postgres_waiters_poll_ms,
+                    &d.postgres_waiters_poll_ms,
+                )
+            })
+            .or_else(|| changed("postgres_clock", &self.postgres_clock, &d.postgres_clock))
+            .or_else(|| changed("postgres_schema", &self.postgres_schema, &d.postgres_schema))
+    }
+}
+
+impl From<StoreConfig> for StoreSection {
+    fn from(config: StoreConfig) -> StoreSection {
+        let kind = Some(config.kind());
+        match config {
+            StoreConfig::Sqlite(sqlite) => StoreSection {
+                kind,
+                shard_file_bytes_max: Some(sqlite.shard_file_bytes_max),
+                page_cache_bytes_max: Some(sqlite.page_cache_bytes_max),
+                wal_checkpoint_pages: Some(sqlite.wal_checkpoint_pages),
+                ..StoreSection::default()
+            },
+            StoreConfig::Postgres(pg) => StoreSection {
+                kind,
+                postgres_url: Some(pg.postgres_url),
+                postgres_pool_size: Some(pg.postgres_pool_size),
+                postgres_tls_ca_path: pg.postgres_tls_ca_path,
+                postgres_statement_timeout_ms: Some(pg.postgres_statement_timeout_ms),
+                postgres_count_timeout_ms: Some(pg.postgres_count_timeout_ms),
+                postgres_waiters_poll_ms: Some(pg.postgres_waiters_poll_ms),
+                postgres_clock: Some(pg.postgres_clock),
+                postgres_schema: Some(pg.postgres_schema),
+                ..StoreSection::default()
+            },
+        }
+    }
+}
+
+/// The shard files' settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SqliteConfig {
+    /// The largest a shard file may grow, in bytes; a write that would pass it is refused
+    /// alone with `resource_exhausted`.
+    pub shard_file_bytes_max: u64,
+    /// SQLite's page cache per shard, in bytes. Small on purpose: after a B-tree split
+    /// that reuses free pages, SQLite scans the whole cache at the commit (see
+    /// docs/storage.md), and the shard's index keeps lookups off the cache anyway.
+    pub page_cache_bytes_max: u64,
+    /// WAL pages that trigger a checkpoint into the shard file (2 KiB each in files made
+    /// since schema 5, 4 KiB in older ones). Larger means fewer copies of hot pages and a
+    /// larger WAL file between checkpoints.
+    pub wal_checkpoint_pages: u64,
+}
+
+impl Default for SqliteConfig {
+    fn default() -> Self {
+        SqliteConfig {
+            shard_file_bytes_max: 64 << 30,
+            page_cache_bytes_max: 4 << 20,
+            wal_checkpoint_pages: 16_384,
+        }
+    }
+}
+
+/// The PostgreSQL store's settings (their names keep the `postgres_` of the flat
+/// `[store]` section they are written in).
+#[derive(Clone, PartialEq, Eq)]
+pub struct PostgresConfig {
+    /// The connection string (URL or `key=value` form); `sslmode=require` asks for TLS.
+    /// Never logged with its password.
     pub postgres_url: PostgresUrl,
     /// Connections to PostgreSQL at most; each shard holds one.
     pub postgres_pool_size: usize,
@@ -179,10 +354,9 @@ pub struct StoreConfig {
     pub postgres_schema: String,
 }
 
-impl Default for StoreConfig {
+impl Default for PostgresConfig {
     fn default() -> Self {
-        StoreConfig {
-            kind: None,
+        PostgresConfig {
             postgres_url: PostgresUrl::default(),
             postgres_pool_size: 16,
             postgres_tls_ca_path: None,
@@ -196,10 +370,9 @@ impl Default for StoreConfig {
 }
 
 /// The password stays out of every `{:?}` (configurations are logged at start).
-impl std::fmt::Debug for StoreConfig {
+impl std::fmt::Debug for PostgresConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StoreConfig")
-            .field("kind", &self.kind)
+        f.debug_struct("PostgresConfig")
             .field("postgres_url", &self.postgres_url)
             .field("postgres_pool_size", &self.postgres_pool_size)
             .field("postgres_tls_ca_path", &self.postgres_tls_ca_path)
@@ -261,17 +434,6 @@ pub struct EngineConfig {
     pub reopen_backoff_ms_min: u64,
     /// The longest pause between reopen attempts (or write attempts on a full disk).
     pub reopen_backoff_ms_max: u64,
-    /// The largest a shard file may grow, in bytes; a write that would pass it is refused
-    /// alone with `resource_exhausted`.
-    pub shard_file_bytes_max: u64,
-    /// SQLite's page cache per shard, in bytes. Small on purpose: after a B-tree split
-    /// that reuses free pages, SQLite scans the whole cache at the commit (see
-    /// docs/storage.md), and the shard's index keeps lookups off the cache anyway.
-    pub page_cache_bytes_max: u64,
-    /// WAL pages that trigger a checkpoint into the shard file (2 KiB each in files made
-    /// since schema 5, 4 KiB in older ones). Larger means
-    /// fewer copies of hot pages and a larger WAL file between checkpoints.
-    pub wal_checkpoint_pages: u64,
     /// Slots an online add-shards moves per second at most (each move pauses its slot's
     /// requests for about three fsyncs); 0 moves as fast as the disk allows.
     pub slot_moves_per_second_max: u32,
@@ -294,9 +456,6 @@ impl Default for EngineConfig {
             waiters_per_shard_max: 4_096,
             reopen_backoff_ms_min: 50,
             reopen_backoff_ms_max: 2_000,
-            shard_file_bytes_max: 64 << 30,
-            page_cache_bytes_max: 4 << 20,
-            wal_checkpoint_pages: 16_384,
             slot_moves_per_second_max: 200,
         }
     }
@@ -387,11 +546,8 @@ impl EngineConfig {
         problems.into_result()
     }
 
-    /// The shard files' settings: their size, cache, checkpoints and slot moves.
+    /// The pace of slot moves.
     fn check_files(&self, problems: &mut Problems) {
-        problems.within("shard_file_bytes_max", self.shard_file_bytes_max, 1 << 20, u64::MAX, Unit::Bytes);
-        problems.within("page_cache_bytes_max", self.page_cache_bytes_max, 1 << 20, 16 << 30, Unit::Bytes);
-        problems.within("wal_checkpoint_pages", self.wal_checkpoint_pages, 100, 1 << 20, Unit::Count);
         problems.within(
             "slot_moves_per_second_max",
             u64::from(self.slot_moves_per_second_max),
@@ -403,20 +559,88 @@ impl EngineConfig {
 }
 
 impl StoreConfig {
-    /// The store in force: the configured kind, else the one a new data directory gets.
-    /// `Engine::open` first sets an unset kind to the store that wrote the directory
-    /// (`manifest::settle_store_kind`), so that an existing directory keeps its store.
+    /// The store's kind.
     pub fn kind(&self) -> StoreKind {
-        self.kind.unwrap_or_default()
+        match self {
+            StoreConfig::Sqlite(_) => StoreKind::Sqlite,
+            StoreConfig::Postgres(_) => StoreKind::Postgres,
+        }
+    }
+
+    /// A store of `kind` with its defaults.
+    pub fn of_kind(kind: StoreKind) -> StoreConfig {
+        match kind {
+            StoreKind::Sqlite => StoreConfig::Sqlite(SqliteConfig::default()),
+            StoreKind::Postgres => StoreConfig::Postgres(PostgresConfig::default()),
+        }
+    }
+
+    /// The PostgreSQL store at `url`, its other settings at their defaults.
+    pub fn postgres(url: impl Into<PostgresUrl>) -> StoreConfig {
+        StoreConfig::Postgres(PostgresConfig { postgres_url: url.into(), ..PostgresConfig::default() })
+    }
+
+    /// The shard files' settings: the configured ones, or the defaults for a store that
+    /// has no files (which never reads them).
+    pub fn sqlite(&self) -> SqliteConfig {
+        match self {
+            StoreConfig::Sqlite(sqlite) => *sqlite,
+            StoreConfig::Postgres(_) => SqliteConfig::default(),
+        }
     }
 
     /// Checks the store's settings for an engine of `shards` shards; problems name the
     /// fields relative to the section (`postgres_url`).
     pub fn check(&self, shards: u32) -> Result<(), Vec<Problem>> {
-        let mut problems = Problems::default();
-        if self.kind() != StoreKind::Postgres {
-            return problems.into_result();
+        match self {
+            StoreConfig::Sqlite(sqlite) => sqlite.check(),
+            StoreConfig::Postgres(postgres) => postgres.check(shards),
         }
+    }
+}
+
+impl SqliteConfig {
+    fn from_section(section: &StoreSection) -> SqliteConfig {
+        let default = SqliteConfig::default();
+        SqliteConfig {
+            shard_file_bytes_max: section.shard_file_bytes_max.unwrap_or(default.shard_file_bytes_max),
+            page_cache_bytes_max: section.page_cache_bytes_max.unwrap_or(default.page_cache_bytes_max),
+            wal_checkpoint_pages: section.wal_checkpoint_pages.unwrap_or(default.wal_checkpoint_pages),
+        }
+    }
+
+    fn check(&self) -> Result<(), Vec<Problem>> {
+        let mut problems = Problems::default();
+        problems.within("shard_file_bytes_max", self.shard_file_bytes_max, 1 << 20, u64::MAX, Unit::Bytes);
+        problems.within("page_cache_bytes_max", self.page_cache_bytes_max, 1 << 20, 16 << 30, Unit::Bytes);
+        problems.within("wal_checkpoint_pages", self.wal_checkpoint_pages, 100, 1 << 20, Unit::Count);
+        problems.into_result()
+    }
+}
+
+impl PostgresConfig {
+    fn from_section(section: StoreSection) -> PostgresConfig {
+        let default = PostgresConfig::default();
+        PostgresConfig {
+            postgres_url: section.postgres_url.unwrap_or(default.postgres_url),
+            postgres_pool_size: section.postgres_pool_size.unwrap_or(default.postgres_pool_size),
+            postgres_tls_ca_path: section.postgres_tls_ca_path,
+            postgres_statement_timeout_ms: section
+                .postgres_statement_timeout_ms
+                .unwrap_or(default.postgres_statement_timeout_ms),
+            postgres_count_timeout_ms: section
+                .postgres_count_timeout_ms
+                .unwrap_or(default.postgres_count_timeout_ms),
+            postgres_waiters_poll_ms: section
+                .postgres_waiters_poll_ms
+                .unwrap_or(default.postgres_waiters_poll_ms),
+            postgres_clock: section.postgres_clock.unwrap_or(default.postgres_clock),
+            postgres_schema: section.postgres_schema.unwrap_or(default.postgres_schema),
+        }
+    }
+
+    fn check(&self, shards: u32) -> Result<(), Vec<Problem>> {
+        let mut problems = Problems::default();
         if cfg!(not(feature = "postgres")) {
             problems.push(Problem::new("kind", "is postgres, which this build was made without"));
         } else if self.postgres_url.is_empty() {
@@ -474,7 +698,7 @@ mod tests {
         ] {
             let shown = PostgresUrl::from(url).redacted();
             assert_eq!(shown, "host=db.internal port=6543 dbname=oncegate user=gate");
-            let config = StoreConfig { postgres_url: url.into(), ..StoreConfig::default() };
+            let config = StoreConfig::postgres(url);
             let debug = format!("{config:?}");
             assert!(!debug.contains("s3cret-pw") && debug.contains("db.internal"), "{debug}");
         }

@@ -30,8 +30,8 @@ mod store;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use config::{
-    Durability, EngineConfig, PgClock, PostgresUrl, SHARDS_DEFAULT, SHARDS_MAX, StoreConfig, StoreKind,
-    UnknownStoreKind,
+    Durability, EngineConfig, PgClock, PostgresConfig, PostgresUrl, SHARDS_DEFAULT, SHARDS_MAX, SqliteConfig,
+    StoreConfig, StoreKind, UnknownStoreKind,
 };
 pub use engine::{BackedUp, Engine, ShardStats, TenantGate};
 pub use engine::{BackupError, OpenError, ResizeError};
@@ -68,11 +68,12 @@ pub mod testing {
         conn: &rusqlite::Connection,
         config: &crate::EngineConfig,
     ) -> Result<(), crate::StoreError> {
+        let sqlite = config.store.sqlite();
         crate::store::configure(
             conn,
             config.durability,
-            config.wal_checkpoint_pages,
-            config.page_cache_bytes_max,
+            sqlite.wal_checkpoint_pages,
+            sqlite.page_cache_bytes_max,
         )
     }
 }

@@ -13,8 +13,8 @@ use common::pg::{Cluster, shared};
 use common::*;
 use oncegate_core::{Code, ReserveReply, State};
 use oncegate_engine::{
-    Clock, Durability, Engine, EngineConfig, Faults, KeyRequest, ManualClock, PgClock, ShardState,
-    StoreConfig, StoreKind, SystemClock,
+    Clock, Durability, Engine, EngineConfig, Faults, KeyRequest, ManualClock, PgClock, PostgresConfig,
+    ShardState, StoreConfig, SystemClock,
 };
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -34,12 +34,11 @@ fn node_with(
 ) -> Engine {
     let config = EngineConfig {
         data_dir: dir.to_owned(),
-        store: StoreConfig {
-            kind: Some(StoreKind::Postgres),
+        store: StoreConfig::Postgres(PostgresConfig {
             postgres_url: url.into(),
             postgres_clock: clock,
-            ..StoreConfig::default()
-        },
+            ..PostgresConfig::default()
+        }),
         reopen_backoff_ms_min: 10,
         reopen_backoff_ms_max: 200,
         ..EngineConfig::default()
@@ -49,18 +48,19 @@ fn node_with(
 
 /// A one-shard node's configuration in `dir` on database `url`, its store's settings as
 /// `store` edits them.
-fn one_shard(dir: &std::path::Path, url: &str, store: impl FnOnce(&mut StoreConfig)) -> EngineConfig {
+fn one_shard(dir: &std::path::Path, url: &str, store: impl FnOnce(&mut PostgresConfig)) -> EngineConfig {
     let mut config = EngineConfig {
         data_dir: dir.to_owned(),
         shards: 1,
-        store: StoreConfig {
-            kind: Some(StoreKind::Postgres),
+        store: StoreConfig::Postgres(PostgresConfig {
             postgres_url: url.into(),
-            ..StoreConfig::default()
-        },
+            ..PostgresConfig::default()
+        }),
         ..EngineConfig::default()
     };
-    store(&mut config.store);
+    if let StoreConfig::Postgres(postgres) = &mut config.store {
+        store(postgres);
+    }
     config
 }
 

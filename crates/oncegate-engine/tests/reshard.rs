@@ -162,7 +162,7 @@ fn a_moved_key_without_a_row_is_granted_above_its_last_token() {
 /// before it touches anything: the map would move slots whose records it cannot see.
 #[test]
 fn a_reshard_under_the_other_store_is_refused_before_anything_changes() {
-    use oncegate_engine::{StoreConfig, StoreKind};
+    use oncegate_engine::{PostgresConfig, StoreConfig};
     let dir = tempfile::tempdir().unwrap();
     let clock = ManualClock::new(T0);
     let sqlite = EngineConfig { shards: 2, ..config(dir.path()) };
@@ -170,11 +170,10 @@ fn a_reshard_under_the_other_store_is_refused_before_anything_changes() {
     let written = fill_keys(&engine, 30);
     engine.shutdown();
     drop(engine);
-    let store = StoreConfig {
-        kind: Some(StoreKind::Postgres),
+    let store = StoreConfig::Postgres(PostgresConfig {
         postgres_url: "postgres://db/x".into(),
-        ..StoreConfig::default()
-    };
+        ..PostgresConfig::default()
+    });
     let refused =
         add_shards(&EngineConfig { store, ..sqlite.clone() }, 4, &mut |_, _| {}).expect_err("refused");
     assert!(
@@ -188,31 +187,23 @@ fn a_reshard_under_the_other_store_is_refused_before_anything_changes() {
 
 /// A reshard of a PostgreSQL node's directory says why there is nothing to move (its
 /// shards share one table), rather than that the directory has no manifest or holds
-/// another store's records, whether the command was told the kind (the configuration
-/// file's) or not (`oncegate reshard` leaves it to the directory).
+/// another store's records, whichever kind the command was told.
 #[test]
 fn a_reshard_of_a_postgresql_node_s_directory_says_why_it_cannot_be() {
-    use oncegate_engine::{StoreConfig, StoreKind};
+    use oncegate_engine::{PostgresConfig, StoreConfig};
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join(oncegate_engine::testing::manifest::NODE_FILE), "node-1\n").unwrap();
-    let store = StoreConfig {
-        kind: Some(StoreKind::Postgres),
+    let store = StoreConfig::Postgres(PostgresConfig {
         postgres_url: "postgres://db/x".into(),
-        ..StoreConfig::default()
-    };
+        ..PostgresConfig::default()
+    });
     let refused =
         add_shards(&EngineConfig { store, ..config(dir.path()) }, 4, &mut |_, _| {}).expect_err("refused");
     assert!(matches!(refused, ResizeError::Unsupported { .. }), "{refused:?}");
-    let unset = add_shards(&config_unset(dir.path()), 4, &mut |_, _| {}).expect_err("refused");
-    assert!(matches!(unset, ResizeError::Unsupported { .. }), "{unset:?}");
-    let sqlite = StoreConfig { kind: Some(StoreKind::Sqlite), ..StoreConfig::default() };
+    let sqlite = StoreConfig::default();
     let told_sqlite = add_shards(&EngineConfig { store: sqlite, ..config(dir.path()) }, 4, &mut |_, _| {})
         .expect_err("refused");
     assert!(matches!(told_sqlite, ResizeError::Unsupported { .. }), "{told_sqlite:?}");
     let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert!(!names.iter().any(|n| n.to_string_lossy().starts_with("shard-")), "no shard created: {names:?}");
-}
-
-fn config_unset(dir: &std::path::Path) -> EngineConfig {
-    EngineConfig { store: oncegate_engine::StoreConfig::default(), ..config(dir) }
 }

@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use oncegate_core::{ReserveReply, State};
-use oncegate_engine::{EngineConfig, Faults, ManualClock, StoreConfig, StoreKind};
+use oncegate_engine::{EngineConfig, Faults, ManualClock, PostgresConfig, StoreConfig, StoreKind};
 
 #[test]
 fn restart_grace_extends_leases_that_were_live_at_the_stop() {
@@ -107,18 +107,17 @@ fn files_an_older_version_left_readable_by_others_are_made_owner_only_at_open() 
 /// invisible and every key granted again.
 #[test]
 fn a_data_directory_of_the_other_store_is_refused() {
-    use oncegate_engine::{LayoutError, OpenError, StoreConfig, StoreKind};
+    use oncegate_engine::{LayoutError, OpenError, StoreConfig};
     let clock = ManualClock::new(T0);
     let faults = Faults::default();
     let dir = tempfile::tempdir().unwrap();
     let engine = open(config(dir.path()), &clock, &faults);
     granted(&engine.reserve_blocking(&tenant(), reserve("k")).unwrap().reply);
     drop(engine);
-    let postgres = StoreConfig {
-        kind: Some(StoreKind::Postgres),
+    let postgres = StoreConfig::Postgres(PostgresConfig {
         postgres_url: "postgres://db/x".into(),
-        ..StoreConfig::default()
-    };
+        ..PostgresConfig::default()
+    });
     let opened = oncegate_engine::Engine::open_with(
         EngineConfig { store: postgres, ..config(dir.path()) },
         std::sync::Arc::new(clock.clone()),
@@ -131,38 +130,34 @@ fn a_data_directory_of_the_other_store_is_refused() {
     );
 }
 
-/// With no store kind configured, a new data directory gets SQLite, and an existing one
-/// keeps it.
+/// With no store configured, a data directory is SQLite's, and reopens as such.
 #[test]
-fn an_unset_store_kind_keeps_the_directory_s_own_store() {
+fn the_default_store_is_sqlite() {
     let clock = ManualClock::new(T0);
     let faults = Faults::default();
     let t = tenant();
-    for wrote in [Some(StoreKind::Sqlite), None] {
-        let dir = tempfile::tempdir().unwrap();
-        let store = |kind| StoreConfig { kind, ..StoreConfig::default() };
-        let engine = open(EngineConfig { store: store(wrote), ..config(dir.path()) }, &clock, &faults);
-        let token = granted(&engine.reserve_blocking(&t, reserve("k")).unwrap().reply);
-        assert_eq!(engine.config().store.kind, Some(StoreKind::Sqlite), "a new directory under {wrote:?}");
-        drop(engine);
-        let engine = open(EngineConfig { store: store(None), ..config(dir.path()) }, &clock, &faults);
-        assert_eq!(engine.config().store.kind, Some(StoreKind::Sqlite), "reopened with no kind configured");
-        let view = engine.get_blocking(&t, key("k", 0)).unwrap();
-        assert_eq!((view.state, view.token), (State::Pending, token), "written under {wrote:?}");
-    }
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(config(dir.path()), &clock, &faults);
+    let token = granted(&engine.reserve_blocking(&t, reserve("k")).unwrap().reply);
+    assert_eq!(engine.config().store.kind(), StoreKind::Sqlite);
+    assert!(dir.path().join("shard-0000.sqlite").exists(), "a SQLite file per shard");
+    drop(engine);
+    let engine = open(config(dir.path()), &clock, &faults);
+    let view = engine.get_blocking(&t, key("k", 0)).unwrap();
+    assert_eq!((view.state, view.token), (State::Pending, token));
 }
 
 /// A PostgreSQL node's data directory (its records are in the database; the directory
-/// holds the node's name) is refused under SQLite, configured or by an unset kind:
-/// opened as a new SQLite directory, every key in the table would be granted again.
+/// holds the node's name) is refused under SQLite: opened as a new SQLite directory,
+/// every key in the table would be granted again.
 #[test]
 fn a_postgresql_node_s_directory_is_refused_under_an_own_store() {
-    use oncegate_engine::{LayoutError, OpenError, StoreConfig, StoreKind};
+    use oncegate_engine::{LayoutError, OpenError, StoreConfig};
     let clock = ManualClock::new(T0);
-    for kind in [None, Some(StoreKind::Sqlite)] {
+    {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join(oncegate_engine::testing::manifest::NODE_FILE), "node-1\n").unwrap();
-        let store = StoreConfig { kind, ..StoreConfig::default() };
+        let store = StoreConfig::default();
         let opened = oncegate_engine::Engine::open_with(
             EngineConfig { store, ..config(dir.path()) },
             std::sync::Arc::new(clock.clone()),
@@ -170,14 +165,15 @@ fn a_postgresql_node_s_directory_is_refused_under_an_own_store() {
         );
         assert!(
             matches!(opened, Err(OpenError::Layout(LayoutError::OtherStore { found: "postgres", .. }))),
-            "{kind:?}"
+            "{:?}",
+            opened.as_ref().err()
         );
         let mut names: Vec<_> = std::fs::read_dir(dir.path())
             .unwrap()
             .map(|e| e.unwrap().file_name().into_string().unwrap())
             .collect();
         names.sort();
-        assert_eq!(names, ["oncegate.lock", "oncegate.node"], "nothing created under {kind:?}");
+        assert_eq!(names, ["oncegate.lock", "oncegate.node"], "nothing created");
     }
 }
 
@@ -192,15 +188,15 @@ fn a_directory_of_the_log_store_is_refused_with_one_sentence() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir(dir.path().join("shard-0000.log")).unwrap();
     std::fs::write(dir.path().join("shard-0000.log").join("00000001.seg"), b"").unwrap();
-    for kind in [None, Some(StoreKind::Sqlite)] {
-        let store = StoreConfig { kind, ..StoreConfig::default() };
+    {
+        let store = StoreConfig::default();
         let opened = oncegate_engine::Engine::open_with(
             EngineConfig { store, ..config(dir.path()) },
             std::sync::Arc::new(clock.clone()),
             Faults::default(),
         );
         let error = opened.err().expect("refused");
-        assert!(matches!(error, OpenError::Layout(LayoutError::LogStore { .. })), "{kind:?}: {error:?}");
+        assert!(matches!(error, OpenError::Layout(LayoutError::LogStore { .. })), "{error:?}");
         let said = error.to_string();
         assert!(
             said.contains("shard-0000.log")

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use oncegate_core::{Problem, Problems, Tenant, Unit};
-use oncegate_engine::{EngineConfig, StoreConfig};
+use oncegate_engine::{EngineConfig, PostgresConfig, StoreConfig};
 use serde::{Deserialize, Serialize};
 
 /// The whole configuration file (`config/oncegate.toml` documents every key).
@@ -360,10 +360,17 @@ pub struct ConfigError {
 
 /// Lists the keys of `user` that `known` does not have, as dotted paths. `known` is the
 /// default configuration serialised, so it holds every key the file may use.
+/// SQLite's settings, which `[engine]` held before `[store]` had a section per kind.
+const MOVED_TO_STORE: [&str; 3] =
+    ["engine.shard_file_bytes_max", "engine.page_cache_bytes_max", "engine.wal_checkpoint_pages"];
+
 fn unknown_keys(user: &toml::Table, known: &toml::Table, prefix: &str, out: &mut Vec<String>) {
     for (key, value) in user {
         let path = if prefix.is_empty() { key.clone() } else { format!("{prefix}.{key}") };
         match known.get(key) {
+            None if MOVED_TO_STORE.contains(&path.as_str()) => {
+                out.push(format!("{path}: moved to [store] (store.{key})"));
+            }
             None => out.push(format!("{path}: unknown key")),
             Some(toml::Value::Table(inner)) => {
                 if let toml::Value::Table(user_inner) = value {
@@ -403,9 +410,15 @@ impl Config {
         sample.server.tls_cert_path = Some(PathBuf::new());
         sample.server.tls_key_path = Some(PathBuf::new());
         sample.server.tls_client_ca_path = Some(PathBuf::new());
-        sample.store.kind = Some(oncegate_engine::StoreKind::default());
-        sample.store.postgres_tls_ca_path = Some(PathBuf::new());
-        let known = toml::Table::try_from(sample).expect("the defaults serialise");
+        let mut known = toml::Table::try_from(sample).expect("the defaults serialise");
+        // `[store]` holds the keys of either kind.
+        let postgres =
+            PostgresConfig { postgres_tls_ca_path: Some(PathBuf::new()), ..PostgresConfig::default() };
+        let postgres =
+            toml::Table::try_from(StoreConfig::Postgres(postgres)).expect("the defaults serialise");
+        if let Some(toml::Value::Table(store)) = known.get_mut("store") {
+            store.extend(postgres);
+        }
         let mut checked = table.clone();
         // `oncegate proxy` checks its own section.
         checked.remove("proxy");

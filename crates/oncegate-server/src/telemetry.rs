@@ -119,7 +119,7 @@ fn describe() {
         "oncegate_shard_file_bytes",
         "Bytes of the shard file's pages in use, as of its last write batch."
     );
-    gauge!("oncegate_shard_file_bytes_max", "engine.shard_file_bytes_max.");
+    gauge!("oncegate_shard_file_bytes_max", "store.shard_file_bytes_max.");
     gauge!("oncegate_shard_clock_ahead_seconds", "The shard's time less the wall clock.");
     counter!("oncegate_shard_reclaimed_total", "Expired records deleted by the shard's alarm.");
     counter!("oncegate_shard_batches_total", "Shard transactions.");
@@ -161,7 +161,7 @@ fn refresh(engine: &Engine) {
         gauge("oncegate_shard_mailbox_depth", stats.mailbox_depth as f64);
         gauge("oncegate_shard_mailbox_depth_max", config.mailbox_depth_max as f64);
         gauge("oncegate_shard_file_bytes", stats.file_bytes as f64);
-        gauge("oncegate_shard_file_bytes_max", config.shard_file_bytes_max as f64);
+        gauge("oncegate_shard_file_bytes_max", config.store.sqlite().shard_file_bytes_max as f64);
         gauge("oncegate_shard_clock_ahead_seconds", stats.clock_ahead_ms as f64 / 1_000.0);
         gauge("oncegate_shard_waiters", stats.waiters as f64);
         gauge("oncegate_shard_records_pending", stats.records_pending as f64);

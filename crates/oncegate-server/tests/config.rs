@@ -1,6 +1,7 @@
 //! Configuration: every file under `config/` loads and passes its checks; the documented
 //! file holds exactly the defaults; problems are reported together.
 
+use oncegate_engine::{SqliteConfig, StoreConfig};
 use oncegate_server::Config;
 
 fn config_dir() -> std::path::PathBuf {
@@ -89,13 +90,45 @@ fn unknown_keys_are_all_reported_at_once() {
 fn optional_keys_load() {
     let text = "
         [store]
-        kind = \"sqlite\"
+        kind = \"postgres\"
+        postgres_url = \"host=db\"
         postgres_tls_ca_path = \"/etc/oncegate/ca.crt\"
     ";
     let config = Config::from_toml(text, "test").unwrap();
-    assert_eq!(config.store.kind, Some(oncegate_engine::StoreKind::Sqlite));
-    assert_eq!(config.store.postgres_tls_ca_path, Some("/etc/oncegate/ca.crt".into()));
-    assert_eq!(Config::default().store.kind, None, "unset: the directory's own store, or SQLite");
+    let StoreConfig::Postgres(postgres) = config.store else { panic!("{:?}", config.store) };
+    assert_eq!(postgres.postgres_tls_ca_path, Some("/etc/oncegate/ca.crt".into()));
+}
+
+/// `[store]` takes the keys of its kind, SQLite when `kind` is absent; a key of the
+/// other kind is refused, naming it, unless it holds its default (files made from the
+/// sample of earlier versions list every key).
+#[test]
+fn the_store_section_takes_the_keys_of_its_kind() {
+    let sqlite = Config::from_toml("[store]\npage_cache_bytes_max = 8388608\n", "test").unwrap();
+    assert_eq!(
+        sqlite.store,
+        StoreConfig::Sqlite(SqliteConfig { page_cache_bytes_max: 8 << 20, ..Default::default() })
+    );
+    let old_sample = "[store]\npostgres_url = \"\"\npostgres_pool_size = 16\n";
+    assert_eq!(Config::from_toml(old_sample, "test").unwrap().store, StoreConfig::default());
+    for (text, says) in [
+        (
+            "[store]\npostgres_pool_size = 32\n",
+            "store.postgres_pool_size applies to kind = \"postgres\", and this store's kind is \"sqlite\"",
+        ),
+        (
+            "[store]\nkind = \"postgres\"\npostgres_url = \"host=db\"\nwal_checkpoint_pages = 100\n",
+            "store.wal_checkpoint_pages applies to kind = \"sqlite\", and this store's kind is \"postgres\"",
+        ),
+        (
+            "[engine]\nshard_file_bytes_max = 1048576\n",
+            "engine.shard_file_bytes_max: moved to [store] (store.shard_file_bytes_max)",
+        ),
+        ("[store]\nkind = \"log\"\n", "unknown variant"),
+    ] {
+        let error = Config::from_toml(text, "test").unwrap_err().to_string();
+        assert!(error.contains(says), "{text:?}: {error}");
+    }
 }
 
 #[test]

@@ -6,7 +6,7 @@ mod common;
 #[path = "../../oncegate-engine/tests/common/pg.rs"]
 mod pg;
 
-use oncegate_engine::{StoreConfig, StoreKind};
+use oncegate_engine::{PostgresConfig, StoreConfig};
 use oncegate_proto::v1::gate_client::GateClient;
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -17,11 +17,8 @@ async fn a_database_outage_is_unavailable_and_not_serving_until_it_returns() {
     let Some(cluster) = tokio::task::spawn_blocking(pg::Cluster::start).await.unwrap() else { return };
     let url = cluster.database("front");
     let server = common::start_with(move |c| {
-        c.store = StoreConfig {
-            kind: Some(StoreKind::Postgres),
-            postgres_url: url.into(),
-            ..StoreConfig::default()
-        };
+        c.store =
+            StoreConfig::Postgres(PostgresConfig { postgres_url: url.into(), ..PostgresConfig::default() });
         c.engine.reopen_backoff_ms_min = 10;
         c.engine.reopen_backoff_ms_max = 200;
     })

@@ -55,7 +55,7 @@ fn build_and_alert_gauges_are_exported(scraped: &BTreeMap<String, f64>) {
     assert_eq!(value(scraped, "oncegate_shard_state", &[("state", "halted")]), 0.0);
     let max = EngineConfig::default().mailbox_depth_max as f64;
     assert_eq!(value(scraped, "oncegate_shard_mailbox_depth_max", &[("shard", "0")]), max);
-    let file_max = EngineConfig::default().shard_file_bytes_max as f64;
+    let file_max = oncegate_engine::SqliteConfig::default().shard_file_bytes_max as f64;
     assert_eq!(value(scraped, "oncegate_shard_file_bytes_max", &[("shard", "0")]), file_max);
     assert!(scraped.keys().any(|series| series.starts_with("oncegate_shard_clock_ahead_seconds{")));
     assert!(value(scraped, "oncegate_shard_file_bytes", &[("shard", "0")]) > 0.0, "read at open");

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use oncegate_core::{Outcome, ReserveReply, State, Tenant, View};
 use oncegate_engine::{
     CommitRequest, Durability, Engine, EngineConfig, Error, Faults, KeyRequest, ManualClock, ReserveRequest,
-    ShardState, StoreConfig, StoreKind,
+    ShardState, StoreConfig,
 };
 use rand::rngs::StdRng;
 use rand::seq::IndexedRandom;
@@ -432,7 +432,7 @@ impl Run<'_> {
             shards: self.plan.shards,
             durability: self.plan.durability,
             batch_len_max: [1, 4, 64, 256][self.rng.random_range(0..4)],
-            store: StoreConfig { kind: Some(StoreKind::Sqlite), ..StoreConfig::default() },
+            store: StoreConfig::default(),
             ..EngineConfig::default()
         };
         let clock = Arc::new(self.clock.clone());

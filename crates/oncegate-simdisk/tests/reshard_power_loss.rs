@@ -11,7 +11,6 @@ use oncegate_core::{Outcome, ReserveReply, State, Tenant};
 use oncegate_engine::reshard::add_shards_on;
 use oncegate_engine::{
     CommitRequest, Engine, EngineConfig, Faults, KeyRequest, ManualClock, ReserveRequest, StoreConfig,
-    StoreKind,
 };
 use oncegate_simdisk::disk::{Cut, Disk};
 use rand::SeedableRng;
@@ -22,7 +21,7 @@ const T0: u64 = 1_700_000_000_000;
 type Written = HashMap<String, (u64, bool)>;
 
 fn config(shards: u32) -> EngineConfig {
-    let store = StoreConfig { kind: Some(StoreKind::Sqlite), ..StoreConfig::default() };
+    let store = StoreConfig::default();
     EngineConfig { data_dir: PathBuf::from("/data"), shards, store, ..EngineConfig::default() }
 }
 

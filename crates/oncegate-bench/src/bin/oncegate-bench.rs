@@ -112,10 +112,11 @@ struct Bench {
 impl Cli {
     /// The store of the oncegate the tool runs (and preloads).
     fn store_config(&self) -> oncegate_engine::StoreConfig {
-        oncegate_engine::StoreConfig {
-            kind: Some(self.store),
-            postgres_url: self.postgres.as_str().into(),
-            ..Default::default()
+        match self.store {
+            oncegate_engine::StoreKind::Postgres => {
+                oncegate_engine::StoreConfig::postgres(self.postgres.as_str())
+            }
+            kind => oncegate_engine::StoreConfig::of_kind(kind),
         }
     }
 }

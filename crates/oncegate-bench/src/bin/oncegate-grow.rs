@@ -36,8 +36,8 @@ struct Cli {
     /// `engine.slot_moves_per_second_max` for the add.
     #[arg(long, default_value_t = 200)]
     slot_moves_per_second_max: u32,
-    /// `engine.page_cache_bytes_max`: SQLite's page cache per shard.
-    #[arg(long, default_value_t = oncegate_engine::EngineConfig::default().page_cache_bytes_max)]
+    /// `store.page_cache_bytes_max`: SQLite's page cache per shard.
+    #[arg(long, default_value_t = oncegate_engine::SqliteConfig::default().page_cache_bytes_max)]
     page_cache_bytes_max: u64,
     /// Where the scratch store goes (a temporary directory under it).
     #[arg(long)]
@@ -57,8 +57,10 @@ fn main() -> anyhow::Result<()> {
         data_dir,
         shards: cli.shards,
         slot_moves_per_second_max: cli.slot_moves_per_second_max,
-        page_cache_bytes_max: cli.page_cache_bytes_max,
-        store: oncegate_engine::StoreConfig::default(),
+        store: oncegate_engine::StoreConfig::Sqlite(oncegate_engine::SqliteConfig {
+            page_cache_bytes_max: cli.page_cache_bytes_max,
+            ..Default::default()
+        }),
         ..Default::default()
     };
     let engine = oncegate_engine::Engine::open(config)?;

@@ -9,7 +9,7 @@ use oncegate_core::ClockGuard;
 use super::error::OpenError;
 use super::{Engine, Inner, ShardHandle, routes};
 use crate::clock::{Clock, SystemClock};
-use crate::config::{EngineConfig, StoreKind};
+use crate::config::{EngineConfig, StoreConfig};
 use crate::faults::Faults;
 use crate::files;
 use crate::placement::{manifest, slots};
@@ -45,9 +45,8 @@ impl Engine {
     ) -> Result<Engine, OpenError> {
         config.check().map_err(OpenError::Config)?;
         let lock = manifest::lock(&*files, &config.data_dir)?;
-        let mut config = config;
-        let kind = manifest::settle_store_kind(&*files, &mut config)?;
-        let Placement { map, shards, routing, postgres } = place(&config, kind, &*files, &clock)?;
+        manifest::check_store_kind(&*files, &config)?;
+        let Placement { map, shards, routing, postgres } = place(&config, &*files, &clock)?;
         // The one wall-clock reading of the process: every shard's frame, and the frame of
         // derived keys, is anchored to it; nothing re-anchors until the next process.
         let start = Start { wall_ms: clock.now_ms(), monotonic_ms: clock.monotonic_ms() };
@@ -106,31 +105,26 @@ struct Placement {
 #[cfg_attr(not(feature = "postgres"), allow(unused_variables))]
 fn place(
     config: &EngineConfig,
-    kind: StoreKind,
     files: &dyn files::Files,
     clock: &Arc<dyn Clock>,
 ) -> Result<Placement, OpenError> {
-    let placement = match kind {
-        StoreKind::Sqlite => {
+    let placement = match &config.store {
+        StoreConfig::Sqlite(_) => {
             let (map, shards, routing) = manifest::open_or_create(files, &config.data_dir, config.shards)?;
             Placement { map, shards, routing, postgres: None }
         }
         #[cfg(not(feature = "postgres"))]
-        StoreKind::Postgres => {
+        StoreConfig::Postgres(_) => {
             return Err(OpenError::Unsupported {
                 what: "the PostgreSQL store: this build was made without the `postgres` feature",
             });
         }
         #[cfg(feature = "postgres")]
-        StoreKind::Postgres => {
+        StoreConfig::Postgres(postgres) => {
             let node = manifest::node_name(files, &config.data_dir)?;
-            let pg = store::postgres::Postgres::new(
-                &config.store,
-                config.durability,
-                node.clone(),
-                Arc::clone(clock),
-            )
-            .map_err(OpenError::Postgres)?;
+            let pg =
+                store::postgres::Postgres::new(postgres, config.durability, node.clone(), Arc::clone(clock))
+                    .map_err(OpenError::Postgres)?;
             tracing::info!(database = %pg.display, node = %node, shards = config.shards, "records in PostgreSQL");
             Placement {
                 map: slots::SlotMap::even(config.shards),

@@ -113,11 +113,10 @@ pub fn add_shards_on(
     // A directory of another store (a PostgreSQL node's, the log store's) is refused
     // before anything changes. Settled first, so that a PostgreSQL node's directory (no
     // manifest) hears why, whatever kind the command was given.
-    let mut config = config.clone();
     if manifest::is_node_dir(&*files, &config.data_dir)? {
         return Err(ResizeError::Unsupported { what: NO_SLOTS_ON_POSTGRES });
     }
-    let kind = manifest::settle_store_kind(&*files, &mut config)?;
+    let kind = manifest::check_store_kind(&*files, config)?;
     if kind == StoreKind::Postgres {
         return Err(ResizeError::Unsupported { what: NO_SLOTS_ON_POSTGRES });
     }
@@ -126,7 +125,6 @@ pub fn add_shards_on(
         path: dir.join(manifest::MANIFEST_FILE),
         reason: "not found: this is not a data directory".to_owned(),
     })?;
-    let config = &config;
     let before = manifest.shards;
     if to < before || to > SHARDS_MAX {
         return Err(ResizeError::Target { to, shards: before, max: SHARDS_MAX });

@@ -80,7 +80,7 @@ pub enum LayoutError {
         found: &'static str,
         /// One of them.
         example: String,
-        /// The configured kind's name in quotes, or `unset`.
+        /// The configured kind's name in quotes.
         configured: String,
     },
     /// The data directory holds a shard of the log store that versions before

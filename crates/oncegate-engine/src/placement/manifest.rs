@@ -117,17 +117,16 @@ pub fn node_name(files: &dyn Files, data_dir: &Path) -> Result<String, LayoutErr
     Ok(name)
 }
 
-/// Settles `config`'s store kind for its data directory and returns it: the configured
-/// kind, else the store that wrote the directory, else SQLite for a new one. Refused,
-/// before anything is created: a directory whose records another store holds (SQLite
+/// Checks that `config`'s store kind (SQLite unless configured) may open its data
+/// directory, and returns it. Refused, before anything is created: a directory whose records another store holds (SQLite
 /// shards under PostgreSQL, a PostgreSQL node's name under SQLite), and one holding a
 /// shard of the log store that earlier versions wrote, which this version cannot read:
 /// opened under the wrong store, its records would be invisible and their keys granted
 /// again. Called with the directory's lock held, so that no other process creates
 /// shards between the look and the open.
-pub fn settle_store_kind(
+pub fn check_store_kind(
     files: &dyn Files,
-    config: &mut crate::config::EngineConfig,
+    config: &crate::config::EngineConfig,
 ) -> Result<crate::config::StoreKind, LayoutError> {
     use crate::config::StoreKind::{Postgres, Sqlite};
     let dir = &config.data_dir;
@@ -136,22 +135,19 @@ pub fn settle_store_kind(
         return Err(LayoutError::LogStore { dir: dir.clone(), example: log.clone() });
     }
     let node = is_node_dir(files, dir)?;
-    let configured =
-        config.store.kind.map_or_else(|| "unset".to_owned(), |kind| format!("\"{}\"", kind.name()));
+    let configured = format!("\"{}\"", config.store.kind().name());
     let refuse = |found: crate::config::StoreKind, example: &str| LayoutError::OtherStore {
         dir: dir.clone(),
         found: found.name(),
         example: example.to_owned(),
         configured: configured.clone(),
     };
-    let kind = match (config.store.kind, shards.first()) {
-        (Some(Postgres), Some(name)) => return Err(refuse(Sqlite, name)),
-        (Some(Postgres), None) => Postgres,
-        (_, _) if node => return Err(refuse(Postgres, NODE_FILE)),
-        (_, _) => Sqlite,
-    };
-    config.store.kind = Some(kind);
-    Ok(kind)
+    match (config.store.kind(), shards.first()) {
+        (Postgres, Some(name)) => Err(refuse(Sqlite, name)),
+        (Postgres, None) => Ok(Postgres),
+        (Sqlite, _) if node => Err(refuse(Postgres, NODE_FILE)),
+        (Sqlite, _) => Ok(Sqlite),
+    }
 }
 
 /// Whether `dir` is a PostgreSQL node's directory (it holds the node's name, and no

@@ -64,7 +64,7 @@ pub(crate) fn file_full(shard: u32, config: &EngineConfig) -> Error {
     Error::ResourceExhausted {
         what: format!("shard {shard} file"),
         limit_name: "shard_file_bytes_max",
-        limit: usize::try_from(config.shard_file_bytes_max).unwrap_or(usize::MAX),
+        limit: usize::try_from(config.store.sqlite().shard_file_bytes_max).unwrap_or(usize::MAX),
     }
 }
 

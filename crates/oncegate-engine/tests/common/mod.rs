@@ -11,8 +11,8 @@ use std::sync::Arc;
 
 use oncegate_core::{Outcome, ReserveReply, State, Tenant};
 use oncegate_engine::{
-    CommitRequest, Engine, EngineConfig, Faults, KeyRequest, ManualClock, PgClock, ReserveRequest,
-    StoreConfig, StoreKind,
+    CommitRequest, Engine, EngineConfig, Faults, KeyRequest, ManualClock, PgClock, PostgresConfig,
+    ReserveRequest, StoreConfig,
 };
 
 /// A fixed start time, so that test failures print readable numbers.
@@ -47,13 +47,12 @@ pub fn with_backend(backend: Backend, test: impl FnOnce()) {
 /// its own on the shared cluster, deciding by the engine's (manual) clock.
 pub fn store_for(dir: &Path) -> StoreConfig {
     match BACKEND.with(Cell::get) {
-        Backend::Sqlite => StoreConfig { kind: Some(StoreKind::Sqlite), ..StoreConfig::default() },
-        Backend::Postgres => StoreConfig {
-            kind: Some(StoreKind::Postgres),
+        Backend::Sqlite => StoreConfig::default(),
+        Backend::Postgres => StoreConfig::Postgres(PostgresConfig {
             postgres_url: pg::database_for(dir).expect("the cluster was started by with_backend").into(),
             postgres_clock: PgClock::Engine,
-            ..StoreConfig::default()
-        },
+            ..PostgresConfig::default()
+        }),
     }
 }
 

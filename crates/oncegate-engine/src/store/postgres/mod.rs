@@ -46,7 +46,7 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
 
 use super::{Meta, StoreError, decode_history, encode_history, stored_scope, stored_tenant};
-use crate::config::{Durability, PgClock, StoreConfig};
+use crate::config::{Durability, PgClock, PostgresConfig};
 use crate::faults::Faults;
 use crate::placement::slots;
 use crate::quota::Tally;
@@ -64,7 +64,7 @@ pub(crate) struct Postgres {
     pool: Pool,
     /// The node's name; each shard's clock mark is the row `{node}/{shard}`.
     node: String,
-    config: StoreConfig,
+    config: PostgresConfig,
     /// The engine's `durability`: under `full`, each session commits with at least
     /// `synchronous_commit = on` ([`session_synchronous_commit`]).
     durability: Durability,
@@ -210,7 +210,7 @@ impl Postgres {
     /// Builds the pool (connections are made when shards open, so an unreachable
     /// database fails the shards, which retry, rather than the engine's start).
     pub fn new(
-        config: &StoreConfig,
+        config: &PostgresConfig,
         durability: Durability,
         node: String,
         clock: Arc<dyn crate::clock::Clock>,

@@ -98,11 +98,12 @@ impl Tuning {
             + 2 * 64
             + 16 * 17
             + 256;
+        let sqlite = config.store.sqlite();
         Tuning {
             durability: config.durability,
-            file_bytes_max: config.shard_file_bytes_max,
-            page_cache_bytes_max: config.page_cache_bytes_max,
-            wal_checkpoint_pages: config.wal_checkpoint_pages,
+            file_bytes_max: sqlite.shard_file_bytes_max,
+            page_cache_bytes_max: sqlite.page_cache_bytes_max,
+            wal_checkpoint_pages: sqlite.wal_checkpoint_pages,
             reclaim_granularity_ms: config.reclaim_granularity_ms,
             write_bytes_max: write_bytes_max as u64,
             batch_writes_max: (config.batch_len_max + config.waiters_per_shard_max) as u64,
