@@ -451,11 +451,13 @@ async fn call_once(call: Call) -> Answer {
 
 fn reserve_json(r: Reserved) -> Value {
     let mut out = match r.reply {
-        ReserveReply::Granted { token, attempt, lease_until_ms, expires_at_ms, previous } => json!({
-            "outcome": "granted", "token": token, "attempt": attempt,
-            "lease_until_ms": lease_until_ms, "expires_at_ms": expires_at_ms,
-            "previous": if previous == Previous::Abandoned { "abandoned" } else { "none" },
-        }),
+        ReserveReply::Granted { token, attempt, lease_until_ms, lease_ms, expires_at_ms, previous } => {
+            json!({
+                "outcome": "granted", "token": token, "attempt": attempt,
+                "lease_until_ms": lease_until_ms, "lease_ms": lease_ms, "expires_at_ms": expires_at_ms,
+                "previous": if previous == Previous::Abandoned { "abandoned" } else { "none" },
+            })
+        }
         ReserveReply::InProgress { attempt, lease_until_ms, retry_after_ms } => json!({
             "outcome": "in_progress", "attempt": attempt,
             "lease_until_ms": lease_until_ms, "retry_after_ms": retry_after_ms,

@@ -97,6 +97,9 @@ pub enum ReserveReply {
         attempt: u32,
         /// The lease deadline.
         lease_until_ms: u64,
+        /// The lease's length: the one asked for, or the server's default when none was
+        /// (a holder heartbeats every third of it).
+        lease_ms: u64,
         /// When the record expires unless committed later.
         expires_at_ms: u64,
         /// Whether an abandoned attempt came before.
@@ -321,6 +324,7 @@ fn decide_reserve(live: Option<&Record>, reserve: &Reserve, now_ms: u64, next_to
             token: record.token,
             attempt,
             lease_until_ms: record.lease_until_ms,
+            lease_ms: reserve.lease_ms,
             expires_at_ms: record.expires_at_ms,
             previous,
         };

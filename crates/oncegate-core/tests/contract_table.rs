@@ -88,6 +88,7 @@ fn granted_at(now: u64, attempt: u32, previous: Previous, fingerprint: &[u8]) ->
         token: NEXT,
         attempt,
         lease_until_ms: now + LEASE,
+        lease_ms: LEASE,
         expires_at_ms: now + TTL,
         previous,
     };

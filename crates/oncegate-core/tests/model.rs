@@ -226,6 +226,7 @@ fn model_grant(
         token: next,
         attempt,
         lease_until_ms: now + r.lease_ms,
+        lease_ms: r.lease_ms,
         expires_at_ms: now + r.ttl_ms,
         previous,
     }))

@@ -225,6 +225,7 @@ fn the_checker_rejects_a_double_grant() {
             token,
             attempt: 1,
             lease_until_ms: T0 + LEASE_MS,
+            lease_ms: LEASE_MS,
             expires_at_ms: T0 + TTL_MS,
             previous: oncegate_core::Previous::None,
         }))

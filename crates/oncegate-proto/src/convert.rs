@@ -148,11 +148,12 @@ impl From<pb::GetRequest> for KeyRequest {
 impl From<ReserveReply> for Answer {
     fn from(reply: ReserveReply) -> Self {
         match reply {
-            ReserveReply::Granted { token, attempt, lease_until_ms, expires_at_ms, previous } => {
+            ReserveReply::Granted { token, attempt, lease_until_ms, lease_ms, expires_at_ms, previous } => {
                 Answer::Granted(pb::Granted {
                     token,
                     attempt,
                     lease_until_ms,
+                    lease_ms,
                     expires_at_ms,
                     previous: (match previous {
                         Previous::None => pb::Previous::None,
@@ -191,6 +192,7 @@ impl TryFrom<pb::ReserveResponse> for Reserved {
                 token: g.token,
                 attempt: g.attempt,
                 lease_until_ms: g.lease_until_ms,
+                lease_ms: g.lease_ms,
                 expires_at_ms: g.expires_at_ms,
                 previous: match pb::Previous::try_from(g.previous) {
                     Ok(pb::Previous::None) => Previous::None,
@@ -295,6 +297,7 @@ mod tests {
                 token: 9,
                 attempt: 2,
                 lease_until_ms: 3,
+                lease_ms: 5,
                 expires_at_ms: 4,
                 previous: Previous::Abandoned,
             },

@@ -151,6 +151,8 @@ struct Granted {
     token: Uint64,
     attempt: u32,
     lease_until_ms: Uint64,
+    /// The lease's length: the request's, or the server's default when it sent none.
+    lease_ms: Uint64,
     expires_at_ms: Uint64,
     /// `PREVIOUS_ABANDONED` when an earlier holder's lease ran out.
     previous: PreviousName,
@@ -295,6 +297,7 @@ impl Body for ReserveBody {
                 token: Uint64(g.token),
                 attempt: g.attempt,
                 lease_until_ms: Uint64(g.lease_until_ms),
+                lease_ms: Uint64(g.lease_ms),
                 expires_at_ms: Uint64(g.expires_at_ms),
                 previous: match g.previous() {
                     pb::Previous::None => PreviousName::None,

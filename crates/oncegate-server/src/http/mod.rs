@@ -328,7 +328,7 @@ fn bad_body(rejection: &JsonRejection) -> Response {
     responses(
         (status = 200, body = ReserveAnswer, example = json!({
             "key": "order-1001",
-            "granted": {"token": "4294967297", "attempt": 1, "lease_until_ms": "1764500430000", "expires_at_ms": "1764586800000", "previous": "PREVIOUS_NONE"}
+            "granted": {"token": "4294967297", "attempt": 1, "lease_until_ms": "1764500430000", "lease_ms": "30000", "expires_at_ms": "1764586800000", "previous": "PREVIOUS_NONE"}
         })),
         Refused,
         BodyRefused,
