@@ -7,8 +7,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use oncegate_client::{Client, GateExt, OnceOptions, Ran, WorkError};
-use oncegate_core::Fingerprint;
+use oncegate_client::{AnyError, Client, GateExt, OnceOptions, Ran, Replay, WorkError};
 use oncegate_engine::{Engine, EngineConfig};
 
 #[tokio::main]
@@ -19,23 +18,24 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let orders_placed = Arc::new(AtomicU32::new(0));
     let order = serde_json::json!({ "symbol": "BTCUSDT", "side": "buy", "qty": "0.5" });
-    let options = OnceOptions {
-        fingerprint: Fingerprint::of_json(&order)?.as_bytes().to_vec(),
-        ..OnceOptions::default()
-    };
+    let options = OnceOptions::default().fingerprint_json(&order)?;
     for delivery in ["first delivery", "retry"] {
         let placed = Arc::clone(&orders_placed);
         let ran = client
             .once("live", "fill-8812", options.clone(), |lease| async move {
                 let n = placed.fetch_add(1, Ordering::SeqCst) + 1;
                 // The exchange call would carry `lease.token` as its fencing token.
-                Ok::<_, WorkError<String>>(format!("order A-{n} (token {})", lease.token).into_bytes())
+                Ok::<_, WorkError<AnyError>>(format!("order A-{n} (token {})", lease.token).into_bytes())
             })
             .await?;
         let answer = match ran {
             Ran::Now(response) => format!("ran now: {}", String::from_utf8_lossy(&response)),
-            Ran::Replayed { response, .. } => format!("replayed: {}", String::from_utf8_lossy(&response)),
-            Ran::InProgress { retry_after_ms } => format!("in progress, retry in {retry_after_ms} ms"),
+            Ran::Replayed(Replay::Succeeded(stored)) => {
+                format!("replayed: {}", String::from_utf8_lossy(&stored.response))
+            }
+            Ran::Replayed(Replay::Failed(stored)) => {
+                format!("replayed a refusal: {}", String::from_utf8_lossy(&stored.response))
+            }
         };
         println!("fill-8812, {delivery:<14} -> {answer}");
     }

@@ -1,7 +1,11 @@
 //! Keys derived from what a request is, for callers whose requests carry no idempotency
 //! key of their own.
 
+use std::time::Duration;
+
 use oncegate_core::gate::ReserveRequest;
+
+use crate::OnceKey;
 
 /// The trading gateways' key (docs/semantics.md, derived keys): an order is the same order
 /// when its exchange, symbol, action and quantity are, on the same account kind, within
@@ -30,18 +34,38 @@ pub struct TradeKey {
 }
 
 impl TradeKey {
+    /// The key's parts: `trade`, exchange, symbol, action, quantity, `live` or `test`.
+    pub fn parts(&self) -> Vec<String> {
+        let kind = if self.live { "live" } else { "test" };
+        ["trade", &self.exchange, &self.symbol, &self.action, &self.qty, kind].map(str::to_owned).to_vec()
+    }
+
     /// The reserve of this trade's key in `namespace` (other fields at their defaults).
     pub fn reserve(&self, namespace: &str) -> ReserveRequest {
-        let kind = if self.live { "live" } else { "test" };
         ReserveRequest {
             namespace: namespace.to_owned(),
-            key_parts: ["trade", &self.exchange, &self.symbol, &self.action, &self.qty, kind]
-                .map(str::to_owned)
-                .to_vec(),
+            key_parts: self.parts(),
             bucket_ms: self.bucket_ms,
             bucket_grace_ms: self.bucket_grace_ms,
             ..ReserveRequest::default()
         }
+    }
+}
+
+/// `once` under the trade's derived key.
+impl From<&TradeKey> for OnceKey {
+    fn from(trade: &TradeKey) -> OnceKey {
+        OnceKey::Derived {
+            parts: trade.parts(),
+            bucket: Duration::from_millis(trade.bucket_ms),
+            grace: Duration::from_millis(trade.bucket_grace_ms),
+        }
+    }
+}
+
+impl From<TradeKey> for OnceKey {
+    fn from(trade: TradeKey) -> OnceKey {
+        OnceKey::from(&trade)
     }
 }
 

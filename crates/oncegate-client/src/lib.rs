@@ -3,8 +3,7 @@
 //! embedded engine's included.
 //!
 //! ```
-//! use oncegate_client::{GateExt, OnceOptions, Ran, WorkError};
-//! use oncegate_core::Tenant;
+//! use oncegate_client::{AnyError, GateExt, OnceOptions, Ran, Replay, Tenant, WorkError};
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! # let dir = tempfile::tempdir()?;
@@ -18,17 +17,21 @@
 //!     let first = gate
 //!         .once("live", "order-42", OnceOptions::default(), |lease| async move {
 //!             // The side effect, fenced by `lease.token`; its response is stored.
-//!             Ok::<_, WorkError<String>>(format!("filled with token {}", lease.token).into_bytes())
+//!             Ok::<_, WorkError<AnyError>>(format!("filled with token {}", lease.token).into_bytes())
 //!         })
 //!         .await?;
 //!     assert!(matches!(first, Ran::Now(_)));
 //!     // A retry of the same key replays the stored response; the work does not run.
 //!     let retry = gate
 //!         .once("live", "order-42", OnceOptions::default(), |_| async {
-//!             Ok::<Vec<u8>, WorkError<String>>(unreachable!("a completed key never runs its work again"))
+//!             Ok::<Vec<u8>, WorkError<AnyError>>(unreachable!("a completed key never runs its work again"))
 //!         })
 //!         .await?;
-//!     assert!(matches!(retry, Ran::Replayed { .. }));
+//!     // A replay says how the first attempt ended: a stored failure is not a success.
+//!     match retry {
+//!         Ran::Replayed(Replay::Succeeded(stored)) => assert!(stored.response.starts_with(b"filled")),
+//!         other => panic!("{other:?}"),
+//!     }
 //!     Ok::<_, Box<dyn std::error::Error>>(())
 //! })?;
 //! # engine.shutdown();
@@ -49,8 +52,13 @@ mod session;
 
 #[cfg(feature = "remote")]
 pub use client::{Client, ClientBuilder, ClientError, Refusal, Transport};
-pub use once::{GateExt, Lease, OnCancel, OnceError, OnceOptions, Ran, WorkError, once};
+pub use once::{
+    AnyError, GateExt, Lease, OnCancel, OnceError, OnceKey, OnceOptions, Ran, Replay, Stored, WorkError, once,
+};
 pub use oncegate_core::gate::{
     CommitRequest, Gate, GateError, KeyRequest, Renewed, ReserveRequest, Reserved,
 };
+/// The contract's types that the calls take and return, so that this crate is the one
+/// dependency a caller needs.
+pub use oncegate_core::{Code, Fingerprint, Outcome, Previous, ReserveReply, State, Tenant, View};
 pub use retry::RetryPolicy;

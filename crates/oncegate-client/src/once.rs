@@ -23,8 +23,12 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use oncegate_core::gate::{CommitRequest, Gate, GateError, KeyRequest, Renewed, ReserveRequest};
-use oncegate_core::{Code, Outcome, Previous, ReserveReply};
+use oncegate_core::{Code, Fingerprint, Outcome, Previous, ReserveReply};
+use tokio::sync::watch;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::retry::RetryPolicy;
 
 /// What a cancelled or panicking work does with its key.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -37,26 +41,82 @@ pub enum OnCancel {
     KeepUntilLeaseEnds,
 }
 
-/// How `once` reserves.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// The key `once` runs under: the caller's own, or one the server derives from parts
+/// and a time bucket ([`crate::keys::TradeKey`] makes one).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum OnceKey {
+    /// An idempotency key the request carries.
+    Key(String),
+    /// `parts.join(":")` and the server's time bucket of width `bucket`; within `grace`
+    /// after a boundary, a retry is answered from the bucket before.
+    Derived {
+        /// The parts, none empty, none holding `:`.
+        parts: Vec<String>,
+        /// The bucket's width.
+        bucket: Duration,
+        /// How long after a boundary the previous bucket still answers; zero for never.
+        grace: Duration,
+    },
+}
+
+impl From<&str> for OnceKey {
+    fn from(key: &str) -> OnceKey {
+        OnceKey::Key(key.to_owned())
+    }
+}
+
+impl From<String> for OnceKey {
+    fn from(key: String) -> OnceKey {
+        OnceKey::Key(key)
+    }
+}
+
+/// How `once` reserves, waits, and commits.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OnceOptions {
-    /// How long the record is remembered; 0 selects the server's default.
-    pub ttl_ms: u64,
-    /// The lease the work runs under, renewed by heartbeats; 0 means 30 s (the contract's
-    /// default, sent explicitly: the client's heartbeats must know the lease).
-    pub lease_ms: u64,
-    /// How long to wait when another attempt holds the key; 0 answers at once with
-    /// [`Ran::InProgress`].
-    pub wait_ms: u64,
-    /// The request's fingerprint (`Fingerprint::of_json`), or empty: without one, a
-    /// different payload under the same key is not noticed.
+    /// How long the record is remembered; `None` takes the server's `ttl_ms_default`.
+    pub ttl: Option<Duration>,
+    /// The lease the work runs under, renewed by heartbeats every third of it; `None`
+    /// takes the server's `lease_ms_default` (the grant says how long it is).
+    pub lease: Option<Duration>,
+    /// How long to wait while another attempt holds the key (the server waits, then
+    /// this client polls as the server advises). An attempt still running at the end is
+    /// [`OnceError::InProgress`]. Zero answers at once. Default 30 s.
+    pub wait: Duration,
+    /// The request's fingerprint ([`OnceOptions::fingerprint_json`]), or empty: without
+    /// one, a different payload under the same key is not noticed.
     pub fingerprint: Vec<u8>,
     /// What a cancelled or panicking work does with its key.
     pub on_cancel: OnCancel,
 }
 
+impl Default for OnceOptions {
+    fn default() -> Self {
+        OnceOptions {
+            ttl: None,
+            lease: None,
+            wait: Duration::from_secs(30),
+            fingerprint: Vec::new(),
+            on_cancel: OnCancel::default(),
+        }
+    }
+}
+
+impl OnceOptions {
+    /// These options with the canonical fingerprint of `payload` as JSON
+    /// ([`Fingerprint::of_json`]: key order, whitespace and `1.0` against `1` do not
+    /// change it). Fails only when `payload` cannot be JSON.
+    pub fn fingerprint_json<T: serde::Serialize + ?Sized>(
+        mut self,
+        payload: &T,
+    ) -> Result<OnceOptions, serde_json::Error> {
+        self.fingerprint = Fingerprint::of_json(payload)?.into();
+        Ok(self)
+    }
+}
+
 /// The lease a work runs under.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct Lease {
     /// The key (the derived one, when the request had parts).
     pub key: String,
@@ -68,6 +128,19 @@ pub struct Lease {
     /// Whether an attempt before this one was abandoned (its side effects may be
     /// partial: check them).
     pub previous: Previous,
+    /// Cancelled when the lease is lost (another attempt took the key, or it was not
+    /// renewed in time): work that left the future (`spawn_blocking`, a blocking SDK)
+    /// should stop when it sees this.
+    pub lost: CancellationToken,
+    valid_until: watch::Receiver<Instant>,
+}
+
+impl Lease {
+    /// Until when the lease holds by this client's (conservative) clock, as of the last
+    /// renewal: work must be done, or stop, by then.
+    pub fn valid_until(&self) -> Instant {
+        *self.valid_until.borrow()
+    }
 }
 
 /// What happened to the key.
@@ -75,21 +148,40 @@ pub struct Lease {
 pub enum Ran {
     /// The work ran now and its response was committed.
     Now(Vec<u8>),
-    /// An earlier attempt completed the key; this is what it stored.
-    Replayed {
-        /// How it ended.
-        outcome: Outcome,
-        /// Its response.
-        response: Vec<u8>,
-    },
-    /// Another attempt holds the key (after waiting `wait_ms`, if asked to). This can be
-    /// this caller's own earlier reserve whose grant was lost on the way back (a network
-    /// failure, retried): the key then frees when that grant's lease ends, and the next
-    /// grant says the previous attempt was abandoned.
-    InProgress {
-        /// When to look again.
-        retry_after_ms: u64,
-    },
+    /// An earlier attempt completed the key; the work did not run. Its outcome is part
+    /// of the type: a stored failure must not pass for a success.
+    Replayed(Replay),
+}
+
+/// A completed key's stored end, by its outcome.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Replay {
+    /// The first attempt succeeded.
+    Succeeded(Stored),
+    /// The first attempt failed for good ([`WorkError::Final`]).
+    Failed(Stored),
+}
+
+impl Replay {
+    /// What was stored, whatever the outcome.
+    pub fn stored(&self) -> &Stored {
+        match self {
+            Replay::Succeeded(stored) | Replay::Failed(stored) => stored,
+        }
+    }
+}
+
+/// What a completed key holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Stored {
+    /// The key that answered: under bucket grace, the previous bucket's.
+    pub key: String,
+    /// The token of the attempt that committed.
+    pub token: u64,
+    /// The response it stored.
+    pub response: Vec<u8>,
+    /// When it committed (the server's clock, ms since the Unix epoch).
+    pub completed_at_ms: u64,
 }
 
 /// How a work failed.
@@ -110,30 +202,93 @@ pub enum WorkError<E> {
     Unknown(E),
 }
 
+impl<E> WorkError<E> {
+    /// Worth another attempt: the key is released.
+    pub fn retryable(error: E) -> WorkError<E> {
+        WorkError::Retryable(error)
+    }
+
+    /// Final, with nothing to replay but the failure itself (an empty response).
+    pub fn final_(error: E) -> WorkError<E> {
+        WorkError::Final { error, response: Vec::new() }
+    }
+
+    /// The side effect may have happened: the key is left to lapse.
+    pub fn unknown(error: E) -> WorkError<E> {
+        WorkError::Unknown(error)
+    }
+}
+
+/// Any error, for a work that meets errors of several types and uses `?` on them
+/// (`Result<Vec<u8>, WorkError<AnyError>>`).
+#[derive(Debug)]
+pub struct AnyError(Box<dyn std::error::Error + Send + Sync>);
+
+impl std::fmt::Display for AnyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for AnyError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
+
+/// `?` in a work makes any error [`WorkError::Unknown`], the safe default: the key is
+/// not freed for another run that might repeat a side effect this one made. Say
+/// otherwise with `.map_err(WorkError::retryable)?` (or `final_`).
+impl<X: std::error::Error + Send + Sync + 'static> From<X> for WorkError<AnyError> {
+    fn from(error: X) -> WorkError<AnyError> {
+        WorkError::Unknown(AnyError(Box::new(error)))
+    }
+}
+
+impl<E: std::error::Error + Send + Sync + 'static> WorkError<E> {
+    /// This failure with its error boxed, for works that return `WorkError<AnyError>`.
+    pub fn boxed(self) -> WorkError<AnyError> {
+        let boxed = |error: E| AnyError(Box::new(error));
+        match self {
+            WorkError::Retryable(error) => WorkError::Retryable(boxed(error)),
+            WorkError::Final { error, response } => WorkError::Final { error: boxed(error), response },
+            WorkError::Unknown(error) => WorkError::Unknown(boxed(error)),
+        }
+    }
+}
+
 /// Why `once` did not run the work to a committed end.
 #[derive(Debug, thiserror::Error)]
-pub enum OnceError<G: std::error::Error, E: std::fmt::Debug> {
+#[non_exhaustive]
+pub enum OnceError<G, E> {
     /// A call to the gate failed (after its retries) before the work ran: nothing ran.
     #[error("gate: {0}")]
     Gate(#[source] G),
+    /// Another attempt still held the key when [`OnceOptions::wait`] ran out: nothing
+    /// ran here.
+    #[error("in_progress: another attempt holds the key; look again in {retry_after_ms} ms")]
+    InProgress {
+        /// When to look again.
+        retry_after_ms: u64,
+    },
     /// The work failed in a way worth retrying; the key was released (or, if the release
     /// could not be confirmed, frees when its lease ends).
-    #[error("the work failed and the key was released: {0:?}")]
-    Retryable(E),
+    #[error("the work failed and the key was released")]
+    Retryable(#[source] E),
     /// The work failed for good; the failure was committed.
-    #[error("the work failed for good (committed as failed): {0:?}")]
-    Failed(E),
+    #[error("the work failed for good (committed as failed)")]
+    Failed(#[source] E),
     /// The work could not tell whether its side effect happened; the key is held until
     /// its lease ends (see [`WorkError::Unknown`]).
-    #[error("the work's outcome is unknown; the key frees when its lease ends: {0:?}")]
-    Unknown(E),
+    #[error("the work's outcome is unknown; the key frees when its lease ends")]
+    Unknown(#[source] E),
     /// The work ran, but its commit could not be confirmed: the gate failed after its
     /// retries (the key stays held until its lease ends, and the next attempt is granted
     /// as `abandoned` and must check whether this one's side effect happened), or the
     /// record was gone (`not_found`: its ttl ran out before the commit, so the key is
-    /// free already and the next attempt is granted with no warning; give keys a ttl that
-    /// outlasts the work and its commit).
-    #[error("the work ran (token {token}) but its commit could not be confirmed: {error}")]
+    /// free already and the next attempt is granted with no warning; give keys a ttl
+    /// that outlasts the work and its commit).
+    #[error("the work ran (token {token}) but its commit could not be confirmed")]
     Unconfirmed {
         /// The attempt's token.
         token: u64,
@@ -158,16 +313,59 @@ pub enum OnceError<G: std::error::Error, E: std::fmt::Debug> {
     },
 }
 
-/// The lease sent when the options leave it at 0: the contract's default.
-const LEASE_DEFAULT_MS: u64 = 30_000;
+impl<G: GateError, E> OnceError<G, E> {
+    /// A stable name for this end, for logs and metrics: the gate's code
+    /// (`unavailable`, `invalid_argument`, ...) when it refused before the work ran, else
+    /// `in_progress`, `mismatch`, `lease_lost`, `unconfirmed`, or the work's own
+    /// `work_retryable`, `work_failed`, `work_unknown`.
+    pub fn code(&self) -> &'static str {
+        match self {
+            OnceError::Gate(error) => error.code().as_str(),
+            OnceError::InProgress { .. } => "in_progress",
+            OnceError::Mismatch { .. } => "mismatch",
+            OnceError::LeaseLost { .. } => "lease_lost",
+            OnceError::Unconfirmed { .. } => "unconfirmed",
+            OnceError::Retryable(_) => "work_retryable",
+            OnceError::Failed(_) => "work_failed",
+            OnceError::Unknown(_) => "work_unknown",
+        }
+    }
+
+    /// Whether calling `once` again may run the work: the key was released, is still
+    /// in progress, or the gate could not be reached before anything ran. A failure that
+    /// was committed, a mismatch, or an end that leaves the key to lapse (unknown,
+    /// unconfirmed, lease lost) is not retryable now: the next attempt either replays
+    /// or, after the lease, is told the previous one was abandoned.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            OnceError::Gate(error) => RetryPolicy::retries(error.code()),
+            OnceError::InProgress { .. } | OnceError::Retryable(_) => true,
+            OnceError::Failed(_)
+            | OnceError::Unknown(_)
+            | OnceError::Unconfirmed { .. }
+            | OnceError::LeaseLost { .. }
+            | OnceError::Mismatch { .. } => false,
+        }
+    }
+}
+
+/// The lease asked for when the grant does not say (a server older than `lease_ms` in
+/// its grants, and options without one): the contract's default.
+const LEASE_DEFAULT: Duration = Duration::from_secs(30);
+
+/// The longest the server is asked to wait in one reserve: within every server's
+/// `wait_ms_max` (30 s by default); a longer [`OnceOptions::wait`] is several reserves.
+const SERVER_WAIT_MAX: Duration = Duration::from_secs(5);
 
 /// `once` on every gate that can be cloned into a background release.
 pub trait GateExt: Gate + Clone + 'static {
-    /// Runs `work` at most once for `namespace`/`key` (see the module's documentation).
+    /// Runs `work` at most once for `key` in `namespace` (see the module's
+    /// documentation): a key of the caller's (`"order-42"`), or one derived from parts
+    /// ([`OnceKey::Derived`], [`crate::keys::TradeKey`]).
     fn once<F, Fut, E>(
         &self,
         namespace: &str,
-        key: &str,
+        key: impl Into<OnceKey>,
         options: OnceOptions,
         work: F,
     ) -> impl Future<Output = Result<Ran, OnceError<Self::Error, E>>> + Send
@@ -176,26 +374,22 @@ pub trait GateExt: Gate + Clone + 'static {
         Fut: Future<Output = Result<Vec<u8>, WorkError<E>>> + Send,
         E: std::fmt::Debug + Send,
     {
-        let request = ReserveRequest {
-            namespace: namespace.to_owned(),
-            key: key.to_owned(),
-            ttl_ms: options.ttl_ms,
-            lease_ms: options.lease_ms,
-            wait_ms: options.wait_ms,
-            fingerprint: options.fingerprint,
-            ..ReserveRequest::default()
-        };
-        once(self.clone(), request, options.on_cancel, work)
+        once(self.clone(), namespace, key.into(), options, work)
     }
 }
 
 impl<G: Gate + Clone + 'static> GateExt for G {}
 
-/// [`GateExt::once`] for any reserve request (derived keys included).
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// [`GateExt::once`] as a function.
 pub async fn once<G, F, Fut, E>(
     gate: G,
-    mut request: ReserveRequest,
-    on_cancel: OnCancel,
+    namespace: &str,
+    key: OnceKey,
+    options: OnceOptions,
     work: F,
 ) -> Result<Ran, OnceError<G::Error, E>>
 where
@@ -204,27 +398,62 @@ where
     Fut: Future<Output = Result<Vec<u8>, WorkError<E>>> + Send,
     E: std::fmt::Debug + Send,
 {
-    if request.lease_ms == 0 {
-        request.lease_ms = LEASE_DEFAULT_MS;
-    }
-    let lease_for = Duration::from_millis(request.lease_ms);
-    let namespace = request.namespace.clone();
-    // The lease is counted from before the reserve was sent: the server started it when
-    // it decided, which may be long before the answer arrives (a wait, an fsync).
-    let sent = Instant::now();
-    let reserved = gate.reserve(request.clone()).await.map_err(OnceError::Gate)?;
-    let lease = match reserved.reply {
-        ReserveReply::Granted { token, attempt, previous, .. } => {
-            Lease { key: reserved.key.as_str().to_owned(), token, attempt, previous }
-        }
-        ReserveReply::InProgress { retry_after_ms, .. } => return Ok(Ran::InProgress { retry_after_ms }),
-        ReserveReply::Completed { outcome, response, .. } => return Ok(Ran::Replayed { outcome, response }),
-        ReserveReply::Mismatch { expires_at_ms } => return Err(OnceError::Mismatch { expires_at_ms }),
+    let mut request = ReserveRequest {
+        namespace: namespace.to_owned(),
+        ttl_ms: options.ttl.map_or(0, millis),
+        lease_ms: options.lease.map_or(0, millis),
+        fingerprint: options.fingerprint.clone(),
+        ..ReserveRequest::default()
     };
-    let key =
-        KeyRequest { namespace, key: lease.key.clone(), token: lease.token, lease_ms: request.lease_ms };
-    let held = Held { gate, key: Some(key), on_cancel };
-    held.run(lease, sent + lease_for, lease_for, work).await
+    match key {
+        OnceKey::Key(key) => request.key = key,
+        OnceKey::Derived { parts, bucket, grace } => {
+            request.key_parts = parts;
+            request.bucket_ms = millis(bucket);
+            request.bucket_grace_ms = millis(grace);
+        }
+    }
+    let waited = Instant::now() + options.wait;
+    loop {
+        let left = waited.saturating_duration_since(Instant::now());
+        request.wait_ms = millis(left.min(SERVER_WAIT_MAX));
+        // The lease is counted from before the reserve was sent: the server started it
+        // when it decided, which may be long before the answer arrives (a wait, an fsync).
+        let sent = Instant::now();
+        let reserved = gate.reserve(request.clone()).await.map_err(OnceError::Gate)?;
+        let key = reserved.key.as_str().to_owned();
+        match reserved.reply {
+            ReserveReply::Granted { token, attempt, previous, lease_ms, .. } => {
+                let lease_for = match (lease_ms, options.lease) {
+                    (0, asked) => asked.unwrap_or(LEASE_DEFAULT),
+                    (granted, _) => Duration::from_millis(granted),
+                };
+                let (renewed, valid_until) = watch::channel(sent + lease_for);
+                let lost = CancellationToken::new();
+                let lease = Lease { key: key.clone(), token, attempt, previous, lost, valid_until };
+                let held =
+                    KeyRequest { namespace: request.namespace, key, token, lease_ms: millis(lease_for) };
+                let held = Held { gate, key: Some(held), on_cancel: options.on_cancel };
+                return held.run(lease, renewed, lease_for, work).await;
+            }
+            ReserveReply::Completed { token, outcome, response, completed_at_ms, .. } => {
+                let stored = Stored { key, token, response, completed_at_ms };
+                return Ok(Ran::Replayed(match outcome {
+                    Outcome::Succeeded => Replay::Succeeded(stored),
+                    Outcome::Failed => Replay::Failed(stored),
+                }));
+            }
+            ReserveReply::Mismatch { expires_at_ms } => return Err(OnceError::Mismatch { expires_at_ms }),
+            ReserveReply::InProgress { retry_after_ms, .. } => {
+                let left = waited.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(OnceError::InProgress { retry_after_ms });
+                }
+                // Polling, as the server advised, within what is left of the wait.
+                tokio::time::sleep(Duration::from_millis(retry_after_ms).min(left)).await;
+            }
+        }
+    }
 }
 
 /// A granted key while its work runs: dropped then (the work panicked, or the caller
@@ -265,7 +494,7 @@ impl<G: Gate + Clone + 'static> Held<G> {
     async fn run<F, Fut, E>(
         mut self,
         lease: Lease,
-        valid_until: Instant,
+        renewed: watch::Sender<Instant>,
         lease_for: Duration,
         work: F,
     ) -> Result<Ran, OnceError<G::Error, E>>
@@ -274,8 +503,11 @@ impl<G: Gate + Clone + 'static> Held<G> {
         Fut: Future<Output = Result<Vec<u8>, WorkError<E>>> + Send,
         E: std::fmt::Debug + Send,
     {
-        let token = lease.token;
-        let finished = self.keep_lease(valid_until, lease_for, work(lease)).await;
+        let (token, lost) = (lease.token, lease.lost.clone());
+        let finished = self.keep_lease(&renewed, lease_for, work(lease)).await;
+        if finished.is_none() {
+            lost.cancel();
+        }
         // The work has run (or was cancelled by a lost lease): from here a drop must not
         // release the key, or the next attempt could repeat what this one did.
         let key = self.key.take().expect("held until the work ends");
@@ -314,10 +546,11 @@ impl<G: Gate + Clone + 'static> Held<G> {
     /// half of what is left, so the last stretch of a lease still gets its tries.
     async fn keep_lease<T>(
         &self,
-        mut valid_until: Instant,
+        renewed: &watch::Sender<Instant>,
         lease_for: Duration,
         work: impl Future<Output = T>,
     ) -> Option<T> {
+        let mut valid_until = *renewed.borrow();
         let every = (lease_for / 3).max(Duration::from_millis(1));
         let mut next = valid_until.checked_sub(lease_for - every).unwrap_or_else(Instant::now);
         // A grant that came after its lease would have ended by this client's count (a
@@ -327,6 +560,7 @@ impl<G: Gate + Clone + 'static> Held<G> {
             let sent = Instant::now();
             self.gate.heartbeat(self.key()).await.ok()?;
             valid_until = sent + lease_for;
+            renewed.send_replace(valid_until);
             next = sent + every;
         }
         let mut beat: Option<Beat<'_, G::Error>> = None;
@@ -352,6 +586,7 @@ impl<G: Gate + Clone + 'static> Held<G> {
                     match answer {
                         Ok(_) => {
                             valid_until = sent + lease_for;
+                            renewed.send_replace(valid_until);
                             next = sent + every;
                         }
                         Err(error) if matches!(error.code(), Code::LeaseLost | Code::NotFound | Code::AlreadyCompleted) => {

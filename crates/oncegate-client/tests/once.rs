@@ -10,7 +10,7 @@ use std::time::Duration;
 use std::future::Future;
 
 use oncegate_client::{
-    Client, CommitRequest, Gate, GateExt, KeyRequest, OnCancel, OnceError, OnceOptions, Ran, Renewed,
+    Client, CommitRequest, Gate, GateExt, KeyRequest, OnCancel, OnceError, OnceOptions, Ran, Renewed, Replay,
     ReserveRequest, Reserved, Transport, WorkError,
 };
 use oncegate_core::Previous;
@@ -51,7 +51,7 @@ async fn server_on(clock: Arc<dyn oncegate_engine::Clock>) -> Server {
 }
 
 fn waiting() -> OnceOptions {
-    OnceOptions { wait_ms: 20_000, ..OnceOptions::default() }
+    OnceOptions { wait: Duration::from_secs(20), ..OnceOptions::default() }
 }
 
 /// A cancelled or panicking work releases its key at once.
@@ -89,8 +89,8 @@ async fn race(transport: Transport) {
                 assert_eq!(response, b"filled");
                 now += 1;
             }
-            Ran::Replayed { response, .. } => assert_eq!(response, b"filled"),
-            Ran::InProgress { .. } => panic!("every caller waited for the first one's end"),
+            Ran::Replayed(Replay::Succeeded(stored)) => assert_eq!(stored.response, b"filled"),
+            other => panic!("{other:?}"),
         }
     }
     assert_eq!((runs.load(Ordering::SeqCst), now), (1, 1), "the work ran exactly once ({transport:?})");
@@ -113,7 +113,7 @@ async fn a_work_longer_than_its_lease_keeps_it_by_heartbeats() {
     let other = client.clone();
     // A second lease: each heartbeat (every third of it, a real fsync on a shared 2-core
     // machine) has a good half second to land before the lease would end.
-    let options = OnceOptions { lease_ms: 1_000, ..OnceOptions::default() };
+    let options = OnceOptions { lease: Some(Duration::from_millis(1_000)), ..OnceOptions::default() };
     let ran = client
         .once("live", "slow", options, |lease| async move {
             // Three leases long; meanwhile nobody else may take the key.
@@ -195,13 +195,8 @@ async fn a_retryable_failure_releases_and_a_final_one_is_replayed() {
     let retry =
         client.once("live", "k", OnceOptions::default(), |_| async { Ok::<_, WorkError<()>>(Vec::new()) });
     match retry.await.unwrap() {
-        Ran::Replayed { outcome, response } => {
-            assert_eq!(
-                (outcome, response.as_slice()),
-                (oncegate_core::Outcome::Failed, &b"insufficient funds"[..])
-            )
-        }
-        other => panic!("{other:?}"),
+        Ran::Replayed(Replay::Failed(stored)) => assert_eq!(stored.response, b"insufficient funds"),
+        other => panic!("a stored failure replays as one: {other:?}"),
     }
 }
 
@@ -211,7 +206,7 @@ async fn a_cancelled_work_leaves_its_key_to_lapse_by_default_so_the_next_attempt
     let client = Client::connect(server.url.clone()).await.unwrap();
     let (started, running) = tokio::sync::oneshot::channel();
     // The default: releasing would let the next attempt run unaware of the first.
-    let keeping = OnceOptions { lease_ms: 300, ..OnceOptions::default() };
+    let keeping = OnceOptions { lease: Some(Duration::from_millis(300)), ..OnceOptions::default() };
     let dropped = client.clone();
     let attempt = tokio::spawn(async move {
         dropped
@@ -271,13 +266,62 @@ async fn a_lease_not_renewed_in_time_cancels_the_work_as_lease_lost() {
     let engine =
         Engine::open(EngineConfig { data_dir: dir.path().to_owned(), ..EngineConfig::default() }).unwrap();
     let gate = Unreachable(engine.gate(oncegate_core::Tenant::default_tenant()));
-    let options = OnceOptions { lease_ms: 200, ..OnceOptions::default() };
+    let options = OnceOptions { lease: Some(Duration::from_millis(200)), ..OnceOptions::default() };
+    // Work that left the future (a blocking SDK) hears of the loss through the token.
+    let (told, heard) = tokio::sync::oneshot::channel();
     let ran = gate
-        .once("live", "k", options, |_| async {
+        .once("live", "k", options, |lease| async move {
+            let lost = lease.lost.clone();
+            std::thread::spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+                runtime.block_on(lost.cancelled());
+                let _ = told.send(());
+            });
             std::future::pending::<Result<Vec<u8>, WorkError<()>>>().await
         })
         .await;
     assert!(matches!(ran, Err(OnceError::LeaseLost { .. })), "{ran:?}");
+    heard.await.expect("the blocking work was told its lease was lost");
+    engine.shutdown();
+}
+
+/// Another attempt still holding the key when the wait runs out is an error, never an
+/// `Ok` a handler could take for success; waiting is what `once` does by default.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_still_in_progress_when_the_wait_ends_is_an_error() {
+    let server = server().await;
+    let client = Client::connect(server.url.clone()).await.unwrap();
+    assert_eq!(OnceOptions::default().wait, Duration::from_secs(30), "waiting is the default");
+    let holder =
+        client.reserve(ReserveRequest { namespace: "live".into(), key: "k".into(), ..Default::default() });
+    assert!(holder.await.unwrap().granted_token().is_some());
+    let impatient = OnceOptions { wait: Duration::ZERO, ..OnceOptions::default() };
+    let ran = client.once("live", "k", impatient, |_| async { Ok::<_, WorkError<()>>(Vec::new()) }).await;
+    let Err(error) = ran else { panic!("{ran:?}") };
+    assert!(matches!(error, OnceError::InProgress { retry_after_ms } if retry_after_ms > 0), "{error:?}");
+    assert!(error.is_retryable() && error.code() == "in_progress", "{error:?}");
+}
+
+/// Without a lease of its own, `once` runs under the server's `lease_ms_default` (the
+/// grant says how long it is), and heartbeats by it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unset_lease_is_the_server_s_default() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = EngineConfig { data_dir: dir.path().to_owned(), ..EngineConfig::default() };
+    config.limits.lease_ms_default = 600;
+    let engine = Engine::open(config).unwrap();
+    let gate = engine.gate(oncegate_core::Tenant::default_tenant());
+    let ran = gate
+        .once("live", "k", OnceOptions::default(), |lease| async move {
+            let left = lease.valid_until().saturating_duration_since(tokio::time::Instant::now());
+            assert!(
+                left <= Duration::from_millis(600),
+                "the lease is the server's 600 ms, not 30 s: {left:?}"
+            );
+            Ok::<_, WorkError<()>>(b"done".to_vec())
+        })
+        .await;
+    assert_eq!(ran.unwrap(), Ran::Now(b"done".to_vec()));
     engine.shutdown();
 }
 
@@ -320,7 +364,7 @@ async fn a_grant_that_arrives_late_is_renewed_before_its_lease_ends() {
     let engine =
         Engine::open(EngineConfig { data_dir: dir.path().to_owned(), ..EngineConfig::default() }).unwrap();
     let gate = LateGrant(engine.gate(oncegate_core::Tenant::default_tenant()), Duration::from_millis(1_500));
-    let options = OnceOptions { lease_ms: 2_000, ..OnceOptions::default() };
+    let options = OnceOptions { lease: Some(Duration::from_millis(2_000)), ..OnceOptions::default() };
     let ran = gate
         .once("live", "late", options, |_| async {
             tokio::time::sleep(Duration::from_millis(1_000)).await;
@@ -340,7 +384,7 @@ async fn a_grant_that_arrives_after_its_lease_is_renewed_before_the_work_starts(
     let engine =
         Engine::open(EngineConfig { data_dir: dir.path().to_owned(), ..EngineConfig::default() }).unwrap();
     let gate = LateGrant(engine.gate(oncegate_core::Tenant::default_tenant()), Duration::from_millis(1_200));
-    let options = OnceOptions { lease_ms: 1_000, ..OnceOptions::default() };
+    let options = OnceOptions { lease: Some(Duration::from_millis(1_000)), ..OnceOptions::default() };
     let ran = gate
         .once("live", "later", options, |_| async {
             tokio::time::sleep(Duration::from_millis(300)).await;
@@ -398,13 +442,20 @@ async fn a_retry_across_a_bucket_boundary_within_the_grace_replays() {
             runs.fetch_add(1, Ordering::SeqCst);
             Ok::<_, WorkError<()>>(b"order 7781 filled".to_vec())
         };
-        oncegate_client::once(client.clone(), trade.reserve("live"), OnCancel::Release, work)
+        let options = OnceOptions { on_cancel: OnCancel::Release, ..OnceOptions::default() };
+        client.once("live", &trade, options, work)
     };
     assert_eq!(place().await.unwrap(), Ran::Now(b"order 7781 filled".to_vec()));
     clock.advance(200);
     let retry = place().await.unwrap();
-    let Ran::Replayed { response, .. } = retry else { panic!("expected a replay, got {retry:?}") };
-    assert_eq!(response, b"order 7781 filled");
+    let Ran::Replayed(Replay::Succeeded(stored)) = retry else { panic!("expected a replay, got {retry:?}") };
+    assert_eq!(stored.response, b"order 7781 filled");
+    let first_bucket = (boundary - 100) / MINUTE_MS;
+    assert_eq!(
+        stored.key,
+        format!("trade:binance:BTCUSDT:buy:0.5:live::{first_bucket}"),
+        "the earlier bucket answered"
+    );
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the order was placed once");
     // Past the grace the same trade is a new order.
     clock.advance(2_000);

@@ -489,6 +489,13 @@ impl Fingerprint {
     }
 }
 
+/// The bytes a request's `fingerprint` field carries.
+impl From<Fingerprint> for Vec<u8> {
+    fn from(fingerprint: Fingerprint) -> Vec<u8> {
+        fingerprint.0
+    }
+}
+
 impl Key {
     /// Rebuilds a key read back from the store, which only holds validated ones.
     pub fn from_stored(key: String) -> Key {

@@ -36,7 +36,7 @@ use axum::response::{IntoResponse, Response};
 use hyper_util::client::legacy::Client as HttpClient;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use oncegate_client::{Gate, Lease, OnCancel, OnceError, Ran, ReserveRequest, WorkError, once};
+use oncegate_client::{Gate, Lease, OnCancel, OnceError, OnceKey, OnceOptions, Ran, WorkError, once};
 use oncegate_core::Fingerprint;
 use sha2::{Digest, Sha256};
 
@@ -277,14 +277,17 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
                     format!("the body passes body_bytes_max ({} bytes)", self.config.body_bytes_max),
                 )
             })?;
-        let reserve = ReserveRequest {
-            namespace: self.config.namespace.clone(),
-            key,
-            ttl_ms: self.config.ttl_ms,
-            lease_ms: self.config.upstream_timeout_ms.saturating_add(config::LEASE_MARGIN_MS),
-            wait_ms: self.config.wait_ms,
+        let lease_ms = self.config.upstream_timeout_ms.saturating_add(config::LEASE_MARGIN_MS);
+        let options = OnceOptions {
+            ttl: (self.config.ttl_ms > 0).then(|| Duration::from_millis(self.config.ttl_ms)),
+            lease: Some(Duration::from_millis(lease_ms)),
+            wait: Duration::from_millis(self.config.wait_ms),
             fingerprint: self.fingerprint(&parts, &body),
-            ..ReserveRequest::default()
+            // The work is cancelled only when its task fails (a panic) or the runtime
+            // stops, and the upstream may then be running it: the key stays held until
+            // its lease ends, as when the proxy is killed, and the next attempt is told
+            // `abandoned`.
+            on_cancel: OnCancel::KeepUntilLeaseEnds,
         };
         // The upstream's cookies are the first caller's alone: never stored, never replayed.
         let cookies = std::sync::OnceLock::new();
@@ -298,21 +301,12 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
             let answer = self.forward(request).await;
             self.keep(answer, first_caller).await
         };
-        // The work is cancelled only when its task fails (a panic) or the runtime stops,
-        // and the upstream may then be running it: the key stays held until its lease
-        // ends, as when the proxy is killed, and the next attempt is told `abandoned`.
-        match once(self.gate.clone(), reserve, OnCancel::KeepUntilLeaseEnds, work).await {
+        let namespace = &self.config.namespace;
+        match once(self.gate.clone(), namespace, OnceKey::Key(key), options, work).await {
             Ok(Ran::Now(bytes)) => Ok(with_cookies(replay(&bytes, false), cookies.get())),
-            Ok(Ran::Replayed { response, .. }) => Ok(replay(&response, true)),
-            Ok(Ran::InProgress { retry_after_ms }) => Err(Problem {
-                retry_after_s: Some(oncegate_listen::problem::retry_after_s(retry_after_ms)),
-                ..Problem::new(
-                    StatusCode::CONFLICT,
-                    "Request in progress",
-                    "in_progress",
-                    "a request with this Idempotency-Key is being processed; retry later".to_owned(),
-                )
-            }),
+            // A stored answer is replayed whatever its status: the proxy commits every
+            // answer it stores as succeeded.
+            Ok(Ran::Replayed(replayed)) => Ok(replay(&replayed.stored().response, true)),
             Err(error) => self.refused(error).map(|response| with_cookies(response, cookies.get())),
         }
     }
@@ -491,6 +485,15 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
         use oncegate_core::gate::GateError;
         match error {
             OnceError::Retryable(Unstored(response)) | OnceError::Unknown(Unstored(response)) => Ok(response),
+            OnceError::InProgress { retry_after_ms } => Err(Problem {
+                retry_after_s: Some(oncegate_listen::problem::retry_after_s(retry_after_ms)),
+                ..Problem::new(
+                    StatusCode::CONFLICT,
+                    "Request in progress",
+                    "in_progress",
+                    "a request with this Idempotency-Key is being processed; retry later".to_owned(),
+                )
+            }),
             OnceError::Gate(error) if error.code() == Code::InvalidArgument => Err(Problem::new(
                 StatusCode::BAD_REQUEST,
                 "Request refused",
@@ -534,7 +537,7 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
                 );
                 Ok(passed)
             }
-            OnceError::LeaseLost { .. } | OnceError::Failed(_) => Err(Problem::new(
+            OnceError::LeaseLost { .. } | OnceError::Failed(_) | _ => Err(Problem::new(
                 StatusCode::BAD_GATEWAY,
                 "Outcome unknown",
                 "lease_lost",

@@ -10,37 +10,45 @@
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use oncegate::client::{GateExt, OnceError, OnceOptions, Ran, WorkError};
-use oncegate::core::{Fingerprint, Tenant};
+use oncegate::client::{GateExt, OnceError, OnceOptions, Ran, Replay, WorkError};
+use oncegate::core::Tenant;
 use oncegate::{Engine, EngineConfig};
 
 /// The exchange side effect we must not repeat.
 static ORDERS_PLACED: AtomicU32 = AtomicU32::new(0);
 
-fn place_order(symbol: &str, quantity: &str) -> String {
+/// What the exchange refuses with.
+#[derive(Debug, thiserror::Error)]
+#[error("the exchange refused the order: {0}")]
+struct Rejected(String);
+
+fn place_order(symbol: &str, quantity: &str) -> Result<String, Rejected> {
     let n = ORDERS_PLACED.fetch_add(1, Ordering::SeqCst) + 1;
-    format!("{{\"order\":\"A-{n}\",\"symbol\":\"{symbol}\",\"qty\":\"{quantity}\"}}")
+    Ok(format!("{{\"order\":\"A-{n}\",\"symbol\":\"{symbol}\",\"qty\":\"{quantity}\"}}"))
 }
 
 /// The gateway's webhook handler: the order runs inside `once`, which reserves the
-/// webhook's id, commits the order's response, and replays it to any retry.
+/// webhook's id, commits the order's response, and replays it to any retry. A replay
+/// says how the first attempt ended: a stored rejection is answered as one.
 async fn handle_fill_webhook<G: GateExt>(
     gate: &G,
     webhook_id: &str,
-) -> Result<String, OnceError<G::Error, String>> {
+) -> Result<(u16, String), OnceError<G::Error, Rejected>> {
     let payload = serde_json::json!({ "symbol": "BTCUSDT", "side": "buy", "qty": "0.5" });
-    let fingerprint = Fingerprint::of_json(&payload).expect("plain JSON").as_bytes().to_vec();
-    let options = OnceOptions { fingerprint, ..OnceOptions::default() };
+    let options = OnceOptions::default().fingerprint_json(&payload).expect("plain JSON");
     let ran = gate
         .once("live", webhook_id, options, |_lease| async {
-            Ok::<_, WorkError<String>>(place_order("BTCUSDT", "0.5").into_bytes())
+            // A rejection is final: stored, and replayed to every retry.
+            let order = place_order("BTCUSDT", "0.5")
+                .map_err(|e| WorkError::Final { response: e.0.clone().into_bytes(), error: e })?;
+            Ok(order.into_bytes())
         })
         .await?;
+    let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
     Ok(match ran {
-        Ran::Now(response) | Ran::Replayed { response, .. } => {
-            String::from_utf8_lossy(&response).into_owned()
-        }
-        Ran::InProgress { retry_after_ms } => format!("409: in progress, retry in {retry_after_ms} ms"),
+        Ran::Now(response) => (200, text(&response)),
+        Ran::Replayed(Replay::Succeeded(stored)) => (200, text(&stored.response)),
+        Ran::Replayed(Replay::Failed(stored)) => (422, text(&stored.response)),
     })
 }
 
@@ -51,10 +59,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let gate = engine.gate(Tenant::default_tenant());
 
     let first = handle_fill_webhook(&gate, "fill-8812").await?;
-    println!("webhook fill-8812, first delivery -> {first}");
+    println!("webhook fill-8812, first delivery -> {first:?}");
     println!("(the gateway's 200 OK to the exchange is lost; the exchange retries)");
     let retry = handle_fill_webhook(&gate, "fill-8812").await?;
-    println!("webhook fill-8812, retry          -> {retry}");
+    println!("webhook fill-8812, retry          -> {retry:?}");
 
     let placed = ORDERS_PLACED.load(Ordering::SeqCst);
     println!("orders placed: {placed}");
