@@ -27,8 +27,14 @@ impl Server {
     /// Starts `oncegate serve --listen 127.0.0.1:0` on `data_dir` and waits for its
     /// "listening" log line, which carries the port.
     pub fn start(data_dir: &Path, extra: &[&str]) -> Server {
+        Server::start_at(data_dir, "127.0.0.1:0", extra)
+    }
+
+    /// [`Server::start`] listening on `listen` (a restarted server takes its address
+    /// back, so that its clients find it).
+    pub fn start_at(data_dir: &Path, listen: &str, extra: &[&str]) -> Server {
         let mut child = Command::new(BIN)
-            .args(["serve", "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--data-dir"])
+            .args(["serve", "--listen", listen, "--metrics-listen", "127.0.0.1:0", "--data-dir"])
             .arg(data_dir)
             .args(extra)
             .env("ONCEGATE_LOG_FORMAT", "text")

@@ -88,6 +88,10 @@ pub struct OnceOptions {
     pub fingerprint: Vec<u8>,
     /// What a cancelled or panicking work does with its key.
     pub on_cancel: OnCancel,
+    /// How long a commit is retried while the gate is unavailable (a server restarting,
+    /// a failover), with the same token: a commit repeated after its answer was lost is
+    /// acknowledged again. Default 10 s.
+    pub commit_retry_for: Duration,
 }
 
 impl Default for OnceOptions {
@@ -98,6 +102,7 @@ impl Default for OnceOptions {
             wait: Duration::from_secs(30),
             fingerprint: Vec::new(),
             on_cancel: OnCancel::default(),
+            commit_retry_for: Duration::from_secs(10),
         }
     }
 }
@@ -282,12 +287,12 @@ pub enum OnceError<G, E> {
     /// its lease ends (see [`WorkError::Unknown`]).
     #[error("the work's outcome is unknown; the key frees when its lease ends")]
     Unknown(#[source] E),
-    /// The work ran, but its commit could not be confirmed: the gate failed after its
-    /// retries (the key stays held until its lease ends, and the next attempt is granted
-    /// as `abandoned` and must check whether this one's side effect happened), or the
-    /// record was gone (`not_found`: its ttl ran out before the commit, so the key is
-    /// free already and the next attempt is granted with no warning; give keys a ttl
-    /// that outlasts the work and its commit).
+    /// The work ran, but its commit could not be confirmed within
+    /// [`OnceOptions::commit_retry_for`]: the key stays held until its lease ends, and
+    /// the next attempt is granted as `abandoned` and must check whether this one's side
+    /// effect happened; or the record was gone (`not_found`: its ttl ran out before the
+    /// commit, so the key is free already and the next attempt is granted with no
+    /// warning; give keys a ttl that outlasts the work and its commit).
     #[error("the work ran (token {token}) but its commit could not be confirmed")]
     Unconfirmed {
         /// The attempt's token.
@@ -434,7 +439,7 @@ where
                 let held =
                     KeyRequest { namespace: request.namespace, key, token, lease_ms: millis(lease_for) };
                 let held = Held { gate, key: Some(held), on_cancel: options.on_cancel };
-                return held.run(lease, renewed, lease_for, work).await;
+                return held.run(lease, renewed, lease_for, options.commit_retry_for, work).await;
             }
             ReserveReply::Completed { token, outcome, response, completed_at_ms, .. } => {
                 let stored = Stored { key, token, response, completed_at_ms };
@@ -496,6 +501,7 @@ impl<G: Gate + Clone + 'static> Held<G> {
         lease: Lease,
         renewed: watch::Sender<Instant>,
         lease_for: Duration,
+        commit_retry_for: Duration,
         work: F,
     ) -> Result<Ran, OnceError<G::Error, E>>
     where
@@ -515,11 +521,13 @@ impl<G: Gate + Clone + 'static> Held<G> {
             return Err(OnceError::LeaseLost { token });
         };
         match finished {
-            Ok(response) => commit(&self.gate, key, Outcome::Succeeded, response.clone())
+            Ok(response) => commit(&self.gate, key, Outcome::Succeeded, response.clone(), commit_retry_for)
                 .await
                 .map(|()| Ran::Now(response)),
             Err(WorkError::Final { error, response }) => {
-                commit(&self.gate, key, Outcome::Failed, response).await.and(Err(OnceError::Failed(error)))
+                commit(&self.gate, key, Outcome::Failed, response, commit_retry_for)
+                    .await
+                    .and(Err(OnceError::Failed(error)))
             }
             Err(WorkError::Unknown(error)) => Err(OnceError::Unknown(error)),
             Err(WorkError::Retryable(error)) => {
@@ -612,23 +620,37 @@ impl<G: Gate + Clone + 'static> Held<G> {
     }
 }
 
-/// Commits the work's end. A commit that fails (after the gate's retries) leaves the key
-/// held until its lease ends: the work ran, so the key must not be freed for another run;
-/// the next attempt finds it abandoned and can check the first one's effects.
+/// Commits the work's end, retried with the same token while the gate is unavailable
+/// (a restarting server; a commit repeated after its answer was lost is acknowledged
+/// again) for up to `retry_for`. A commit that still fails leaves the key held until its
+/// lease ends: the work ran, so the key must not be freed for another run; the next
+/// attempt finds it abandoned and can check the first one's effects.
 async fn commit<G: Gate, E: std::fmt::Debug>(
     gate: &G,
     key: KeyRequest,
     outcome: Outcome,
     response: Vec<u8>,
+    retry_for: Duration,
 ) -> Result<(), OnceError<G::Error, E>> {
     let token = key.token;
     let request = CommitRequest { namespace: key.namespace, key: key.key, token, outcome, response };
-    let response = request.response.clone();
-    match gate.commit(request).await {
-        Ok(_) => Ok(()),
-        Err(error) if matches!(error.code(), Code::LeaseLost | Code::Conflict) => {
-            Err(OnceError::LeaseLost { token })
+    let until = Instant::now() + retry_for;
+    let pauses = RetryPolicy { attempts_max: u32::MAX, ..RetryPolicy::default() };
+    let mut tried = 0;
+    loop {
+        tried += 1;
+        let error = match gate.commit(request.clone()).await {
+            Ok(_) => return Ok(()),
+            Err(error) => error,
+        };
+        match error.code() {
+            Code::LeaseLost | Code::Conflict => return Err(OnceError::LeaseLost { token }),
+            code if RetryPolicy::retries(code) && Instant::now() < until => {
+                tracing::debug!(%error, tried, "commit not confirmed; trying again with the same token");
+                let pause = pauses.pause(tried).min(until.saturating_duration_since(Instant::now()));
+                tokio::time::sleep(pause).await;
+            }
+            _ => return Err(OnceError::Unconfirmed { token, response: request.response, error }),
         }
-        Err(error) => Err(OnceError::Unconfirmed { token, response, error }),
     }
 }

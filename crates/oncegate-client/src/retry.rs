@@ -48,7 +48,7 @@ impl RetryPolicy {
     }
 
     /// The pause before retry `n` (1 for the first retry).
-    fn pause(&self, n: u32) -> Duration {
+    pub(crate) fn pause(&self, n: u32) -> Duration {
         let bound =
             self.backoff_min.saturating_mul(1u32 << n.saturating_sub(1).min(20)).min(self.backoff_max);
         let millis = u64::try_from(bound.as_millis()).unwrap_or(u64::MAX);

@@ -288,6 +288,7 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
             // its lease ends, as when the proxy is killed, and the next attempt is told
             // `abandoned`.
             on_cancel: OnCancel::KeepUntilLeaseEnds,
+            ..OnceOptions::default()
         };
         // The upstream's cookies are the first caller's alone: never stored, never replayed.
         let cookies = std::sync::OnceLock::new();
