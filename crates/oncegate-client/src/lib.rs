@@ -56,7 +56,7 @@ pub use once::{
     AnyError, GateExt, Lease, OnCancel, OnceError, OnceKey, OnceOptions, Ran, Replay, Stored, WorkError, once,
 };
 pub use oncegate_core::gate::{
-    CommitRequest, Gate, GateError, KeyRequest, Renewed, ReserveRequest, Reserved,
+    AnyGateError, CommitRequest, DynGate, Gate, GateError, KeyRequest, Renewed, ReserveRequest, Reserved,
 };
 /// The contract's types that the calls take and return, so that this crate is the one
 /// dependency a caller needs.

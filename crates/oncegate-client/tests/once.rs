@@ -481,3 +481,37 @@ async fn a_session_client_without_a_deadline_to_speak_of_still_calls() {
     let reserved = client.reserve(request).await.expect("answered");
     assert!(matches!(reserved.reply, oncegate_core::ReserveReply::Granted { .. }), "{reserved:?}");
 }
+
+/// The embedded engine or a remote server, chosen at run time behind one type: `once`
+/// runs the same on `Arc<dyn DynGate>` of either, and on a borrowed or shared gate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gate_chosen_at_run_time_runs_once() {
+    use oncegate_client::DynGate;
+    let server = server().await;
+    let dir = tempfile::tempdir().unwrap();
+    let engine =
+        Engine::open(EngineConfig { data_dir: dir.path().to_owned(), ..EngineConfig::default() }).unwrap();
+    let remote: Arc<dyn DynGate> = Arc::new(Client::connect(server.url.clone()).await.unwrap());
+    let embedded: Arc<dyn DynGate> = Arc::new(engine.gate(oncegate_core::Tenant::default_tenant()));
+    for gate in [remote, embedded] {
+        for expected in [Ran::Now(b"ran".to_vec()), Ran::Now(Vec::new())] {
+            let ran = gate
+                .once("live", "k", OnceOptions::default(), |_| async {
+                    Ok::<_, WorkError<()>>(b"ran".to_vec())
+                })
+                .await
+                .unwrap();
+            match (ran, expected) {
+                (Ran::Now(response), Ran::Now(want)) if !want.is_empty() => assert_eq!(response, want),
+                (Ran::Replayed(Replay::Succeeded(stored)), _) => assert_eq!(stored.response, b"ran"),
+                (other, _) => panic!("{other:?}"),
+            }
+        }
+    }
+    // A shared gate is a gate too.
+    let shared = Arc::new(engine.gate(oncegate_core::Tenant::default_tenant()));
+    let ran =
+        shared.once("live", "k2", OnceOptions::default(), |_| async { Ok::<_, WorkError<()>>(vec![1]) });
+    assert_eq!(ran.await.unwrap(), Ran::Now(vec![1]));
+    engine.shutdown();
+}

@@ -121,3 +121,137 @@ impl Reserved {
         }
     }
 }
+
+/// A gate shared by reference counting is the same gate.
+impl<G: Gate> Gate for std::sync::Arc<G> {
+    type Error = G::Error;
+
+    fn reserve(&self, request: ReserveRequest) -> impl Future<Output = Result<Reserved, Self::Error>> + Send {
+        (**self).reserve(request)
+    }
+    fn commit(&self, request: CommitRequest) -> impl Future<Output = Result<u64, Self::Error>> + Send {
+        (**self).commit(request)
+    }
+    fn release(&self, request: KeyRequest) -> impl Future<Output = Result<(), Self::Error>> + Send {
+        (**self).release(request)
+    }
+    fn heartbeat(&self, request: KeyRequest) -> impl Future<Output = Result<Renewed, Self::Error>> + Send {
+        (**self).heartbeat(request)
+    }
+    fn get(&self, request: KeyRequest) -> impl Future<Output = Result<View, Self::Error>> + Send {
+        (**self).get(request)
+    }
+}
+
+/// A borrowed gate is the same gate.
+impl<G: Gate> Gate for &G {
+    type Error = G::Error;
+
+    fn reserve(&self, request: ReserveRequest) -> impl Future<Output = Result<Reserved, Self::Error>> + Send {
+        (**self).reserve(request)
+    }
+    fn commit(&self, request: CommitRequest) -> impl Future<Output = Result<u64, Self::Error>> + Send {
+        (**self).commit(request)
+    }
+    fn release(&self, request: KeyRequest) -> impl Future<Output = Result<(), Self::Error>> + Send {
+        (**self).release(request)
+    }
+    fn heartbeat(&self, request: KeyRequest) -> impl Future<Output = Result<Renewed, Self::Error>> + Send {
+        (**self).heartbeat(request)
+    }
+    fn get(&self, request: KeyRequest) -> impl Future<Output = Result<View, Self::Error>> + Send {
+        (**self).get(request)
+    }
+}
+
+/// A boxed future, as [`DynGate`] returns.
+pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// The object-safe form of [`Gate`], which every gate has: for choosing the embedded
+/// engine or a remote server at run time behind one type. `Arc<dyn DynGate>` is itself a
+/// [`Gate`] (with [`AnyGateError`]), so `once` and everything written against `Gate`
+/// take it.
+pub trait DynGate: Send + Sync {
+    /// [`Gate::reserve`], boxed.
+    fn reserve_boxed(&self, request: ReserveRequest) -> BoxFuture<'_, Result<Reserved, AnyGateError>>;
+    /// [`Gate::commit`], boxed.
+    fn commit_boxed(&self, request: CommitRequest) -> BoxFuture<'_, Result<u64, AnyGateError>>;
+    /// [`Gate::release`], boxed.
+    fn release_boxed(&self, request: KeyRequest) -> BoxFuture<'_, Result<(), AnyGateError>>;
+    /// [`Gate::heartbeat`], boxed.
+    fn heartbeat_boxed(&self, request: KeyRequest) -> BoxFuture<'_, Result<Renewed, AnyGateError>>;
+    /// [`Gate::get`], boxed.
+    fn get_boxed(&self, request: KeyRequest) -> BoxFuture<'_, Result<View, AnyGateError>>;
+}
+
+impl<G: Gate> DynGate for G {
+    fn reserve_boxed(&self, request: ReserveRequest) -> BoxFuture<'_, Result<Reserved, AnyGateError>> {
+        Box::pin(async move { self.reserve(request).await.map_err(AnyGateError::new) })
+    }
+    fn commit_boxed(&self, request: CommitRequest) -> BoxFuture<'_, Result<u64, AnyGateError>> {
+        Box::pin(async move { self.commit(request).await.map_err(AnyGateError::new) })
+    }
+    fn release_boxed(&self, request: KeyRequest) -> BoxFuture<'_, Result<(), AnyGateError>> {
+        Box::pin(async move { self.release(request).await.map_err(AnyGateError::new) })
+    }
+    fn heartbeat_boxed(&self, request: KeyRequest) -> BoxFuture<'_, Result<Renewed, AnyGateError>> {
+        Box::pin(async move { self.heartbeat(request).await.map_err(AnyGateError::new) })
+    }
+    fn get_boxed(&self, request: KeyRequest) -> BoxFuture<'_, Result<View, AnyGateError>> {
+        Box::pin(async move { self.get(request).await.map_err(AnyGateError::new) })
+    }
+}
+
+/// Each call goes to the boxed gate (`(**self)`: on the `Arc` itself, the blanket
+/// `DynGate` would call back here).
+impl Gate for std::sync::Arc<dyn DynGate> {
+    type Error = AnyGateError;
+
+    fn reserve(&self, request: ReserveRequest) -> impl Future<Output = Result<Reserved, Self::Error>> + Send {
+        (**self).reserve_boxed(request)
+    }
+    fn commit(&self, request: CommitRequest) -> impl Future<Output = Result<u64, Self::Error>> + Send {
+        (**self).commit_boxed(request)
+    }
+    fn release(&self, request: KeyRequest) -> impl Future<Output = Result<(), Self::Error>> + Send {
+        (**self).release_boxed(request)
+    }
+    fn heartbeat(&self, request: KeyRequest) -> impl Future<Output = Result<Renewed, Self::Error>> + Send {
+        (**self).heartbeat_boxed(request)
+    }
+    fn get(&self, request: KeyRequest) -> impl Future<Output = Result<View, Self::Error>> + Send {
+        (**self).get_boxed(request)
+    }
+}
+
+/// Any gate's error, boxed, with its code: what a [`DynGate`] fails with.
+#[derive(Debug)]
+pub struct AnyGateError {
+    code: Code,
+    source: Box<dyn std::error::Error + Send + Sync>,
+}
+
+impl AnyGateError {
+    /// Boxes `error`, keeping its code.
+    pub fn new<E: GateError>(error: E) -> AnyGateError {
+        AnyGateError { code: error.code(), source: Box::new(error) }
+    }
+}
+
+impl std::fmt::Display for AnyGateError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.source.fmt(f)
+    }
+}
+
+impl std::error::Error for AnyGateError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source.source()
+    }
+}
+
+impl GateError for AnyGateError {
+    fn code(&self) -> Code {
+        self.code
+    }
+}
