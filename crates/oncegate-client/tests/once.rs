@@ -515,3 +515,23 @@ async fn a_gate_chosen_at_run_time_runs_once() {
     assert_eq!(ran.await.unwrap(), Ran::Now(vec![1]));
     engine.shutdown();
 }
+
+/// An async program opens and closes the engine with `open_async` and `close` (their
+/// waits on threads of their own), and can log it.
+#[tokio::test(flavor = "current_thread")]
+async fn an_engine_opens_and_closes_from_async_code() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = EngineConfig { data_dir: dir.path().to_owned(), ..EngineConfig::default() };
+    let engine = Engine::open_async(config).await.unwrap();
+    let shown = format!("{engine:?}");
+    assert!(shown.contains("serving") && shown.contains("sqlite"), "{shown}");
+    let gate = engine.gate(oncegate_core::Tenant::default_tenant());
+    let ran = gate.once("live", "k", OnceOptions::default(), |_| async { Ok::<_, WorkError<()>>(vec![7]) });
+    assert_eq!(ran.await.unwrap(), Ran::Now(vec![7]));
+    engine.close().await;
+    drop((gate, engine));
+    let reopened =
+        Engine::open_async(EngineConfig { data_dir: dir.path().to_owned(), ..EngineConfig::default() });
+    let reopened = reopened.await.expect("closed and dropped: the directory's lock was given back");
+    reopened.close().await;
+}

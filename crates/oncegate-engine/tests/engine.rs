@@ -245,7 +245,7 @@ fn a_directory_keeps_its_shard_count_and_is_locked() {
     );
     engine.shutdown();
     drop(engine);
-    let err = Engine::open(EngineConfig { shards: 4, ..config(dir.path()) }).err().expect("refused");
+    let err = Engine::open(EngineConfig { shards: 4, ..config(dir.path()) }).expect_err("refused");
     let message = err.to_string();
     assert!(message.contains("has 3 shards") && message.contains("asks for 4"), "{message}");
     assert!(message.contains("oncegate admin add-shards --to 4"), "{message}");
@@ -261,7 +261,7 @@ fn a_directory_keeps_its_shard_count_and_is_locked() {
 fn configuration_problems_are_reported_together() {
     let dir = tempfile::tempdir().unwrap();
     let config = EngineConfig { shards: 0, batch_len_max: 0, mailbox_depth_max: 0, ..config(dir.path()) };
-    let message = Engine::open(config).err().expect("refused").to_string();
+    let message = Engine::open(config).expect_err("refused").to_string();
     for field in ["shards is 0", "batch_len_max is 0", "mailbox_depth_max is 0"] {
         assert!(message.contains(field), "'{message}' should name {field}");
     }

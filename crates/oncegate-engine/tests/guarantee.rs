@@ -138,8 +138,7 @@ fn a_data_directory_without_its_manifest_is_refused() {
             std::sync::Arc::new(clock.clone()),
             Faults::default(),
         )
-        .err()
-        .expect("refused");
+        .expect_err("refused");
         assert!(
             matches!(refused, OpenError::Layout(LayoutError::ManifestMissing { shard_files: 2, .. })),
             "{refused:?}"

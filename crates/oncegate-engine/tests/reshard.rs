@@ -110,8 +110,7 @@ fn more_shards_than_the_directory_has_are_refused_with_how_to_add_them() {
         Arc::new(clock),
         Faults::default(),
     )
-    .err()
-    .expect("refused");
+    .expect_err("refused");
     assert!(
         matches!(refused, OpenError::Layout(LayoutError::ShardCount { found: 2, configured: 4, .. })),
         "{refused:?}"

@@ -195,7 +195,7 @@ fn a_directory_of_the_log_store_is_refused_with_one_sentence() {
             std::sync::Arc::new(clock.clone()),
             Faults::default(),
         );
-        let error = opened.err().expect("refused");
+        let error = opened.expect_err("refused");
         assert!(matches!(error, OpenError::Layout(LayoutError::LogStore { .. })), "{error:?}");
         let said = error.to_string();
         assert!(

@@ -112,7 +112,7 @@ fn a_lost_slot_map_is_refused_not_recomputed() {
     let config = EngineConfig { shards: 2, ..config(dir.path()) };
     drop(open(config.clone(), &clock, &Faults::default()));
     std::fs::remove_file(dir.path().join(SLOTS_FILE)).unwrap();
-    let refused = try_open(config, &clock).err().expect("refused");
+    let refused = try_open(config, &clock).expect_err("refused");
     assert!(matches!(refused, OpenError::Layout(LayoutError::SlotMapMissing { .. })), "{refused:?}");
     assert!(refused.to_string().contains("will not guess"), "{refused}");
 }
@@ -127,7 +127,7 @@ fn a_damaged_slot_map_is_refused() {
     let mut bytes = std::fs::read(&path).unwrap();
     bytes[100] ^= 0x01;
     std::fs::write(&path, bytes).unwrap();
-    let refused = try_open(config, &clock).err().expect("refused");
+    let refused = try_open(config, &clock).expect_err("refused");
     assert!(matches!(refused, OpenError::Layout(LayoutError::SlotMap(_))), "{refused:?}");
     assert!(refused.to_string().contains("checksum"), "{refused}");
 }

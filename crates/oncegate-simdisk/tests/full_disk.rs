@@ -155,7 +155,7 @@ fn a_first_open_on_a_full_disk_fails_naming_the_file() {
     let completed = fill(&disk, &engine);
     drop(engine);
     disk.set_capacity(Some(disk.used_bytes()));
-    let refused = open(&disk, &clock).err().expect("a full disk fails the open");
+    let refused = open(&disk, &clock).expect_err("a full disk fails the open");
     assert!(matches!(refused, OpenError::DiskFull { shard: 0, .. }), "{refused:?}");
     let said = refused.to_string();
     assert!(said.contains("/data/shard-0000") && said.contains("ENOSPC"), "{said}");

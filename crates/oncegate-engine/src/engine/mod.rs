@@ -230,6 +230,40 @@ impl Engine {
     pub fn shutdown(&self) {
         self.inner.shutdown();
     }
+
+    /// [`Engine::shutdown`] for async code: the wait for the shards' threads happens on a
+    /// thread of its own, not on the runtime's.
+    pub async fn close(&self) {
+        let engine = self.clone();
+        let (done, closed) = tokio::sync::oneshot::channel();
+        let spawned = std::thread::Builder::new().name("oncegate-close".to_owned()).spawn(move || {
+            engine.shutdown();
+            // Before the answer: the caller may open the directory again at once.
+            drop(engine);
+            let _ = done.send(());
+        });
+        match spawned {
+            Ok(_) => {
+                let _ = closed.await;
+            }
+            // No thread to spare: close here, as `shutdown` would.
+            Err(_) => self.shutdown(),
+        }
+    }
+}
+
+/// The data directory, the store and the shards' states: what a log line of a program
+/// that embeds the engine wants to say about it.
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let config = &self.inner.cx.config;
+        let states: Vec<_> = self.stats().iter().map(|shard| shard.state.as_str()).collect();
+        f.debug_struct("Engine")
+            .field("data_dir", &config.data_dir)
+            .field("store", &config.store.kind().name())
+            .field("shards", &states)
+            .finish()
+    }
 }
 
 impl ShardHandle {

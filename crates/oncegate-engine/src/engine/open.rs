@@ -25,6 +25,22 @@ impl Engine {
         Engine::open_with(config, Arc::new(SystemClock), Faults::default())
     }
 
+    /// [`Engine::open`] for async code: the directory is opened (its lock, every shard's
+    /// file and index scan) on a thread of its own, not on the runtime's.
+    pub async fn open_async(config: EngineConfig) -> Result<Engine, OpenError> {
+        let dir = config.data_dir.clone();
+        let (done, opened) = tokio::sync::oneshot::channel();
+        std::thread::Builder::new()
+            .name("oncegate-open".to_owned())
+            .spawn(move || {
+                let _ = done.send(Engine::open(config));
+            })
+            .map_err(|source| OpenError::Io { path: dir, source })?;
+        opened
+            .await
+            .unwrap_or(Err(OpenError::Unsupported { what: "the opening thread ended without an answer" }))
+    }
+
     /// Opens the data directory with an injected clock and fault seam (tests use a
     /// `ManualClock` and arm `Faults`).
     pub fn open_with(
