@@ -22,7 +22,7 @@ pub async fn run(args: AddShardsArgs) -> Answer {
     let request = admin_request(&args.target, pb::AddShardsRequest { shards_total: args.to })?;
     let mut stream = match admin(&args.target).await?.add_shards(request).await {
         Ok(response) => response.into_inner(),
-        Err(status) => return Ok(Err(status.into())),
+        Err(status) => return Ok(Err(oncegate_client::Refusal::of_status(status))),
     };
     let template = "moving slots [{bar:40}] {pos}/{len} ({per_sec}, {eta})";
     let at = |p: &pb::AddShardsProgress| (p.done, u64::from(p.slots_moved), u64::from(p.slots_total));

@@ -22,7 +22,7 @@ pub async fn run(args: BackupArgs) -> Answer {
     let request = admin_request(&args.target, pb::BackupRequest { to: args.to.clone() })?;
     let mut stream = match admin(&args.target).await?.backup(request).await {
         Ok(response) => response.into_inner(),
-        Err(status) => return Ok(Err(status.into())),
+        Err(status) => return Ok(Err(oncegate_client::Refusal::of_status(status))),
     };
     let template = "copying shards [{bar:40}] {pos}/{len} ({eta})";
     let at = |p: &pb::BackupProgress| (p.done, u64::from(p.shards_copied), u64::from(p.shards_total));

@@ -308,7 +308,7 @@ pub(crate) async fn follow<M>(
                 bar.set_position(position);
             }
             Ok(None) => anyhow::bail!("the server ended the stream before {what}"),
-            Err(status) => break Err(status.into()),
+            Err(status) => break Err(Refusal::of_status(status)),
         }
     };
     bar.finish_and_clear();
@@ -391,21 +391,9 @@ fn transition_name(value: i32) -> &'static str {
 }
 
 /// The canonical gRPC name of a code, such as `FAILED_PRECONDITION`.
-fn canonical(code: tonic::Code) -> String {
-    let camel = format!("{code:?}");
-    let mut out = String::with_capacity(camel.len() + 4);
-    for (i, c) in camel.chars().enumerate() {
-        if c.is_ascii_uppercase() && i > 0 {
-            out.push('_');
-        }
-        out.push(c.to_ascii_uppercase());
-    }
-    out
-}
-
 fn refusal_json(refusal: &Refusal) -> Value {
     json!({ "error": {
-        "grpc": canonical(refusal.grpc),
+        "grpc": refusal.grpc.name(),
         "code": refusal.code.as_str(),
         "field": refusal.field,
         "limit": refusal.limit,
@@ -590,7 +578,7 @@ async fn status(target: AdminTarget) -> Answer {
             let shards: Vec<Value> = r.shards.into_iter().map(shard_json).collect();
             json!({ "shards": shards, "moving": moving_json(r.moving) })
         })
-        .map_err(Refusal::from))
+        .map_err(Refusal::of_status))
 }
 
 fn inspect_json(r: pb::InspectResponse) -> Value {
@@ -612,7 +600,7 @@ async fn inspect(a: InspectArgs) -> Answer {
     let message =
         pb::InspectRequest { tenant: a.tenant.clone(), namespace: a.namespace.clone(), key: a.key.clone() };
     let answer = admin(&a.target).await?.inspect(admin_request(&a.target, message)?).await;
-    Ok(answer.map(|r| inspect_json(r.into_inner())).map_err(Refusal::from))
+    Ok(answer.map(|r| inspect_json(r.into_inner())).map_err(Refusal::of_status))
 }
 
 /// What an operator does to a key's record.
@@ -640,5 +628,5 @@ async fn remove(removal: Removal, a: AdminKeyArgs) -> Answer {
             let r = r.into_inner();
             json!({ "removed": true, "action": verb, "previous": state_name(r.previous), "token": r.token })
         })
-        .map_err(Refusal::from))
+        .map_err(Refusal::of_status))
 }

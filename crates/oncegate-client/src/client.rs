@@ -12,7 +12,7 @@ use oncegate_proto::v1::session_request::Call;
 use oncegate_proto::v1::session_response::Result as Out;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use tonic::metadata::{Ascii, MetadataMap, MetadataValue};
+use tonic::metadata::{MetadataMap, MetadataValue};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
 use crate::retry::RetryPolicy;
@@ -41,13 +41,49 @@ pub enum ClientError {
     Protocol(String),
 }
 
+/// A gRPC status code, as a number and its canonical name (`UNAVAILABLE`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GrpcCode(i32);
+
+impl GrpcCode {
+    /// The status code's number (14 for `UNAVAILABLE`).
+    pub fn number(self) -> i32 {
+        self.0
+    }
+
+    /// The status code's canonical name (`UNAVAILABLE`, `FAILED_PRECONDITION`).
+    pub fn name(self) -> String {
+        let camel = format!("{:?}", tonic::Code::from(self.0));
+        let mut name = String::with_capacity(camel.len() + 4);
+        for (i, c) in camel.chars().enumerate() {
+            if c.is_ascii_uppercase() && i > 0 {
+                name.push('_');
+            }
+            name.push(c.to_ascii_uppercase());
+        }
+        name
+    }
+}
+
+impl From<tonic::Code> for GrpcCode {
+    fn from(code: tonic::Code) -> GrpcCode {
+        GrpcCode(code as i32)
+    }
+}
+
+impl std::fmt::Display for GrpcCode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.name())
+    }
+}
+
 /// A refused call, with everything the server said about it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Refusal {
     /// The contract's code.
     pub code: Code,
     /// The gRPC status code it came with.
-    pub grpc: tonic::Code,
+    pub grpc: GrpcCode,
     /// The server's message (or the transport's).
     pub message: String,
     /// The request field at fault, for `invalid_argument`.
@@ -63,7 +99,7 @@ impl Refusal {
     pub(crate) fn unanswered(message: String) -> ClientError {
         ClientError::Refused(Refusal {
             code: Code::Unavailable,
-            grpc: tonic::Code::Unavailable,
+            grpc: GrpcCode::from(tonic::Code::Unavailable),
             message,
             field: None,
             limit: None,
@@ -89,13 +125,16 @@ impl GateError for ClientError {
     }
 }
 
-impl From<tonic::Status> for Refusal {
-    fn from(status: tonic::Status) -> Refusal {
+impl Refusal {
+    /// What a gRPC status says, its trailers and causes included: for the command line's
+    /// calls of the Admin service, which this client does not wrap.
+    #[doc(hidden)]
+    pub fn of_status(status: tonic::Status) -> Refusal {
         let trailer =
             |name: &str| status.metadata().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
         Refusal {
             code: oncegate_proto::status::code_of(&status),
-            grpc: status.code(),
+            grpc: GrpcCode::from(status.code()),
             message: status.message().to_owned(),
             field: trailer(oncegate_proto::FIELD_METADATA),
             limit: trailer(oncegate_proto::LIMIT_METADATA),
@@ -104,9 +143,10 @@ impl From<tonic::Status> for Refusal {
     }
 }
 
-impl From<tonic::Status> for ClientError {
-    fn from(status: tonic::Status) -> ClientError {
-        ClientError::Refused(status.into())
+impl ClientError {
+    /// A refused call, from its gRPC status.
+    pub(crate) fn of_status(status: tonic::Status) -> ClientError {
+        ClientError::Refused(Refusal::of_status(status))
     }
 }
 
@@ -137,7 +177,16 @@ pub struct ClientBuilder {
     connect_timeout: Duration,
     retry: RetryPolicy,
     transport: Transport,
+    /// More servers of the same deployment, balanced with `url`.
+    also: Vec<String>,
+    /// Ping interval and the longest wait for its answer.
+    keep_alive: Option<(Duration, Duration)>,
+    /// Headers sent with every call.
+    headers: Vec<(String, String)>,
 }
+
+/// The most servers one client balances across.
+const ENDPOINTS_MAX: usize = 64;
 
 impl ClientBuilder {
     /// The bearer token sent with every call (the tenant's).
@@ -189,25 +238,83 @@ impl ClientBuilder {
         self
     }
 
-    /// Connects (TLS when the address is `https://`).
+    /// Another server of the same deployment (a node on the same PostgreSQL database):
+    /// calls are balanced across every address given, and one that fails is left out
+    /// until it answers again. With several, connecting is lazy: an unreachable server
+    /// shows as `unavailable` calls, not as a failed `connect`.
+    pub fn also(mut self, url: impl Into<String>) -> ClientBuilder {
+        self.also.push(url.into());
+        self
+    }
+
+    /// HTTP/2 keep-alive: a ping every `interval`, even while no call is in flight, and
+    /// the connection is given up when one goes unanswered for `timeout` (so a server
+    /// that vanished behind a NAT is noticed before the next call waits on it).
+    pub fn keep_alive(mut self, interval: Duration, timeout: Duration) -> ClientBuilder {
+        self.keep_alive = Some((interval, timeout));
+        self
+    }
+
+    /// A header sent with every call (a routing or tracing header of the caller's).
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> ClientBuilder {
+        self.headers.push((name.into(), value.into()));
+        self
+    }
+
+    /// Connects (TLS when the address is `https://`), failing if the server cannot be
+    /// reached now.
     pub async fn connect(self) -> Result<Client, ClientError> {
-        let token = match &self.token {
-            Some(Redacted(token)) => {
-                let mut value = MetadataValue::try_from(format!("Bearer {token}"))
-                    .map_err(|_| ClientError::Config("the token is not a valid header value".to_owned()))?;
-                // Never printed, and never indexed by HPACK (RFC 7541, 7.1.3).
-                value.set_sensitive(true);
-                Some(value)
-            }
-            None => None,
-        };
-        let channel = self.endpoint()?.connect().await.map_err(|e| {
+        if !self.also.is_empty() {
+            return self.connect_lazy();
+        }
+        let channel = self.endpoint(&self.url)?.connect().await.map_err(|e| {
             let reason = std::iter::once(e.to_string()).chain(causes(&e)).collect::<Vec<_>>().join(": ");
             ClientError::Connect { url: self.url.clone(), reason }
         })?;
+        self.on(channel)
+    }
+
+    /// A client that connects at its first call (and again after a connection drops);
+    /// call from within a Tokio runtime.
+    pub fn connect_lazy(self) -> Result<Client, ClientError> {
+        let urls = || std::iter::once(&self.url).chain(&self.also);
+        if urls().count() > ENDPOINTS_MAX {
+            return Err(ClientError::Config(format!("more than {ENDPOINTS_MAX} server addresses")));
+        }
+        let endpoints = urls().map(|url| self.endpoint(url)).collect::<Result<Vec<_>, _>>()?;
+        let channel = match endpoints.as_slice() {
+            [one] => one.connect_lazy(),
+            _ => Channel::balance_list(endpoints.into_iter()),
+        };
+        self.on(channel)
+    }
+
+    /// A client on a channel the application built itself (its own connector or tower
+    /// layers); the builder's token, headers, deadline, retries and transport apply, its
+    /// addresses and TLS settings do not.
+    pub fn on_channel(self, channel: Channel) -> Result<Client, ClientError> {
+        self.on(channel)
+    }
+
+    fn on(self, channel: Channel) -> Result<Client, ClientError> {
+        let mut metadata = MetadataMap::new();
+        if let Some(Redacted(token)) = &self.token {
+            let mut value = MetadataValue::try_from(format!("Bearer {token}"))
+                .map_err(|_| ClientError::Config("the token is not a valid header value".to_owned()))?;
+            // Never printed, and never indexed by HPACK (RFC 7541, 7.1.3).
+            value.set_sensitive(true);
+            metadata.insert("authorization", value);
+        }
+        for (name, value) in &self.headers {
+            let bad = |what: &str| ClientError::Config(format!("header {name:?}: not a valid {what}"));
+            let key =
+                tonic::metadata::AsciiMetadataKey::from_bytes(name.as_bytes()).map_err(|_| bad("name"))?;
+            let value = MetadataValue::try_from(value.as_str()).map_err(|_| bad("value"))?;
+            metadata.append(key, value);
+        }
         Ok(Client {
             gate: GateClient::new(channel),
-            token,
+            metadata,
             timeout: self.timeout,
             retry: self.retry,
             transport: self.transport,
@@ -215,14 +322,19 @@ impl ClientBuilder {
         })
     }
 
-    fn endpoint(&self) -> Result<Endpoint, ClientError> {
-        let config = |e: &dyn std::fmt::Display| ClientError::Config(format!("{}: {e}", self.url));
-        let mut endpoint = Endpoint::from_shared(self.url.clone()).map_err(|e| config(&e))?;
+    fn endpoint(&self, url: &str) -> Result<Endpoint, ClientError> {
+        let config = |e: &dyn std::fmt::Display| ClientError::Config(format!("{url}: {e}"));
+        let mut endpoint = Endpoint::from_shared(url.to_owned()).map_err(|e| config(&e))?;
         endpoint = endpoint.connect_timeout(self.connect_timeout).tcp_nodelay(true);
+        if let Some((interval, timeout)) = self.keep_alive {
+            endpoint = endpoint
+                .http2_keep_alive_interval(interval)
+                .keep_alive_timeout(timeout)
+                .keep_alive_while_idle(true);
+        }
         let tls_asked = self.tls_ca.is_some() || self.tls_identity.is_some() || self.tls_domain.is_some();
-        if !self.url.starts_with("https://") {
+        if !url.starts_with("https://") {
             if tls_asked {
-                let url = &self.url;
                 return Err(ClientError::Config(format!(
                     "TLS settings need an https:// address; {url} is plaintext"
                 )));
@@ -263,7 +375,8 @@ pub enum Transport {
 #[derive(Clone, Debug)]
 pub struct Client {
     gate: GateClient<Channel>,
-    token: Option<MetadataValue<Ascii>>,
+    /// The token and the caller's headers, sent with every call.
+    metadata: MetadataMap,
     timeout: Duration,
     retry: RetryPolicy,
     transport: Transport,
@@ -291,6 +404,9 @@ impl Client {
             connect_timeout: Duration::from_secs(5),
             retry: RetryPolicy::default(),
             transport: Transport::default(),
+            also: Vec::new(),
+            keep_alive: None,
+            headers: Vec::new(),
         }
     }
 
@@ -300,11 +416,7 @@ impl Client {
     }
 
     fn metadata(&self) -> MetadataMap {
-        let mut metadata = MetadataMap::new();
-        if let Some(token) = &self.token {
-            metadata.insert("authorization", token.clone());
-        }
-        metadata
+        self.metadata.clone()
     }
 
     /// One call, on the session stream or as a unary RPC, within the client's deadline
@@ -336,17 +448,24 @@ impl Client {
 
     async fn unary(&self, call: Call, deadline: Duration) -> Result<Out, ClientError> {
         let mut gate = self.gate.clone();
-        Ok(match call {
-            Call::Reserve(r) => Out::Reserve(gate.reserve(self.request(r, deadline)).await?.into_inner()),
-            Call::Commit(r) => Out::Commit(gate.commit(self.request(r, deadline)).await?.into_inner()),
-            Call::Release(r) => Out::Release(gate.release(self.request(r, deadline)).await?.into_inner()),
-            Call::Heartbeat(r) => {
-                Out::Heartbeat(gate.heartbeat(self.request(r, deadline)).await?.into_inner())
+        let answered = match call {
+            Call::Reserve(r) => {
+                gate.reserve(self.request(r, deadline)).await.map(|a| Out::Reserve(a.into_inner()))
             }
-            Call::Get(r) => Out::Get(gate.get(self.request(r, deadline)).await?.into_inner()),
+            Call::Commit(r) => {
+                gate.commit(self.request(r, deadline)).await.map(|a| Out::Commit(a.into_inner()))
+            }
+            Call::Release(r) => {
+                gate.release(self.request(r, deadline)).await.map(|a| Out::Release(a.into_inner()))
+            }
+            Call::Heartbeat(r) => {
+                gate.heartbeat(self.request(r, deadline)).await.map(|a| Out::Heartbeat(a.into_inner()))
+            }
+            Call::Get(r) => gate.get(self.request(r, deadline)).await.map(|a| Out::Get(a.into_inner())),
             // Only the session task makes cancels, and sends them on its stream.
             Call::Cancel(_) => return Err(ClientError::Protocol("a cancel is no unary call".into())),
-        })
+        };
+        answered.map_err(ClientError::of_status)
     }
 
     /// A unary request with the token and the deadline.

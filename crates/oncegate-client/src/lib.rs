@@ -51,7 +51,7 @@ mod retry;
 mod session;
 
 #[cfg(feature = "remote")]
-pub use client::{Client, ClientBuilder, ClientError, Refusal, Transport};
+pub use client::{Client, ClientBuilder, ClientError, GrpcCode, Refusal, Transport};
 pub use once::{
     AnyError, GateExt, Lease, OnCancel, OnceError, OnceKey, OnceOptions, Ran, Replay, Stored, WorkError, once,
 };

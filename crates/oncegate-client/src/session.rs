@@ -78,7 +78,7 @@ impl Sessions {
                 tracing::info!(%status, "no Session stream for this client; it sends unary calls");
                 return Ok(Err(call));
             }
-            Err(status) => return Err(status.into()),
+            Err(status) => return Err(ClientError::of_status(status)),
         };
         let request = pb::SessionRequest { id, call: Some(call), timeout_ms: 0, ..Default::default() };
         if stream.calls.send((request, ends_at, answer)).await.is_err() {
@@ -303,7 +303,7 @@ pub(crate) fn refused(refusal: pb::Refusal) -> ClientError {
     let named = |text: String| Some(text).filter(|t| !t.is_empty());
     ClientError::Refused(Refusal {
         code,
-        grpc,
+        grpc: grpc.into(),
         message: refusal.message,
         field: named(refusal.field),
         limit: named(refusal.limit),
