@@ -415,6 +415,13 @@ impl Client {
         Client::builder(url).connect().await
     }
 
+    /// This client with another deadline per call (a reserve's wait is added to it), on
+    /// the same connection and session stream: for one handler's `once` within its own
+    /// budget, `client.with_timeout(budget).once(..)`.
+    pub fn with_timeout(&self, timeout: Duration) -> Client {
+        Client { timeout, ..self.clone() }
+    }
+
     fn metadata(&self) -> MetadataMap {
         self.metadata.clone()
     }

@@ -45,10 +45,9 @@ async fn calls_are_balanced_over_the_nodes_that_answer() {
         let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         format!("http://{}", closed.local_addr().unwrap())
     };
-    let client = Client::builder(down).also(up).keep_alive(
-        std::time::Duration::from_secs(10),
-        std::time::Duration::from_secs(5),
-    );
+    let client = Client::builder(down)
+        .also(up)
+        .keep_alive(std::time::Duration::from_secs(10), std::time::Duration::from_secs(5));
     let client = client.connect().await.unwrap();
     for i in 0..8 {
         assert_eq!(client.get(key(&format!("k{i}"))).await.unwrap().state, State::Free, "call {i}");
@@ -63,4 +62,27 @@ async fn a_header_that_cannot_be_sent_is_refused_at_connect() {
     assert!(matches!(built, Err(ClientError::Config(ref said)) if said.contains("bad name")), "{built:?}");
     let fine = Client::builder("http://127.0.0.1:1").header("x-request-source", "billing").connect_lazy();
     assert!(fine.is_ok(), "{fine:?}");
+}
+
+/// A deadline set for some calls holds for them: against a server that accepts and never
+/// answers, a call of `with_timeout(50 ms)` is `unavailable` after that, not after the
+/// client's 10 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_with_its_own_deadline_ends_there() {
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", silent.local_addr().unwrap());
+    let accepted = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = silent.accept().await {
+            held.push(stream);
+        }
+    });
+    let client = Client::builder(url).connect_lazy().unwrap();
+    let hurried = client.with_timeout(std::time::Duration::from_millis(50));
+    let Err(ClientError::Refused(refusal)) = hurried.get(key("k")).await else {
+        panic!("no answer can come")
+    };
+    assert_eq!(refusal.code, oncegate_client::Code::Unavailable, "{refusal}");
+    assert!(refusal.message.contains("50 ms"), "{refusal}");
+    accepted.abort();
 }
