@@ -16,11 +16,12 @@ use oncegate_client::{
 
 const WORKS: usize = 16;
 
-/// The client, noting each token whose commit failed at least once.
+/// The client, noting each key whose commit failed at least once (by key: tokens are
+/// unique per key, and two shards may issue the same one).
 #[derive(Clone)]
 struct Noting {
     client: Client,
-    failed: Arc<Mutex<HashSet<u64>>>,
+    failed: Arc<Mutex<HashSet<String>>>,
     changed: Arc<tokio::sync::Notify>,
 }
 
@@ -33,10 +34,10 @@ impl Gate for Noting {
     fn commit(&self, r: CommitRequest) -> impl Future<Output = Result<u64, ClientError>> + Send {
         let this = self.clone();
         async move {
-            let token = r.token;
+            let key = r.key.clone();
             let committed = this.client.commit(r).await;
             if committed.is_err() {
-                this.failed.lock().unwrap().insert(token);
+                this.failed.lock().unwrap().insert(key);
                 this.changed.notify_one();
             }
             committed
