@@ -1,6 +1,6 @@
 //! `oncegate admin add-shards --to N`: asks a running server to add shards and spread the
 //! slots over them (`Admin.AddShards`), shows the moves on a progress bar, and prints a
-//! JSON summary (`oncegate_engine`'s `grow.rs` does the work and says why each step is safe).
+//! JSON summary (`oncegate_engine`'s `engine/resize.rs` does the work and says why each step is safe).
 
 use oncegate_proto::v1 as pb;
 use serde_json::{Value, json};

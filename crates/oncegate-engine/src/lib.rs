@@ -40,7 +40,7 @@ pub use error::Error;
 pub use faults::Faults;
 pub use oncegate_core::gate::{CommitRequest, Gate, KeyRequest, Renewed, ReserveRequest, Reserved};
 pub use placement::LayoutError;
-pub use placement::slots::{SlotMapError, SlotMove};
+pub use placement::slots::{SlotMapError, SlotMove, Slots};
 pub use shard::ShardState;
 pub use store::StoreError;
 

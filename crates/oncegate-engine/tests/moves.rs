@@ -98,7 +98,7 @@ fn grant_and_release(engine: &Engine, name: &str) -> u64 {
 fn wait_until_moving(engine: &Engine, slot: u32) -> SlotMove {
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     loop {
-        if let Some(moving) = engine.slot_moving().filter(|m| m.slot == slot) {
+        if let Some(moving) = engine.slot_moving().filter(|m| m.slots.contains(slot)) {
             return moving;
         }
         assert!(std::time::Instant::now() < deadline, "slot {slot} never started moving");

@@ -164,8 +164,9 @@ impl pb::admin_server::Admin for AdminService {
                 last_error: s.last_error.unwrap_or_default(),
             })
             .collect();
+        // A serving engine moves one slot at a time (groups are the offline reshard's).
         let moving = self.engine.slot_moving().map(|m| pb::SlotMove {
-            slot: m.slot,
+            slot: m.slots.iter().next().unwrap_or_default(),
             from_shard: m.from,
             to_shard: m.to,
         });

@@ -35,7 +35,7 @@ fn open(disk: &Disk, shards: u32) -> Engine {
 
 /// The offline reshard from 2 shards to 4 on `disk`.
 fn reshard(disk: &Disk) -> Result<oncegate_engine::reshard::Resharded, oncegate_engine::ResizeError> {
-    add_shards_on(&config(2), 4, Arc::new(disk.boot()), &Faults::default(), &mut |_, _| {})
+    add_shards_on(&config(2), 4, clock(), Arc::new(disk.boot()), &Faults::default(), &mut |_, _| {})
 }
 
 fn fill(disk: &Disk) -> Written {

@@ -84,7 +84,7 @@ impl Engine {
         let span = tracing::Span::current();
         span.record("shard", shard);
         let request = Request { scope, command, reply, span, derive };
-        let sent = match table.moving.as_ref().filter(|moving| moving.step.slot == slot) {
+        let sent = match table.moving.as_ref().filter(|moving| moving.step.slots.contains(slot)) {
             Some(moving) => moving.hold(request, self.inner.cx.config.mailbox_depth_max),
             None => handle.data.try_send(Mail::Call(request)).map_err(|error| match error {
                 TrySendError::Full(_) => Error::ResourceExhausted {

@@ -87,11 +87,11 @@ pub enum ResizeError {
     /// the slot answers `unavailable` and no shard is added until the server restarts and
     /// reads the map from disk.
     #[error(
-        "slot {slot} could not finish moving to shard {to} ({reason}); restart the server, then add shards again"
+        "{slots} could not finish moving to shard {to} ({reason}); restart the server, then add shards again"
     )]
     SlotStuck {
-        /// The slot.
-        slot: u32,
+        /// The slots.
+        slots: crate::placement::slots::Slots,
         /// The shard it was moving to.
         to: u32,
         /// Why.
@@ -103,15 +103,6 @@ pub enum ResizeError {
     Interrupted {
         /// Why.
         reason: &'static str,
-    },
-    /// A shard's file could not be opened or changed (a stopped directory's add).
-    #[error("shard {shard}: {source}")]
-    Store {
-        /// The shard.
-        shard: u32,
-        /// What its store said.
-        #[source]
-        source: StoreError,
     },
     /// A shard failed its part of a move, or is not running (a serving engine's add).
     #[error("shard {shard}: {source}")]

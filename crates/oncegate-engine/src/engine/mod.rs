@@ -169,9 +169,9 @@ impl Engine {
         table.shards.iter().enumerate().map(|(id, s)| s.stats(id as u32, slots[id])).collect()
     }
 
-    /// The slot moving now, if an add-shards is under way.
+    /// The slots moving now, if an add-shards is under way.
     pub fn slot_moving(&self) -> Option<slots::SlotMove> {
-        self.inner.table().moving.as_ref().map(|moving| moving.step)
+        self.inner.table().moving.as_ref().map(|moving| moving.step.clone())
     }
 
     /// Waits until one shard's counters satisfy `done` (checked whenever the shard

@@ -1,39 +1,30 @@
-//! Adding shards: the new shards start owning nothing, then slots move to them.
+//! Adding shards: the new shards start owning nothing, then slots move to them. One
+//! mover does it, in an engine: `Engine::add_shards` (`oncegate admin add-shards`) while
+//! the engine serves, one slot at a time, paced; `add_shards` (`oncegate reshard`) on a
+//! stopped directory opens an engine that serves nobody and runs the same mover with
+//! groups of slots and no pacing. `prepare_new_shards` first makes the new shards' token
+//! epochs above every existing one, then the manifest counts them.
 //!
-//! Two movers share the same layout rules (`prepare_new_shards` first makes the new
-//! shards' token epochs above every existing one, then the manifest counts them):
+//! One move, as the mover runs it (the shards' side is `shard/moves.rs`):
 //!
-//! - **online** (`Engine::add_shards`, `oncegate admin add-shards`): one slot at a time
-//!   while every shard serves;
-//! - **offline** (`add_shards`, `oncegate reshard`): on a stopped directory, a group of
-//!   slots (every slot going from one shard to another) at a time.
-//!
-//! One online move, as the mover runs it (the shards' side is `shard/moves.rs`):
-//!
-//! 1. the routing table marks the slot moving: its new requests are held, in order
-//!    (`routes.rs`), and the source is sent the hand-over behind the slot's earlier
+//! 1. the routing table marks the slots moving: their new requests are held, in order
+//!    (`routes.rs`), and the source is sent the hand-over behind the slots' earlier
 //!    requests;
-//! 2. the destination writes the slot's records durably with its counters raised;
+//! 2. the destination writes the slots' records durably with its counters raised;
 //! 3. the map file is flipped durably (`slots::write`);
-//! 4. the table gives the slot to the destination and sends it the held requests, in
+//! 4. the table gives the slots to the destination and sends it the held requests, in
 //!    order, before anything sent later;
-//! 5. the source deletes its copies, a chunk per alarm.
+//! 5. the source deletes its copies, a chunk per alarm (or, stopped first, at its next
+//!    open).
 //!
-//! A move that fails before the flip ends with the slot where it was (its held requests
-//! go back to the source; the destination drops its copies). A flip whose outcome on
-//! disk is unknown is undone by writing the old map again; if even that fails, the slot
-//! answers `unavailable` until a restart reads the map, rather than risk two owners.
-//!
-//! One offline group takes three durable steps: the destination copies the group's
-//! records (one transaction that first drops rows an earlier attempt left, and raises
-//! its counters over the source's); the map gives the slots to the destination; the
-//! source deletes its copies (which its next open would otherwise do).
-//!
-//! Either way the map on disk always names exactly one owner with the slot's truth, so a
-//! crash at any point restarts into a correct directory, and running the same command
-//! again resumes the moves that are left.
+//! A move that fails before the flip ends with the slots where they were (their held
+//! requests go back to the source; the destination drops its copies). A flip whose
+//! outcome on disk is unknown is undone by writing the old map again; if even that
+//! fails, the slots answer `unavailable` until a restart reads the map, rather than
+//! risk two owners. The map on disk always names exactly one owner with each slot's
+//! truth, so a crash at any point restarts into a correct directory, and running the
+//! same command again resumes the moves that are left.
 
-use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -41,16 +32,15 @@ use std::time::{Duration, Instant};
 use super::error::ResizeError;
 use super::routes::{Moving, hand_over};
 use super::{Engine, Inner, ShardHandle};
-use crate::config::{Durability, EngineConfig, SHARDS_MAX, StoreKind};
+use crate::clock::{Clock, SystemClock};
+use crate::config::{EngineConfig, SHARDS_MAX, StoreKind};
 use crate::error::Error;
 use crate::faults::Faults;
 use crate::files::{Files, OsFiles};
 use crate::placement::LayoutError;
 use crate::placement::manifest;
-use crate::placement::slots::{self, SlotMap, SlotMove};
+use crate::placement::slots::{self, SlotMap, SlotMove, Slots};
 use crate::shard::{Control, Mail, MoveOut, Moved, Parked};
-use crate::store::Tuning;
-use crate::store::sqlite;
 
 /// What a reshard did.
 #[derive(Clone, Debug, PartialEq)]
@@ -94,68 +84,54 @@ impl Pauses {
 /// Progress: slots moved so far and in all.
 pub type Progress<'a> = &'a mut dyn FnMut(u32, u32);
 
+/// Slots an offline reshard moves at once: few moves (each is a few syncs), while the
+/// records a hand-over carries in memory stay a small part of a shard's.
+const OFFLINE_SLOTS_PER_MOVE: usize = 256;
+
 /// Adds shards to the stopped directory of `config` (its `shards` is ignored: the
 /// directory's manifest says how many it has) until it has `to`.
 pub fn add_shards(config: &EngineConfig, to: u32, progress: Progress<'_>) -> Result<Resharded, ResizeError> {
-    add_shards_on(config, to, Arc::new(OsFiles), &Faults::default(), progress)
+    add_shards_on(config, to, Arc::new(SystemClock), Arc::new(OsFiles), &Faults::default(), progress)
 }
 
-/// [`add_shards`] on a files seam, with the faults a test injects
-/// (`Faults::fail_op_after` stops it after that many durable steps).
+/// [`add_shards`] on a clock and a files seam, with the faults a test injects
+/// (`Faults::stop_moves_after` stops it as a crash would). It opens an engine that
+/// serves nobody on the directory and runs [`Engine::add_shards`]'s mover, with groups
+/// of slots and no pacing; the engine reclaims what expired, as a server would.
 pub fn add_shards_on(
     config: &EngineConfig,
     to: u32,
+    clock: Arc<dyn Clock>,
     files: Arc<dyn Files>,
     faults: &Faults,
     progress: Progress<'_>,
 ) -> Result<Resharded, ResizeError> {
-    let _lock = manifest::lock(&*files, &config.data_dir)?;
-    // A directory of another store (a PostgreSQL node's, the log store's) is refused
-    // before anything changes. Settled first, so that a PostgreSQL node's directory (no
-    // manifest) hears why, whatever kind the command was given.
-    if manifest::is_node_dir(&*files, &config.data_dir)? {
-        return Err(ResizeError::Unsupported { what: NO_SLOTS_ON_POSTGRES });
+    let shards = {
+        let _lock = manifest::lock(&*files, &config.data_dir)?;
+        // A directory of another store (a PostgreSQL node's, the log store's) is refused
+        // before anything changes: a PostgreSQL node's directory (no manifest) hears why,
+        // whatever kind the command was given.
+        if manifest::is_node_dir(&*files, &config.data_dir)? {
+            return Err(ResizeError::Unsupported { what: NO_SLOTS_ON_POSTGRES });
+        }
+        if manifest::check_store_kind(&*files, config)? == StoreKind::Postgres {
+            return Err(ResizeError::Unsupported { what: NO_SLOTS_ON_POSTGRES });
+        }
+        let dir = &config.data_dir;
+        let manifest = manifest::read(&*files, dir)?.ok_or_else(|| LayoutError::Manifest {
+            path: dir.join(manifest::MANIFEST_FILE),
+            reason: "not found: this is not a data directory".to_owned(),
+        })?;
+        manifest.shards
+    };
+    if to < shards || to > SHARDS_MAX {
+        return Err(ResizeError::Target { to, shards, max: SHARDS_MAX });
     }
-    let kind = manifest::check_store_kind(&*files, config)?;
-    if kind == StoreKind::Postgres {
-        return Err(ResizeError::Unsupported { what: NO_SLOTS_ON_POSTGRES });
-    }
-    let dir = &config.data_dir;
-    let manifest = manifest::read(&*files, dir)?.ok_or_else(|| LayoutError::Manifest {
-        path: dir.join(manifest::MANIFEST_FILE),
-        reason: "not found: this is not a data directory".to_owned(),
-    })?;
-    let before = manifest.shards;
-    if to < before || to > SHARDS_MAX {
-        return Err(ResizeError::Target { to, shards: before, max: SHARDS_MAX });
-    }
-    let (mut map, _, routing) = manifest::open_or_create(&*files, dir, before)?;
-    // Read again: opening may have moved an older directory's routing to the map.
-    let manifest = manifest::read(&*files, dir)?.unwrap_or(manifest);
-    prepare_new_shards(&*files, dir, &manifest, to)?;
-    let moves = map.moves_to_spread(to);
-    let total = moves.len() as u32;
-    let mut groups: BTreeMap<(u32, u32), HashSet<u32>> = BTreeMap::new();
-    for (slot, from, dest) in moves {
-        groups.entry((from, dest)).or_default().insert(slot);
-    }
-    let (mut moved, mut records) = (0, 0);
-    progress(0, total);
-    // Always synced: the map must never name a destination whose copy a power cut undid.
-    let tuning = Tuning { durability: Durability::Full, ..Tuning::of(config, files, None, routing) };
-    for ((from, dest), group) in groups {
-        records += move_group(config, &tuning, faults, &mut map, from, dest, &group)?;
-        moved += group.len() as u32;
-        progress(moved, total);
-    }
-    Ok(Resharded {
-        shards_before: before,
-        shards_after: to,
-        slots_moved: moved,
-        records_moved: records,
-        map_version: map.version,
-        pauses: None,
-    })
+    let config = EngineConfig { shards, ..config.clone() };
+    let engine = Engine::open_on(config, clock, faults.clone(), files)?;
+    let done = engine.spread_slots(to, OFFLINE_SLOTS_PER_MOVE, Duration::ZERO, progress);
+    engine.shutdown();
+    done
 }
 
 /// Makes shards `manifest.shards..to` part of the directory: their token epochs above
@@ -186,58 +162,6 @@ pub(crate) fn prepare_new_shards(
     Ok(())
 }
 
-/// The three steps of one group: copy, flip the map, delete at the source.
-fn move_group(
-    config: &EngineConfig,
-    tuning: &Tuning,
-    faults: &Faults,
-    map: &mut SlotMap,
-    from: u32,
-    dest: u32,
-    group: &HashSet<u32>,
-) -> Result<u64, ResizeError> {
-    let shard_error = |shard: u32| move |source| ResizeError::Store { shard, source };
-    let dir = &config.data_dir;
-    let (mut source, source_meta, _) =
-        sqlite::Store::open(&manifest::shard_file(dir, from), tuning, faults, false)
-            .map_err(shard_error(from))?;
-    let (mut destination, destination_meta, _) =
-        sqlite::Store::open(&manifest::shard_file(dir, dest), tuning, faults, false)
-            .map_err(shard_error(dest))?;
-    step(faults)?;
-    // The destination's counters start above the source's, not only above the tokens of
-    // the rows it copies: a key of the group released or reclaimed at the source has no
-    // row, and its next grant must still be above its last token there (the source's
-    // epoch may have risen past the destination's since the new shards were made).
-    let start = destination_meta.max(source_meta);
-    let copied = destination.copy_slots_from(&source, group, start).map_err(shard_error(dest))?;
-    step(faults)?;
-    for slot in group {
-        map.set_owner(*slot, dest);
-    }
-    map.version += 1;
-    slots::write(&*tuning.files, dir, map)?;
-    step(faults)?;
-    source.delete_slots(group, source_meta).map_err(shard_error(from))?;
-    tracing::info!(
-        from,
-        to = dest,
-        slots = group.len(),
-        records = copied,
-        map_version = map.version,
-        "slots moved"
-    );
-    Ok(copied)
-}
-
-/// A point where a test may stop the reshard, as a crash would.
-fn step(faults: &Faults) -> Result<(), ResizeError> {
-    if faults.op_should_fail() {
-        return Err(ResizeError::Interrupted { reason: "injected fault: reshard stopped" });
-    }
-    Ok(())
-}
-
 /// Why shards are never added to a PostgreSQL store, online or offline.
 pub(crate) const NO_SLOTS_ON_POSTGRES: &str = "shards on PostgreSQL share one table, so there is nothing to move: restart the node with more --shards (or add nodes)";
 
@@ -248,6 +172,22 @@ impl Engine {
     /// `progress` hears the slots moved and the slots to move. Run again after an error
     /// or a crash, it resumes the moves that are left (`to` may then equal the count).
     pub fn add_shards(&self, to: u32, progress: Progress<'_>) -> Result<Resharded, ResizeError> {
+        let pause = match self.inner.cx.config.slot_moves_per_second_max {
+            0 => Duration::ZERO,
+            rate => Duration::from_secs(1) / rate,
+        };
+        self.spread_slots(to, 1, pause, progress)
+    }
+
+    /// The mover: `slots_per_move` slots of one pair of shards at a time, `pause` per
+    /// slot between moves.
+    fn spread_slots(
+        &self,
+        to: u32,
+        slots_per_move: usize,
+        pause: Duration,
+        progress: Progress<'_>,
+    ) -> Result<Resharded, ResizeError> {
         let inner = &self.inner;
         if inner.cx.postgres.is_some() {
             return Err(ResizeError::Unsupported { what: NO_SLOTS_ON_POSTGRES });
@@ -256,12 +196,11 @@ impl Engine {
             .map_unchanged()
             .ok_or(ResizeError::Busy { what: "another add-shards or a backup is running on this server" })?;
         if let Some(moving) = &inner.table().moving {
-            // A slot whose map flip could not be written nor undone: only a restart,
-            // reading the map from disk, can say which shard owns it.
-            let (slot, to) = (moving.step.slot, moving.step.to);
+            // Slots whose map flip could not be written nor undone: only a restart,
+            // reading the map from disk, can say which shard owns them.
             return Err(ResizeError::SlotStuck {
-                slot,
-                to,
+                slots: moving.step.slots.clone(),
+                to: moving.step.to,
                 reason: "its map could not be written".to_owned(),
             });
         }
@@ -275,27 +214,25 @@ impl Engine {
         let moves = inner.table().map.moves_to_spread(to);
         let total = moves.len() as u32;
         progress(0, total);
-        let pause = match inner.cx.config.slot_moves_per_second_max {
-            0 => Duration::ZERO,
-            rate => Duration::from_secs(1) / rate,
-        };
-        let mut records = 0;
+        let (mut done, mut records) = (0, 0);
         let mut pauses_ms = Vec::with_capacity(total as usize);
-        for (done, (slot, from, dest)) in moves.into_iter().enumerate() {
+        for step in in_groups(moves, slots_per_move) {
             if inner.closing.load(Ordering::Acquire) {
                 return Err(ResizeError::Interrupted { reason: "the engine is shutting down" });
             }
             let started = Instant::now();
-            let moved = self.move_slot(SlotMove { slot, from, to: dest })?;
+            let count = step.slots.len() as u32;
+            let moved = self.move_slots(step)?;
             records += moved;
-            metrics::counter!("oncegate_slot_moves_total").increment(1);
+            metrics::counter!("oncegate_slot_moves_total").increment(u64::from(count));
             metrics::counter!("oncegate_slot_moved_records_total").increment(moved);
             let took = started.elapsed();
             metrics::histogram!("oncegate_slot_move_seconds").record(took.as_secs_f64());
             pauses_ms.push(took.as_secs_f64() * 1_000.0);
-            progress(done as u32 + 1, total);
+            done += count;
+            progress(done, total);
             // Pacing, not synchronisation: it leaves the disk to the traffic between moves.
-            std::thread::sleep(pause.saturating_sub(started.elapsed()));
+            std::thread::sleep(pause.saturating_mul(count).saturating_sub(started.elapsed()));
         }
         Ok(Resharded {
             shards_before: before,
@@ -324,8 +261,8 @@ impl Engine {
         Ok(())
     }
 
-    /// Moves one slot; returns the records it carried.
-    fn move_slot(&self, step: SlotMove) -> Result<u64, ResizeError> {
+    /// Moves one group of slots; returns the records they carried.
+    fn move_slots(&self, step: SlotMove) -> Result<u64, ResizeError> {
         let inner = &self.inner;
         let (source, destination) = {
             let mut table = inner.table_mut();
@@ -337,36 +274,38 @@ impl Engine {
                     .ok_or_else(|| not_running(id, "the shard is not running"))
             };
             let shards = (shard(step.from)?, shard(step.to)?);
-            table.moving = Some(Moving::new(step));
+            table.moving = Some(Moving::new(step.clone()));
             shards
         };
-        inner.cx.slots.set_moving(Some(step));
+        inner.cx.slots.set_moving(Some(step.clone()));
         let mut parked = Parked::default();
-        let records = match self.copy_slot(step, &source, &destination, &mut parked) {
+        let records = match self.copy_slots(&step, &source, &destination, &mut parked) {
             Ok(records) => records,
             Err(error) => {
+                let slots = step.slots.clone();
                 self.end_move(step, None, parked);
-                let _ = destination.control.send(Control::DropSlot(step.slot));
+                let _ = destination.control.send(Control::DropSlot(slots));
                 return Err(error);
             }
         };
         stop_point(inner)?;
-        let map = match self.flip(step) {
+        let map = match self.flip(&step) {
             Ok(map) => map,
             Err(error) => return Err(self.undo_flip(step, &destination, parked, error)),
         };
         stop_point(inner)?;
+        let slots = step.slots.clone();
         self.end_move(step, Some(map), parked);
-        let _ = source.control.send(Control::DropSlot(step.slot));
+        let _ = source.control.send(Control::DropSlot(slots));
         Ok(records)
     }
 
-    /// Steps 1 and 2: the source hands the slot over, the destination writes it durably.
-    /// The slot's parked reserves are kept in `parked` for whichever shard owns the slot
-    /// at the end.
-    fn copy_slot(
+    /// Steps 1 and 2: the source hands the slots over, the destination writes them
+    /// durably. Their parked reserves are kept in `parked` for whichever shard owns the
+    /// slots at the end.
+    fn copy_slots(
         &self,
-        step: SlotMove,
+        step: &SlotMove,
         source: &ShardHandle,
         destination: &ShardHandle,
         parked: &mut Parked,
@@ -374,7 +313,8 @@ impl Engine {
         let failed = |shard: u32| move |source: Error| ResizeError::Shard { shard, source };
         let gone = |shard: u32| not_running(shard, "the shard stopped");
         let (reply, handover) = crossbeam_channel::bounded(1);
-        source.data.send(Mail::MoveOut(MoveOut { slot: step.slot, reply })).map_err(|_| gone(step.from))?;
+        let move_out = MoveOut { slots: step.slots.clone(), reply };
+        source.data.send(Mail::MoveOut(move_out)).map_err(|_| gone(step.from))?;
         let mut handover = handover.recv().map_err(|_| gone(step.from))?.map_err(failed(step.from))?;
         *parked = handover.take_parked();
         stop_point(&self.inner)?;
@@ -383,10 +323,13 @@ impl Engine {
         written.recv().map_err(|_| gone(step.to))?.map_err(failed(step.to))
     }
 
-    /// Step 3: the map with the slot at its destination, durable before it is returned.
-    fn flip(&self, step: SlotMove) -> Result<SlotMap, ResizeError> {
+    /// Step 3: the map with the slots at their destination, durable before it is
+    /// returned.
+    fn flip(&self, step: &SlotMove) -> Result<SlotMap, ResizeError> {
         let mut map = self.inner.table().map.clone();
-        map.set_owner(step.slot, step.to);
+        for slot in step.slots.iter() {
+            map.set_owner(slot, step.to);
+        }
         map.version += 1;
         slots::write(&*self.inner.cx.files, &self.inner.cx.config.data_dir, &map)?;
         Ok(map)
@@ -408,13 +351,14 @@ impl Engine {
         match slots::write(&*inner.cx.files, &inner.cx.config.data_dir, &old) {
             Ok(()) => {
                 inner.table_mut().map.version = old.version;
+                let slots = step.slots.clone();
                 self.end_move(step, None, parked);
-                let _ = destination.control.send(Control::DropSlot(step.slot));
+                let _ = destination.control.send(Control::DropSlot(slots));
             }
             Err(again) => {
-                tracing::error!(slot = step.slot, %error, %again, "the slot map could not be written; the slot answers unavailable until a restart");
+                tracing::error!(slots = %step.slots, %error, %again, "the slot map could not be written; the slots answer unavailable until a restart");
                 let stuck = ResizeError::SlotStuck {
-                    slot: step.slot,
+                    slots: step.slots.clone(),
                     to: step.to,
                     reason: format!("{error}; undoing it failed too: {again}"),
                 };
@@ -459,6 +403,32 @@ impl Engine {
             hand_over(&handle, owner, Moved::Held(held));
         }
     }
+}
+
+/// The moves as steps of at most `size` slots going from one shard to another: one slot
+/// a step in the order given, or groups of the slots each pair of shards exchanges, the
+/// pairs in the order they first appear.
+fn in_groups(moves: Vec<(u32, u32, u32)>, size: usize) -> Vec<SlotMove> {
+    let one = |(slot, from, to): (u32, u32, u32)| SlotMove { slots: Slots::one(slot), from, to };
+    if size <= 1 {
+        return moves.into_iter().map(one).collect();
+    }
+    let mut pairs: Vec<((u32, u32), Vec<u32>)> = Vec::new();
+    for (slot, from, to) in moves {
+        match pairs.iter_mut().find(|(pair, _)| *pair == (from, to)) {
+            Some((_, slots)) => slots.push(slot),
+            None => pairs.push(((from, to), vec![slot])),
+        }
+    }
+    pairs
+        .into_iter()
+        .flat_map(|((from, to), slots)| {
+            slots
+                .chunks(size)
+                .map(|group| SlotMove { slots: Slots::of(group.to_vec()), from, to })
+                .collect::<Vec<_>>()
+        })
+        .collect()
 }
 
 /// A shard that cannot take part in a move: it stopped, or never ran.

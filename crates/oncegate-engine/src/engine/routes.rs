@@ -49,8 +49,8 @@ impl Moving {
         Error::Unavailable {
             shard: self.step.from,
             reason: format!(
-                "slot {} could not finish moving to shard {}; it answers again after a restart",
-                self.step.slot, self.step.to
+                "{} could not finish moving to shard {}; it answers again after a restart",
+                self.step.slots, self.step.to
             ),
         }
     }
@@ -63,7 +63,7 @@ impl Moving {
         let mut held = self.held();
         if held.len() >= mailbox_depth_max {
             return Err(Error::ResourceExhausted {
-                what: format!("slot {} requests held while it moves", self.step.slot),
+                what: format!("{} requests held while they move", self.step.slots),
                 limit_name: "mailbox_depth_max",
                 limit: mailbox_depth_max,
             });

@@ -154,11 +154,66 @@ impl SlotMap {
     }
 }
 
-/// A slot on its way from one shard to another (`shard/moves.rs`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Slots that move together: one for an add-shards while serving, a group for an
+/// offline reshard. Sorted, without repeats.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Slots(Arc<[u32]>);
+
+impl Slots {
+    /// One slot.
+    pub fn one(slot: u32) -> Slots {
+        Slots(Arc::from([slot]))
+    }
+
+    /// These slots, sorted.
+    pub fn of(mut slots: Vec<u32>) -> Slots {
+        slots.sort_unstable();
+        slots.dedup();
+        Slots(slots.into())
+    }
+
+    /// Whether `slot` is one of them.
+    pub fn contains(&self, slot: u32) -> bool {
+        self.0.binary_search(&slot).is_ok()
+    }
+
+    /// Whether any slot is in both.
+    pub fn overlaps(&self, other: &Slots) -> bool {
+        self.0.iter().any(|slot| other.contains(*slot))
+    }
+
+    /// The slots, ascending.
+    pub fn iter(&self) -> impl Iterator<Item = u32> + '_ {
+        self.0.iter().copied()
+    }
+
+    /// How many.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+/// `slot 17`, or `slots 17 to 9000 (256)`.
+impl std::fmt::Display for Slots {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &*self.0 {
+            [one] => write!(f, "slot {one}"),
+            [first, .., last] => write!(f, "slots {first} to {last} ({})", self.0.len()),
+            [] => f.write_str("no slot"),
+        }
+    }
+}
+
+/// Slots on their way from one shard to another (`shard/moves.rs`).
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SlotMove {
-    /// The slot.
-    pub slot: u32,
+    /// The slots.
+    pub slots: Slots,
     /// The shard that owns it until the map is flipped.
     pub from: u32,
     /// The shard that owns it after.
@@ -172,7 +227,7 @@ pub struct Owned {
     pub map: Arc<SlotMap>,
     /// The shard.
     pub shard: u32,
-    /// A slot being moved: both its shards keep its rows until the move ends, because
+    /// Slots being moved: both their shards keep their rows until the move ends, because
     /// until the map is flipped the source's rows are the truth, and after it the
     /// destination's copies are.
     pub moving: Option<SlotMove>,
@@ -182,7 +237,10 @@ impl Owned {
     /// Whether the shard keeps the rows of `slot`.
     pub fn owns(&self, slot: u32) -> bool {
         self.map.owner(slot) == self.shard
-            || self.moving.is_some_and(|m| m.slot == slot && (m.from == self.shard || m.to == self.shard))
+            || self
+                .moving
+                .as_ref()
+                .is_some_and(|m| m.slots.contains(slot) && (m.from == self.shard || m.to == self.shard))
     }
 }
 
@@ -204,7 +262,7 @@ impl LiveMap {
     /// What `shard` keeps rows of now.
     pub fn owned(&self, shard: u32) -> Owned {
         let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        Owned { map: Arc::clone(&state.0), shard, moving: state.1 }
+        Owned { map: Arc::clone(&state.0), shard, moving: state.1.clone() }
     }
 
     /// A move starts or ends (`None`).

@@ -12,6 +12,7 @@ use tokio::sync::oneshot;
 
 use crate::config::EngineConfig;
 use crate::error::Error;
+use crate::placement::slots::Slots;
 use crate::quota::{Quotas, Tally};
 use crate::store::{StoreError, Txn};
 
@@ -322,11 +323,11 @@ impl Book {
         self.queues.drain().flat_map(|(_, q)| q.waiters.into_iter().map(|w| w.reply)).collect()
     }
 
-    /// Takes out the parked reserves of the keys of `slot`, which is moving to another
+    /// Takes out the parked reserves of the keys of `slots`, which are moving to another
     /// shard: they wait there, in the same order, with the same deadlines.
-    pub fn take_parked(&mut self, slot: u32, routing: oncegate_core::route::Routing) -> Parked {
+    pub fn take_parked(&mut self, slots: &Slots, routing: oncegate_core::route::Routing) -> Parked {
         let scopes: Vec<Scope> =
-            self.queues.keys().filter(|scope| routing.slot_of(scope) == slot).cloned().collect();
+            self.queues.keys().filter(|scope| slots.contains(routing.slot_of(scope))).cloned().collect();
         let parked = scopes.into_iter().filter_map(|scope| self.queues.remove_entry(&scope)).collect();
         self.count_waiters();
         Parked(parked)

@@ -47,6 +47,7 @@ use crate::error::Error;
 use crate::faults::Faults;
 use crate::files::Files;
 use crate::placement::manifest;
+use crate::placement::slots::Slots;
 use crate::quota::Quotas;
 use crate::store::{Store, StoreError, sqlite};
 
@@ -126,7 +127,7 @@ pub(crate) enum Control {
     /// came. (Its parked reserves follow as `Moved::Adopt` once the move is over.)
     MoveIn(Handover, crossbeam_channel::Sender<Result<u64, Error>>),
     /// Delete the rows of a slot this shard no longer owns (a bounded chunk per alarm).
-    DropSlot(u32),
+    DropSlot(Slots),
 }
 
 /// What every shard of an engine shares, built once when the engine opens; the engine
@@ -213,7 +214,7 @@ pub(crate) struct Shard {
     book: Book,
     /// Rows of slots that moved away; alarms delete them in chunks.
     leaving: Vec<moves::Leaving>,
-    /// The rows of the slot this shard last handed over, until the move ends.
+    /// The rows of the slots this shard last handed over, until the move ends.
     handed: Option<moves::Leaving>,
     /// Slots moved in during this process (their earlier copies may be here).
     received: std::collections::HashSet<u32>,
@@ -429,8 +430,8 @@ impl Shard {
                 let _ = done.send(self.move_in(handover));
                 false
             }
-            Control::DropSlot(slot) => {
-                self.leave(slot);
+            Control::DropSlot(slots) => {
+                self.leave(slots);
                 false
             }
         }

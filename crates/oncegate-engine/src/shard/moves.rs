@@ -29,18 +29,19 @@ use oncegate_core::{Record, Scope};
 use super::Shard;
 use super::book::{Book, Parked};
 use crate::error::Error;
+use crate::placement::slots::Slots;
 use crate::placement::token;
 use crate::store::{MOVES_ON_POSTGRES, Meta, Store, StoreError, Txn};
 
-/// The mover's request to a source shard: hand `slot` over.
+/// The mover's request to a source shard: hand `slots` over.
 pub(crate) struct MoveOut {
-    pub slot: u32,
+    pub slots: Slots,
     pub reply: Sender<Result<Handover, Error>>,
 }
 
-/// What a source shard hands over with a slot.
+/// What a source shard hands over with its slots.
 pub(crate) struct Handover {
-    pub slot: u32,
+    pub slots: Slots,
     records: Vec<(Scope, Record)>,
     /// The source's token counter (above every token it issued) and its time.
     meta: Meta,
@@ -55,10 +56,10 @@ impl Handover {
     }
 }
 
-/// Rows of a slot that moved away, still to delete (listed once, when the move ended:
-/// nothing of the slot reaches this shard any more, so only reclaim can remove any).
+/// Rows of slots that moved away, still to delete (listed once, when the move ended:
+/// nothing of the slots reaches this shard any more, so only reclaim can remove any).
 pub(crate) struct Leaving {
-    slot: u32,
+    slots: Slots,
     rows: Vec<(u64, i64)>,
 }
 
@@ -66,7 +67,7 @@ impl Shard {
     /// Step 1, at the source: reads the slot's records and hands them over with its
     /// waiters and counters. A storage failure fails the shard and the move.
     pub(super) fn move_out(&mut self, move_out: MoveOut) {
-        let MoveOut { slot, reply } = move_out;
+        let MoveOut { slots, reply } = move_out;
         let Some(store) = self.store.as_mut() else {
             let _ = reply.send(Err(self.unavailable(self.closed_reason())));
             return;
@@ -76,7 +77,7 @@ impl Shard {
             let _ = reply.send(Err(self.unavailable(&MOVES_ON_POSTGRES.to_string())));
             return;
         };
-        let rows = own.slot_rows(slot);
+        let rows: Vec<(u64, i64)> = slots.iter().flat_map(|slot| own.slot_rows(slot)).collect();
         let read = own.begin_read(now).and_then(|txn| {
             let records = txn.records_of(&rows);
             txn.finish_read();
@@ -87,8 +88,8 @@ impl Shard {
             // A row that does not hash to where it was found fails the move, not the
             // shard: its keys are served as before, and the row is named in the log.
             Err(error @ StoreError::Corrupt(_)) => {
-                tracing::error!(shard = self.id, slot, %error, "the slot cannot move: a row of it is damaged");
-                let _ = reply.send(Err(self.unavailable(&format!("the slot cannot move: {error}"))));
+                tracing::error!(shard = self.id, %slots, %error, "the slots cannot move: a row of them is damaged");
+                let _ = reply.send(Err(self.unavailable(&format!("{slots} cannot move: {error}"))));
                 return;
             }
             Err(error) => {
@@ -97,15 +98,15 @@ impl Shard {
                 return;
             }
         };
-        // Nothing of the slot reaches this shard from now on, so these are the rows to
+        // Nothing of the slots reaches this shard from now on, so these are the rows to
         // drop when the move ends (reclaim may take some first).
-        self.handed = Some(Leaving { slot, rows });
-        let parked = self.book.take_parked(slot, self.cx.slots.routing);
+        self.handed = Some(Leaving { slots: slots.clone(), rows });
+        let parked = self.book.take_parked(&slots, self.cx.slots.routing);
         self.shared.waiters.store(self.book.waiters_len as u64, Ordering::Relaxed);
         let high_water_ms = self.guard.read(self.cx.clock.monotonic_ms());
         let meta = Meta { next_token: self.book.next_token, high_water_ms };
         // A mover that has gone drops the hand-over: its waiters hear `unavailable`.
-        let _ = reply.send(Ok(Handover { slot, records, meta, parked }));
+        let _ = reply.send(Ok(Handover { slots, records, meta, parked }));
     }
 
     /// Step 2, at the destination: writes the records, synced, with the counters raised
@@ -132,8 +133,8 @@ impl Shard {
             return Err(self.unavailable(&format!("storage failure: {error}")));
         }
         let now = self.guard.read(self.cx.clock.monotonic_ms());
-        let Handover { slot, records, .. } = handover;
-        let stale = self.stale_copies(slot);
+        let Handover { slots, records, .. } = handover;
+        let stale = self.stale_copies(&slots);
         let store = self.store.as_mut().and_then(Store::own_mut);
         let book = &mut self.book;
         let mut written = 0;
@@ -187,17 +188,23 @@ impl Shard {
         Ok(written)
     }
 
-    /// The rows of `slot` already here, which a copy of it replaces. They can only be the
-    /// copies of an earlier move of it to this shard in this process (a new process's
-    /// open deleted every row of a slot the shard did not own, but for the slot moving
-    /// to it then, which counts as received): only then is the index searched for them.
-    fn stale_copies(&mut self, slot: u32) -> Vec<(u64, i64)> {
-        let listed = self.leaving.iter().position(|leaving| leaving.slot == slot);
-        let listed = listed.map(|at| self.leaving.remove(at));
-        match (listed, self.received.insert(slot)) {
-            (None, true) => Vec::new(),
-            _ => self.store.as_ref().and_then(Store::own).map(|own| own.slot_rows(slot)).unwrap_or_default(),
+    /// The rows of `slots` already here, which a copy of them replaces. They can only be
+    /// the copies of an earlier move of them to this shard in this process (a new
+    /// process's open deleted every row of a slot the shard did not own, but for the
+    /// slots moving to it then, which count as received): only then is the index
+    /// searched for them.
+    fn stale_copies(&mut self, slots: &Slots) -> Vec<(u64, i64)> {
+        let listed = self.leaving.iter().any(|leaving| leaving.slots.overlaps(slots));
+        self.leaving.retain(|leaving| !leaving.slots.overlaps(slots));
+        let mut fresh = true;
+        for slot in slots.iter() {
+            fresh &= self.received.insert(slot);
         }
+        if !listed && fresh {
+            return Vec::new();
+        }
+        let Some(own) = self.store.as_ref().and_then(Store::own) else { return Vec::new() };
+        slots.iter().flat_map(|slot| own.slot_rows(slot)).collect()
     }
 
     /// Parks the reserves that waited on a moved slot's keys, now that this shard owns
@@ -215,24 +222,25 @@ impl Shard {
         self.shared.publish();
     }
 
-    /// The mover says `slot` left this shard (moved away, or its copy here was undone):
-    /// list its rows for the alarms to delete, unless the file is closed (its next open
-    /// deletes every row of a slot the shard does not own). Ownership is not looked up:
-    /// by the time this runs a later move may already be under way; a later move of the
-    /// slot back here comes after this on the same channel and takes the list back.
-    pub(super) fn leave(&mut self, slot: u32) {
+    /// The mover says `slots` left this shard (moved away, or their copy here was
+    /// undone): list their rows for the alarms to delete, unless the file is closed (its
+    /// next open deletes every row of a slot the shard does not own). Ownership is not
+    /// looked up: by the time this runs a later move may already be under way; a later
+    /// move of the slots back here comes after this on the same channel and takes the
+    /// list back.
+    pub(super) fn leave(&mut self, slots: Slots) {
         let handed = self.handed.take();
         let Some(own) = self.store.as_ref().and_then(Store::own) else { return };
-        // The source listed the rows when it handed the slot over; a destination whose
+        // The source listed the rows when it handed the slots over; a destination whose
         // copy is being undone lists them now.
         let rows = match handed {
-            Some(handed) if handed.slot == slot => handed.rows,
-            _ => own.slot_rows(slot),
+            Some(handed) if handed.slots == slots => handed.rows,
+            _ => slots.iter().flat_map(|slot| own.slot_rows(slot)).collect(),
         };
         // One list per slot: a slot that left twice (two undone moves) is listed once.
-        self.leaving.retain(|leaving| leaving.slot != slot);
+        self.leaving.retain(|leaving| !leaving.slots.overlaps(&slots));
         if !rows.is_empty() {
-            self.leaving.push(Leaving { slot, rows });
+            self.leaving.push(Leaving { slots, rows });
         }
     }
 

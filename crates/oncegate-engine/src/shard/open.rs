@@ -126,8 +126,8 @@ impl Shard {
         let owned = self.cx.slots.owned(self.id);
         // Opened as a moving slot's destination, the file keeps that slot's rows: they
         // are copies of an earlier attempt, which the move's copy must replace.
-        if let Some(moving) = owned.moving.filter(|m| m.to == self.id) {
-            self.received.insert(moving.slot);
+        if let Some(moving) = owned.moving.as_ref().filter(|m| m.to == self.id) {
+            self.received.extend(moving.slots.iter());
         }
         // Only the first open of the process checks the file and re-anchors the clock;
         // an in-process reopen keeps the frame, so a wall-clock step cannot age records.

@@ -375,67 +375,6 @@ impl Store {
     }
 }
 
-/// Copying a slot's rows from one shard file to another, for adding shards to a stopped directory (`engine/resize.rs`).
-impl Store {
-    /// Copies every row of `slots` from `src` into this store, replacing any rows of those
-    /// slots already here (left by a copy that was cut short), in one transaction that
-    /// also raises `meta` to cover the copied tokens and times. `meta` is this store's
-    /// counters as opened. Returns the rows copied.
-    pub(crate) fn copy_slots_from(
-        &mut self,
-        src: &Store,
-        slots: &std::collections::HashSet<u32>,
-        meta: Meta,
-    ) -> Result<u64, StoreError> {
-        let in_slots = |hash: i64| slots.contains(&route::slot_of_hash(hash_from_sql(hash)));
-        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-        delete_rows(&tx, &ids_in_slots(&tx, slots)?)?;
-        let mut counters = meta;
-        let mut copied = 0;
-        {
-            let mut read = src.conn.prepare(concat!(
-                "SELECT hash, tenant, namespace, key, reclaim_at_ms, ",
-                columns!(),
-                ", ",
-                last_event_at!(),
-                " FROM records"
-            ))?;
-            let mut insert = tx.prepare(INSERT_RECORD)?;
-            let mut rows = read.query([])?;
-            while let Some(row) = rows.next()? {
-                if !in_slots(row.get(0)?) {
-                    continue;
-                }
-                let values: Vec<rusqlite::types::Value> =
-                    (0..15).map(|c| row.get(c)).collect::<Result<_, _>>()?;
-                insert.execute(rusqlite::params_from_iter(values))?;
-                counters.cover(row.get(5)?, row.get(15)?);
-                copied += 1;
-            }
-        }
-        write_meta(&tx, counters)?;
-        tx.commit()?;
-        self.committed.set(self.committed.get().max(counters));
-        Ok(copied)
-    }
-
-    /// Deletes every row of `slots`, writing `meta` (this store's counters as opened) in
-    /// the same transaction. Returns the rows deleted.
-    pub(crate) fn delete_slots(
-        &mut self,
-        slots: &std::collections::HashSet<u32>,
-        meta: Meta,
-    ) -> Result<u64, StoreError> {
-        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-        write_meta(&tx, meta)?;
-        let ids = ids_in_slots(&tx, slots)?;
-        delete_rows(&tx, &ids)?;
-        tx.commit()?;
-        self.committed.set(self.committed.get().max(meta));
-        Ok(ids.len() as u64)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -301,22 +301,6 @@ pub(super) fn delete_rows(conn: &Connection, ids: &[i64]) -> Result<(), StoreErr
     Ok(())
 }
 
-/// The ids of the rows whose scope falls in `slots` (one pass over the table).
-pub(super) fn ids_in_slots(
-    conn: &Connection,
-    slots: &std::collections::HashSet<u32>,
-) -> Result<Vec<i64>, StoreError> {
-    let mut stmt = conn.prepare("SELECT id, hash FROM records")?;
-    let mut rows = stmt.query([])?;
-    let mut ids = Vec::new();
-    while let Some(row) = rows.next()? {
-        if slots.contains(&route::slot_of_hash(hash_from_sql(row.get(1)?))) {
-            ids.push(row.get(0)?);
-        }
-    }
-    Ok(ids)
-}
-
 /// Deletes the rows of slots the shard does not own, writing the counters first (a
 /// transaction that deletes rows writes `meta`, see `Txn::commit`).
 pub(super) fn delete_foreign(conn: &mut Connection, foreign: &[i64], meta: Meta) -> Result<(), StoreError> {
