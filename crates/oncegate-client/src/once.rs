@@ -358,8 +358,9 @@ impl<G: GateError, E> OnceError<G, E> {
 /// its grants, and options without one): the contract's default.
 const LEASE_DEFAULT: Duration = Duration::from_secs(30);
 
-/// The longest the server is asked to wait in one reserve: within every server's
-/// `wait_ms_max` (30 s by default); a longer [`OnceOptions::wait`] is several reserves.
+/// The longest the server is asked to wait in one reserve, within its default
+/// `wait_ms_max` (30 s); a longer [`OnceOptions::wait`] is several reserves, and a server
+/// configured below it (the reserve refused) is polled instead.
 const SERVER_WAIT_MAX: Duration = Duration::from_secs(5);
 
 /// `once` on every gate that can be cloned into a background release.
@@ -419,26 +420,42 @@ where
         }
     }
     let waited = Instant::now() + options.wait;
+    // Whether the server is asked to wait: one whose `wait_ms_max` is below
+    // `SERVER_WAIT_MAX` refuses the reserve, and is then polled instead.
+    let mut server_waits = true;
     loop {
         let left = waited.saturating_duration_since(Instant::now());
-        request.wait_ms = millis(left.min(SERVER_WAIT_MAX));
+        request.wait_ms = if server_waits { millis(left.min(SERVER_WAIT_MAX)) } else { 0 };
         // The lease is counted from before the reserve was sent: the server started it
         // when it decided, which may be long before the answer arrives (a wait, an fsync).
         let sent = Instant::now();
-        let reserved = gate.reserve(request.clone()).await.map_err(OnceError::Gate)?;
+        let reserved = match gate.reserve(request.clone()).await {
+            Ok(reserved) => reserved,
+            Err(error) if error.code() == Code::InvalidArgument && request.wait_ms > 0 => {
+                tracing::debug!(%error, "the server refused the wait; polling instead");
+                server_waits = false;
+                continue;
+            }
+            Err(error) => return Err(OnceError::Gate(error)),
+        };
         let key = reserved.key.as_str().to_owned();
         match reserved.reply {
             ReserveReply::Granted { token, attempt, previous, lease_ms, .. } => {
-                let lease_for = match (lease_ms, options.lease) {
-                    (0, asked) => asked.unwrap_or(LEASE_DEFAULT),
-                    (granted, _) => Duration::from_millis(granted),
+                // A server older than `lease_ms` in grants, asked for its default, leaves
+                // the lease's length unknown: it is renewed with a known one before the
+                // work starts (counted as already over), never assumed.
+                let (lease_for, valid_until) = match (lease_ms, options.lease) {
+                    (0, None) => (LEASE_DEFAULT, sent),
+                    (0, Some(asked)) => (asked, sent + asked),
+                    (granted, _) => (Duration::from_millis(granted), sent + Duration::from_millis(granted)),
                 };
-                let (renewed, valid_until) = watch::channel(sent + lease_for);
+                let (renewed, valid_until) = watch::channel(valid_until);
                 let lost = CancellationToken::new();
-                let lease = Lease { key: key.clone(), token, attempt, previous, lost, valid_until };
+                let lease =
+                    Lease { key: key.clone(), token, attempt, previous, lost: lost.clone(), valid_until };
                 let held =
                     KeyRequest { namespace: request.namespace, key, token, lease_ms: millis(lease_for) };
-                let held = Held { gate, key: Some(held), on_cancel: options.on_cancel };
+                let held = Held { gate, key: Some(held), on_cancel: options.on_cancel, lost };
                 return held.run(lease, renewed, lease_for, options.commit_retry_for, work).await;
             }
             ReserveReply::Completed { token, outcome, response, completed_at_ms, .. } => {
@@ -468,11 +485,17 @@ struct Held<G: Gate + Clone + 'static> {
     /// `Some` while the work runs.
     key: Option<KeyRequest>,
     on_cancel: OnCancel,
+    /// The lease's [`Lease::lost`].
+    lost: CancellationToken,
 }
 
 impl<G: Gate + Clone + 'static> Drop for Held<G> {
     fn drop(&mut self) {
         let Some(key) = self.key.take() else { return };
+        // The caller gave up (or the work panicked): whatever the key's fate, this
+        // attempt no longer holds it, and work that left the future must hear so before
+        // another attempt may run.
+        self.lost.cancel();
         if self.on_cancel == OnCancel::KeepUntilLeaseEnds {
             return;
         }

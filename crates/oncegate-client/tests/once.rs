@@ -535,3 +535,108 @@ async fn an_engine_opens_and_closes_from_async_code() {
     let reopened = reopened.await.expect("closed and dropped: the directory's lock was given back");
     reopened.close().await;
 }
+
+/// A caller that gives up (drops `once`) fences its work off: work that left the future
+/// hears the lease is lost at once, before another attempt may run, whatever `on_cancel`
+/// does with the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_once_tells_its_work_the_lease_is_lost() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine =
+        Engine::open(EngineConfig { data_dir: dir.path().to_owned(), ..EngineConfig::default() }).unwrap();
+    let gate = engine.gate(oncegate_core::Tenant::default_tenant());
+    for on_cancel in [OnCancel::Release, OnCancel::KeepUntilLeaseEnds] {
+        let (started, running) = tokio::sync::oneshot::channel();
+        let gate = gate.clone();
+        let attempt = tokio::spawn(async move {
+            let options = OnceOptions { on_cancel, ..OnceOptions::default() };
+            gate.once("live", format!("k-{on_cancel:?}"), options, |lease| async move {
+                // What work on a thread of its own (a blocking SDK) would watch.
+                let _ = started.send(lease.lost.clone());
+                std::future::pending::<Result<Vec<u8>, WorkError<()>>>().await
+            })
+            .await
+        });
+        let lost = running.await.unwrap();
+        assert!(!lost.is_cancelled(), "the lease holds while the work runs");
+        attempt.abort();
+        let _ = attempt.await;
+        assert!(lost.is_cancelled(), "told as the attempt was dropped ({on_cancel:?})");
+    }
+    engine.shutdown();
+}
+
+/// A server whose `wait_ms_max` is below what `once` asks it to wait refuses the wait;
+/// `once` polls instead, rather than failing every call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_waits_less_is_polled() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = EngineConfig { data_dir: dir.path().to_owned(), ..EngineConfig::default() };
+    config.limits.wait_ms_max = 1_000;
+    let engine = Engine::open(config).unwrap();
+    let gate = engine.gate(oncegate_core::Tenant::default_tenant());
+    let holder =
+        ReserveRequest { namespace: "live".into(), key: "k".into(), lease_ms: 300, ..Default::default() };
+    assert!(gate.reserve(holder).await.unwrap().granted_token().is_some());
+    let ran = gate
+        .once("live", "k", OnceOptions::default(), |lease| async move {
+            assert_eq!(lease.previous, Previous::Abandoned, "granted once the holder's lease ended");
+            Ok::<_, WorkError<()>>(b"done".to_vec())
+        })
+        .await;
+    assert_eq!(ran.unwrap(), Ran::Now(b"done".to_vec()));
+    engine.shutdown();
+}
+
+/// A gate whose grants do not say their lease's length (a server older than the field),
+/// noting the leases its heartbeats ask for.
+#[derive(Clone)]
+struct OldGrants(TenantGate, Arc<std::sync::Mutex<Vec<u64>>>);
+
+impl Gate for OldGrants {
+    type Error = oncegate_engine::Error;
+
+    fn reserve(&self, r: ReserveRequest) -> impl Future<Output = Result<Reserved, Self::Error>> + Send {
+        let gate = self.0.clone();
+        async move {
+            let mut reserved = gate.reserve(r).await?;
+            if let oncegate_core::ReserveReply::Granted { lease_ms, .. } = &mut reserved.reply {
+                *lease_ms = 0;
+            }
+            Ok(reserved)
+        }
+    }
+    fn commit(&self, r: CommitRequest) -> impl Future<Output = Result<u64, Self::Error>> + Send {
+        self.0.commit(r)
+    }
+    fn release(&self, r: KeyRequest) -> impl Future<Output = Result<(), Self::Error>> + Send {
+        self.0.release(r)
+    }
+    fn heartbeat(&self, r: KeyRequest) -> impl Future<Output = Result<Renewed, Self::Error>> + Send {
+        self.1.lock().unwrap().push(r.lease_ms);
+        self.0.heartbeat(r)
+    }
+    fn get(&self, r: KeyRequest) -> impl Future<Output = Result<oncegate_core::View, Self::Error>> + Send {
+        self.0.get(r)
+    }
+}
+
+/// Asked for the server's default by a grant that does not say how long it is, `once`
+/// never assumes a length: it renews the lease with a known one before the work runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_of_unknown_length_is_renewed_before_the_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine =
+        Engine::open(EngineConfig { data_dir: dir.path().to_owned(), ..EngineConfig::default() }).unwrap();
+    let beats = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let gate = OldGrants(engine.gate(oncegate_core::Tenant::default_tenant()), Arc::clone(&beats));
+    let seen = Arc::clone(&beats);
+    let ran = gate
+        .once("live", "k", OnceOptions::default(), |_| async move {
+            assert_eq!(*seen.lock().unwrap(), [30_000], "renewed for 30 s before the work");
+            Ok::<_, WorkError<()>>(vec![1])
+        })
+        .await;
+    assert_eq!(ran.unwrap(), Ran::Now(vec![1]));
+    engine.shutdown();
+}
