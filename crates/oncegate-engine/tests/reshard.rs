@@ -210,3 +210,27 @@ fn a_reshard_of_a_postgresql_node_s_directory_says_why_it_cannot_be() {
     let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert!(!names.iter().any(|n| n.to_string_lossy().starts_with("shard-")), "no shard created: {names:?}");
 }
+
+/// `oncegate reshard` runs on a clock that stands at the directory's last mark: however
+/// long it takes (here, the real clock is years past the test's), no lease ends and
+/// nothing expires during it, and the marks stay as the stop left them, so the next start
+/// gives leases their restart grace. It deletes the moved copies before it closes, so the
+/// next open has none to delete.
+#[test]
+fn a_reshard_takes_no_time_from_leases_and_leaves_no_copies() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let written = fill(dir.path(), &clock);
+    let done = add_shards(&config(dir.path()), 4, &mut |_, _| {}).unwrap();
+    assert_eq!(done.slots_moved, 8_192);
+    let rows: u64 = (0..4)
+        .map(|shard| {
+            let path = oncegate_engine::testing::manifest::shard_file(dir.path(), shard);
+            let conn = rusqlite::Connection::open(path).unwrap();
+            conn.query_row("SELECT count(*) FROM records", [], |row| row.get::<_, u64>(0)).unwrap()
+        })
+        .sum();
+    assert_eq!(rows, written.len() as u64, "each key's one row, the moved copies deleted");
+    let engine = open_four(dir.path(), &clock);
+    check(&engine, &written);
+}

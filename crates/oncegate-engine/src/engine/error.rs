@@ -87,7 +87,7 @@ pub enum ResizeError {
     /// the slot answers `unavailable` and no shard is added until the server restarts and
     /// reads the map from disk.
     #[error(
-        "{slots} could not finish moving to shard {to} ({reason}); restart the server, then add shards again"
+        "{slots} could not finish moving to shard {to} ({reason}); restart the server (or run the reshard again), then add shards again"
     )]
     SlotStuck {
         /// The slots.

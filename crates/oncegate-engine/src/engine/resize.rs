@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use super::error::ResizeError;
 use super::routes::{Moving, hand_over};
 use super::{Engine, Inner, ShardHandle};
-use crate::clock::{Clock, SystemClock};
+use crate::clock::Clock;
 use crate::config::{EngineConfig, SHARDS_MAX, StoreKind};
 use crate::error::Error;
 use crate::faults::Faults;
@@ -55,7 +55,7 @@ pub struct Resharded {
     pub records_moved: u64,
     /// The slot map's version at the end.
     pub map_version: u64,
-    /// How long each moved slot's requests were held (online moves only).
+    /// How long each move held its slots' requests.
     pub pauses: Option<Pauses>,
 }
 
@@ -84,20 +84,26 @@ impl Pauses {
 /// Progress: slots moved so far and in all.
 pub type Progress<'a> = &'a mut dyn FnMut(u32, u32);
 
-/// Slots an offline reshard moves at once: few moves (each is a few syncs), while the
-/// records a hand-over carries in memory stay a small part of a shard's.
-const OFFLINE_SLOTS_PER_MOVE: usize = 256;
+/// Slots an offline reshard moves at once: few moves (each is a few syncs), while a
+/// hand-over carries at most 1/128 of the records in memory (going from 1 shard to 2).
+const OFFLINE_SLOTS_PER_MOVE: usize = 64;
 
 /// Adds shards to the stopped directory of `config` (its `shards` is ignored: the
 /// directory's manifest says how many it has) until it has `to`.
+///
+/// Its engine's clock stands still at the directory's last mark (a clock that reads 0
+/// never lifts the shards' frame above their persisted marks): the reshard's own time is
+/// not the service's, so no lease ends and nothing expires while it runs, and the next
+/// server start sees the marks of the last stop and gives leases their restart grace.
 pub fn add_shards(config: &EngineConfig, to: u32, progress: Progress<'_>) -> Result<Resharded, ResizeError> {
-    add_shards_on(config, to, Arc::new(SystemClock), Arc::new(OsFiles), &Faults::default(), progress)
+    let still = Arc::new(crate::clock::ManualClock::new(0));
+    add_shards_on(config, to, still, Arc::new(OsFiles), &Faults::default(), progress)
 }
 
 /// [`add_shards`] on a clock and a files seam, with the faults a test injects
 /// (`Faults::stop_moves_after` stops it as a crash would). It opens an engine that
 /// serves nobody on the directory and runs [`Engine::add_shards`]'s mover, with groups
-/// of slots and no pacing; the engine reclaims what expired, as a server would.
+/// of slots and no pacing, then deletes the moved copies before it closes.
 pub fn add_shards_on(
     config: &EngineConfig,
     to: u32,
@@ -130,6 +136,11 @@ pub fn add_shards_on(
     let config = EngineConfig { shards, ..config.clone() };
     let engine = Engine::open_on(config, clock, faults.clone(), files)?;
     let done = engine.spread_slots(to, OFFLINE_SLOTS_PER_MOVE, Duration::ZERO, progress);
+    if done.is_ok() {
+        // Left to the alarms, the old copies would all be deleted by the next open, in
+        // one transaction before the shard serves.
+        engine.drop_moved_copies();
+    }
     engine.shutdown();
     done
 }
@@ -160,6 +171,21 @@ pub(crate) fn prepare_new_shards(
         manifest::set_shards(files, dir, manifest, to)?;
     }
     Ok(())
+}
+
+impl Engine {
+    /// Makes every shard delete the rows of slots that left it, and waits.
+    fn drop_moved_copies(&self) {
+        let shards = self.inner.handles();
+        let (done, dropped) = crossbeam_channel::bounded(shards.len());
+        let asked =
+            shards.iter().filter(|shard| shard.control.send(Control::DropLeft(done.clone())).is_ok()).count();
+        for _ in 0..asked {
+            if dropped.recv().is_err() {
+                break;
+            }
+        }
+    }
 }
 
 /// Why shards are never added to a PostgreSQL store, online or offline.

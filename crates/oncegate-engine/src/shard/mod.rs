@@ -128,6 +128,9 @@ pub(crate) enum Control {
     MoveIn(Handover, crossbeam_channel::Sender<Result<u64, Error>>),
     /// Delete the rows of a slot this shard no longer owns (a bounded chunk per alarm).
     DropSlot(Slots),
+    /// Delete every row of slots that left now, a chunk per transaction, then answer (an
+    /// offline reshard, before its engine closes).
+    DropLeft(crossbeam_channel::Sender<()>),
 }
 
 /// What every shard of an engine shares, built once when the engine opens; the engine
@@ -432,6 +435,11 @@ impl Shard {
             }
             Control::DropSlot(slots) => {
                 self.leave(slots);
+                false
+            }
+            Control::DropLeft(done) => {
+                self.drop_left();
+                let _ = done.send(());
                 false
             }
         }

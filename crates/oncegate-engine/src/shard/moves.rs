@@ -244,6 +244,22 @@ impl Shard {
         }
     }
 
+    /// Deletes every row of slots that left, a chunk (`reclaim_batch_max`) per alarm
+    /// transaction, until none is left or a chunk deletes nothing (a failed store: the
+    /// next open deletes what is left).
+    pub(super) fn drop_left(&mut self) {
+        let left = |shard: &Shard| shard.leaving.iter().map(|leaving| leaving.rows.len()).sum::<usize>();
+        let mut before = left(self);
+        while before > 0 && self.store.is_some() {
+            self.alarm(super::Alarm::Asked);
+            let after = left(self);
+            if after >= before {
+                break;
+            }
+            before = after;
+        }
+    }
+
     /// Makes `epoch` the shard's token epoch, durably, when it is above the current one
     /// (a moved slot brought tokens of a later epoch).
     fn raise_epoch(&mut self, epoch: u64) -> Result<(), StoreError> {
