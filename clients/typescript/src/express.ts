@@ -11,8 +11,19 @@
  * mount it BEFORE body parsers: it sets `req.body` (parsed JSON for a JSON content type,
  * text for `text/*`, else the bytes; see {@link IdempotencyOptions.parseBody}) and
  * `req.rawBody`, and body parsers mounted after it then skip the request. Mounted after a
- * parser, it fingerprints `req.rawBody` when the parser saved it ({@link saveRawBody}), or
- * else the parsed body re-serialized.
+ * parser, it fingerprints `req.rawBody` when the parser saved it ({@link saveRawBody});
+ * else the parsed body re-serialized, but only when the parser says it read the body
+ * (`req._body`, body-parser 1.x); a body the parser skipped (another content type) is read
+ * here; a body consumed with nothing kept to fingerprint is answered with a `500` problem
+ * naming the fix, never guessed.
+ *
+ * The handler's answer is captured (up to the larger of `bodyBytesMax` and
+ * `storedBytesMax`; past it, passed on as it comes and not stored, the key held until its
+ * lease ends). The request's `Accept-Encoding` is removed before the handler runs, so that
+ * a stored answer is never compressed; an answer that carries a `Content-Encoding` all the
+ * same is passed on unstored, the key held until its lease ends. A problem sent after the
+ * handler ran (a `504`, a lost lease) drops every header the handler set; if its headers
+ * were already sent, the connection is closed instead.
  */
 import type { IncomingMessage, OutgoingHttpHeaders, ServerResponse } from 'node:http';
 import { createHash } from 'node:crypto';
@@ -51,15 +62,20 @@ export interface IdempotencyOptions {
   keyBytesMax?: number;
   /** The most bytes of request headers a guarded request may carry; default 16 KiB. */
   headersBytesMax?: number;
-  /** The largest request body; default 1 MiB. */
+  /** The largest request body; default 1 MiB. The handler's answer is captured up to the larger of this and `storedBytesMax` (past it: passed on unstored, the key held until its lease ends). */
   bodyBytesMax?: number;
   /** How long a guarded request's body may take to arrive (`408` past it); default 10 s. */
   bodyReadTimeoutMs?: number;
-  /** The largest answer stored (format bytes included); default 60 KiB. Larger ones are passed on with a `Warning` and release the key. */
+  /** The largest answer stored (format bytes included); default 60 KiB. Larger ones (within the capture) are passed on with a `Warning` and release the key. */
   storedBytesMax?: number;
   /** How long a retry waits for the first request's answer before `409`; default 5 s. */
   waitMs?: number;
-  /** How long the handler may take (the lease is this plus 5 s, renewed meanwhile); past it `504`, the key held until its lease ends. Default 25 s. */
+  /**
+   * How long the handler may take (the lease is this plus 5 s, renewed meanwhile); past it
+   * `504`, the key held until its lease ends. Default 25 s. The lease must fit within the
+   * gate's `lease_ms_max` (1 h by default), which the middleware cannot see: a gate that
+   * refuses the lease makes every guarded request a `500` problem saying so.
+   */
   handlerTimeoutMs?: number;
   /** How long an answer is kept for replays; default 24 h. */
   ttlMs?: number;
@@ -145,15 +161,26 @@ interface Problem {
   retryAfterS?: number;
 }
 
-/** What the handler answered, captured. */
+/** What the handler answered, captured; `passed` when it outgrew the capture and went to the caller as it came. */
 interface Captured {
   status: number;
   body: Buffer;
+  passed: boolean;
 }
 
 class Unstored extends RetryableError {
   constructor(readonly warning: string | undefined) {
     super('the answer is not stored');
+  }
+}
+
+/** The handler's answer, passed on unstored with the key held until its lease ends (it ran, and a retry must not run it blindly). */
+class PassedOn extends UnknownError {
+  constructor(
+    message: string,
+    readonly warning: string | undefined,
+  ) {
+    super(message);
   }
 }
 
@@ -175,6 +202,16 @@ function sha256Hex16(parts: Buffer[]): string {
 
 function headerValues(req: IncomingMessage, name: string): string[] {
   return req.headersDistinct[name.toLowerCase()] ?? [];
+}
+
+/** Removes a request header from every view Node gives of it (`headers`, `headersDistinct`, `rawHeaders`). */
+function dropHeader(req: IncomingMessage, name: string): void {
+  delete req.headers[name];
+  delete req.headersDistinct[name];
+  const raw = req.rawHeaders;
+  for (let i = raw.length - 2; i >= 0; i -= 2) {
+    if (raw[i]?.toLowerCase() === name) raw.splice(i, 2);
+  }
 }
 
 /** A JSON pointer's value (RFC 6901), or `undefined`. */
@@ -243,32 +280,56 @@ function readBody(req: IncomingMessage, limit: number, timeoutMs: number): Promi
 }
 
 /**
- * Captures what the handler answers instead of sending it: `writeHead`, `write` and `end`
- * are held until {@link send}, which sends through the real ones. Writes after the capture
- * ended (a handler that outlived its timeout) are dropped.
+ * Captures what the handler answers instead of sending it: `writeHead`, `flushHeaders`,
+ * `write` and `end` are held until {@link send}, which sends through the real ones. An
+ * answer that grows past `limit` bytes is passed on instead: `onPass` marks it, what was
+ * held is written, and the rest goes out as the handler writes it. Writes after the
+ * capture ended (a handler that outlived its timeout) are dropped.
  */
 class Capture {
-  private mode: 'capturing' | 'ended' | 'sending' = 'capturing';
+  private mode: 'capturing' | 'passing' | 'ended' | 'sending' = 'capturing';
   private readonly chunks: Buffer[] = [];
+  private size = 0;
   /** The captured body, once the handler ended its answer. */
   body: Buffer = Buffer.alloc(0);
   private settle: (captured: Captured) => void = () => undefined;
+  /** Settles when the handler ends its answer (captured, or passed on). */
   readonly done: Promise<Captured>;
-  private readonly original: Pick<ServerResponse, 'writeHead' | 'write' | 'end'>;
+  private readonly original: Pick<ServerResponse, 'writeHead' | 'write' | 'end' | 'flushHeaders'>;
+  /** The response's headers and status before the handler ran. */
+  private readonly before: { headers: OutgoingHttpHeaders; status: number; message: string };
 
-  constructor(private readonly res: ServerResponse) {
+  constructor(
+    private readonly res: ServerResponse,
+    private readonly limit: number,
+    private readonly onPass: (res: ServerResponse) => void,
+  ) {
     this.done = new Promise((resolve) => {
       this.settle = resolve;
     });
-    this.original = { writeHead: res.writeHead, write: res.write, end: res.end };
+    this.original = { writeHead: res.writeHead, write: res.write, end: res.end, flushHeaders: res.flushHeaders };
+    this.before = { headers: res.getHeaders(), status: res.statusCode, message: res.statusMessage };
     const capture = this;
     const chunk = (data: unknown, encoding: unknown): Buffer | undefined => {
       if (data === undefined || data === null || typeof data === 'function') return undefined;
       if (typeof data === 'string') return Buffer.from(data, typeof encoding === 'string' ? (encoding as BufferEncoding) : 'utf8');
       return Buffer.from(data as Uint8Array);
     };
+    /** Takes a chunk of the handler's; `false` when it passes the limit (the answer is then passed on). */
+    const take = (res: ServerResponse, bytes: Buffer | undefined): boolean => {
+      if (bytes === undefined) return true;
+      if (capture.size + bytes.length > capture.limit) {
+        capture.pass(res);
+        return false;
+      }
+      capture.size += bytes.length;
+      capture.chunks.push(bytes);
+      return true;
+    };
     res.writeHead = function writeHead(this: ServerResponse, ...args: unknown[]) {
-      if (capture.mode === 'sending') return (capture.original.writeHead as (...a: unknown[]) => ServerResponse).apply(this, args);
+      if (capture.mode === 'sending' || (capture.mode === 'passing' && !this.headersSent)) {
+        return (capture.original.writeHead as (...a: unknown[]) => ServerResponse).apply(this, args);
+      }
       if (capture.mode === 'capturing') {
         const [status, reason, headers] = args as [number, unknown, unknown];
         this.statusCode = status;
@@ -285,24 +346,35 @@ class Capture {
       }
       return this;
     } as ServerResponse['writeHead'];
+    res.flushHeaders = function flushHeaders(this: ServerResponse) {
+      // Held: the headers go out with the answer, or not at all.
+      if (capture.mode === 'sending' || capture.mode === 'passing') capture.original.flushHeaders.call(this);
+    };
     res.write = function write(this: ServerResponse, data: unknown, encoding?: unknown, callback?: unknown) {
-      if (capture.mode === 'sending') return (capture.original.write as (...a: unknown[]) => boolean).call(this, data, encoding, callback);
-      if (capture.mode === 'capturing') {
-        const bytes = chunk(data, encoding);
-        if (bytes !== undefined) capture.chunks.push(bytes);
+      if (capture.mode === 'sending' || capture.mode === 'passing') return (capture.original.write as (...a: unknown[]) => boolean).call(this, data, encoding, callback);
+      if (capture.mode === 'capturing' && !take(this, chunk(data, encoding))) {
+        return (capture.original.write as (...a: unknown[]) => boolean).call(this, data, encoding, callback);
       }
       const cb = typeof encoding === 'function' ? encoding : callback;
       if (typeof cb === 'function') process.nextTick(cb as () => void);
       return true;
     } as ServerResponse['write'];
     res.end = function end(this: ServerResponse, data?: unknown, encoding?: unknown, callback?: unknown) {
-      if (capture.mode === 'sending') return (capture.original.end as (...a: unknown[]) => ServerResponse).call(this, data, encoding, callback);
-      if (capture.mode === 'capturing') {
-        const bytes = chunk(data, encoding);
-        if (bytes !== undefined) capture.chunks.push(bytes);
+      if (capture.mode === 'capturing' && !take(this, chunk(data, encoding))) {
+        // Passed on from here: the rest goes out with the end.
+      } else if (capture.mode === 'capturing') {
         capture.mode = 'ended';
         capture.body = Buffer.concat(capture.chunks);
-        capture.settle({ status: this.statusCode, body: capture.body });
+        capture.settle({ status: this.statusCode, body: capture.body, passed: false });
+        const cb = [data, encoding, callback].find((f) => typeof f === 'function');
+        if (typeof cb === 'function') process.nextTick(cb as () => void);
+        return this;
+      }
+      if (capture.mode === 'passing') {
+        capture.settle({ status: this.statusCode, body: Buffer.alloc(0), passed: true });
+      }
+      if (capture.mode === 'sending' || capture.mode === 'passing') {
+        return (capture.original.end as (...a: unknown[]) => ServerResponse).call(this, data, encoding, callback);
       }
       const cb = [data, encoding, callback].find((f) => typeof f === 'function');
       if (typeof cb === 'function') process.nextTick(cb as () => void);
@@ -310,7 +382,21 @@ class Capture {
     } as ServerResponse['end'];
   }
 
-  /** Sends an answer for real (the capture ends: later handler writes are dropped). */
+  /** Whether the answer outgrew the capture and is going to the caller as the handler writes it. */
+  get passing(): boolean {
+    return this.mode === 'passing';
+  }
+
+  /** Starts passing the answer on: marks it, and writes what was held. */
+  private pass(res: ServerResponse): void {
+    this.mode = 'passing';
+    this.onPass(res);
+    const held = this.chunks.splice(0);
+    this.size = 0;
+    for (const bytes of held) (this.original.write as (...a: unknown[]) => boolean).call(res, bytes);
+  }
+
+  /** Sends the handler's own answer, as it made it (the capture ends: later handler writes are dropped). */
   send(write: (res: ServerResponse) => void): void {
     this.mode = 'sending';
     try {
@@ -318,6 +404,30 @@ class Capture {
     } finally {
       this.mode = 'ended';
     }
+  }
+
+  /**
+   * Sends an answer of the middleware's own (a problem, a replay) instead of the handler's:
+   * every header the handler set is removed first (its `Content-Length`, `ETag`,
+   * `Set-Cookie`, `Location`...); if the handler's headers already went out, the
+   * connection is closed instead, rather than a second answer written after them.
+   */
+  replace(write: (res: ServerResponse) => void): void {
+    const res = this.res;
+    if (res.headersSent) {
+      this.mode = 'ended';
+      res.destroy();
+      return;
+    }
+    for (const name of res.getHeaderNames()) {
+      if (!Object.hasOwn(this.before.headers, name)) res.removeHeader(name);
+    }
+    for (const [name, value] of Object.entries(this.before.headers)) {
+      if (value !== undefined) res.setHeader(name, value);
+    }
+    res.statusCode = this.before.status;
+    res.statusMessage = this.before.message;
+    this.send(write);
   }
 }
 
@@ -339,6 +449,8 @@ export function idempotency(options: IdempotencyOptions): (req: IncomingMessage,
     bodyBytesMax: options.bodyBytesMax ?? 1 << 20,
     bodyReadTimeoutMs: options.bodyReadTimeoutMs ?? 10_000,
     storedBytesMax: options.storedBytesMax ?? 60 * 1024,
+    // The largest answer captured, as the proxy reads it (`body_bytes_max.max(stored_bytes_max)`).
+    answerBytesMax: Math.max(options.bodyBytesMax ?? 1 << 20, options.storedBytesMax ?? 60 * 1024),
     waitMs: options.waitMs ?? 5_000,
     handlerTimeoutMs: options.handlerTimeoutMs ?? 25_000,
     ttlMs: options.ttlMs ?? 86_400_000,
@@ -442,8 +554,18 @@ export function idempotency(options: IdempotencyOptions): (req: IncomingMessage,
 
     let body: Buffer;
     if (req.rawBody !== undefined) body = req.rawBody;
-    else if (req.readableEnded || req._body === true || req.body !== undefined) body = parsedBodyBytes(req.body);
-    else {
+    // A parser that read the body says so (body-parser 1.x); one that skipped it (another
+    // content type) leaves `req.body` as `{}` all the same, so the body is read here.
+    else if (req._body === true) body = parsedBodyBytes(req.body);
+    else if (req.readableEnded || req.readableDidRead) {
+      return sendProblem(res, {
+        status: 500,
+        title: 'Idempotency middleware misplaced',
+        code: 'unavailable',
+        detail:
+          'the request body was read before the idempotency middleware, and nothing kept it to fingerprint: mount idempotency() before body parsers, or give the parser verify: saveRawBody so that req.rawBody holds the body as written',
+      });
+    } else {
       const read = await readBody(req, config.bodyBytesMax, config.bodyReadTimeoutMs);
       if (read === 'too_large') {
         return sendProblem(res, { status: 413, title: 'Request body too large', code: 'invalid_argument', detail: `the body passes body_bytes_max (${config.bodyBytesMax} bytes)` });
@@ -468,8 +590,15 @@ export function idempotency(options: IdempotencyOptions): (req: IncomingMessage,
     }
     const fingerprint = requestFingerprint(method, target, headers, body);
 
-    const capture = new Capture(res);
+    const tooLarge = '299 - "answer too large to store; a retry may run again"';
+    const capture = new Capture(res, config.answerBytesMax, (out) => {
+      out.appendHeader('warning', tooLarge);
+      if (config.link !== undefined) out.appendHeader('link', config.link);
+    });
     const work = async (lease: Lease): Promise<Buffer> => {
+      // The answer is stored as it comes: asked for unencoded, so that a replay needs no
+      // encoding header to be read.
+      dropHeader(req, 'accept-encoding');
       req.headers['oncegate-token'] = lease.token.toString();
       req.headers['oncegate-attempt'] = String(lease.attempt);
       if (lease.previous === 'abandoned') req.headers['oncegate-previous'] = 'abandoned';
@@ -495,10 +624,17 @@ export function idempotency(options: IdempotencyOptions): (req: IncomingMessage,
       try {
         next();
         const captured = await Promise.race([capture.done, timedOut]);
+        // The handler ran: an answer that cannot be kept holds the key, never releases it.
+        if (captured.passed) throw new PassedOn(`the answer passes ${config.answerBytesMax} bytes; it was passed on unstored`, undefined);
         const storable = config.storedStatuses.stores(captured.status) && !softFailure(captured.body);
+        // A stored answer is replayed without its Content-Encoding: an encoded one is not stored.
+        const encoding = res.getHeader('content-encoding');
+        if (storable && encoding !== undefined && String(encoding).trim().toLowerCase() !== 'identity') {
+          throw new PassedOn(`the answer is encoded (Content-Encoding: ${String(encoding)}); it was passed on unstored`, '299 - "encoded answer not stored; a retry may run again"');
+        }
         const bytes = encodeStored(storedAnswer(res, captured));
         if (storable && bytes.length <= config.storedBytesMax) return bytes;
-        throw new Unstored(storable ? '299 - "answer too large to store; a retry may run again"' : undefined);
+        throw new Unstored(storable ? tooLarge : undefined);
       } finally {
         clearTimeout(timer);
       }
@@ -517,9 +653,9 @@ export function idempotency(options: IdempotencyOptions): (req: IncomingMessage,
       if (!result.replayed) return sendCaptured();
       const stored = decodeStored(result.response);
       if (stored === undefined) {
-        return capture.send((out) => sendProblem(out, { status: 502, title: 'Bad gateway', code: 'unavailable', detail: 'the stored answer is in a format this middleware does not read' }));
+        return capture.replace((out) => sendProblem(out, { status: 502, title: 'Bad gateway', code: 'unavailable', detail: 'the stored answer is in a format this middleware does not read' }));
       }
-      return capture.send((out) => {
+      return capture.replace((out) => {
         out.statusCode = stored.status;
         const byName = new Map<string, string[]>();
         for (const [name, value] of stored.headers) byName.set(name, [...(byName.get(name) ?? []), value]);
@@ -529,12 +665,17 @@ export function idempotency(options: IdempotencyOptions): (req: IncomingMessage,
         out.end(stored.body);
       });
     } catch (error) {
+      if (error instanceof OnceError && error.kind === 'unknown' && error.cause instanceof PassedOn) {
+        // Passing on already (the handler sends the rest), or to be passed on unstored.
+        if (capture.passing) return;
+        return sendCaptured(error.cause.warning);
+      }
       if (error instanceof OnceError && (error.kind === 'unconfirmed' || (error.kind === 'retryable' && error.cause instanceof Unstored))) {
         // The handler answered; only storing it failed, or it is not to be stored.
         const warning = error.kind === 'unconfirmed' ? '299 - "answer may not be stored; a retry may run again"' : (error.cause as Unstored).warning;
         return sendCaptured(warning);
       }
-      capture.send((out) => refused(out, error));
+      capture.replace((out) => refused(out, error));
     }
   };
 
@@ -567,6 +708,14 @@ export function idempotency(options: IdempotencyOptions): (req: IncomingMessage,
       });
     }
     if (error instanceof GateError) {
+      if (error.code === 'invalid_argument' && error.field === 'lease_ms') {
+        return sendProblem(res, {
+          status: 500,
+          title: 'Idempotency middleware misconfigured',
+          code: 'unavailable',
+          detail: `the gate refused the lease of handlerTimeoutMs + ${LEASE_MARGIN_MS} ms (${config.handlerTimeoutMs + LEASE_MARGIN_MS} ms): keep it within the server's lease_ms_max (${error.message})`,
+        });
+      }
       if (error.code === 'invalid_argument') return sendProblem(res, { status: 400, title: 'Request refused', code: 'invalid_argument', detail: error.message });
       if (error.code === 'resource_exhausted') {
         return sendProblem(res, { status: 429, title: 'Too many requests', code: 'resource_exhausted', detail: error.message, retryAfterS: 1 });

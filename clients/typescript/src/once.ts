@@ -10,7 +10,9 @@
  * {@link RetryableError}; leave the lease to lapse on an {@link UnknownError} (or any other
  * error, or a process that dies), so that the next attempt is granted with
  * `previous = 'abandoned'` and can check for a side effect. A completed key replays what
- * the first attempt stored: a success is returned, a stored failure is thrown.
+ * the first attempt stored: a success is returned, a stored failure is thrown. Every end of
+ * the attempt but a committed success aborts `lease.signal`, before the key can be granted
+ * to another attempt, so that work outside the promise hears it no longer holds the key.
  */
 import type { Client } from './client';
 import { FinalError, GateError, OnceError, RetryableError, toBytes } from './errors';
@@ -19,17 +21,22 @@ import { DEFAULT_RETRY, retryPause, sleep } from './retry';
 import type { Granted, KeySpec, Outcome, Previous } from './types';
 
 /**
- * The lease's length assumed when the grant does not say it (a server older than
- * `Granted.lease_ms`) and the options leave it unset: the contract's default. An unset
- * `leaseMs` sends 0, so the server's `lease_ms_default` applies.
+ * The lease asked for when the grant does not say how long it is (a server older than
+ * `Granted.lease_ms`) and the options leave it unset: the lease is then renewed with a
+ * heartbeat asking for this explicitly, before the work starts (its length is never
+ * assumed). An unset `leaseMs` sends 0, so the server's `lease_ms_default` applies.
  */
 export const LEASE_DEFAULT_MS = 30_000;
 /** How long `once` retries a commit that got no answer, by default (`commitRetryForMs`). */
 export const COMMIT_RETRY_FOR_DEFAULT_MS = 10_000;
 /** How long `once` waits for an attempt in flight by default. */
 export const WAIT_DEFAULT_MS = 30_000;
-/** The longest server-side wait one reserve asks for (the server's default `wait_ms_max`). */
-export const WAIT_PER_RESERVE_MAX_MS = 30_000;
+/**
+ * The longest server-side wait one reserve asks for, well within the server's default
+ * `wait_ms_max` (30 s); a longer `waitMs` is several reserves. A server configured below
+ * what is asked refuses the reserve (`invalid_argument`), and is then polled instead.
+ */
+export const WAIT_PER_RESERVE_MAX_MS = 5_000;
 
 /** How `once` reserves. Name the key with exactly one of `key`, `keyParts` or `tradeKey`. */
 export interface OnceOptions extends KeySpec {
@@ -53,6 +60,16 @@ export interface OnceOptions extends KeySpec {
    * {@link OnceError} `unconfirmed`.
    */
   commitRetryForMs?: number;
+  /**
+   * Gives `once` up. While it waits for the key (before a grant): the wait ends and `once`
+   * rejects with the signal's reason (a reserve cut off in flight may have been granted:
+   * the key is then held until its lease ends). Granted but before the work starts: the
+   * key is released and `once` rejects with the signal's reason; nothing ran. While the
+   * work runs: `once` rejects at once with an {@link OnceError} `unknown`, `lease.signal`
+   * is aborted, and the key is held until its lease ends (the work may have made its side
+   * effect), as after an {@link UnknownError}. Once the work has returned, its commit goes on.
+   */
+  signal?: AbortSignal;
 }
 
 /** The lease a work runs under. */
@@ -68,7 +85,14 @@ export interface Lease {
   readonly previous: Previous;
   /** When the lease ends unless renewed, by this client's clock (ms since the epoch); heartbeats move it. */
   readonly deadline: number;
-  /** Aborted when the lease is lost (taken over, or not renewed in time): stop, the attempt is fenced off. */
+  /**
+   * Aborted as soon as this attempt no longer holds the key, which is on every end but a
+   * committed success: the lease lost (taken over, or not renewed in time), the work's
+   * error (before the key is released or committed as failed), the caller giving up
+   * (`OnceOptions.signal`), a commit refused or not confirmed, or the lease running out
+   * while the commit is retried. Work that left the promise (a child process, a blocking
+   * call, a timer) must stop when it sees this: another attempt may be granted the key.
+   */
   readonly signal: AbortSignal;
 }
 
@@ -123,18 +147,42 @@ export async function once(client: Client, options: OnceOptions, work: (lease: L
   const leaseAsked = options.leaseMs || 0;
   const commitRetryForMs = options.commitRetryForMs ?? COMMIT_RETRY_FOR_DEFAULT_MS;
   const waitFor = options.waitMs ?? WAIT_DEFAULT_MS;
+  const gaveUp = options.signal;
   const until = performance.now() + waitFor;
+  // Whether the server is asked to wait: one whose `wait_ms_max` is below what is asked
+  // refuses the reserve, and is then polled instead.
+  let serverWaits = true;
   for (;;) {
-    const waitMs = Math.max(0, Math.min(Math.floor(until - performance.now()), WAIT_PER_RESERVE_MAX_MS));
+    gaveUp?.throwIfAborted();
+    const waitMs = serverWaits ? Math.max(0, Math.min(Math.floor(until - performance.now()), WAIT_PER_RESERVE_MAX_MS)) : 0;
     // The lease is counted from before the reserve was sent: the server started it when it
     // decided, which may be long before the answer arrives.
     const sent = performance.now();
-    const reply = await client.reserve({ ...spec, ttlMs: options.ttlMs, leaseMs: leaseAsked, fingerprint: options.fingerprint, waitMs });
+    let reply;
+    try {
+      reply = await client.reserve(
+        { ...spec, ttlMs: options.ttlMs, leaseMs: leaseAsked, fingerprint: options.fingerprint, waitMs },
+        gaveUp === undefined ? {} : { signal: gaveUp },
+      );
+    } catch (error) {
+      gaveUp?.throwIfAborted();
+      // A wait beyond the server's `wait_ms_max` is refused: poll instead (a second
+      // refusal, of a reserve that does not wait, is the caller's to see).
+      if (error instanceof GateError && error.code === 'invalid_argument' && waitMs > 0) {
+        serverWaits = false;
+        continue;
+      }
+      throw error;
+    }
     switch (reply.status) {
       case 'granted': {
-        // The granted length; a server older than the field says 0: what was asked for.
-        const leaseMs = reply.leaseMs || leaseAsked || LEASE_DEFAULT_MS;
-        return run(client, spec.namespace, reply, sent, leaseMs, commitRetryForMs, work);
+        // The granted length. A server older than the field says 0: then what was asked
+        // for; asked for nothing, the length is unknown, so the lease counts as over
+        // already and is renewed with an explicit one before the work starts.
+        const known = reply.leaseMs || leaseAsked;
+        const leaseMs = known || LEASE_DEFAULT_MS;
+        const validUntil = known > 0 ? sent + known : sent;
+        return run(client, spec.namespace, reply, validUntil, leaseMs, commitRetryForMs, gaveUp, work);
       }
       case 'completed':
         if (reply.outcome === 'succeeded') {
@@ -177,10 +225,26 @@ export async function once(client: Client, options: OnceOptions, work: (lease: L
             retryAfterMs: reply.retryAfterMs,
           });
         }
-        await sleep(Math.min(Math.max(reply.retryAfterMs, 1), left));
+        // Polling, as the server advised, within what is left of the wait.
+        await pause(Math.min(Math.max(reply.retryAfterMs, 1), left), gaveUp);
       }
     }
   }
+}
+
+/** A pause of `ms` milliseconds, cut short when `signal` is aborted. */
+function pause(ms: number, signal: AbortSignal | undefined): Promise<void> {
+  if (signal === undefined) return sleep(ms);
+  return new Promise((resolve) => {
+    if (signal.aborted) return resolve();
+    const done = (): void => {
+      clearTimeout(timer);
+      signal.removeEventListener('abort', done);
+      resolve();
+    };
+    const timer = setTimeout(done, Math.max(0, ms));
+    signal.addEventListener('abort', done, { once: true });
+  });
 }
 
 /** Whether a heartbeat's refusal means the lease is gone for good. */
@@ -205,15 +269,22 @@ class Keeper {
 
   constructor(
     private readonly beat: () => Promise<unknown>,
-    sent: number,
+    validUntil: number,
     private readonly leaseMs: number,
   ) {
     this.every = Math.max(leaseMs / 3, 1);
-    this.validUntil = sent + leaseMs;
-    this.next = sent + this.every;
+    this.validUntil = validUntil;
+    // A third of a lease after the lease was counted from.
+    this.next = validUntil - leaseMs + this.every;
     this.lost = new Promise((resolve) => {
       this.onLost = resolve;
     });
+  }
+
+  /** The lease was renewed by a heartbeat sent at `sent`. */
+  renewed(sent: number): void {
+    this.validUntil = sent + this.leaseMs;
+    this.next = sent + this.every;
   }
 
   start(): void {
@@ -251,10 +322,7 @@ class Keeper {
     this.beating = true;
     const sent = performance.now();
     this.beat().then(
-      () => {
-        this.validUntil = sent + this.leaseMs;
-        this.next = sent + this.every;
-      },
+      () => this.renewed(sent),
       (error: unknown) => {
         if (lostFor(error)) return this.lose();
         // Not renewed this time: the lease runs on until validUntil; try again within half of what is left.
@@ -268,34 +336,65 @@ class Keeper {
   }
 }
 
-type Finished = { kind: 'done'; value: WorkResult } | { kind: 'threw'; error: unknown } | { kind: 'lost' };
+type Finished = { kind: 'done'; value: WorkResult } | { kind: 'threw'; error: unknown } | { kind: 'lost' } | { kind: 'gave_up'; reason: unknown };
+
+/** A promise settled when `signal` is aborted (never without one), and how to stop listening. */
+function aborted(signal: AbortSignal | undefined): { promise: Promise<unknown>; dispose: () => void } {
+  if (signal === undefined) return { promise: new Promise(() => undefined), dispose: () => undefined };
+  let dispose = (): void => undefined;
+  const promise = new Promise<unknown>((resolve) => {
+    const onAbort = (): void => resolve(signal.reason);
+    if (signal.aborted) return onAbort();
+    signal.addEventListener('abort', onAbort, { once: true });
+    dispose = () => signal.removeEventListener('abort', onAbort);
+  });
+  return { promise, dispose };
+}
 
 async function run(
   client: Client,
   namespace: string,
   grant: Granted,
-  sent: number,
+  validUntil: number,
   leaseMs: number,
   commitRetryForMs: number,
+  gaveUp: AbortSignal | undefined,
   work: (lease: Lease) => WorkResult | Promise<WorkResult>,
 ): Promise<OnceResult> {
   const { key, token } = grant;
   const held = { namespace, key, token };
   const leaseLost = (): OnceError =>
     new OnceError({ kind: 'lease_lost', message: `lease_lost: the attempt holding token ${token} was fenced off`, key, token });
-  const keeper = new Keeper(() => client.heartbeat({ ...held, leaseMs }), sent, leaseMs);
+  const controller = new AbortController();
+  /**
+   * Ends the attempt for whatever runs outside the work's promise: on every end but a
+   * committed success, before the key can be granted to another attempt (before a
+   * release, or at once when the key is left to lapse).
+   */
+  const end = (reason: unknown): void => {
+    if (!controller.signal.aborted) controller.abort(reason);
+  };
+  const keeper = new Keeper(() => client.heartbeat({ ...held, leaseMs }), validUntil, leaseMs);
   // A grant that came after its lease would have ended by this client's count (a long
-  // wait, retries) is renewed before the work starts.
+  // wait, retries), or whose lease's length is unknown (an older server), is renewed
+  // before the work starts.
   if (performance.now() >= keeper.validUntil) {
     const renewedAt = performance.now();
     try {
       await client.heartbeat({ ...held, leaseMs });
     } catch (error) {
-      throw new OnceError({ kind: 'lease_lost', message: `the lease of token ${token} ended before the work could start`, key, token, cause: error });
+      const lost = new OnceError({ kind: 'lease_lost', message: `the lease of token ${token} ended before the work could start`, key, token, cause: error });
+      end(lost);
+      throw lost;
     }
-    keeper.validUntil = renewedAt + leaseMs;
+    keeper.renewed(renewedAt);
   }
-  const controller = new AbortController();
+  if (gaveUp?.aborted) {
+    // Nothing ran: the key is given back at once.
+    end(gaveUp.reason);
+    await client.release(held).catch(() => undefined);
+    throw gaveUp.reason;
+  }
   const lease: Lease = {
     namespace,
     key,
@@ -308,24 +407,57 @@ async function run(
     signal: controller.signal,
   };
   keeper.start();
+  const giving = aborted(gaveUp);
   const working = (async () => work(lease))();
-  const finished: Finished = await Promise.race([
-    working.then(
-      (value): Finished => ({ kind: 'done', value }),
-      (error: unknown): Finished => ({ kind: 'threw', error }),
-    ),
-    keeper.lost.then((): Finished => ({ kind: 'lost' })),
-  ]);
-  keeper.stop();
+  let finished: Finished;
+  try {
+    finished = await Promise.race([
+      working.then(
+        (value): Finished => ({ kind: 'done', value }),
+        (error: unknown): Finished => ({ kind: 'threw', error }),
+      ),
+      keeper.lost.then((): Finished => ({ kind: 'lost' })),
+      giving.promise.then((reason): Finished => ({ kind: 'gave_up', reason })),
+    ]);
+  } finally {
+    keeper.stop();
+    giving.dispose();
+  }
   if (finished.kind === 'lost') {
     const error = leaseLost();
-    controller.abort(error);
+    end(error);
+    working.catch(() => undefined);
+    throw error;
+  }
+  if (finished.kind === 'gave_up') {
+    const error = new OnceError({
+      kind: 'unknown',
+      message: `given up while the work ran; the key frees when its lease ends: ${finished.reason instanceof Error ? finished.reason.message : String(finished.reason)}`,
+      key,
+      token,
+      cause: finished.reason,
+    });
+    end(error);
     working.catch(() => undefined);
     throw error;
   }
   if (finished.kind === 'done') {
     const response = toBytes(finished.value as Uint8Array | string | undefined);
-    const { expiresAtMs } = await commit(client, held, 'succeeded', response, leaseLost, commitRetryForMs);
+    // Retried, a commit may outlast the lease (no heartbeat runs meanwhile): from its end
+    // by this client's clock, another attempt may be granted the key.
+    const over = setTimeout(
+      () => end(new OnceError({ kind: 'lease_lost', message: `the lease of token ${token} ended before its commit was confirmed`, key, token })),
+      Math.max(0, keeper.validUntil - performance.now()),
+    );
+    let expiresAtMs: bigint;
+    try {
+      ({ expiresAtMs } = await commit(client, held, 'succeeded', response, leaseLost, commitRetryForMs));
+    } catch (error) {
+      end(error);
+      throw error;
+    } finally {
+      clearTimeout(over);
+    }
     return {
       replayed: false,
       outcome: 'succeeded',
@@ -340,17 +472,24 @@ async function run(
   }
   const error = finished.error;
   if (error instanceof FinalError) {
+    const failed = new OnceError({ kind: 'failed', message: `the work failed for good (committed as failed): ${error.message}`, key, token, response: error.response, cause: error });
+    end(failed);
     await commit(client, held, 'failed', error.response, leaseLost, commitRetryForMs);
-    throw new OnceError({ kind: 'failed', message: `the work failed for good (committed as failed): ${error.message}`, key, token, response: error.response, cause: error });
+    throw failed;
   }
   if (error instanceof RetryableError) {
+    const retryable = new OnceError({ kind: 'retryable', message: `the work failed and the key was released: ${error.message}`, key, token, cause: error });
+    // Told before the key is released: the next attempt may be granted right after.
+    end(retryable);
     // A release that fails changes nothing for the caller: the key is no longer this
     // attempt's, or frees when its lease ends.
     await client.release(held).catch(() => undefined);
-    throw new OnceError({ kind: 'retryable', message: `the work failed and the key was released: ${error.message}`, key, token, cause: error });
+    throw retryable;
   }
   const message = error instanceof Error ? error.message : String(error);
-  throw new OnceError({ kind: 'unknown', message: `the work's outcome is unknown; the key frees when its lease ends: ${message}`, key, token, cause: error });
+  const unknown = new OnceError({ kind: 'unknown', message: `the work's outcome is unknown; the key frees when its lease ends: ${message}`, key, token, cause: error });
+  end(unknown);
+  throw unknown;
 }
 
 /**

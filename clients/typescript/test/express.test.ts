@@ -1,12 +1,17 @@
 /** The Idempotency-Key middleware on Express, against a real server. */
 import { after, before, test } from 'node:test';
 import * as assert from 'node:assert/strict';
+import { createHash } from 'node:crypto';
 import type { AddressInfo } from 'node:net';
+import { ServerResponse } from 'node:http';
 import type { Server as HttpServer } from 'node:http';
+import * as zlib from 'node:zlib';
 import express from 'express';
+import type { Express } from 'express';
+import bodyParserV1 from 'body-parser-v1';
 import { Client } from '../src/index';
-import { idempotency } from '../src/express';
-import type { GuardedRequest } from '../src/express';
+import { idempotency, saveRawBody } from '../src/express';
+import type { GuardedRequest, IdempotencyOptions } from '../src/express';
 import { startServer, uniqueKey } from './helpers';
 import type { Server } from './helpers';
 
@@ -53,14 +58,38 @@ before(async () => {
   base = `http://127.0.0.1:${(http.address() as AddressInfo).port}`;
 });
 
+/** More apps the tests start, closed after them. */
+const others: HttpServer[] = [];
+
+/** Serves `app` on a free port; its base URL. */
+async function serve(app: Express): Promise<string> {
+  const listening = await new Promise<HttpServer>((resolve) => {
+    const started = app.listen(0, '127.0.0.1', () => resolve(started));
+  });
+  others.push(listening);
+  return `http://127.0.0.1:${(listening.address() as AddressInfo).port}`;
+}
+
+/** The middleware's options for a test's own app. */
+function options(more: Partial<IdempotencyOptions> = {}): IdempotencyOptions {
+  return { client, namespace: 'http', waitMs: 20_000, ...more };
+}
+
+/** The record key the middleware gives a POST to `path` by the default caller (`Bearer alice`). */
+function recordKey(path: string, key: string): string {
+  return `POST ${path} c:${createHash('sha256').update('Bearer alice').digest('hex').slice(0, 16)} ${key}`;
+}
+
 after(async () => {
+  for (const other of others) other.closeAllConnections();
+  await Promise.all(others.map((other) => new Promise<void>((resolve) => other.close(() => resolve()))));
   await new Promise<void>((resolve) => http.close(() => resolve()));
   client.close();
   await server.stop();
 });
 
-function post(path: string, key: string | undefined, body: unknown, headers: Record<string, string> = {}): Promise<Response> {
-  return fetch(`${base}${path}`, {
+function post(path: string, key: string | undefined, body: unknown, headers: Record<string, string> = {}, at: string = base): Promise<Response> {
+  return fetch(`${at}${path}`, {
     method: 'POST',
     headers: {
       'content-type': 'application/json',
@@ -160,4 +189,157 @@ test('callers are told apart: one caller key never answers another', async () =>
   assert.equal(bob.status, 201);
   assert.equal(bob.headers.get('idempotent-replayed'), null);
   assert.equal(runs.get(order), 2);
+});
+
+test("behind Express 4's body-parser, a body it skipped is read, never taken for {}", async () => {
+  const app = express();
+  app.use(bodyParserV1.json()); // leaves req.body = {} for a text/plain body it does not read
+  app.use(idempotency(options()));
+  let runs = 0;
+  app.post('/note', (req, res) => {
+    runs += 1;
+    res.json({ body: req.body as unknown, runs });
+  });
+  const at = await serve(app);
+  const key = uniqueKey('skipped');
+  const text = { 'content-type': 'text/plain' };
+  const first = await post('/note', key, 'first note', text, at);
+  assert.equal(first.status, 200);
+  assert.deepEqual(await first.json(), { body: 'first note', runs: 1 });
+  const other = await post('/note', key, 'another note', text, at);
+  assert.equal(other.status, 422, 'another body under the same key is another payload');
+  const again = await post('/note', key, 'first note', text, at);
+  assert.equal(again.headers.get('idempotent-replayed'), 'true');
+  // A body the parser did read (it says so with req._body) is taken as it parsed it.
+  const parsedKey = uniqueKey('parsed');
+  const parsed = await post('/note', parsedKey, { n: 1 }, {}, at);
+  assert.deepEqual(await parsed.json(), { body: { n: 1 }, runs: 2 });
+  assert.equal((await post('/note', parsedKey, { n: 2 }, {}, at)).status, 422);
+  assert.equal((await post('/note', parsedKey, { n: 1 }, {}, at)).headers.get('idempotent-replayed'), 'true');
+  assert.equal(runs, 2);
+});
+
+test('a body consumed before the middleware with nothing kept is a configuration problem, not a guess', async () => {
+  const app = express();
+  app.use(express.json()); // body-parser 2.x: reads the body, keeps no raw bytes, no req._body
+  app.use(idempotency(options()));
+  let runs = 0;
+  app.post('/note', (_req, res) => {
+    runs += 1;
+    res.send('ran');
+  });
+  const kept = express();
+  kept.use(express.json({ verify: saveRawBody }));
+  kept.use(idempotency(options()));
+  kept.post('/note', (req, res) => {
+    res.json(req.body);
+  });
+  const at = await serve(app);
+  const refused = await post('/note', uniqueKey('consumed'), { n: 1 }, {}, at);
+  assert.equal(refused.status, 500);
+  assert.equal(refused.headers.get('content-type'), 'application/problem+json');
+  const problem = (await refused.json()) as { detail: string };
+  assert.match(problem.detail, /before body parsers/);
+  assert.match(problem.detail, /saveRawBody/);
+  assert.equal(runs, 0);
+  // With verify: saveRawBody the bytes as written are fingerprinted.
+  const keptAt = await serve(kept);
+  const key = uniqueKey('raw');
+  assert.deepEqual(await (await post('/note', key, '{"n": 1}', {}, keptAt)).json(), { n: 1 });
+  assert.equal((await post('/note', key, '{"n": 2}', {}, keptAt)).status, 422);
+});
+
+test('the handler is never asked for an encoded answer, and an encoded one is not stored', async () => {
+  const app = express();
+  app.use(idempotency(options()));
+  const asked: Array<string | undefined> = [];
+  const json = JSON.stringify({ compressed: 'maybe' });
+  app.post('/gz', (req, res) => {
+    asked.push(req.headers['accept-encoding']);
+    // What a compression middleware does when the request accepts it.
+    if (/gzip/.test(req.headers['accept-encoding'] ?? '')) res.set('content-encoding', 'gzip').type('json').send(zlib.gzipSync(json));
+    else res.type('json').send(json);
+  });
+  app.post('/always-gz', (_req, res) => {
+    res.set('content-encoding', 'gzip').type('json').send(zlib.gzipSync(json));
+  });
+  const at = await serve(app);
+  const key = uniqueKey('gz');
+  const first = await post('/gz', key, {}, { 'accept-encoding': 'gzip' }, at);
+  assert.equal(await first.text(), json);
+  const replay = await post('/gz', key, {}, { 'accept-encoding': 'gzip' }, at);
+  assert.equal(replay.headers.get('idempotent-replayed'), 'true');
+  assert.equal(await replay.text(), json, 'the stored answer reads back without an encoding header');
+  assert.deepEqual(asked, [undefined]);
+
+  const encodedKey = uniqueKey('always-gz');
+  const encoded = await post('/always-gz', encodedKey, {}, {}, at);
+  assert.equal(encoded.status, 200);
+  assert.equal(await encoded.text(), json, 'passed on to the first caller as it came');
+  assert.match(encoded.headers.get('warning') ?? '', /not stored/);
+  const view = await client.get({ namespace: 'http', key: recordKey('/always-gz', encodedKey) });
+  assert.equal(view.state, 'pending', 'not stored, and held: the handler ran');
+});
+
+test('an answer past the capture limit is passed on as it comes and holds the key', async () => {
+  const app = express();
+  app.use(idempotency(options({ bodyBytesMax: 1024, storedBytesMax: 512 })));
+  const chunk = 'x'.repeat(1000);
+  app.post('/big', (_req, res) => {
+    res.status(200).type('text');
+    for (let i = 0; i < 3; i += 1) res.write(chunk);
+    res.end(chunk);
+  });
+  app.post('/mid', (_req, res) => {
+    res.type('text').send('y'.repeat(800));
+  });
+  const at = await serve(app);
+  const key = uniqueKey('big');
+  const big = await post('/big', key, {}, {}, at);
+  assert.equal(big.status, 200);
+  assert.equal(await big.text(), chunk.repeat(4));
+  assert.match(big.headers.get('warning') ?? '', /too large to store/);
+  const view = await client.get({ namespace: 'http', key: recordKey('/big', key) });
+  assert.equal(view.state, 'pending', 'the handler ran: the key is held, never released');
+  // Within the capture but too large to store: passed on, and released as before.
+  const midKey = uniqueKey('mid');
+  const mid = await post('/mid', midKey, {}, {}, at);
+  assert.equal((await mid.text()).length, 800);
+  assert.match(mid.headers.get('warning') ?? '', /too large to store/);
+  assert.equal((await client.get({ namespace: 'http', key: recordKey('/mid', midKey) })).state, 'free');
+});
+
+test("a 504 drops the handler's headers, and the handler's signal is aborted before it is sent", async () => {
+  const app = express();
+  app.use(idempotency(options({ handlerTimeoutMs: 300 })));
+  let abortedBeforeAnswer: boolean | undefined;
+  let answered = false;
+  app.post('/slow', async (req, res) => {
+    res.status(201).set('etag', '"v1"').set('content-length', '5').location('/made/1').cookie('session', 'first');
+    const signal = (req as GuardedRequest).oncegate?.signal;
+    assert.ok(signal !== undefined);
+    await new Promise((resolve) => signal.addEventListener('abort', resolve));
+    abortedBeforeAnswer = !answered;
+    res.end('late!');
+  });
+  app.post('/sent', async (req, res) => {
+    // Headers gone out behind the middleware's back: a problem cannot follow them.
+    ServerResponse.prototype.writeHead.call(res, 200, { 'content-type': 'text/plain' });
+    (ServerResponse.prototype.write as (this: ServerResponse, chunk: string) => boolean).call(res, 'partial');
+    const signal = (req as GuardedRequest).oncegate?.signal;
+    await new Promise((resolve) => signal?.addEventListener('abort', resolve));
+  });
+  const at = await serve(app);
+  const slow = await post('/slow', uniqueKey('slow'), {}, {}, at);
+  answered = true;
+  assert.equal(slow.status, 504);
+  assert.equal(abortedBeforeAnswer, true, 'the handler was told before the 504 went out');
+  assert.equal(slow.headers.get('content-type'), 'application/problem+json');
+  for (const name of ['etag', 'location', 'set-cookie']) assert.equal(slow.headers.get(name), null, name);
+  const problem = (await slow.json()) as { status: number; code: string };
+  assert.equal(problem.status, 504);
+
+  const sent = await post('/sent', uniqueKey('sent'), {}, {}, at);
+  assert.equal(sent.status, 200);
+  await assert.rejects(sent.text(), 'the connection is closed rather than a second answer written');
 });

@@ -5,8 +5,8 @@ import { spawn } from 'node:child_process';
 import * as path from 'node:path';
 import * as readline from 'node:readline';
 import { status as GrpcStatus } from '@grpc/grpc-js';
-import { Client, FinalError, GateError, OnceError, RetryableError, TradeKey, fingerprintJson, once } from '../src/index';
-import type { Lease } from '../src/index';
+import { Client, FinalError, GateError, LEASE_DEFAULT_MS, OnceError, RetryableError, TradeKey, fingerprintJson, once } from '../src/index';
+import type { CallOptions, CommitInput, HeartbeatInput, HeldKey, Lease, Renewed, ReserveInput, Reserved } from '../src/index';
 import { startServer, uniqueKey } from './helpers';
 import type { Server } from './helpers';
 
@@ -187,8 +187,10 @@ test('a stale token is refused after a takeover', async () => {
 
 test('a commit fenced off by a newer token makes once fail with lease_lost', async () => {
   const key = uniqueKey('fenced');
+  let seen: Lease | undefined;
   await assert.rejects(
     once(client, { namespace: 'live', key, leaseMs: 200 }, async (lease) => {
+      seen = lease;
       // Another attempt takes the key over while this work runs (here: the key is given
       // up under the work's feet and reserved again), so this attempt's commit is fenced.
       await client.release({ namespace: 'live', key, token: lease.token });
@@ -200,6 +202,7 @@ test('a commit fenced off by a newer token makes once fail with lease_lost', asy
   );
   const view = await client.get({ namespace: 'live', key });
   assert.notEqual(view.state, 'completed', 'the fenced commit stored nothing');
+  assert.equal(seen?.signal.aborted, true, 'a fenced attempt is told so');
 });
 
 test('a different payload under the same key is a mismatch', async () => {
@@ -338,5 +341,190 @@ test("an unset leaseMs takes the server's lease_ms_default, and the lease follow
   } finally {
     gate.close();
     await short.stop();
+  }
+});
+
+/**
+ * The client, noting the calls `once` makes after the grant (and the abort of the lease's
+ * signal, by the test), in order; `commitFails` makes every commit fail with that error.
+ */
+class Noting extends Client {
+  readonly events: string[] = [];
+  commitFails: GateError | undefined;
+  /** Whether grants say their lease's length (a server older than the field says 0). */
+  grantsSayLease = true;
+  /** The server-side wait each reserve asked for. */
+  readonly waits: number[] = [];
+
+  override async reserve(input: ReserveInput, options?: CallOptions): Promise<Reserved> {
+    this.waits.push(input.waitMs ?? 0);
+    const reply = await super.reserve(input, options);
+    return reply.status === 'granted' && !this.grantsSayLease ? { ...reply, leaseMs: 0 } : reply;
+  }
+
+  override async heartbeat(input: HeartbeatInput, options?: CallOptions): Promise<Renewed> {
+    this.events.push(`heartbeat ${input.leaseMs ?? 0}`);
+    return super.heartbeat(input, options);
+  }
+
+  override async commit(input: CommitInput, options?: CallOptions): Promise<{ expiresAtMs: bigint }> {
+    this.events.push(`commit ${input.outcome}`);
+    if (this.commitFails !== undefined) throw this.commitFails;
+    return super.commit(input, options);
+  }
+
+  override async release(input: HeldKey, options?: CallOptions): Promise<void> {
+    this.events.push('release');
+    return super.release(input, options);
+  }
+}
+
+test('lease.signal is aborted on every end of the attempt but a committed success, before the key is given back', async () => {
+  const noting = new Noting({ address: server.address });
+  try {
+    /** Runs once with a work that notes its lease and the abort of its signal, then ends as `end` says. */
+    const attempt = async (end: (lease: Lease) => string | Promise<string>, options: { leaseMs?: number } = {}) => {
+      noting.events.length = 0;
+      let seen: Lease | undefined;
+      const settled = await once(noting, { namespace: 'live', key: uniqueKey('ends'), ...options }, (lease) => {
+        seen = lease;
+        lease.signal.addEventListener('abort', () => noting.events.push('aborted'));
+        return end(lease);
+      }).then(
+        (result) => result,
+        (error: unknown) => error,
+      );
+      assert.ok(seen !== undefined, 'the work ran');
+      return { settled, lease: seen, events: [...noting.events] };
+    };
+
+    const succeeded = await attempt(() => 'fine');
+    assert.equal(succeeded.lease.signal.aborted, false, 'a committed success is not aborted');
+    assert.deepEqual(succeeded.events, ['commit succeeded']);
+
+    const unknown = await attempt(() => {
+      throw new Error('the exchange timed out');
+    });
+    assert.ok(unknown.settled instanceof OnceError && unknown.settled.kind === 'unknown');
+    assert.equal(unknown.lease.signal.aborted, true);
+    assert.equal(unknown.lease.signal.reason, unknown.settled);
+    assert.deepEqual(unknown.events, ['aborted']);
+
+    // Told before the release: the next attempt may be granted right after it.
+    const retryable = await attempt(() => {
+      throw new RetryableError('the exchange is down');
+    });
+    assert.ok(retryable.settled instanceof OnceError && retryable.settled.kind === 'retryable');
+    assert.deepEqual(retryable.events, ['aborted', 'release']);
+
+    const failed = await attempt(() => {
+      throw new FinalError('declined', { response: 'no' });
+    });
+    assert.ok(failed.settled instanceof OnceError && failed.settled.kind === 'failed');
+    assert.deepEqual(failed.events, ['aborted', 'commit failed']);
+
+    noting.commitFails = new GateError({ code: 'invalid_argument', grpcCode: GrpcStatus.INVALID_ARGUMENT, message: 'refused' });
+    const unconfirmed = await attempt(() => 'ran');
+    assert.ok(unconfirmed.settled instanceof OnceError && unconfirmed.settled.kind === 'unconfirmed');
+    assert.equal(unconfirmed.lease.signal.reason, unconfirmed.settled);
+    assert.deepEqual(unconfirmed.events, ['commit succeeded', 'aborted']);
+    noting.commitFails = undefined;
+  } finally {
+    noting.close();
+  }
+});
+
+// The timeout only stops a client that ignores the caller's signal from hanging the run.
+test('a caller that gives up ends the attempt: lease.signal is aborted and the key is held until its lease ends', { timeout: 20_000 }, async () => {
+  const key = uniqueKey('gave-up');
+  const caller = new AbortController();
+  let started!: (lease: Lease) => void;
+  const running = new Promise<Lease>((resolve) => {
+    started = resolve;
+  });
+  let stopped: Promise<string> | undefined;
+  const given = once(client, { namespace: 'live', key, signal: caller.signal }, (lease) => {
+    started(lease);
+    // Work outside the promise stops when the signal tells it to.
+    stopped = new Promise<string>((resolve) => lease.signal.addEventListener('abort', () => resolve('stopped')));
+    return stopped;
+  });
+  const seen = await running;
+  caller.abort(new Error('the caller went away'));
+  const error = await given.then(
+    () => assert.fail('resolved after the caller gave up'),
+    (e: unknown) => e,
+  );
+  assert.ok(error instanceof OnceError);
+  assert.equal(error.kind, 'unknown');
+  assert.equal(seen.signal.aborted, true);
+  assert.equal(seen.signal.reason, error);
+  assert.equal(await stopped, 'stopped');
+  const view = await client.get({ namespace: 'live', key });
+  assert.equal(view.state, 'pending', 'held, neither released nor committed');
+
+  // Given up before the grant: nothing runs, and the wait ends with the signal's reason.
+  const reason = new Error('given up before');
+  await assert.rejects(
+    once(client, { namespace: 'live', key, signal: AbortSignal.abort(reason) }, () => assert.fail('ran')),
+    (e: unknown) => e === reason,
+  );
+});
+
+test("a grant that does not say its lease's length (an older server) is renewed with an explicit lease before the work starts", async () => {
+  const old = new Noting({ address: server.address });
+  try {
+    old.grantsSayLease = false;
+    const before: string[][] = [];
+    const key = uniqueKey('old-server');
+    const result = await once(old, { namespace: 'live', key }, () => {
+      before.push([...old.events]);
+      return 'ran';
+    });
+    assert.equal(result.replayed, false);
+    assert.deepEqual(before, [[`heartbeat ${LEASE_DEFAULT_MS}`]], 'the lease is renewed with 30 s before the work, never assumed');
+    // Asked for a lease, the grant's length is known: no renewal before the work.
+    old.events.length = 0;
+    await once(old, { namespace: 'live', key: uniqueKey('old-server-asked'), leaseMs: 5_000 }, () => {
+      before.push([...old.events]);
+      return 'ran';
+    });
+    assert.deepEqual(before[1], []);
+  } finally {
+    old.close();
+  }
+});
+
+test("a wait beyond the server's wait_ms_max polls instead of failing", async () => {
+  const strict = await startServer({ config: ['[engine.limits]', 'wait_ms_max = 1000', ''].join('\n') });
+  const gate = new Noting({ address: strict.address });
+  try {
+    const key = uniqueKey('wait-max');
+    const holder = await gate.reserve({ namespace: 'live', key, leaseMs: 300 });
+    assert.equal(holder.status, 'granted');
+    gate.waits.length = 0;
+    // The default wait (30 s) asks the server for more than it allows: refused, then polled
+    // until the holder's lease (never renewed) runs out.
+    const result = await once(gate, { namespace: 'live', key }, (lease) => {
+      assert.equal(lease.attempt, 2);
+      return lease.previous;
+    });
+    assert.equal(result.replayed, false);
+    assert.equal(result.previous, 'abandoned');
+    assert.equal(result.response.toString(), 'abandoned');
+    // At most 5 s asked of the server per reserve; refused, the rest is polled.
+    assert.equal(gate.waits[0], 5_000);
+    assert.ok(gate.waits.length >= 2 && gate.waits.slice(1).every((ms) => ms === 0), `${gate.waits}`);
+    // A reserve refused for another reason is refused again, and that refusal is the answer.
+    const bad = await once(gate, { namespace: 'not a namespace', key }, () => 'no').then(
+      () => assert.fail('accepted'),
+      (error: unknown) => error,
+    );
+    assert.ok(bad instanceof GateError);
+    assert.equal(bad.code, 'invalid_argument');
+    assert.equal(bad.field, 'namespace');
+  } finally {
+    gate.close();
+    await strict.stop();
   }
 });
