@@ -262,7 +262,7 @@ impl ClientBuilder {
     }
 
     /// Connects (TLS when the address is `https://`), failing if the server cannot be
-    /// reached now.
+    /// reached now; with several addresses ([`ClientBuilder::also`]) it connects lazily.
     pub async fn connect(self) -> Result<Client, ClientError> {
         if !self.also.is_empty() {
             return self.connect_lazy();
@@ -416,8 +416,9 @@ impl Client {
     }
 
     /// This client with another deadline per call (a reserve's wait is added to it), on
-    /// the same connection and session stream: for one handler's `once` within its own
-    /// budget, `client.with_timeout(budget).once(..)`.
+    /// the same connection and session stream. It bounds each call (and each of its
+    /// retries), not a whole `once`: bound that with [`crate::OnceOptions::wait`] and
+    /// [`crate::OnceOptions::commit_retry_for`], or a timeout around it.
     pub fn with_timeout(&self, timeout: Duration) -> Client {
         Client { timeout, ..self.clone() }
     }

@@ -8,7 +8,7 @@
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! # let dir = tempfile::tempdir()?;
 //! # let config = oncegate_engine::EngineConfig { data_dir: dir.path().to_owned(), ..Default::default() };
-//! // In process; `Client::builder("https://gate.internal:50051").token(..).connect()` is
+//! // In process; `Client::builder("https://gate.internal:50051").token(..).connect().await` is
 //! // the same `Gate` over the network.
 //! let engine = oncegate_engine::Engine::open(config)?;
 //! let gate = engine.gate(Tenant::default_tenant());

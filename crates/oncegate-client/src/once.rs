@@ -1,9 +1,9 @@
 //! `once`: the protocol every user of a gate needs, written once.
 //!
 //! Reserve the key. On a grant, run the work while a heartbeat keeps the lease (every
-//! third of it, concurrently with the work); commit the work's response as succeeded, or a
-//! failure the work marks as final as failed; release the key when the work fails in a
-//! way worth retrying, so that the next attempt may run. A completed key replays what the
+//! third of it, concurrently with the work); commit the work's response as succeeded, or,
+//! when the work fails for good ([`WorkError::Final`]), its failure as failed; release the
+//! key when the work fails in a way worth retrying, so that the next attempt may run. A completed key replays what the
 //! first attempt stored. A lease that cannot be kept (lost to another attempt, or not
 //! renewed before it ran out by the client's own, conservative, clock) cancels the work
 //! with `lease_lost`: the attempt is fenced off, and its side effects must be checked.
@@ -71,6 +71,12 @@ impl From<String> for OnceKey {
     }
 }
 
+impl From<&String> for OnceKey {
+    fn from(key: &String) -> OnceKey {
+        OnceKey::Key(key.clone())
+    }
+}
+
 /// How `once` reserves, waits, and commits.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OnceOptions {
@@ -133,9 +139,10 @@ pub struct Lease {
     /// Whether an attempt before this one was abandoned (its side effects may be
     /// partial: check them).
     pub previous: Previous,
-    /// Cancelled when the lease is lost (another attempt took the key, or it was not
-    /// renewed in time): work that left the future (`spawn_blocking`, a blocking SDK)
-    /// should stop when it sees this.
+    /// Cancelled when this attempt no longer holds the key: the lease was lost (another
+    /// attempt took it, or it was not renewed in time) or the caller dropped `once`. Work
+    /// that left the future (`spawn_blocking`, a blocking SDK) should stop when it sees
+    /// this.
     pub lost: CancellationToken,
     valid_until: watch::Receiver<Instant>,
 }
@@ -165,6 +172,27 @@ pub enum Replay {
     Succeeded(Stored),
     /// The first attempt failed for good ([`WorkError::Final`]).
     Failed(Stored),
+}
+
+impl Ran {
+    /// The response: the one just committed, or the one replayed (a stored failure's
+    /// too: check [`Ran::is_failure`] before treating it as a success).
+    pub fn response(&self) -> &[u8] {
+        match self {
+            Ran::Now(response) => response,
+            Ran::Replayed(replay) => &replay.stored().response,
+        }
+    }
+
+    /// Whether an earlier attempt answered (the work did not run now).
+    pub fn is_replayed(&self) -> bool {
+        matches!(self, Ran::Replayed(_))
+    }
+
+    /// Whether the answer is a stored failure ([`Replay::Failed`]).
+    pub fn is_failure(&self) -> bool {
+        matches!(self, Ran::Replayed(Replay::Failed(_)))
+    }
 }
 
 impl Replay {
@@ -225,9 +253,28 @@ impl<E> WorkError<E> {
 }
 
 /// Any error, for a work that meets errors of several types and uses `?` on them
-/// (`Result<Vec<u8>, WorkError<AnyError>>`).
+/// (`Result<Vec<u8>, WorkError<AnyError>>`). Note that `?` makes a failure
+/// [`WorkError::Unknown`] (the key is held until its lease ends); a failure known to
+/// come before any side effect says so: `.map_err(|e| WorkError::Retryable(AnyError::new(e)))?`.
 #[derive(Debug)]
 pub struct AnyError(Box<dyn std::error::Error + Send + Sync>);
+
+impl AnyError {
+    /// Boxes `error`.
+    pub fn new(error: impl std::error::Error + Send + Sync + 'static) -> AnyError {
+        AnyError(Box::new(error))
+    }
+
+    /// An error that is only a message.
+    pub fn msg(message: impl Into<String>) -> AnyError {
+        AnyError(message.into().into())
+    }
+
+    /// The boxed error, for `downcast_ref`.
+    pub fn get_ref(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        &*self.0
+    }
+}
 
 impl std::fmt::Display for AnyError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -280,9 +327,16 @@ pub enum OnceError<G, E> {
     /// could not be confirmed, frees when its lease ends).
     #[error("the work failed and the key was released")]
     Retryable(#[source] E),
-    /// The work failed for good; the failure was committed.
+    /// The work failed for good; the failure was committed with `response`, which a
+    /// retry gets as [`Replay::Failed`].
     #[error("the work failed for good (committed as failed)")]
-    Failed(#[source] E),
+    Failed {
+        /// The work's error.
+        #[source]
+        error: E,
+        /// What was stored.
+        response: Vec<u8>,
+    },
     /// The work could not tell whether its side effect happened; the key is held until
     /// its lease ends (see [`WorkError::Unknown`]).
     #[error("the work's outcome is unknown; the key frees when its lease ends")]
@@ -331,7 +385,7 @@ impl<G: GateError, E> OnceError<G, E> {
             OnceError::LeaseLost { .. } => "lease_lost",
             OnceError::Unconfirmed { .. } => "unconfirmed",
             OnceError::Retryable(_) => "work_retryable",
-            OnceError::Failed(_) => "work_failed",
+            OnceError::Failed { .. } => "work_failed",
             OnceError::Unknown(_) => "work_unknown",
         }
     }
@@ -345,7 +399,7 @@ impl<G: GateError, E> OnceError<G, E> {
         match self {
             OnceError::Gate(error) => RetryPolicy::retries(error.code()),
             OnceError::InProgress { .. } | OnceError::Retryable(_) => true,
-            OnceError::Failed(_)
+            OnceError::Failed { .. }
             | OnceError::Unknown(_)
             | OnceError::Unconfirmed { .. }
             | OnceError::LeaseLost { .. }
@@ -548,9 +602,9 @@ impl<G: Gate + Clone + 'static> Held<G> {
                 .await
                 .map(|()| Ran::Now(response)),
             Err(WorkError::Final { error, response }) => {
-                commit(&self.gate, key, Outcome::Failed, response, commit_retry_for)
+                commit(&self.gate, key, Outcome::Failed, response.clone(), commit_retry_for)
                     .await
-                    .and(Err(OnceError::Failed(error)))
+                    .and(Err(OnceError::Failed { error, response }))
             }
             Err(WorkError::Unknown(error)) => Err(OnceError::Unknown(error)),
             Err(WorkError::Retryable(error)) => {

@@ -191,7 +191,7 @@ async fn a_retryable_failure_releases_and_a_final_one_is_replayed() {
     let refused = client.once("live", "k", OnceOptions::default(), |_| async {
         Err(WorkError::Final { error: "rejected", response: b"insufficient funds".to_vec() })
     });
-    assert!(matches!(refused.await, Err(OnceError::Failed("rejected"))));
+    assert!(matches!(refused.await, Err(OnceError::Failed { error: "rejected", .. })));
     let retry =
         client.once("live", "k", OnceOptions::default(), |_| async { Ok::<_, WorkError<()>>(Vec::new()) });
     match retry.await.unwrap() {

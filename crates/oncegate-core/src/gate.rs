@@ -236,6 +236,12 @@ impl AnyGateError {
     pub fn new<E: GateError>(error: E) -> AnyGateError {
         AnyGateError { code: error.code(), source: Box::new(error) }
     }
+
+    /// The gate's own error, for `downcast_ref` (a remote client's refusal says its
+    /// field and limit there).
+    pub fn get_ref(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        &*self.source
+    }
 }
 
 impl std::fmt::Display for AnyGateError {

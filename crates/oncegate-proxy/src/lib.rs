@@ -538,7 +538,7 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
                 );
                 Ok(passed)
             }
-            OnceError::LeaseLost { .. } | OnceError::Failed(_) | _ => Err(Problem::new(
+            OnceError::LeaseLost { .. } | OnceError::Failed { .. } | _ => Err(Problem::new(
                 StatusCode::BAD_GATEWAY,
                 "Outcome unknown",
                 "lease_lost",

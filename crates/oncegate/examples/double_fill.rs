@@ -43,8 +43,14 @@ async fn handle_fill_webhook<G: GateExt>(
                 .map_err(|e| WorkError::Final { response: e.0.clone().into_bytes(), error: e })?;
             Ok(order.into_bytes())
         })
-        .await?;
+        .await;
     let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
+    let ran = match ran {
+        Ok(ran) => ran,
+        // A final failure: an error the first time, a replay after; both answer 422.
+        Err(OnceError::Failed { response, .. }) => return Ok((422, text(&response))),
+        Err(other) => return Err(other),
+    };
     Ok(match ran {
         Ran::Now(response) => (200, text(&response)),
         Ran::Replayed(Replay::Succeeded(stored)) => (200, text(&stored.response)),
