@@ -444,20 +444,8 @@ fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
 
-/// [`GateExt::once`] as a function.
-pub async fn once<G, F, Fut, E>(
-    gate: G,
-    namespace: &str,
-    key: OnceKey,
-    options: OnceOptions,
-    work: F,
-) -> Result<Ran, OnceError<G::Error, E>>
-where
-    G: Gate + Clone + 'static,
-    F: FnOnce(Lease) -> Fut + Send,
-    Fut: Future<Output = Result<Vec<u8>, WorkError<E>>> + Send,
-    E: std::fmt::Debug + Send,
-{
+/// The reserve `once` sends for `key` (its wait is set per try).
+fn reserve_request(namespace: &str, key: OnceKey, options: &OnceOptions) -> ReserveRequest {
     let mut request = ReserveRequest {
         namespace: namespace.to_owned(),
         ttl_ms: options.ttl.map_or(0, millis),
@@ -473,6 +461,24 @@ where
             request.bucket_grace_ms = millis(grace);
         }
     }
+    request
+}
+
+/// [`GateExt::once`] as a function.
+pub async fn once<G, F, Fut, E>(
+    gate: G,
+    namespace: &str,
+    key: OnceKey,
+    options: OnceOptions,
+    work: F,
+) -> Result<Ran, OnceError<G::Error, E>>
+where
+    G: Gate + Clone + 'static,
+    F: FnOnce(Lease) -> Fut + Send,
+    Fut: Future<Output = Result<Vec<u8>, WorkError<E>>> + Send,
+    E: std::fmt::Debug + Send,
+{
+    let mut request = reserve_request(namespace, key, &options);
     let waited = Instant::now() + options.wait;
     // Whether the server is asked to wait: one whose `wait_ms_max` is below
     // `SERVER_WAIT_MAX` refuses the reserve, and is then polled instead.
