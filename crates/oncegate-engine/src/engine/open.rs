@@ -59,8 +59,20 @@ impl Engine {
         faults: Faults,
         files: Arc<dyn files::Files>,
     ) -> Result<Engine, OpenError> {
-        config.check().map_err(OpenError::Config)?;
         let lock = manifest::lock(&*files, &config.data_dir)?;
+        Engine::open_locked(config, clock, faults, files, lock)
+    }
+
+    /// [`Engine::open_on`] with the directory's lock already held (an offline reshard
+    /// checks the directory under it first, so nothing changes between the two).
+    pub(crate) fn open_locked(
+        config: EngineConfig,
+        clock: Arc<dyn Clock>,
+        faults: Faults,
+        files: Arc<dyn files::Files>,
+        lock: files::LockGuard,
+    ) -> Result<Engine, OpenError> {
+        config.check().map_err(OpenError::Config)?;
         manifest::check_store_kind(&*files, &config)?;
         let Placement { map, shards, routing, postgres } = place(&config, &*files, &clock)?;
         // The one wall-clock reading of the process: every shard's frame, and the frame of

@@ -112,29 +112,27 @@ pub fn add_shards_on(
     faults: &Faults,
     progress: Progress<'_>,
 ) -> Result<Resharded, ResizeError> {
-    let shards = {
-        let _lock = manifest::lock(&*files, &config.data_dir)?;
-        // A directory of another store (a PostgreSQL node's, the log store's) is refused
-        // before anything changes: a PostgreSQL node's directory (no manifest) hears why,
-        // whatever kind the command was given.
-        if manifest::is_node_dir(&*files, &config.data_dir)? {
-            return Err(ResizeError::Unsupported { what: NO_SLOTS_ON_POSTGRES });
-        }
-        if manifest::check_store_kind(&*files, config)? == StoreKind::Postgres {
-            return Err(ResizeError::Unsupported { what: NO_SLOTS_ON_POSTGRES });
-        }
-        let dir = &config.data_dir;
-        let manifest = manifest::read(&*files, dir)?.ok_or_else(|| LayoutError::Manifest {
-            path: dir.join(manifest::MANIFEST_FILE),
-            reason: "not found: this is not a data directory".to_owned(),
-        })?;
-        manifest.shards
-    };
+    let lock = manifest::lock(&*files, &config.data_dir)?;
+    // Checked under the lock the engine then opens with. A directory of another store
+    // (a PostgreSQL node's, the log store's) is refused before anything changes: a
+    // PostgreSQL node's directory (no manifest) hears why, whatever kind it was given.
+    if manifest::is_node_dir(&*files, &config.data_dir)? {
+        return Err(ResizeError::Unsupported { what: NO_SLOTS_ON_POSTGRES });
+    }
+    if manifest::check_store_kind(&*files, config)? == StoreKind::Postgres {
+        return Err(ResizeError::Unsupported { what: NO_SLOTS_ON_POSTGRES });
+    }
+    let dir = &config.data_dir;
+    let manifest = manifest::read(&*files, dir)?.ok_or_else(|| LayoutError::Manifest {
+        path: dir.join(manifest::MANIFEST_FILE),
+        reason: "not found: this is not a data directory".to_owned(),
+    })?;
+    let shards = manifest.shards;
     if to < shards || to > SHARDS_MAX {
         return Err(ResizeError::Target { to, shards, max: SHARDS_MAX });
     }
     let config = EngineConfig { shards, ..config.clone() };
-    let engine = Engine::open_on(config, clock, faults.clone(), files)?;
+    let engine = Engine::open_locked(config, clock, faults.clone(), files, lock)?;
     let done = engine.spread_slots(to, OFFLINE_SLOTS_PER_MOVE, Duration::ZERO, progress);
     if done.is_ok() {
         // Left to the alarms, the old copies would all be deleted by the next open, in
