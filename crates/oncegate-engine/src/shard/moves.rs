@@ -77,7 +77,7 @@ impl Shard {
             let _ = reply.send(Err(self.unavailable(&MOVES_ON_POSTGRES.to_string())));
             return;
         };
-        let rows: Vec<(u64, i64)> = slots.iter().flat_map(|slot| own.slot_rows(slot)).collect();
+        let rows = own.slot_rows(&slots);
         let read = own.begin_read(now).and_then(|txn| {
             let records = txn.records_of(&rows);
             txn.finish_read();
@@ -204,7 +204,7 @@ impl Shard {
             return Vec::new();
         }
         let Some(own) = self.store.as_ref().and_then(Store::own) else { return Vec::new() };
-        slots.iter().flat_map(|slot| own.slot_rows(slot)).collect()
+        own.slot_rows(slots)
     }
 
     /// Parks the reserves that waited on a moved slot's keys, now that this shard owns
@@ -235,7 +235,7 @@ impl Shard {
         // copy is being undone lists them now.
         let rows = match handed {
             Some(handed) if handed.slots == slots => handed.rows,
-            _ => slots.iter().flat_map(|slot| own.slot_rows(slot)).collect(),
+            _ => own.slot_rows(&slots),
         };
         // One list per slot: a slot that left twice (two undone moves) is listed once.
         self.leaving.retain(|leaving| !leaving.slots.overlaps(&slots));

@@ -292,9 +292,10 @@ impl Store {
         Ok(())
     }
 
-    /// The (hash, row id) of every row of `slot` (one pass over the in-memory index).
-    pub fn slot_rows(&self, slot: u32) -> Vec<(u64, i64)> {
-        self.index.iter().filter(|(hash, _)| route::slot_of_hash(*hash) == slot).collect()
+    /// The (hash, row id) of every row of `slots` (one pass over the in-memory index,
+    /// however many slots).
+    pub fn slot_rows(&self, slots: &crate::placement::slots::Slots) -> Vec<(u64, i64)> {
+        self.index.iter().filter(|(hash, _)| slots.contains(route::slot_of_hash(*hash))).collect()
     }
 
     /// Starts the batch's write transaction, with every write keeping a statement
@@ -483,14 +484,18 @@ mod tests {
         txn.put(&scope("leaving"), &granted(7, 500)).unwrap();
         txn.commit(Meta { next_token: 8, high_water_ms: 500 }).unwrap();
         let slot = route::slot_of(&scope("leaving"));
-        let listed = store.slot_rows(slot);
+        let listed = store.slot_rows(&crate::placement::slots::Slots::one(slot));
         assert_eq!(listed.len(), 1);
         // Reclaimed (here deleted) before the drop, and its id reused by another key.
         let txn = store.begin(0).unwrap();
         txn.delete(&scope("leaving")).unwrap();
         txn.put(&scope("staying"), &granted(8, 600)).unwrap();
         txn.commit(Meta { next_token: 9, high_water_ms: 600 }).unwrap();
-        assert_eq!(store.slot_rows(route::slot_of(&scope("staying")))[0].1, listed[0].1, "the id was reused");
+        assert_eq!(
+            store.slot_rows(&crate::placement::slots::Slots::one(route::slot_of(&scope("staying"))))[0].1,
+            listed[0].1,
+            "the id was reused"
+        );
         let txn = store.begin(0).unwrap();
         let removed = txn.delete_rows(&listed).unwrap();
         assert_eq!(removed.pending + removed.completed, 0);
