@@ -277,6 +277,10 @@ impl Default for LogConfig {
     }
 }
 
+/// A tenant's default `finishes_per_s` as a multiple of its `requests_per_s`: a grant's
+/// commit or release and a few heartbeats, with room to spare.
+const FINISHES_PER_REQUEST: u32 = 10;
+
 /// One tenant: its name, the SHA-256 (hex) of its bearer token (never the token), and
 /// the limits that keep it from taking what all tenants share.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -303,11 +307,12 @@ pub struct TenantConfig {
     pub requests_per_s: u32,
     /// Requests admitted at once after a quiet spell; 0 means one second's worth.
     pub requests_burst_max: u32,
-    /// Heartbeats per second (each a durable write), one second's worth at once; 0 sets
-    /// no limit. Size it for the tenant's leases held at once times three over the lease
-    /// (the Rust client heartbeats three times a lease): a heartbeat refused too often
-    /// lets its lease lapse. Commits and releases have no such rate: one per grant.
-    pub heartbeats_per_s: u32,
+    /// Heartbeats, commits and releases per second (each a durable write), one second's
+    /// worth at once; unset, ten times `requests_per_s` (so no limit when that is 0), and
+    /// 0 sets no limit. Size it for the tenant's grants per second times one more than its
+    /// heartbeats per grant (the Rust client heartbeats three times a lease): a finish
+    /// refused for long lets its lease lapse, and the work may be granted again.
+    pub finishes_per_s: Option<u32>,
     /// Records the tenant may have stored on each shard (expired ones not yet reclaimed
     /// included); a reserve of a new key past it is refused. 0 sets no quota.
     pub records_per_shard_max: u64,
@@ -323,7 +328,7 @@ impl Default for TenantConfig {
             sessions_max: 16,
             requests_per_s: 0,
             requests_burst_max: 0,
-            heartbeats_per_s: 0,
+            finishes_per_s: None,
             records_per_shard_max: 0,
         }
     }
@@ -333,6 +338,12 @@ impl TenantConfig {
     /// The burst the rate limiter allows.
     pub fn burst(&self) -> u32 {
         if self.requests_burst_max == 0 { self.requests_per_s } else { self.requests_burst_max }
+    }
+
+    /// The heartbeats, commits and releases admitted per second: as set, or ten times
+    /// the request rate; 0 is no limit.
+    pub fn finishes_rate(&self) -> u32 {
+        self.finishes_per_s.unwrap_or(self.requests_per_s.saturating_mul(FINISHES_PER_REQUEST))
     }
 }
 
@@ -669,8 +680,9 @@ impl Config {
             10_000_000,
             Unit::Count,
         );
-        let heartbeats = u64::from(config.heartbeats_per_s);
-        problems.within(&field("heartbeats_per_s"), heartbeats, 0, 100_000_000, Unit::Count);
+        if let Some(finishes) = config.finishes_per_s {
+            problems.within(&field("finishes_per_s"), u64::from(finishes), 0, 100_000_000, Unit::Count);
+        }
         let records = config.records_per_shard_max;
         problems.within(&field("records_per_shard_max"), records, 0, 1 << 40, Unit::Count);
         if config.requests_per_s == 0 && config.requests_burst_max != 0 {

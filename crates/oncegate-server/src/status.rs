@@ -70,7 +70,7 @@ pub enum Refusal {
     RateLimited {
         /// The tenant.
         tenant: oncegate_core::Tenant,
-        /// The rate it is over: `tenants[].requests_per_s` or `tenants[].heartbeats_per_s`.
+        /// The rate it is over: `tenants[].requests_per_s` or `tenants[].finishes_per_s`.
         limit: &'static str,
         /// Its configured rate.
         per_s: u32,

@@ -32,16 +32,11 @@ pub(crate) enum Demand {
         /// Whether the call may park as a waiter.
         waits: bool,
     },
-    /// A heartbeat: it keeps work the gate already admitted, so the tenant's in-flight
-    /// and request-rate quota never refuse it (a lease would lapse and the work be
-    /// granted again); the server's limit and the tenant's `heartbeats_per_s`, when set,
-    /// do. A client may heartbeat one lease as often as it likes, and each is a durable
-    /// write; how many a tenant needs grows with how long its work runs, so there is no
-    /// default.
-    Keep,
-    /// A commit or a release: it ends work the gate already admitted, at most once per
-    /// grant (so the request rate bounds them), and refusing one would leave finished
-    /// work unrecorded; only the server's limit applies.
+    /// A heartbeat, a commit or a release: it keeps or ends work the gate already
+    /// admitted, so the tenant's in-flight and request-rate quota never refuse it (a lease
+    /// would lapse and the work be granted again); the server's limit and the tenant's
+    /// `finishes_per_s` do, since each is a durable write that a client could send as
+    /// fast as it likes (a commit with a stale token still costs a synced batch).
     Finish,
 }
 
@@ -117,15 +112,15 @@ struct TenantLimits {
     sessions: Arc<Semaphore>,
     sessions_max: usize,
     rate: Option<Rate>,
-    heartbeat_rate: Option<Rate>,
+    finish_rate: Option<Rate>,
 }
 
 impl TenantLimits {
     fn new(entry: &TenantEntry, clock: &MonotonicClock) -> TenantLimits {
         let config = &entry.config;
         let rate = Rate::new(config.requests_per_s, config.burst(), "tenants[].requests_per_s", clock);
-        let heartbeats = config.heartbeats_per_s;
-        let heartbeat_rate = Rate::new(heartbeats, heartbeats, "tenants[].heartbeats_per_s", clock);
+        let finishes = config.finishes_rate();
+        let finish_rate = Rate::new(finishes, finishes, "tenants[].finishes_per_s", clock);
         TenantLimits {
             in_flight: Arc::new(Semaphore::new(config.requests_in_flight_max)),
             in_flight_max: config.requests_in_flight_max,
@@ -134,7 +129,7 @@ impl TenantLimits {
             sessions: Arc::new(Semaphore::new(config.sessions_max)),
             sessions_max: config.sessions_max,
             rate,
-            heartbeat_rate,
+            finish_rate,
         }
     }
 
@@ -194,16 +189,13 @@ impl Admit {
     pub fn admit(&self, tenant: &Tenant, demand: Demand) -> Result<Admission, Refusal> {
         let waits = match demand {
             Demand::Start { waits } => waits,
-            Demand::Keep => {
+            Demand::Finish => {
                 let server = self.server_slot()?;
                 let limits = self.tenants.get(tenant);
-                if let Some(rate) = limits.as_ref().and_then(|limits| limits.heartbeat_rate.as_ref()) {
+                if let Some(rate) = limits.as_ref().and_then(|limits| limits.finish_rate.as_ref()) {
                     rate.spend(tenant, &self.clock)?;
                 }
                 return Ok(Admission { _server: server, _tenant: None, _waiter: None });
-            }
-            Demand::Finish => {
-                return Ok(Admission { _server: self.server_slot()?, _tenant: None, _waiter: None });
             }
         };
         let limits = self.tenants.get(tenant);

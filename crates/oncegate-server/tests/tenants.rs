@@ -143,7 +143,7 @@ async fn a_tenant_over_its_rate_is_refused_until_time_passes_and_may_always_comm
     exhausted(&client.get(as_tenant("acme", get)).await.unwrap_err(), "tenants[].requests_per_s");
     granted(&client.reserve(as_tenant("globex", reserve("d"))).await.unwrap().into_inner());
     // Heartbeats, commits and releases keep or end admitted work; the request rate
-    // never refuses them (heartbeats may have a rate of their own, tested below).
+    // never refuses them (they have a rate of their own, tested below).
     client.heartbeat(as_tenant("acme", heartbeat("a", tokens[0]))).await.unwrap();
     release(&mut client, "acme", "b", tokens[1]).await;
     let commit = pb::CommitRequest {
@@ -166,36 +166,41 @@ async fn a_tenant_over_its_rate_is_refused_until_time_passes_and_may_always_comm
     server.stop().await;
 }
 
-/// Heartbeats have a rate of their own when `tenants[].heartbeats_per_s` is set: each is a
-/// durable write, and a tenant refused reserves at one per second could still make 5,000
-/// durable heartbeats in 0.1 s. Commits and releases (one per grant) are never
-/// rate-limited: refusing one would leave finished work unrecorded.
+/// Heartbeats, commits and releases have a rate of their own, `tenants[].finishes_per_s`,
+/// ten times `requests_per_s` when unset: each is a durable write, and a tenant refused
+/// reserves at one per second could make 5,000 durable heartbeats in 0.1 s (before, only
+/// the server's in-flight limit applied to them). The tenant's request rate never
+/// refuses them, and another tenant's finishes are its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_tenants_heartbeats_have_a_rate_of_their_own_and_commits_none() {
-    let server = two_tenants(|t| {
-        t.requests_per_s = 1;
-        t.heartbeats_per_s = 10;
-    })
-    .await;
+async fn a_tenants_heartbeats_commits_and_releases_have_a_rate_of_their_own() {
+    let server = two_tenants(|t| t.requests_per_s = 1).await;
     let mut client = server.client().await;
     let token = granted(&client.reserve(as_tenant("acme", reserve("a"))).await.unwrap().into_inner());
-    // The clock stands still: ten heartbeats (one second's worth) pass, the eleventh not.
-    for _ in 0..10 {
+    exhausted(
+        &client.reserve(as_tenant("acme", reserve("b"))).await.unwrap_err(),
+        "tenants[].requests_per_s",
+    );
+    // The clock stands still: ten finishes (one second's worth of ten times the request
+    // rate) pass, whatever they are, and the eleventh does not.
+    for _ in 0..9 {
         client.heartbeat(as_tenant("acme", heartbeat("a", token))).await.unwrap();
     }
-    let refused = client.heartbeat(as_tenant("acme", heartbeat("a", token))).await.unwrap_err();
-    exhausted(&refused, "tenants[].heartbeats_per_s");
-    assert!(refused.message().contains("retry in 100 ms"), "{refused:?}");
-    let globex = granted(&client.reserve(as_tenant("globex", reserve("a"))).await.unwrap().into_inner());
-    client.heartbeat(as_tenant("globex", heartbeat("a", globex))).await.expect("another tenant's rate");
-    let commit = pb::CommitRequest {
+    let commit = |token| pb::CommitRequest {
         namespace: "live".into(),
         key: "a".into(),
         token,
         outcome: pb::Outcome::Succeeded as i32,
         response: b"done".to_vec(),
     };
-    client.commit(as_tenant("acme", commit)).await.expect("a commit is never rate-limited");
+    client.commit(as_tenant("acme", commit(token))).await.expect("the tenth finish");
+    let refused = client.commit(as_tenant("acme", commit(token))).await.unwrap_err();
+    exhausted(&refused, "tenants[].finishes_per_s");
+    assert!(refused.message().contains("retry in 100 ms"), "{refused:?}");
+    let release = pb::ReleaseRequest { namespace: "live".into(), key: "a".into(), token };
+    let refused = client.release(as_tenant("acme", release)).await.unwrap_err();
+    exhausted(&refused, "tenants[].finishes_per_s");
+    let globex = granted(&client.reserve(as_tenant("globex", reserve("a"))).await.unwrap().into_inner());
+    client.heartbeat(as_tenant("globex", heartbeat("a", globex))).await.expect("another tenant's rate");
     drop(client);
     server.stop().await;
 }
