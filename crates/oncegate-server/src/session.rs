@@ -222,6 +222,22 @@ impl Session {
         let calls = self.in_flight.len() as u64;
         telemetry::SESSION_CALLS_IN_FLIGHT.fetch_sub(calls, Ordering::Relaxed);
         self.in_flight.clear();
+        self.unhold();
+    }
+
+    /// Holds a call read while the stream has no room, counted until it starts or goes.
+    fn hold(&mut self, request: pb::SessionRequest, read_at: Instant) {
+        telemetry::SESSION_CALLS_HELD.fetch_add(1, Ordering::Relaxed);
+        self.aside = Some((request, read_at));
+    }
+
+    /// Takes the held call, if there is one.
+    fn unhold(&mut self) -> Option<(pb::SessionRequest, Instant)> {
+        let held = self.aside.take();
+        if held.is_some() {
+            telemetry::SESSION_CALLS_HELD.fetch_sub(1, Ordering::Relaxed);
+        }
+        held
     }
 
     /// A stream's state before its first request: no call in flight.
@@ -261,7 +277,7 @@ impl Session {
                 return;
             }
             if self.has_room()
-                && let Some((held, read_at)) = self.aside.take()
+                && let Some((held, read_at)) = self.unhold()
             {
                 let refused = self.start(held, read_at);
                 self.queue(refused, None);
@@ -352,7 +368,7 @@ impl Session {
         if matches!(request.call, Some(In::Cancel(_))) || self.has_room() {
             return self.start(request, read_at);
         }
-        self.aside = Some((request, read_at));
+        self.hold(request, read_at);
         None
     }
 
@@ -413,7 +429,7 @@ impl Session {
     /// its caller gone), or never started when it was held aside.
     fn cancel(&mut self, id: u64) {
         if self.aside.as_ref().is_some_and(|(held, _)| held.id == id) {
-            self.aside = None;
+            self.unhold();
         }
         let Some(call) = self.ids.remove(&id) else { return };
         let mut slot = call.lock().unwrap_or_else(PoisonError::into_inner);

@@ -25,11 +25,13 @@ const SECONDS_BUCKETS: &[f64] =
 const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0];
 
 /// The `Session` streams open in this process, their calls started and not yet answered,
-/// and the bytes of their answers not yet handed to the transport: counted by
+/// their calls read and held for room, and the bytes of their answers not yet handed to
+/// the transport: counted by
 /// `session.rs` as they change (a plain atomic each, where a recorder's gauge would cost a
 /// lookup per answer) and read into their gauges at each scrape.
 pub(crate) static SESSION_STREAMS: AtomicU64 = AtomicU64::new(0);
 pub(crate) static SESSION_CALLS_IN_FLIGHT: AtomicU64 = AtomicU64::new(0);
+pub(crate) static SESSION_CALLS_HELD: AtomicU64 = AtomicU64::new(0);
 pub(crate) static SESSION_UNSENT_BYTES: AtomicU64 = AtomicU64::new(0);
 
 /// How often histogram samples are folded into their buckets.
@@ -133,6 +135,10 @@ fn describe() {
     gauge!("oncegate_session_streams", "Session streams open.");
     gauge!("oncegate_session_unsent_bytes", "Bytes of Session answers not yet taken by the transport.");
     gauge!("oncegate_session_calls_in_flight", "Session calls started and not yet answered.");
+    gauge!(
+        "oncegate_session_calls_held",
+        "Session calls read and not started: their stream's calls in flight or unsent bytes are at their limit."
+    );
     counter!("oncegate_connections_refused_total", "Connections closed at once, by the limit reached.");
     counter!("oncegate_connections_closed_total", "Connections closed at a deadline, by the limit reached.");
     gauge!("oncegate_build_info", "1, labelled with the version, the git commit and the stores built in.");
@@ -180,6 +186,7 @@ fn refresh(engine: &Engine) {
     let read = |gauge: &AtomicU64| gauge.load(Ordering::Relaxed) as f64;
     metrics::gauge!("oncegate_session_streams").set(read(&SESSION_STREAMS));
     metrics::gauge!("oncegate_session_calls_in_flight").set(read(&SESSION_CALLS_IN_FLIGHT));
+    metrics::gauge!("oncegate_session_calls_held").set(read(&SESSION_CALLS_HELD));
     metrics::gauge!("oncegate_session_unsent_bytes").set(read(&SESSION_UNSENT_BYTES));
     if let Some(rss) = process_rss_bytes() {
         metrics::gauge!("process_resident_memory_bytes").set(rss as f64);

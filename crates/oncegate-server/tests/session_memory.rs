@@ -16,7 +16,7 @@ use tonic::transport::{Channel, Endpoint};
 
 mod common;
 
-use common::{Running, exhausted, granted, reserve, start_with};
+use common::{exhausted, gauge, granted, reserve, start_with};
 
 fn authorized<T>(message: T, tenant: &str) -> Request<T> {
     let mut request = Request::new(message);
@@ -26,13 +26,6 @@ fn authorized<T>(message: T, tenant: &str) -> Request<T> {
 
 fn tenant(name: &str) -> TenantConfig {
     TenantConfig { name: name.into(), token_sha256: token_sha256(name), ..TenantConfig::default() }
-}
-
-/// A gauge's value on `/metrics`.
-async fn gauge(server: &Running, name: &'static str) -> f64 {
-    let addr = server.metrics_addr;
-    let (_, body) = tokio::task::spawn_blocking(move || common::http_get(addr, "/metrics")).await.unwrap();
-    body.lines().find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok()).unwrap_or(0.0)
 }
 
 fn rss_bytes() -> u64 {

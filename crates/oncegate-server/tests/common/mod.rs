@@ -87,6 +87,13 @@ pub fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
 
 /// The tests' base configuration: data in `dir`, failed shards that stay failed (no
 /// reopen within a test), health polled often.
+/// A gauge's value on the server's `/metrics` (0 when it is not there yet).
+pub async fn gauge(server: &Running, name: &'static str) -> f64 {
+    let addr = server.metrics_addr;
+    let (_, body) = tokio::task::spawn_blocking(move || http_get(addr, "/metrics")).await.unwrap();
+    body.lines().find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok()).unwrap_or(0.0)
+}
+
 pub fn config_in(dir: &std::path::Path) -> Config {
     let mut config = Config {
         engine: EngineConfig {
