@@ -446,3 +446,31 @@ fn the_proxy_section_of_a_config_file_is_checked_whole() {
     assert!(stderr.contains("proxy.key_bytes_max") && stderr.contains("proxy.stored_statuses"), "{stderr}");
     assert!(!dir.path().join("data").exists(), "nothing was opened");
 }
+
+/// `oncegate proxy --token` is refused, with or without `--gate`, before anything is
+/// opened: the process list would show the token. (It was accepted, and ignored, without
+/// `--gate`.)
+#[test]
+fn the_proxy_refuses_a_token_on_its_command_line() {
+    let dir = tempfile::tempdir().unwrap();
+    for gate in [None, Some("http://127.0.0.1:9")] {
+        let mut command = Command::new(BIN);
+        command.args([
+            "proxy",
+            "--upstream",
+            "http://127.0.0.1:9",
+            "--listen",
+            "127.0.0.1:0",
+            "--token",
+            "s",
+        ]);
+        if let Some(gate) = gate {
+            command.args(["--gate", gate]);
+        }
+        let out = command.current_dir(dir.path()).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(stderr.contains("set ONCEGATE_TOKEN or use --token-file"), "{stderr}");
+        assert!(!dir.path().join("data").exists(), "nothing was opened");
+    }
+}

@@ -95,6 +95,10 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
 }
 
 async fn serve(args: ProxyArgs) -> anyhow::Result<()> {
+    // Read (or refused, when given as --token) before anything is opened, with or
+    // without --gate.
+    let token =
+        crate::client::secret(args.token.is_some(), "--token", args.token_file.as_deref(), "ONCEGATE_TOKEN")?;
     let (file, config) = load(&args)?;
     let listener =
         tokio::net::TcpListener::bind(args.listen).await.with_context(|| args.listen.to_string())?;
@@ -104,12 +108,6 @@ async fn serve(args: ProxyArgs) -> anyhow::Result<()> {
     };
     if let Some(url) = &args.gate {
         let mut builder = Client::builder(url.clone());
-        let token = crate::client::secret(
-            args.token.is_some(),
-            "--token",
-            args.token_file.as_deref(),
-            "ONCEGATE_TOKEN",
-        )?;
         if let Some(token) = token {
             builder = builder.token(token);
         }
