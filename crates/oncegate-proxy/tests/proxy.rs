@@ -651,6 +651,34 @@ async fn callers_are_told_apart_by_the_configured_headers() {
     assert_eq!(setup.counts.orders.load(Ordering::SeqCst), 3, "the anonymous request did not run");
 }
 
+/// Behind an upstream that authenticates by cookie: with the default `caller_headers`
+/// (`Authorization`) a guarded request carrying only a cookie is refused, so caller B
+/// can never be replayed caller A's answer by sending A's key; with `caller_headers =
+/// ["cookie"]` each cookie is its own caller. (Before, both cookie callers shared one
+/// caller value, and B was replayed A's status, `Location` and body.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_cookie_callers_never_share_an_answer() {
+    let defaults = setup(|c| c.anonymous_callers_share_keys = false).await;
+    for cookie in ["session=a", "session=b"] {
+        let (answer, _) = defaults.post_with("/orders", Some("shared"), "{}", &[("cookie", cookie)]).await;
+        assert_eq!(answer.0, StatusCode::BAD_REQUEST, "{}", String::from_utf8_lossy(&answer.2));
+    }
+    assert_eq!(defaults.counts.orders.load(Ordering::SeqCst), 0, "neither ran");
+
+    let by_cookie = setup(|c| {
+        c.caller_headers = vec![header::COOKIE];
+        c.anonymous_callers_share_keys = false;
+    })
+    .await;
+    let (a, _) = by_cookie.post_with("/orders", Some("shared"), "{}", &[("cookie", "session=a")]).await;
+    let (b, _) = by_cookie.post_with("/orders", Some("shared"), "{}", &[("cookie", "session=b")]).await;
+    assert_eq!((a.1.as_deref(), b.1.as_deref()), (None, None), "neither is a replay");
+    assert_ne!(a.2, b.2, "each ran its own request");
+    assert_eq!(by_cookie.counts.orders.load(Ordering::SeqCst), 2);
+    let (again, _) = by_cookie.post_with("/orders", Some("shared"), "{}", &[("cookie", "session=a")]).await;
+    assert_eq!((again.1.as_deref(), &again.2), (Some("true"), &a.2), "A's retry is A's answer");
+}
+
 /// A request with two different `Idempotency-Key` values is refused: which one guards it
 /// would be a guess. (The first was guarded and both went upstream.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
