@@ -94,7 +94,7 @@ pub struct OnceOptions {
     pub fingerprint: Vec<u8>,
     /// What a cancelled or panicking work does with its key.
     pub on_cancel: OnCancel,
-    /// How long a commit is retried while the gate is unavailable (a server restarting,
+    /// How long a commit is retried while the gate is unavailable or busy (a server restarting,
     /// a failover), with the same token: a commit repeated after its answer was lost is
     /// acknowledged again. Default 10 s.
     pub commit_retry_for: Duration,
@@ -703,7 +703,7 @@ impl<G: Gate + Clone + 'static> Held<G> {
     }
 }
 
-/// Commits the work's end, retried with the same token while the gate is unavailable
+/// Commits the work's end, retried with the same token while the gate is unavailable or busy
 /// (a restarting server; a commit repeated after its answer was lost is acknowledged
 /// again) for up to `retry_for`. A commit that still fails leaves the key held until its
 /// lease ends: the work ran, so the key must not be freed for another run; the next

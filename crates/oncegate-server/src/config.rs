@@ -307,11 +307,13 @@ pub struct TenantConfig {
     pub requests_per_s: u32,
     /// Requests admitted at once after a quiet spell; 0 means one second's worth.
     pub requests_burst_max: u32,
-    /// Heartbeats, commits and releases per second (each a durable write), one second's
-    /// worth at once; unset, ten times `requests_per_s` (so no limit when that is 0), and
-    /// 0 sets no limit. Size it for the tenant's grants per second times one more than its
-    /// heartbeats per grant (the Rust client heartbeats three times a lease): a finish
-    /// refused for long lets its lease lapse, and the work may be granted again.
+    /// Finishes per second: heartbeats, and commits with releases, each counted apart
+    /// (the calls that keep or end a grant, each a durable write). Unset, ten times
+    /// `requests_per_s` (so no limit when that is 0); 0 sets no limit; never below
+    /// `requests_per_s`. At least one second's worth, and the request burst, are admitted
+    /// at once. Size it for the tenant's leases held at once times three over the lease
+    /// in seconds (the clients heartbeat three times a lease): a heartbeat refused for a
+    /// whole lease lets it lapse, and the work may be granted again.
     pub finishes_per_s: Option<u32>,
     /// Records the tenant may have stored on each shard (expired ones not yet reclaimed
     /// included); a reserve of a new key past it is refused. 0 sets no quota.
@@ -340,10 +342,16 @@ impl TenantConfig {
         if self.requests_burst_max == 0 { self.requests_per_s } else { self.requests_burst_max }
     }
 
-    /// The heartbeats, commits and releases admitted per second: as set, or ten times
-    /// the request rate; 0 is no limit.
+    /// The heartbeats, and the commits with releases, admitted per second: as set, or
+    /// ten times the request rate; 0 is no limit.
     pub fn finishes_rate(&self) -> u32 {
         self.finishes_per_s.unwrap_or(self.requests_per_s.saturating_mul(FINISHES_PER_REQUEST))
+    }
+
+    /// How many finishes are admitted at once: a second's worth, or the request burst
+    /// when that is larger (a burst of grants may all commit at once).
+    pub fn finishes_burst(&self) -> u32 {
+        self.finishes_rate().max(self.burst())
     }
 }
 
@@ -369,12 +377,12 @@ pub struct ConfigError {
     pub problems: Vec<String>,
 }
 
-/// Lists the keys of `user` that `known` does not have, as dotted paths. `known` is the
-/// default configuration serialised, so it holds every key the file may use.
 /// SQLite's settings, which `[engine]` held before `[store]` had a section per kind.
 const MOVED_TO_STORE: [&str; 3] =
     ["engine.shard_file_bytes_max", "engine.page_cache_bytes_max", "engine.wal_checkpoint_pages"];
 
+/// Lists the keys of `user` that `known` does not have, as dotted paths. `known` is the
+/// default configuration serialised, so it holds every key the file may use.
 fn unknown_keys(user: &toml::Table, known: &toml::Table, prefix: &str, out: &mut Vec<String>) {
     for (key, value) in user {
         let path = if prefix.is_empty() { key.clone() } else { format!("{prefix}.{key}") };
@@ -435,7 +443,9 @@ impl Config {
         checked.remove("proxy");
         unknown_keys(&checked, &known, "", &mut problems);
         if let Some(toml::Value::Array(tenants)) = table.get("tenants") {
-            let sample = toml::Table::try_from(TenantConfig::default()).expect("a tenant serialises");
+            // Its optional keys set, so that the sample names them.
+            let every = TenantConfig { finishes_per_s: Some(0), ..TenantConfig::default() };
+            let sample = toml::Table::try_from(every).expect("a tenant serialises");
             for (i, tenant) in tenants.iter().enumerate() {
                 if let toml::Value::Table(tenant) = tenant {
                     unknown_keys(tenant, &sample, &format!("tenants[{i}]"), &mut problems);
@@ -682,6 +692,12 @@ impl Config {
         );
         if let Some(finishes) = config.finishes_per_s {
             problems.within(&field("finishes_per_s"), u64::from(finishes), 0, 100_000_000, Unit::Count);
+            if finishes != 0 && finishes < config.requests_per_s {
+                problems.push(Problem::new(
+                    field("finishes_per_s"),
+                    "is below requests_per_s: grants would outpace their commits; set at least the request rate, or 0 for no limit",
+                ));
+            }
         }
         let records = config.records_per_shard_max;
         problems.within(&field("records_per_shard_max"), records, 0, 1 << 40, Unit::Count);

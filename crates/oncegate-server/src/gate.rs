@@ -177,7 +177,7 @@ macro_rules! keyed_call {
 
 keyed_call!(pb::CommitRequest, pb::CommitResponse, "commit", Demand::Finish, start_commit);
 keyed_call!(pb::ReleaseRequest, pb::ReleaseResponse, "release", Demand::Finish, start_release);
-keyed_call!(pb::HeartbeatRequest, pb::HeartbeatResponse, "heartbeat", Demand::Finish, start_heartbeat);
+keyed_call!(pb::HeartbeatRequest, pb::HeartbeatResponse, "heartbeat", Demand::Keep, start_heartbeat);
 keyed_call!(pb::GetRequest, pb::GetResponse, "get", Demand::Start { waits: false }, start_get);
 
 impl Call for pb::ReserveRequest {

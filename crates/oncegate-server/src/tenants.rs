@@ -32,11 +32,16 @@ pub(crate) enum Demand {
         /// Whether the call may park as a waiter.
         waits: bool,
     },
-    /// A heartbeat, a commit or a release: it keeps or ends work the gate already
-    /// admitted, so the tenant's in-flight and request-rate quota never refuse it (a lease
-    /// would lapse and the work be granted again); the server's limit and the tenant's
-    /// `finishes_per_s` do, since each is a durable write that a client could send as
-    /// fast as it likes (a commit with a stale token still costs a synced batch).
+    /// A heartbeat: it keeps work the gate already admitted, so the tenant's in-flight
+    /// and request-rate quota never refuse it (a lease would lapse and the work be
+    /// granted again); the server's limit and the tenant's `finishes_per_s` do, since
+    /// each is a durable write that a client could send as fast as it likes.
+    Keep,
+    /// A commit or a release: it ends work the gate already admitted; as a heartbeat,
+    /// but counted in a bucket of its own, so that heartbeats sent in a loop never
+    /// starve the commits of the tenant's other work (a commit refused for long lets its
+    /// lease lapse and the work run again). A commit with a stale token still costs a
+    /// synced batch, so these are bounded too.
     Finish,
 }
 
@@ -112,6 +117,8 @@ struct TenantLimits {
     sessions: Arc<Semaphore>,
     sessions_max: usize,
     rate: Option<Rate>,
+    /// Heartbeats, and commits with releases: `finishes_per_s` each.
+    keep_rate: Option<Rate>,
     finish_rate: Option<Rate>,
 }
 
@@ -119,8 +126,9 @@ impl TenantLimits {
     fn new(entry: &TenantEntry, clock: &MonotonicClock) -> TenantLimits {
         let config = &entry.config;
         let rate = Rate::new(config.requests_per_s, config.burst(), "tenants[].requests_per_s", clock);
-        let finishes = config.finishes_rate();
-        let finish_rate = Rate::new(finishes, finishes, "tenants[].finishes_per_s", clock);
+        let (finishes, burst) = (config.finishes_rate(), config.finishes_burst());
+        let keep_rate = Rate::new(finishes, burst, "tenants[].finishes_per_s", clock);
+        let finish_rate = Rate::new(finishes, burst, "tenants[].finishes_per_s", clock);
         TenantLimits {
             in_flight: Arc::new(Semaphore::new(config.requests_in_flight_max)),
             in_flight_max: config.requests_in_flight_max,
@@ -129,6 +137,7 @@ impl TenantLimits {
             sessions: Arc::new(Semaphore::new(config.sessions_max)),
             sessions_max: config.sessions_max,
             rate,
+            keep_rate,
             finish_rate,
         }
     }
@@ -184,15 +193,21 @@ impl Admit {
 
     /// Takes the call's slots, or refuses it naming the limit it would pass. The
     /// tenant's own limits are tried first, so a tenant over its quota is told so rather
-    /// than that the server is busy; the rate is taken last, so that a call refused for
+    /// than that the server is busy (a heartbeat, commit or release, which holds no tenant
+    /// slot, takes the server's first); the rate is taken last, so that a call refused for
     /// another reason does not spend it.
     pub fn admit(&self, tenant: &Tenant, demand: Demand) -> Result<Admission, Refusal> {
         let waits = match demand {
             Demand::Start { waits } => waits,
-            Demand::Finish => {
+            Demand::Keep | Demand::Finish => {
+                // The server's slot first, so that a call it refuses spends no rate.
                 let server = self.server_slot()?;
                 let limits = self.tenants.get(tenant);
-                if let Some(rate) = limits.as_ref().and_then(|limits| limits.finish_rate.as_ref()) {
+                let rate = limits.as_ref().and_then(|limits| match demand {
+                    Demand::Keep => limits.keep_rate.as_ref(),
+                    _ => limits.finish_rate.as_ref(),
+                });
+                if let Some(rate) = rate {
                     rate.spend(tenant, &self.clock)?;
                 }
                 return Ok(Admission { _server: server, _tenant: None, _waiter: None });

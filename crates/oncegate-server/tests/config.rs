@@ -261,4 +261,8 @@ fn tenant_limits_are_checked_naming_the_entry() {
     let over_server =
         format!("[server]\nrequests_in_flight_max = 10\n{ONE_TENANT}requests_in_flight_max = 11\n");
     assert_eq!(fields(&over_server), ["tenants[0].requests_in_flight_max"]);
+    let slow_finishes = format!("{ONE_TENANT}requests_per_s = 100\nfinishes_per_s = 99\n");
+    assert_eq!(fields(&slow_finishes), ["tenants[0].finishes_per_s"], "commits would fall behind grants");
+    let unlimited = format!("{ONE_TENANT}requests_per_s = 100\nfinishes_per_s = 0\n");
+    assert!(fields(&unlimited).is_empty(), "0 is no limit");
 }

@@ -11,8 +11,8 @@ use common::{Running, exhausted, granted, reserve, start_with};
 use oncegate_proto::v1 as pb;
 use oncegate_proto::v1::gate_client::GateClient;
 use oncegate_server::{TenantConfig, token_sha256};
-use tonic::Request;
 use tonic::transport::Channel;
+use tonic::{Code, Request};
 
 /// A tenant named `name` whose token is `name`, with `edit` applied to its limits.
 fn tenant(name: &str, edit: impl FnOnce(&mut TenantConfig)) -> TenantConfig {
@@ -124,7 +124,7 @@ async fn a_tenant_at_its_waiter_limit_is_refused_while_another_waits() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_tenant_over_its_rate_is_refused_until_time_passes_and_may_always_commit() {
+async fn a_tenant_over_its_request_rate_is_refused_until_time_passes_and_may_still_commit() {
     let server = two_tenants(|t| {
         t.requests_per_s = 2;
         t.requests_burst_max = 3;
@@ -166,13 +166,14 @@ async fn a_tenant_over_its_rate_is_refused_until_time_passes_and_may_always_comm
     server.stop().await;
 }
 
-/// Heartbeats, commits and releases have a rate of their own, `tenants[].finishes_per_s`,
-/// ten times `requests_per_s` when unset: each is a durable write, and a tenant refused
-/// reserves at one per second could make 5,000 durable heartbeats in 0.1 s (before, only
-/// the server's in-flight limit applied to them). The tenant's request rate never
-/// refuses them, and another tenant's finishes are its own.
+/// Heartbeats, and commits with releases, have rates of their own,
+/// `tenants[].finishes_per_s` each, ten times `requests_per_s` when unset: each is a
+/// durable write, and a tenant refused reserves at one per second could make 5,000
+/// durable heartbeats in 0.1 s (before, only the server's in-flight limit applied). The
+/// two are counted apart, so heartbeats sent in a loop never starve a commit; the
+/// tenant's request rate refuses none of them; another tenant's are its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_tenants_heartbeats_commits_and_releases_have_a_rate_of_their_own() {
+async fn a_tenants_heartbeats_commits_and_releases_have_rates_of_their_own() {
     let server = two_tenants(|t| t.requests_per_s = 1).await;
     let mut client = server.client().await;
     let token = granted(&client.reserve(as_tenant("acme", reserve("a"))).await.unwrap().into_inner());
@@ -180,25 +181,34 @@ async fn a_tenants_heartbeats_commits_and_releases_have_a_rate_of_their_own() {
         &client.reserve(as_tenant("acme", reserve("b"))).await.unwrap_err(),
         "tenants[].requests_per_s",
     );
-    // The clock stands still: ten finishes (one second's worth of ten times the request
-    // rate) pass, whatever they are, and the eleventh does not.
-    for _ in 0..9 {
+    // The clock stands still: ten heartbeats (one second's worth of ten times the
+    // request rate) pass, and the eleventh does not.
+    for _ in 0..10 {
         client.heartbeat(as_tenant("acme", heartbeat("a", token))).await.unwrap();
     }
-    let commit = |token| pb::CommitRequest {
+    let refused = client.heartbeat(as_tenant("acme", heartbeat("a", token))).await.unwrap_err();
+    exhausted(&refused, "tenants[].finishes_per_s");
+    assert!(refused.message().contains("retry in 100 ms"), "{refused:?}");
+    let commit = || pb::CommitRequest {
         namespace: "live".into(),
         key: "a".into(),
         token,
         outcome: pb::Outcome::Succeeded as i32,
         response: b"done".to_vec(),
     };
-    client.commit(as_tenant("acme", commit(token))).await.expect("the tenth finish");
-    let refused = client.commit(as_tenant("acme", commit(token))).await.unwrap_err();
-    exhausted(&refused, "tenants[].finishes_per_s");
-    assert!(refused.message().contains("retry in 100 ms"), "{refused:?}");
+    client.commit(as_tenant("acme", commit())).await.expect("heartbeats never starve a commit");
+    // Nine more commits (repeats, each a batch) fill the commits' second; then commits
+    // and releases are refused.
+    for _ in 0..9 {
+        let repeated = client.commit(as_tenant("acme", commit())).await;
+        assert!(
+            repeated.as_ref().is_ok()
+                || repeated.as_ref().is_err_and(|s| s.code() != Code::ResourceExhausted)
+        );
+    }
+    exhausted(&client.commit(as_tenant("acme", commit())).await.unwrap_err(), "tenants[].finishes_per_s");
     let release = pb::ReleaseRequest { namespace: "live".into(), key: "a".into(), token };
-    let refused = client.release(as_tenant("acme", release)).await.unwrap_err();
-    exhausted(&refused, "tenants[].finishes_per_s");
+    exhausted(&client.release(as_tenant("acme", release)).await.unwrap_err(), "tenants[].finishes_per_s");
     let globex = granted(&client.reserve(as_tenant("globex", reserve("a"))).await.unwrap().into_inner());
     client.heartbeat(as_tenant("globex", heartbeat("a", globex))).await.expect("another tenant's rate");
     drop(client);

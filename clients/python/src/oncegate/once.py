@@ -14,7 +14,7 @@ The lease is the grant's ``lease_ms`` (the one asked for, or the server's
 ``lease_ms_default`` when none was). A grant that does not say (a server older than the
 field) is renewed before the work starts with the lease asked for, or 30 s when none was:
 never assumed. A commit is retried with the same token while the gate is unavailable (a
-server restarting) for up to ``commit_retry_for`` seconds: the work ran, so its outcome
+server restarting) or busy (``resource_exhausted``) for up to ``commit_retry_for`` seconds: the work ran, so its outcome
 is worth waiting for.
 
 A lease that cannot be kept (refused by the gate, or not renewed before it ran out by
