@@ -227,6 +227,7 @@ impl Session {
 
     /// Holds a call read while the stream has no room, counted until it starts or goes.
     fn hold(&mut self, request: pb::SessionRequest, read_at: Instant) {
+        debug_assert!(self.aside.is_none(), "a stream holds one call at most");
         telemetry::SESSION_CALLS_HELD.fetch_add(1, Ordering::Relaxed);
         self.aside = Some((request, read_at));
     }

@@ -7,26 +7,15 @@ use std::time::Duration;
 
 use oncegate_proto::v1 as pb;
 use oncegate_proto::v1::gate_client::GateClient;
-use oncegate_server::{TenantConfig, token_sha256};
 use pb::session_request::Call;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::Request;
 use tonic::transport::{Channel, Endpoint};
 
 mod common;
 
+use common::session::{authorized, tenant};
 use common::{exhausted, gauge, granted, reserve, start_with};
-
-fn authorized<T>(message: T, tenant: &str) -> Request<T> {
-    let mut request = Request::new(message);
-    request.metadata_mut().insert("authorization", format!("Bearer {tenant}").parse().unwrap());
-    request
-}
-
-fn tenant(name: &str) -> TenantConfig {
-    TenantConfig { name: name.into(), token_sha256: token_sha256(name), ..TenantConfig::default() }
-}
 
 fn rss_bytes() -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap();
@@ -45,7 +34,7 @@ fn rss_bytes() -> u64 {
 /// it will take.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sixty_four_unread_streams_of_one_tenant_take_at_most_128_mib() {
-    let server = start_with(|c| c.tenants = vec![tenant("hog"), tenant("polite")]).await;
+    let server = start_with(|c| c.tenants = vec![tenant("hog", |_| {}), tenant("polite", |_| {})]).await;
     let budget = oncegate_server::ServerConfig::default().session_unsent_bytes_max as f64;
     let mut writer = server.client().await;
     let reply = writer.reserve(authorized(reserve("big"), "hog")).await.unwrap().into_inner();

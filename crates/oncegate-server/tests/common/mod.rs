@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 pub mod certs;
+pub mod session;
 
 use oncegate_engine::{Engine, EngineConfig, Faults, ManualClock};
 use oncegate_proto::v1 as pb;
@@ -85,8 +86,6 @@ pub fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
     (status, body)
 }
 
-/// The tests' base configuration: data in `dir`, failed shards that stay failed (no
-/// reopen within a test), health polled often.
 /// A gauge's value on the server's `/metrics` (0 when it is not there yet).
 pub async fn gauge(server: &Running, name: &'static str) -> f64 {
     let addr = server.metrics_addr;
@@ -94,6 +93,8 @@ pub async fn gauge(server: &Running, name: &'static str) -> f64 {
     body.lines().find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok()).unwrap_or(0.0)
 }
 
+/// The tests' base configuration: data in `dir`, failed shards that stay failed (no
+/// reopen within a test), health polled often.
 pub fn config_in(dir: &std::path::Path) -> Config {
     let mut config = Config {
         engine: EngineConfig {
