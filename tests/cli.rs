@@ -7,7 +7,9 @@
 mod certs;
 mod common;
 
-use std::process::Command;
+use std::io::Read;
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
 use common::{BIN, Server};
 use serde_json::Value;
@@ -467,9 +469,24 @@ fn the_proxy_refuses_a_token_on_its_command_line() {
         if let Some(gate) = gate {
             command.args(["--gate", gate]);
         }
-        let out = command.current_dir(dir.path()).output().unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        let mut child =
+            command.current_dir(dir.path()).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+        // A proxy that took the flag would serve on: it is killed after a minute.
+        let mut status = None;
+        for _ in 0..3_000 {
+            status = child.try_wait().unwrap();
+            if status.is_some() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let Some(status) = status else {
+            child.kill().unwrap();
+            panic!("the proxy took --token {gate:?} and served");
+        };
+        let mut stderr = String::new();
+        child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+        assert_eq!(status.code(), Some(1), "{stderr}");
         assert!(stderr.contains("set ONCEGATE_TOKEN or use --token-file"), "{stderr}");
         assert!(!dir.path().join("data").exists(), "nothing was opened");
     }
