@@ -268,13 +268,14 @@ impl ProxyFile {
             BYTES_CEILING,
             Unit::Bytes,
         ) as usize;
-        // A stored answer is one gate record's response: it must fit the gate's limit.
+        // A stored answer is one gate record's response: it must fit the gate's limit,
+        // and hold at least the status and warning stored for an answer too large.
         let stored_ceiling = oncegate_core::RESPONSE_BYTES_CEILING as u64;
         config.stored_bytes_max = within(
             "stored_bytes_max",
             self.stored_bytes_max,
             bytes(config.stored_bytes_max),
-            1,
+            256,
             stored_ceiling,
             Unit::Bytes,
         ) as usize;

@@ -17,7 +17,8 @@
 //! | the same key with another payload | `422` problem |
 //! | upstream `5xx`, other statuses not stored, a soft failure, no connection | key released; the answer passed on (`502` for no connection) |
 //! | a timeout or a connection lost after sending | `504`/`502` "outcome unknown"; the key held until its lease ends |
-//! | a body, key or stored answer over its limit | `413`/`400` problem, or passed on unstored with a `Warning` |
+//! | a body or key over its limit | `413`/`400` problem |
+//! | an answer to store over `stored_bytes_max` | passed on with a `Warning`; stored without its body, which a retry is told of |
 
 mod config;
 mod payload;
@@ -290,9 +291,10 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
             on_cancel: OnCancel::KeepUntilLeaseEnds,
             ..OnceOptions::default()
         };
-        // The upstream's cookies are the first caller's alone: never stored, never replayed.
-        let cookies = std::sync::OnceLock::new();
-        let first_caller = &cookies;
+        // What only the caller that ran the request gets: the upstream's cookies (never
+        // stored, never replayed) and a whole answer too large to store.
+        let first = FirstCaller::default();
+        let first_caller = &first;
         let work = |lease: Lease| async move {
             let mut request = Request::from_parts(parts, Body::from(body));
             attempt_headers(request.headers_mut(), &lease);
@@ -303,12 +305,18 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
             self.keep(answer, first_caller).await
         };
         let namespace = &self.config.namespace;
-        match once(self.gate.clone(), namespace, OnceKey::Key(key), options, work).await {
-            Ok(Ran::Now(bytes)) => Ok(with_cookies(replay(&bytes, false), cookies.get())),
+        let ran = once(self.gate.clone(), namespace, OnceKey::Key(key), options, work).await;
+        let whole = first.answer.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+        match ran {
+            Ok(Ran::Now(bytes)) => {
+                Ok(with_cookies(whole.unwrap_or_else(|| replay(&bytes, false)), first.cookies.get()))
+            }
             // A stored answer is replayed whatever its status: the proxy commits every
             // answer it stores as succeeded.
             Ok(Ran::Replayed(replayed)) => Ok(replay(&replayed.stored().response, true)),
-            Err(error) => self.refused(error).map(|response| with_cookies(response, cookies.get())),
+            Err(error) => {
+                self.refused(error, whole).map(|response| with_cookies(response, first.cookies.get()))
+            }
         }
     }
 
@@ -424,11 +432,13 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
         }
     }
 
-    /// Stores a storable answer; anything else is passed on and releases the key.
+    /// Stores a storable answer; anything else is passed on and releases the key. A
+    /// storable answer too large to store is stored without its body (see [`omitted`]),
+    /// and the whole answer is kept in `first` for the caller that ran it.
     async fn keep(
         &self,
         answer: Result<Response, Upstream>,
-        cookies: &std::sync::OnceLock<Vec<HeaderValue>>,
+        first: &FirstCaller,
     ) -> Result<Vec<u8>, WorkError<Unstored>> {
         let response = answer.map_err(|failed| match failed {
             // Nothing reached the upstream: the key is released and a retry may run.
@@ -450,8 +460,10 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
                 return Err(WorkError::Unknown(Unstored(problem.into_response())));
             }
         };
-        let _ = cookies.set(parts.headers.get_all(header::SET_COOKIE).iter().cloned().collect());
-        let storable = self.config.stored_statuses.stores(parts.status) && !self.soft_failure(&body);
+        let _ = first.cookies.set(parts.headers.get_all(header::SET_COOKIE).iter().cloned().collect());
+        if !self.config.stored_statuses.stores(parts.status) || self.soft_failure(&body) {
+            return Err(WorkError::Retryable(Unstored(Response::from_parts(parts, Body::from(body)))));
+        }
         let headers = self
             .config
             .stored_headers
@@ -461,17 +473,16 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
             .collect();
         let stored = Stored { status: parts.status, headers, body: body.to_vec() };
         let bytes = stored.encode();
-        if storable && bytes.len() <= self.config.stored_bytes_max {
+        if bytes.len() <= self.config.stored_bytes_max {
             return Ok(bytes);
         }
-        let mut passed = Response::from_parts(parts, Body::from(body));
-        if storable {
-            passed.headers_mut().insert(
-                header::WARNING,
-                HeaderValue::from_static("299 - \"answer too large to store; a retry may run again\""),
-            );
-        }
-        Err(WorkError::Retryable(Unstored(passed)))
+        // The upstream ran it: a retry must not run it again, so the key is completed
+        // with the answer's status and headers, its body left out and said so.
+        let marker = omitted(stored, self.config.stored_bytes_max);
+        let mut whole = Response::from_parts(parts, Body::from(body));
+        whole.headers_mut().append(header::WARNING, HeaderValue::from_static(FIRST_OF_OMITTED));
+        *first.answer.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(whole);
+        Ok(marker)
     }
 
     fn soft_failure(&self, body: &[u8]) -> bool {
@@ -481,7 +492,11 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
     }
 
     /// The answer for a request `once` did not complete.
-    fn refused(&self, error: OnceError<G::Error, Unstored>) -> Result<Response, Problem> {
+    fn refused(
+        &self,
+        error: OnceError<G::Error, Unstored>,
+        whole: Option<Response>,
+    ) -> Result<Response, Problem> {
         use oncegate_core::Code;
         use oncegate_core::gate::GateError;
         match error {
@@ -531,7 +546,8 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
             // would send its retry upstream again once the still-held key's lease ends.
             OnceError::Unconfirmed { response, error, .. } => {
                 tracing::warn!(%error, "the upstream's answer could not be stored; passed on unstored");
-                let mut passed = replay(&response, false);
+                let mut passed = whole.unwrap_or_else(|| replay(&response, false));
+                passed.headers_mut().remove(header::WARNING);
                 passed.headers_mut().append(
                     header::WARNING,
                     HeaderValue::from_static("299 - \"answer may not be stored; a retry may run again\""),
@@ -627,6 +643,37 @@ fn with_cookies(mut response: Response, cookies: Option<&Vec<HeaderValue>>) -> R
 }
 
 /// A stored answer as a response; `replayed` marks a retry's.
+/// What only the caller whose request ran gets.
+#[derive(Default)]
+struct FirstCaller {
+    /// The upstream's cookies: never stored, never replayed.
+    cookies: std::sync::OnceLock<Vec<HeaderValue>>,
+    /// The whole answer, when it was too large to store.
+    answer: std::sync::Mutex<Option<Response>>,
+}
+
+/// The warning on the whole answer of a request whose answer was too large to store.
+const FIRST_OF_OMITTED: &str = "299 - \"answer too large to store; a retry is answered without its body\"";
+
+/// What is stored for an answer over `stored_bytes_max`: its status and stored headers
+/// with an empty body and a `Warning` saying so, or, when even those are over it, the
+/// status and the warning alone. A retry is told the request ran and how it ended, and
+/// is never run again.
+fn omitted(stored: Stored, stored_bytes_max: usize) -> Vec<u8> {
+    let warning = format!(
+        "299 - \"the answer's body ({} bytes) was over stored_bytes_max ({stored_bytes_max}) and is not replayed\"",
+        stored.body.len()
+    );
+    let warning = (header::WARNING, HeaderValue::from_str(&warning).expect("a visible ASCII warning"));
+    let mut headers = stored.headers;
+    headers.push(warning.clone());
+    let marker = Stored { status: stored.status, headers, body: Vec::new() }.encode();
+    if marker.len() <= stored_bytes_max {
+        return marker;
+    }
+    Stored { status: stored.status, headers: vec![warning], body: Vec::new() }.encode()
+}
+
 fn replay(bytes: &[u8], replayed: bool) -> Response {
     let Some(stored) = Stored::decode(bytes) else {
         return bad_gateway("the stored answer is in a format this proxy does not read".to_owned())
@@ -642,6 +689,20 @@ fn replay(bytes: &[u8], replayed: bool) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An answer whose status and headers alone are over `stored_bytes_max` is stored
+    /// with its status and the warning only: the key is still completed.
+    #[test]
+    fn an_omitted_answer_keeps_its_headers_when_they_fit_and_its_status_always() {
+        let headers = vec![(header::LOCATION, HeaderValue::from_static("/orders/77"))];
+        let stored = Stored { status: StatusCode::CREATED, headers, body: vec![b'x'; 4_000] };
+        let kept = Stored::decode(&omitted(stored.clone(), 1_024)).unwrap();
+        assert_eq!((kept.status, kept.body.len(), kept.headers.len()), (StatusCode::CREATED, 0, 2));
+        assert_eq!(kept.headers[0], stored.headers[0]);
+        let bare = Stored::decode(&omitted(stored, 100)).unwrap();
+        assert_eq!((bare.status, bare.headers.len()), (StatusCode::CREATED, 1));
+        assert_eq!(bare.headers[0].0, header::WARNING);
+    }
 
     #[test]
     fn hop_by_hop_headers_and_those_connection_names_are_stripped() {

@@ -488,16 +488,23 @@ async fn a_caller_s_traceparent_goes_upstream() {
     assert_eq!(String::from_utf8(body).unwrap(), traceparent);
 }
 
-/// An answer larger than `stored_bytes_max` is passed on with a `Warning` and the key
-/// released (the retry runs again), and a stored answer's chosen headers are replayed.
+/// An answer larger than `stored_bytes_max` goes whole to the caller whose request ran,
+/// with a `Warning`, and its key is completed without the body: a retry is answered with
+/// the status and stored headers, an empty body and a `Warning` saying why, and never
+/// runs upstream again. (The key was released, and a caller that lost the answer ran the
+/// request twice.) A stored answer's chosen headers are replayed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn too_large_answers_are_passed_on_unstored_and_stored_headers_replay() {
+async fn too_large_answers_run_once_and_their_retries_get_no_body_and_stored_headers_replay() {
     let setup = setup(|c| c.stored_bytes_max = 1_024).await;
     let ((status, _, body), headers) = setup.post_with("/big", Some("b"), "{}", &[]).await;
     assert_eq!((status, body.len()), (StatusCode::OK, 4_000));
-    assert!(headers.get(header::WARNING).is_some_and(|w| w.to_str().unwrap().contains("too large to store")));
-    setup.post("/big", Some("b"), "{}").await;
-    assert_eq!(setup.counts.big.load(Ordering::SeqCst), 2, "released: the retry ran again");
+    let warning = |headers: &axum::http::HeaderMap| headers[header::WARNING].to_str().unwrap().to_owned();
+    assert!(warning(&headers).contains("a retry is answered without its body"), "{headers:?}");
+    let ((status, replayed, body), headers) = setup.post_with("/big", Some("b"), "{}", &[]).await;
+    assert_eq!((status, replayed.as_deref(), body.len()), (StatusCode::OK, Some("true"), 0));
+    assert!(warning(&headers).contains("(4000 bytes) was over stored_bytes_max (1024)"), "{headers:?}");
+    assert_eq!(headers[header::CONTENT_TYPE], "text/plain; charset=utf-8", "stored headers are kept");
+    assert_eq!(setup.counts.big.load(Ordering::SeqCst), 1, "the retry did not run again");
 
     setup.post("/orders", Some("o"), "{}").await;
     let (replay, headers) = setup.post_with("/orders", Some("o"), "{}", &[]).await;
