@@ -216,17 +216,29 @@ async def test_an_answer_cut_after_it_started_ends_the_connection(client: Client
     assert await retry_status(middleware, key) == 409, "the key is held, never released"
 
 
-async def test_an_answer_under_the_bound_but_too_large_to_store_still_releases(client: Client, key: str) -> None:
+async def test_an_answer_too_large_to_store_runs_once_and_its_retry_gets_no_body(client: Client, key: str) -> None:
+    """Under the bound but over ``stored_bytes_max``: the caller gets it whole, warned, and
+    the key is completed without the body. (The key was released, and a caller that lost
+    the answer ran the handler twice.)"""
+    runs: List[int] = []
+
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await receive()
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        runs.append(1)
+        await send({"type": "http.response.start", "status": 201, "headers": [(b"content-type", b"text/plain")]})
         await send({"type": "http.response.body", "body": b"z" * 800})
 
     middleware = guard(app, client, **LIMITS)
     first = Caller(middleware, key)
     await first.call()
-    assert first.status() == 200 and first.body() == b"z" * 800 and b"warning" in first.headers()
-    assert await retry_status(middleware, key) == 200, "released: the retry runs again"
+    assert first.status() == 201 and first.body() == b"z" * 800
+    assert b"a retry is answered without its body" in first.headers()[b"warning"]
+    retry = Caller(middleware, key)
+    await retry.call()
+    assert retry.status() == 201 and retry.body() == b"" and retry.headers()[b"idempotent-replayed"] == b"true"
+    assert retry.headers()[b"content-type"] == b"text/plain", "stored headers are kept"
+    assert b"(800 bytes) was over stored_bytes_max (512)" in retry.headers()[b"warning"]
+    assert len(runs) == 1, "the retry did not run the handler again"
 
 
 # The middleware stops waiting for the application ------------------------------------

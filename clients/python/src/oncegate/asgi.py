@@ -25,9 +25,14 @@ a retry after the first completed                             the stored answer,
 the same key while the first runs                             waits up to ``wait_ms``, then
                                                               ``409`` with ``Retry-After``
 the same key with another payload                             ``422`` problem (``mismatch``)
-a ``5xx`` (a status not stored), a soft failure, an answer    the key is released; the
-too large to store, or the application raising                answer passed on (the
+a ``5xx`` (a status not stored), a soft failure, or the      the key is released; the
+application raising                                           answer passed on (the
                                                               exception re-raised)
+an answer to store over ``stored_bytes_max``                  passed on whole with a
+                                                              ``Warning``; stored without
+                                                              its body, so a retry gets the
+                                                              status and stored headers, an
+                                                              empty body and a ``Warning``
 an answer with a ``Content-Encoding`` (the application        passed on, not stored; the
 compressed it on its own: the request's ``Accept-Encoding``   key held until its lease ends
 never reaches it)
@@ -330,9 +335,11 @@ class IdempotencyMiddleware:
         if body is None:
             return None
         cookies: List[bytes] = []
+        # The whole answer, for this caller only, when it was too large to store.
+        whole: List[Answer] = []
 
         async def work(attempt: Attempt) -> bytes:
-            return await self._run(scope, body, attempt, cookies, outlet)
+            return await self._run(scope, body, attempt, cookies, outlet, whole)
 
         try:
             result = await self.gate.once(
@@ -362,7 +369,11 @@ class IdempotencyMiddleware:
             # The application answered; only storing it failed. The caller gets it,
             # warned, rather than an error that would send its retry through again.
             log.warning("the answer could not be stored; passed on unstored: %s", unconfirmed)
-            answer = _with_cookies(_replay(unconfirmed.response, replayed=False), cookies)
+            if whole:
+                answer = whole[0]
+                answer.headers = [(n, v) for n, v in answer.headers if n != b"warning"]
+            else:
+                answer = _with_cookies(_replay(unconfirmed.response, replayed=False), cookies)
             answer.headers.append((b"warning", b'299 - "answer may not be stored; a retry may run again"'))
             return answer
         except (LeaseLostError, Final):
@@ -377,6 +388,8 @@ class IdempotencyMiddleware:
             if error.code == "resource_exhausted":
                 return problem(429, "Too many requests", "resource_exhausted", str(error), retry_after_s=1)
             return problem(503, "Gate unavailable", "unavailable", str(error), retry_after_s=1)
+        if whole and not result.replayed:
+            return whole[0]
         return _with_cookies(_replay(result.response, replayed=result.replayed), [] if result.replayed else cookies)
 
     def _record_key(self, scope: Scope, key: bytes) -> Any:
@@ -449,9 +462,13 @@ class IdempotencyMiddleware:
         }
         return fingerprint_json(payload)
 
-    async def _run(self, scope: Scope, body: bytes, attempt: Attempt, cookies: List[bytes], outlet: _Outlet) -> bytes:
+    async def _run(
+        self, scope: Scope, body: bytes, attempt: Attempt, cookies: List[bytes], outlet: _Outlet, whole: List[Answer]
+    ) -> bytes:
         """Runs the application and keeps its answer: the stored bytes, or an exception
-        saying what becomes of the key.
+        saying what becomes of the key. A storable answer too large to store is stored
+        without its body (see :func:`_omitted`), and goes whole to this caller through
+        ``whole``.
 
         The answer is read whole up to the larger of ``body_bytes_max`` and
         ``stored_bytes_max``; past it, what was read and the rest go to the caller as
@@ -562,11 +579,15 @@ class IdempotencyMiddleware:
         storable = self.stored_statuses.stores(status) and not self._soft_failure(response_body)
         kept = [(name, v) for name in self.stored_headers for n, v in response_headers if n == name]
         stored = encode_stored(status, kept, response_body)
-        if storable and len(stored) <= self.stored_bytes_max:
+        if not storable:
+            raise _PassOn(passed)
+        if len(stored) <= self.stored_bytes_max:
             return stored
-        if storable:
-            passed.headers.append((b"warning", b'299 - "answer too large to store; a retry may run again"'))
-        raise _PassOn(passed)
+        # The application ran it: a retry must not run it again, so the key is completed
+        # with the answer's status and headers, its body left out and said so.
+        passed.headers.append((b"warning", FIRST_OF_OMITTED))
+        whole.append(passed)
+        return _omitted(status, kept, len(response_body), self.stored_bytes_max)
 
     def _soft_failure(self, body: bytes) -> bool:
         if self.soft_failure is None:
@@ -578,6 +599,22 @@ class IdempotencyMiddleware:
             return False
         found, value = _pointer(value, pointer)
         return found and value == expected and type(value) is type(expected)
+
+
+FIRST_OF_OMITTED = b'299 - "answer too large to store; a retry is answered without its body"'
+
+
+def _omitted(status: int, headers: Headers, body_bytes: int, stored_bytes_max: int) -> bytes:
+    """What is stored for an answer over ``stored_bytes_max``: its status and stored
+    headers with an empty body and a ``Warning`` saying so, or, when even those are over
+    it, the status and the warning alone. A retry is told the request ran and how it
+    ended, and never runs it again."""
+    text = f'299 - "the answer\'s body ({body_bytes} bytes) was over stored_bytes_max ({stored_bytes_max}) and is not replayed"'
+    warning = (b"warning", text.encode())
+    marker = encode_stored(status, list(headers) + [warning], b"")
+    if len(marker) <= stored_bytes_max:
+        return marker
+    return encode_stored(status, [warning], b"")
 
 
 def _retrieve(task: asyncio.Task[Any]) -> None:
