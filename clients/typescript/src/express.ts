@@ -5,7 +5,10 @@
  * `Content-Type` and `Location`, the body byte for byte) with `Idempotent-Replayed: true`;
  * the same key while the first is in flight waits, then gets `409`; the same key with
  * another payload gets `422`; a `5xx` (or `408`, `409`, `429`) is passed on and releases
- * the key. Errors are `application/problem+json` with oncegate's stable `code`.
+ * the key. An answer to store over `storedBytesMax` goes whole to its caller with a
+ * `Warning`, and is stored without its body: a retry gets the status and stored headers,
+ * an empty body and a `Warning`, and never runs the handler again. Errors are
+ * `application/problem+json` with oncegate's stable `code`.
  *
  * The middleware reads the request body itself (the fingerprint covers all of it), so
  * mount it BEFORE body parsers: it sets `req.body` (parsed JSON for a JSON content type,
@@ -595,6 +598,8 @@ export function idempotency(options: IdempotencyOptions): (req: IncomingMessage,
       out.appendHeader('warning', tooLarge);
       if (config.link !== undefined) out.appendHeader('link', config.link);
     });
+    // Set when the answer was too large to store: it is stored without its body.
+    let omitted = false;
     const work = async (lease: Lease): Promise<Buffer> => {
       // The answer is stored as it comes: asked for unencoded, so that a replay needs no
       // encoding header to be read.
@@ -632,9 +637,14 @@ export function idempotency(options: IdempotencyOptions): (req: IncomingMessage,
         if (storable && encoding !== undefined && String(encoding).trim().toLowerCase() !== 'identity') {
           throw new PassedOn(`the answer is encoded (Content-Encoding: ${String(encoding)}); it was passed on unstored`, '299 - "encoded answer not stored; a retry may run again"');
         }
-        const bytes = encodeStored(storedAnswer(res, captured));
-        if (storable && bytes.length <= config.storedBytesMax) return bytes;
-        throw new Unstored(storable ? tooLarge : undefined);
+        if (!storable) throw new Unstored(undefined);
+        const stored = storedAnswer(res, captured);
+        const bytes = encodeStored(stored);
+        if (bytes.length <= config.storedBytesMax) return bytes;
+        // The handler ran it: a retry must not run it again, so the key is completed with
+        // the answer's status and headers, its body left out and said so.
+        omitted = true;
+        return omittedAnswer(stored, config.storedBytesMax);
       } finally {
         clearTimeout(timer);
       }
@@ -650,7 +660,7 @@ export function idempotency(options: IdempotencyOptions): (req: IncomingMessage,
 
     try {
       const result = await once(client, { namespace: config.namespace, key: recordKey, ttlMs: config.ttlMs, leaseMs: config.handlerTimeoutMs + LEASE_MARGIN_MS, waitMs: config.waitMs, fingerprint }, work);
-      if (!result.replayed) return sendCaptured();
+      if (!result.replayed) return sendCaptured(omitted ? FIRST_OF_OMITTED : undefined);
       const stored = decodeStored(result.response);
       if (stored === undefined) {
         return capture.replace((out) => sendProblem(out, { status: 502, title: 'Bad gateway', code: 'unavailable', detail: 'the stored answer is in a format this middleware does not read' }));
@@ -753,4 +763,23 @@ function parsedBodyBytes(body: unknown): Buffer {
   if (Buffer.isBuffer(body)) return body;
   if (typeof body === 'string') return Buffer.from(body, 'utf8');
   return Buffer.from(JSON.stringify(body), 'utf8');
+}
+
+/** The warning on the whole answer of a request whose answer was too large to store. */
+const FIRST_OF_OMITTED = '299 - "answer too large to store; a retry is answered without its body"';
+
+/**
+ * What is stored for an answer over `storedBytesMax`: its status and stored headers with
+ * an empty body and a `Warning` saying so, or, when even those are over it, the status
+ * and the warning alone. A retry is told the request ran and how it ended, and never
+ * runs it again.
+ */
+function omittedAnswer(answer: StoredAnswer, storedBytesMax: number): Buffer {
+  const warning: [string, string] = [
+    'warning',
+    `299 - "the answer's body (${answer.body.length} bytes) was over stored_bytes_max (${storedBytesMax}) and is not replayed"`,
+  ];
+  const marker = encodeStored({ status: answer.status, headers: [...answer.headers, warning], body: Buffer.alloc(0) });
+  if (marker.length <= storedBytesMax) return marker;
+  return encodeStored({ status: answer.status, headers: [warning], body: Buffer.alloc(0) });
 }

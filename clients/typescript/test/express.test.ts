@@ -290,8 +290,10 @@ test('an answer past the capture limit is passed on as it comes and holds the ke
     for (let i = 0; i < 3; i += 1) res.write(chunk);
     res.end(chunk);
   });
+  let midRuns = 0;
   app.post('/mid', (_req, res) => {
-    res.type('text').send('y'.repeat(800));
+    midRuns += 1;
+    res.status(201).type('text').send('y'.repeat(800));
   });
   const at = await serve(app);
   const key = uniqueKey('big');
@@ -301,12 +303,21 @@ test('an answer past the capture limit is passed on as it comes and holds the ke
   assert.match(big.headers.get('warning') ?? '', /too large to store/);
   const view = await client.get({ namespace: 'http', key: recordKey('/big', key) });
   assert.equal(view.state, 'pending', 'the handler ran: the key is held, never released');
-  // Within the capture but too large to store: passed on, and released as before.
+  // Within the capture but too large to store: passed on whole, and stored without its
+  // body, so a retry is told it ran and never runs it again (it was released, and a
+  // caller that lost the answer ran the handler twice).
   const midKey = uniqueKey('mid');
   const mid = await post('/mid', midKey, {}, {}, at);
+  assert.equal(mid.status, 201);
   assert.equal((await mid.text()).length, 800);
-  assert.match(mid.headers.get('warning') ?? '', /too large to store/);
-  assert.equal((await client.get({ namespace: 'http', key: recordKey('/mid', midKey) })).state, 'free');
+  assert.match(mid.headers.get('warning') ?? '', /a retry is answered without its body/);
+  const retry = await post('/mid', midKey, {}, {}, at);
+  assert.equal(retry.status, 201);
+  assert.equal(await retry.text(), '');
+  assert.equal(retry.headers.get('idempotent-replayed'), 'true');
+  assert.match(retry.headers.get('content-type') ?? '', /^text\/plain/);
+  assert.match(retry.headers.get('warning') ?? '', /\(800 bytes\) was over stored_bytes_max \(512\)/);
+  assert.equal(midRuns, 1, 'the retry did not run the handler again');
 });
 
 test("a 504 drops the handler's headers, and the handler's signal is aborted before it is sent", async () => {
