@@ -35,6 +35,22 @@ impl Clock for SystemClock {
     }
 }
 
+/// A clock that reads 0 and never moves, for work that is not the service's time: a
+/// shard's clock guard never lifts its frame above its persisted marks on it, so no lease
+/// ends and nothing expires while such work runs (the offline reshard's).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct StoppedClock;
+
+impl Clock for StoppedClock {
+    fn now_ms(&self) -> u64 {
+        0
+    }
+
+    fn monotonic_ms(&self) -> u64 {
+        0
+    }
+}
+
 /// A clock that moves only when told to, for tests of expiry, leases and clock jumps.
 ///
 /// Clones share the same time. [`ManualClock::advance`] is time passing (both readings

@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use super::error::ResizeError;
 use super::routes::{Moving, hand_over};
 use super::{Engine, Inner, ShardHandle};
-use crate::clock::Clock;
+use crate::clock::{Clock, StoppedClock};
 use crate::config::{EngineConfig, SHARDS_MAX, StoreKind};
 use crate::error::Error;
 use crate::faults::Faults;
@@ -91,13 +91,12 @@ const OFFLINE_SLOTS_PER_MOVE: usize = 64;
 /// Adds shards to the stopped directory of `config` (its `shards` is ignored: the
 /// directory's manifest says how many it has) until it has `to`.
 ///
-/// Its engine's clock stands still at the directory's last mark (a clock that reads 0
-/// never lifts the shards' frame above their persisted marks): the reshard's own time is
-/// not the service's, so no lease ends and nothing expires while it runs, and the next
-/// server start sees the marks of the last stop and gives leases their restart grace.
+/// Its engine's clock stands still at the directory's last mark ([`StoppedClock`]): the
+/// reshard's own time is not the service's, so no lease ends and nothing expires while it
+/// runs, and the next server start sees the marks of the last stop and gives leases their
+/// restart grace.
 pub fn add_shards(config: &EngineConfig, to: u32, progress: Progress<'_>) -> Result<Resharded, ResizeError> {
-    let still = Arc::new(crate::clock::ManualClock::new(0));
-    add_shards_on(config, to, still, Arc::new(OsFiles), &Faults::default(), progress)
+    add_shards_on(config, to, Arc::new(StoppedClock), Arc::new(OsFiles), &Faults::default(), progress)
 }
 
 /// [`add_shards`] on a clock and a files seam, with the faults a test injects
