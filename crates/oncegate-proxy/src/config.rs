@@ -36,7 +36,8 @@ pub struct ProxyConfig {
     pub headers_bytes_max: usize,
     /// The largest request body, in bytes (the fingerprint needs all of it).
     pub body_bytes_max: usize,
-    /// The largest answer that is stored; a larger one is passed on unstored.
+    /// The largest answer that is stored whole, in bytes (at least 256); a larger one goes
+    /// whole to its caller and is stored without its body.
     pub stored_bytes_max: usize,
     /// How long a retry waits for the first request's answer before `409`.
     pub wait_ms: u64,

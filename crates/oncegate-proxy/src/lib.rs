@@ -18,7 +18,7 @@
 //! | upstream `5xx`, other statuses not stored, a soft failure, no connection | key released; the answer passed on (`502` for no connection) |
 //! | a timeout or a connection lost after sending | `504`/`502` "outcome unknown"; the key held until its lease ends |
 //! | a body or key over its limit | `413`/`400` problem |
-//! | an answer to store over `stored_bytes_max` | passed on with a `Warning`; stored without its body, which a retry is told of |
+//! | an answer to store that cannot be stored whole (over `stored_bytes_max`, past the bytes read whole, encoded) | passed on with a `Warning`; stored without its body, which a retry is told of |
 
 mod config;
 mod payload;
@@ -34,6 +34,7 @@ use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt;
 use hyper_util::client::legacy::Client as HttpClient;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -309,7 +310,16 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
         let whole = first.answer.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
         match ran {
             Ok(Ran::Now(bytes)) => {
-                Ok(with_cookies(whole.unwrap_or_else(|| replay(&bytes, false)), first.cookies.get()))
+                let answer = match whole {
+                    Some(mut whole) => {
+                        whole
+                            .headers_mut()
+                            .append(header::WARNING, HeaderValue::from_static(FIRST_OF_OMITTED));
+                        whole
+                    }
+                    None => replay(&bytes, false),
+                };
+                Ok(with_cookies(answer, first.cookies.get()))
             }
             // A stored answer is replayed whatever its status: the proxy commits every
             // answer it stores as succeeded.
@@ -432,9 +442,11 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
         }
     }
 
-    /// Stores a storable answer; anything else is passed on and releases the key. A
-    /// storable answer too large to store is stored without its body (see [`omitted`]),
-    /// and the whole answer is kept in `first` for the caller that ran it.
+    /// Keeps the upstream's answer: a storable one is stored and the key completed; a
+    /// storable one that cannot be stored whole (over `stored_bytes_max`, past the bytes
+    /// read whole, or encoded) is stored without its body (see [`omitted`]) and goes whole
+    /// to the caller that ran it, through `first`; any other is passed on and the key
+    /// released.
     async fn keep(
         &self,
         answer: Result<Response, Upstream>,
@@ -450,39 +462,62 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
         // The body gets the upstream timeout too: a stalled one would hold the key (its
         // lease renewed by heartbeats) for as long as the upstream stalls.
         let limit = Duration::from_millis(self.config.upstream_timeout_ms);
-        let read = axum::body::to_bytes(body, self.config.body_bytes_max.max(self.config.stored_bytes_max));
-        let body = match tokio::time::timeout(limit, read).await {
-            Ok(Ok(body)) => body,
+        let bound = self.config.body_bytes_max.max(self.config.stored_bytes_max);
+        let read = match tokio::time::timeout(limit, read_up_to(body, bound)).await {
+            Ok(Ok(read)) => read,
             // The upstream ran; its answer cannot be kept: hold the key.
             _ => {
-                let problem =
-                    bad_gateway("the upstream's answer was too large, cut short or too slow".to_owned());
+                let problem = bad_gateway("the upstream's answer was cut short or too slow".to_owned());
                 return Err(WorkError::Unknown(Unstored(problem.into_response())));
             }
         };
         let _ = first.cookies.set(parts.headers.get_all(header::SET_COOKIE).iter().cloned().collect());
-        if !self.config.stored_statuses.stores(parts.status) || self.soft_failure(&body) {
-            return Err(WorkError::Retryable(Unstored(Response::from_parts(parts, Body::from(body)))));
-        }
-        let headers = self
-            .config
+        let stores = self.config.stored_statuses.stores(parts.status);
+        let (body, reason) = match read {
+            Read::Whole(body) if !stores || self.soft_failure(&body) => {
+                return Err(WorkError::Retryable(Unstored(Response::from_parts(parts, Body::from(body)))));
+            }
+            Read::Past(body) if !stores => {
+                return Err(WorkError::Retryable(Unstored(Response::from_parts(parts, body))));
+            }
+            Read::Past(body) => (body, format!("more than {bound} bytes")),
+            Read::Whole(body) => match encoding(&parts.headers) {
+                Some(coding) => (Body::from(body), format!("encoded ({coding})")),
+                None => {
+                    let stored = Stored {
+                        status: parts.status,
+                        headers: self.stored_headers(&parts.headers),
+                        body: body.to_vec(),
+                    };
+                    let bytes = stored.encode();
+                    if bytes.len() <= self.config.stored_bytes_max {
+                        return Ok(bytes);
+                    }
+                    let max = self.config.stored_bytes_max;
+                    (
+                        Body::from(body),
+                        format!("{} bytes to store, over stored_bytes_max ({max})", bytes.len()),
+                    )
+                }
+            },
+        };
+        // The upstream ran it: a retry must not run it again, so the key is completed
+        // with the answer's status and headers, its body left out and said so.
+        let marker =
+            omitted(parts.status, self.stored_headers(&parts.headers), &reason, self.config.stored_bytes_max);
+        let whole = Response::from_parts(parts, body);
+        *first.answer.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(whole);
+        Ok(marker)
+    }
+
+    /// The headers of an answer that are stored with it, in the configured order.
+    fn stored_headers(&self, headers: &HeaderMap) -> Vec<(HeaderName, HeaderValue)> {
+        self.config
             .stored_headers
             .iter()
             .filter(|name| config::never_stored(name).is_none())
-            .flat_map(|name| parts.headers.get_all(name).iter().map(|value| (name.clone(), value.clone())))
-            .collect();
-        let stored = Stored { status: parts.status, headers, body: body.to_vec() };
-        let bytes = stored.encode();
-        if bytes.len() <= self.config.stored_bytes_max {
-            return Ok(bytes);
-        }
-        // The upstream ran it: a retry must not run it again, so the key is completed
-        // with the answer's status and headers, its body left out and said so.
-        let marker = omitted(stored, self.config.stored_bytes_max);
-        let mut whole = Response::from_parts(parts, Body::from(body));
-        whole.headers_mut().append(header::WARNING, HeaderValue::from_static(FIRST_OF_OMITTED));
-        *first.answer.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(whole);
-        Ok(marker)
+            .flat_map(|name| headers.get_all(name).iter().map(|value| (name.clone(), value.clone())))
+            .collect()
     }
 
     fn soft_failure(&self, body: &[u8]) -> bool {
@@ -547,7 +582,6 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
             OnceError::Unconfirmed { response, error, .. } => {
                 tracing::warn!(%error, "the upstream's answer could not be stored; passed on unstored");
                 let mut passed = whole.unwrap_or_else(|| replay(&response, false));
-                passed.headers_mut().remove(header::WARNING);
                 passed.headers_mut().append(
                     header::WARNING,
                     HeaderValue::from_static("299 - \"answer may not be stored; a retry may run again\""),
@@ -642,7 +676,6 @@ fn with_cookies(mut response: Response, cookies: Option<&Vec<HeaderValue>>) -> R
     response
 }
 
-/// A stored answer as a response; `replayed` marks a retry's.
 /// What only the caller whose request ran gets.
 #[derive(Default)]
 struct FirstCaller {
@@ -652,28 +685,66 @@ struct FirstCaller {
     answer: std::sync::Mutex<Option<Response>>,
 }
 
-/// The warning on the whole answer of a request whose answer was too large to store.
-const FIRST_OF_OMITTED: &str = "299 - \"answer too large to store; a retry is answered without its body\"";
+/// The warning on the whole answer of a request whose answer was not stored whole.
+const FIRST_OF_OMITTED: &str = "299 - \"answer not stored whole; a retry is answered without its body\"";
 
-/// What is stored for an answer over `stored_bytes_max`: its status and stored headers
-/// with an empty body and a `Warning` saying so, or, when even those are over it, the
-/// status and the warning alone. A retry is told the request ran and how it ended, and
-/// is never run again.
-fn omitted(stored: Stored, stored_bytes_max: usize) -> Vec<u8> {
-    let warning = format!(
-        "299 - \"the answer's body ({} bytes) was over stored_bytes_max ({stored_bytes_max}) and is not replayed\"",
-        stored.body.len()
-    );
-    let warning = (header::WARNING, HeaderValue::from_str(&warning).expect("a visible ASCII warning"));
-    let mut headers = stored.headers;
-    headers.push(warning.clone());
-    let marker = Stored { status: stored.status, headers, body: Vec::new() }.encode();
+/// What is stored for an answer that cannot be stored whole (`reason` says why): its
+/// status and stored headers (but `Content-Encoding`: there is no body to decode) with an
+/// empty body and a `Warning` saying so, or, when even those are over `stored_bytes_max`,
+/// the status and the warning alone (which may pass it: `stored_bytes_max` is at least
+/// 256 bytes in a checked configuration, so the gate's limit, never below it, holds them).
+/// A retry is told the request ran and how it ended, and never runs it again.
+fn omitted(
+    status: StatusCode,
+    headers: Vec<(HeaderName, HeaderValue)>,
+    reason: &str,
+    stored_bytes_max: usize,
+) -> Vec<u8> {
+    let text = format!("299 - \"the answer was not stored whole: {reason}; its body is not replayed\"");
+    let visible: String =
+        text.chars().map(|c| if c.is_ascii_graphic() || c == ' ' { c } else { '?' }).collect();
+    let warning = (header::WARNING, HeaderValue::from_str(&visible).expect("visible ASCII"));
+    let mut kept: Vec<_> = headers.into_iter().filter(|(name, _)| name != header::CONTENT_ENCODING).collect();
+    kept.push(warning.clone());
+    let marker = Stored { status, headers: kept, body: Vec::new() }.encode();
     if marker.len() <= stored_bytes_max {
         return marker;
     }
-    Stored { status: stored.status, headers: vec![warning], body: Vec::new() }.encode()
+    Stored { status, headers: vec![warning], body: Vec::new() }.encode()
 }
 
+/// An answer's body as read: whole, or past the bytes read whole (what was read, then
+/// the rest as it comes).
+enum Read {
+    Whole(axum::body::Bytes),
+    Past(Body),
+}
+
+/// Reads `body` whole up to `bound` bytes; past it, gives back a body of what was read
+/// followed by the rest.
+async fn read_up_to(body: Body, bound: usize) -> Result<Read, axum::Error> {
+    let mut stream = body.into_data_stream();
+    let (mut chunks, mut len) = (Vec::new(), 0);
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk?;
+        len += chunk.len();
+        chunks.push(chunk);
+        if len > bound {
+            let read = futures_util::stream::iter(chunks.into_iter().map(Ok::<_, axum::Error>));
+            return Ok(Read::Past(Body::from_stream(read.chain(stream))));
+        }
+    }
+    Ok(Read::Whole(chunks.concat().into()))
+}
+
+/// The content coding of an answer, other than `identity`.
+fn encoding(headers: &HeaderMap) -> Option<String> {
+    let coding = headers.get(header::CONTENT_ENCODING)?;
+    let coding = String::from_utf8_lossy(coding.as_bytes()).trim().to_owned();
+    (!coding.is_empty() && !coding.eq_ignore_ascii_case("identity")).then_some(coding)
+}
+
+/// A stored answer as a response; `replayed` marks a retry's.
 fn replay(bytes: &[u8], replayed: bool) -> Response {
     let Some(stored) = Stored::decode(bytes) else {
         return bad_gateway("the stored answer is in a format this proxy does not read".to_owned())
@@ -690,16 +761,22 @@ fn replay(bytes: &[u8], replayed: bool) -> Response {
 mod tests {
     use super::*;
 
-    /// An answer whose status and headers alone are over `stored_bytes_max` is stored
-    /// with its status and the warning only: the key is still completed.
+    /// An answer not stored whole keeps its stored headers when they fit (but
+    /// `Content-Encoding`), and its status and the warning always.
     #[test]
     fn an_omitted_answer_keeps_its_headers_when_they_fit_and_its_status_always() {
-        let headers = vec![(header::LOCATION, HeaderValue::from_static("/orders/77"))];
-        let stored = Stored { status: StatusCode::CREATED, headers, body: vec![b'x'; 4_000] };
-        let kept = Stored::decode(&omitted(stored.clone(), 1_024)).unwrap();
+        let headers = vec![
+            (header::LOCATION, HeaderValue::from_static("/orders/77")),
+            (header::CONTENT_ENCODING, HeaderValue::from_static("gzip")),
+        ];
+        let kept = Stored::decode(&omitted(StatusCode::CREATED, headers.clone(), "why", 1_024)).unwrap();
         assert_eq!((kept.status, kept.body.len(), kept.headers.len()), (StatusCode::CREATED, 0, 2));
-        assert_eq!(kept.headers[0], stored.headers[0]);
-        let bare = Stored::decode(&omitted(stored, 100)).unwrap();
+        assert_eq!(kept.headers[0], headers[0]);
+        assert_eq!(
+            kept.headers[1].1,
+            "299 - \"the answer was not stored whole: why; its body is not replayed\""
+        );
+        let bare = Stored::decode(&omitted(StatusCode::CREATED, headers, "why", 100)).unwrap();
         assert_eq!((bare.status, bare.headers.len()), (StatusCode::CREATED, 1));
         assert_eq!(bare.headers[0].0, header::WARNING);
     }

@@ -41,6 +41,7 @@ async fn upstream(counts: Arc<Counts>) -> String {
     let slow = Arc::clone(&counts);
     let hang = Arc::clone(&counts);
     let big = Arc::clone(&counts);
+    let encoded = Arc::clone(&counts);
     let router = axum::Router::new()
         .route(
             "/echo",
@@ -64,6 +65,14 @@ async fn upstream(counts: Arc<Counts>) -> String {
             post(move || async move {
                 big.big.fetch_add(1, Ordering::SeqCst);
                 "b".repeat(4_000)
+            }),
+        )
+        .route(
+            "/encoded",
+            post(move || async move {
+                encoded.big.fetch_add(1, Ordering::SeqCst);
+                let headers = [(header::CONTENT_ENCODING, "gzip"), (header::LOCATION, "/orders/9")];
+                (StatusCode::CREATED, headers, vec![0x1f_u8, 0x8b, 8, 0])
             }),
         )
         .route(
@@ -502,7 +511,7 @@ async fn too_large_answers_run_once_and_their_retries_get_no_body_and_stored_hea
     assert!(warning(&headers).contains("a retry is answered without its body"), "{headers:?}");
     let ((status, replayed, body), headers) = setup.post_with("/big", Some("b"), "{}", &[]).await;
     assert_eq!((status, replayed.as_deref(), body.len()), (StatusCode::OK, Some("true"), 0));
-    assert!(warning(&headers).contains("(4000 bytes) was over stored_bytes_max (1024)"), "{headers:?}");
+    assert!(warning(&headers).contains("bytes to store, over stored_bytes_max (1024)"), "{headers:?}");
     assert_eq!(headers[header::CONTENT_TYPE], "text/plain; charset=utf-8", "stored headers are kept");
     assert_eq!(setup.counts.big.load(Ordering::SeqCst), 1, "the retry did not run again");
 
@@ -511,6 +520,39 @@ async fn too_large_answers_run_once_and_their_retries_get_no_body_and_stored_hea
     assert_eq!(replay.1.as_deref(), Some("true"));
     assert_eq!(headers.get(header::LOCATION).unwrap(), "/orders/77");
     assert_eq!(headers.get(header::CONTENT_TYPE).unwrap(), "application/json");
+}
+
+/// An answer past the bytes read whole (the larger of `body_bytes_max` and
+/// `stored_bytes_max`) goes to its caller as it comes, and an encoded one whole; either
+/// key is completed without the body, so a retry never runs again. (Past the bound the
+/// caller got a `502` and lost the answer, and the key was held until its lease ended,
+/// when a retry ran it again; an encoded answer was stored and replayed without its
+/// `Content-Encoding`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_past_the_bound_or_encoded_run_once_and_go_whole_to_their_caller() {
+    let setup = setup(|c| {
+        c.body_bytes_max = 2_048;
+        c.stored_bytes_max = 1_024;
+        c.stored_headers = vec![header::CONTENT_TYPE, header::LOCATION, header::CONTENT_ENCODING];
+    })
+    .await;
+    let warning = |headers: &axum::http::HeaderMap| headers[header::WARNING].to_str().unwrap().to_owned();
+    let ((status, _, body), headers) = setup.post_with("/big", Some("b"), "{}", &[]).await;
+    assert_eq!((status, body.len()), (StatusCode::OK, 4_000), "passed on as it came");
+    assert!(warning(&headers).contains("a retry is answered without its body"), "{headers:?}");
+    let ((status, replayed, body), headers) = setup.post_with("/big", Some("b"), "{}", &[]).await;
+    assert_eq!((status, replayed.as_deref(), body.len()), (StatusCode::OK, Some("true"), 0));
+    assert!(warning(&headers).contains("not stored whole: more than 2048 bytes"), "{headers:?}");
+
+    let ((status, _, body), headers) = setup.post_with("/encoded", Some("e"), "{}", &[]).await;
+    assert_eq!((status, body), (StatusCode::CREATED, vec![0x1f, 0x8b, 8, 0]), "passed on whole");
+    assert_eq!(headers[header::CONTENT_ENCODING], "gzip");
+    let ((status, replayed, body), headers) = setup.post_with("/encoded", Some("e"), "{}", &[]).await;
+    assert_eq!((status, replayed.as_deref(), body.len()), (StatusCode::CREATED, Some("true"), 0));
+    assert!(headers.get(header::CONTENT_ENCODING).is_none(), "no body to decode: {headers:?}");
+    assert_eq!(headers[header::LOCATION], "/orders/9");
+    assert!(warning(&headers).contains("not stored whole: encoded (gzip)"), "{headers:?}");
+    assert_eq!(setup.counts.big.load(Ordering::SeqCst), 2, "each ran once");
 }
 
 /// A header the upstream sends twice is stored and replayed with both values, in order;
