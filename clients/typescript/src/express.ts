@@ -5,10 +5,11 @@
  * `Content-Type` and `Location`, the body byte for byte) with `Idempotent-Replayed: true`;
  * the same key while the first is in flight waits, then gets `409`; the same key with
  * another payload gets `422`; a `5xx` (or `408`, `409`, `429`) is passed on and releases
- * the key. An answer to store over `storedBytesMax` goes whole to its caller with a
- * `Warning`, and is stored without its body: a retry gets the status and stored headers,
- * an empty body and a `Warning`, and never runs the handler again. Errors are
- * `application/problem+json` with oncegate's stable `code`.
+ * the key. An answer to store that cannot be stored whole (over `storedBytesMax`, past
+ * the capture, or encoded) goes whole to its caller with a `Warning`, and is stored
+ * without its body: a retry gets the status and stored headers, an empty body and a
+ * `Warning`, and never runs the handler again. Errors are `application/problem+json`
+ * with oncegate's stable `code`.
  *
  * The middleware reads the request body itself (the fingerprint covers all of it), so
  * mount it BEFORE body parsers: it sets `req.body` (parsed JSON for a JSON content type,
@@ -21,10 +22,10 @@
  * naming the fix, never guessed.
  *
  * The handler's answer is captured (up to the larger of `bodyBytesMax` and
- * `storedBytesMax`; past it, passed on as it comes and not stored, the key held until its
- * lease ends). The request's `Accept-Encoding` is removed before the handler runs, so that
- * a stored answer is never compressed; an answer that carries a `Content-Encoding` all the
- * same is passed on unstored, the key held until its lease ends. A problem sent after the
+ * `storedBytesMax`; past it, passed on as it comes and stored without its body). The
+ * request's `Accept-Encoding` is removed before the handler runs, so that a stored answer
+ * is never compressed; an answer that carries a `Content-Encoding` all the same is
+ * passed on and stored without its body. A problem sent after the
  * handler ran (a `504`, a lost lease) drops every header the handler set; if its headers
  * were already sent, the connection is closed instead.
  */
@@ -65,7 +66,7 @@ export interface IdempotencyOptions {
   keyBytesMax?: number;
   /** The most bytes of request headers a guarded request may carry; default 16 KiB. */
   headersBytesMax?: number;
-  /** The largest request body; default 1 MiB. The handler's answer is captured up to the larger of this and `storedBytesMax` (past it: passed on unstored, the key held until its lease ends). */
+  /** The largest request body; default 1 MiB. The handler's answer is captured up to the larger of this and `storedBytesMax` (past it: passed on as it comes, and stored without its body). */
   bodyBytesMax?: number;
   /** How long a guarded request's body may take to arrive (`408` past it); default 10 s. */
   bodyReadTimeoutMs?: number;
@@ -171,19 +172,10 @@ interface Captured {
   passed: boolean;
 }
 
+/** The handler's answer, not stored (a status not stored, or a soft failure): passed on, and the key released. */
 class Unstored extends RetryableError {
-  constructor(readonly warning: string | undefined) {
+  constructor() {
     super('the answer is not stored');
-  }
-}
-
-/** The handler's answer, passed on unstored with the key held until its lease ends (it ran, and a retry must not run it blindly). */
-class PassedOn extends UnknownError {
-  constructor(
-    message: string,
-    readonly warning: string | undefined,
-  ) {
-    super(message);
   }
 }
 
@@ -463,6 +455,7 @@ export function idempotency(options: IdempotencyOptions): (req: IncomingMessage,
     link: options.keyPolicyUrl === undefined ? undefined : `<${options.keyPolicyUrl}>; rel="describedby"`,
     parseBody: options.parseBody ?? defaultParse,
   };
+  if (!(config.storedBytesMax >= 256)) throw new RangeError(`storedBytesMax is ${config.storedBytesMax}; it must be at least 256 (what is stored for an answer not stored whole)`);
   const client = options.client;
 
   const sendProblem = (res: ServerResponse, problem: Problem): void => {
@@ -593,9 +586,8 @@ export function idempotency(options: IdempotencyOptions): (req: IncomingMessage,
     }
     const fingerprint = requestFingerprint(method, target, headers, body);
 
-    const tooLarge = '299 - "answer too large to store; a retry may run again"';
     const capture = new Capture(res, config.answerBytesMax, (out) => {
-      out.appendHeader('warning', tooLarge);
+      out.appendHeader('warning', FIRST_OF_OMITTED);
       if (config.link !== undefined) out.appendHeader('link', config.link);
     });
     // Set when the answer was too large to store: it is stored without its body.
@@ -629,22 +621,22 @@ export function idempotency(options: IdempotencyOptions): (req: IncomingMessage,
       try {
         next();
         const captured = await Promise.race([capture.done, timedOut]);
-        // The handler ran: an answer that cannot be kept holds the key, never releases it.
-        if (captured.passed) throw new PassedOn(`the answer passes ${config.answerBytesMax} bytes; it was passed on unstored`, undefined);
-        const storable = config.storedStatuses.stores(captured.status) && !softFailure(captured.body);
-        // A stored answer is replayed without its Content-Encoding: an encoded one is not stored.
-        const encoding = res.getHeader('content-encoding');
-        if (storable && encoding !== undefined && String(encoding).trim().toLowerCase() !== 'identity') {
-          throw new PassedOn(`the answer is encoded (Content-Encoding: ${String(encoding)}); it was passed on unstored`, '299 - "encoded answer not stored; a retry may run again"');
-        }
-        if (!storable) throw new Unstored(undefined);
+        // The handler ran it: an answer that cannot be stored whole completes the key
+        // with its status and headers, its body left out and said so; a retry never runs
+        // it again.
+        const storable = config.storedStatuses.stores(captured.status) && (captured.passed || !softFailure(captured.body));
+        if (!storable) throw new Unstored();
         const stored = storedAnswer(res, captured);
+        if (captured.passed) return omittedAnswer(stored, `more than ${config.answerBytesMax} bytes`, config.storedBytesMax);
+        const encoding = res.getHeader('content-encoding');
+        if (encoding !== undefined && String(encoding).trim() !== '' && String(encoding).trim().toLowerCase() !== 'identity') {
+          omitted = true;
+          return omittedAnswer(stored, `encoded (${String(encoding).trim()})`, config.storedBytesMax);
+        }
         const bytes = encodeStored(stored);
         if (bytes.length <= config.storedBytesMax) return bytes;
-        // The handler ran it: a retry must not run it again, so the key is completed with
-        // the answer's status and headers, its body left out and said so.
         omitted = true;
-        return omittedAnswer(stored, config.storedBytesMax);
+        return omittedAnswer(stored, `${bytes.length} bytes to store, over stored_bytes_max (${config.storedBytesMax})`, config.storedBytesMax);
       } finally {
         clearTimeout(timer);
       }
@@ -660,6 +652,8 @@ export function idempotency(options: IdempotencyOptions): (req: IncomingMessage,
 
     try {
       const result = await once(client, { namespace: config.namespace, key: recordKey, ttlMs: config.ttlMs, leaseMs: config.handlerTimeoutMs + LEASE_MARGIN_MS, waitMs: config.waitMs, fingerprint }, work);
+      // Passed on as it came: the answer is out already.
+      if (!result.replayed && capture.passing) return;
       if (!result.replayed) return sendCaptured(omitted ? FIRST_OF_OMITTED : undefined);
       const stored = decodeStored(result.response);
       if (stored === undefined) {
@@ -675,15 +669,11 @@ export function idempotency(options: IdempotencyOptions): (req: IncomingMessage,
         out.end(stored.body);
       });
     } catch (error) {
-      if (error instanceof OnceError && error.kind === 'unknown' && error.cause instanceof PassedOn) {
-        // Passing on already (the handler sends the rest), or to be passed on unstored.
-        if (capture.passing) return;
-        return sendCaptured(error.cause.warning);
-      }
       if (error instanceof OnceError && (error.kind === 'unconfirmed' || (error.kind === 'retryable' && error.cause instanceof Unstored))) {
-        // The handler answered; only storing it failed, or it is not to be stored.
-        const warning = error.kind === 'unconfirmed' ? '299 - "answer may not be stored; a retry may run again"' : (error.cause as Unstored).warning;
-        return sendCaptured(warning);
+        // The handler answered; only storing it failed, or it is not to be stored. An
+        // answer passed on as it came is out already.
+        if (capture.passing) return;
+        return sendCaptured(error.kind === 'unconfirmed' ? '299 - "answer may not be stored; a retry may run again"' : undefined);
       }
       capture.replace((out) => refused(out, error));
     }
@@ -765,21 +755,21 @@ function parsedBodyBytes(body: unknown): Buffer {
   return Buffer.from(JSON.stringify(body), 'utf8');
 }
 
-/** The warning on the whole answer of a request whose answer was too large to store. */
-const FIRST_OF_OMITTED = '299 - "answer too large to store; a retry is answered without its body"';
+/** The warning on the whole answer of a request whose answer was not stored whole. */
+const FIRST_OF_OMITTED = '299 - "answer not stored whole; a retry is answered without its body"';
 
 /**
- * What is stored for an answer over `storedBytesMax`: its status and stored headers with
- * an empty body and a `Warning` saying so, or, when even those are over it, the status
- * and the warning alone. A retry is told the request ran and how it ended, and never
- * runs it again.
+ * What is stored for an answer that cannot be stored whole (`reason` says why): its
+ * status and stored headers (but `Content-Encoding`: there is no body to decode) with an
+ * empty body and a `Warning` saying so, or, when even those are over `storedBytesMax`,
+ * the status and the warning alone. A retry is told the request ran and how it ended,
+ * and never runs it again. The same bytes as the proxy's and the ASGI middleware's.
  */
-function omittedAnswer(answer: StoredAnswer, storedBytesMax: number): Buffer {
-  const warning: [string, string] = [
-    'warning',
-    `299 - "the answer's body (${answer.body.length} bytes) was over stored_bytes_max (${storedBytesMax}) and is not replayed"`,
-  ];
-  const marker = encodeStored({ status: answer.status, headers: [...answer.headers, warning], body: Buffer.alloc(0) });
+function omittedAnswer(answer: StoredAnswer, reason: string, storedBytesMax: number): Buffer {
+  const text = `299 - "the answer was not stored whole: ${reason}; its body is not replayed"`;
+  const warning: [string, string] = ['warning', text.replace(/[^\x20-\x7e]/g, '?')];
+  const kept = answer.headers.filter(([name]) => name !== 'content-encoding');
+  const marker = encodeStored({ status: answer.status, headers: [...kept, warning], body: Buffer.alloc(0) });
   if (marker.length <= storedBytesMax) return marker;
   return encodeStored({ status: answer.status, headers: [warning], body: Buffer.alloc(0) });
 }
