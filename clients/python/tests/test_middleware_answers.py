@@ -110,7 +110,7 @@ async def retry_status(middleware: IdempotencyMiddleware, key: str) -> int:
 # Content-Encoding --------------------------------------------------------------------
 
 
-async def test_an_encoded_answer_is_passed_on_and_never_stored(client: Client, key: str) -> None:
+async def test_an_encoded_answer_is_passed_on_and_stored_without_its_body(client: Client, key: str) -> None:
     seen: List[Dict[bytes, bytes]] = []
     compressed = gzip.compress(b'{"order":"A-1"}')
 
@@ -127,8 +127,14 @@ async def test_an_encoded_answer_is_passed_on_and_never_stored(client: Client, k
     assert b"accept-encoding" not in seen[0], "the application is asked for an unencoded answer"
     assert first.status() == 201 and first.headers()[b"content-encoding"] == b"gzip"
     assert first.body() == compressed, "passed on as the application sent it"
-    # Not stored (it would be replayed without its Content-Encoding): the key is held.
-    assert await retry_status(middleware, key) == 409
+    # Stored without its body (it would be replayed without its Content-Encoding): the
+    # retry is told so, and the application does not run again. (The key was held, and
+    # ran again once its lease ended.)
+    retry = Caller(middleware, key)
+    await retry.call()
+    assert retry.status() == 201 and retry.body() == b"" and retry.headers()[b"idempotent-replayed"] == b"true"
+    assert b"content-encoding" not in retry.headers(), "no body to decode"
+    assert b"not stored whole: encoded (gzip)" in retry.headers()[b"warning"]
     assert len(seen) == 1
 
 
@@ -176,7 +182,9 @@ def streaming(go: asyncio.Event, end: str) -> App:
 LIMITS = {"body_bytes_max": 1024, "stored_bytes_max": 512, "key_policy_url": "https://shop.example/keys"}
 
 
-async def test_an_answer_past_the_bound_is_passed_on_as_it_comes_and_the_key_held(client: Client, key: str) -> None:
+async def test_an_answer_past_the_bound_is_passed_on_as_it_comes_and_stored_without_its_body(
+    client: Client, key: str
+) -> None:
     go = asyncio.Event()
     middleware = guard(streaming(go, "finish"), client, **LIMITS)
     caller = Caller(middleware, key)
@@ -190,8 +198,13 @@ async def test_an_answer_past_the_bound_is_passed_on_as_it_comes_and_the_key_hel
     assert caller.body() == b"a" * 600 + b"b" * 600 + b"c" * 600
     assert caller.sent[-1]["type"] == "http.response.body" and not caller.sent[-1].get("more_body", False)
     assert len(caller.starts()) == 1
-    # Never released: the application ran and its answer is not stored.
-    assert await retry_status(middleware, key) == 409
+    assert b"a retry is answered without its body" in caller.headers()[b"warning"]
+    # Completed without its body: the retry is told so and nothing runs again. (The key
+    # was held, and ran again once its lease ended.)
+    retry = Caller(middleware, key)
+    await retry.call()
+    assert retry.status() == 200 and retry.body() == b"" and retry.headers()[b"idempotent-replayed"] == b"true"
+    assert b"not stored whole: more than 1024 bytes" in retry.headers()[b"warning"]
 
 
 @pytest.mark.parametrize("end", ["raise", "timeout"])
@@ -237,8 +250,18 @@ async def test_an_answer_too_large_to_store_runs_once_and_its_retry_gets_no_body
     await retry.call()
     assert retry.status() == 201 and retry.body() == b"" and retry.headers()[b"idempotent-replayed"] == b"true"
     assert retry.headers()[b"content-type"] == b"text/plain", "stored headers are kept"
-    assert b"(800 bytes) was over stored_bytes_max (512)" in retry.headers()[b"warning"]
+    assert b"bytes to store, over stored_bytes_max (512)" in retry.headers()[b"warning"]
     assert len(runs) == 1, "the retry did not run the handler again"
+
+
+async def test_stored_bytes_max_below_256_is_refused(client: Client) -> None:
+    """What is stored for an answer not stored whole must fit."""
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        return None
+
+    with pytest.raises(ValueError, match="stored_bytes_max is 255; it must be at least 256"):
+        guard(app, client, stored_bytes_max=255)
 
 
 # The middleware stops waiting for the application ------------------------------------

@@ -28,17 +28,16 @@ the same key with another payload                             ``422`` problem (`
 a ``5xx`` (a status not stored), a soft failure, or the      the key is released; the
 application raising                                           answer passed on (the
                                                               exception re-raised)
-an answer to store over ``stored_bytes_max``                  passed on whole with a
-                                                              ``Warning``; stored without
-                                                              its body, so a retry gets the
-                                                              status and stored headers, an
-                                                              empty body and a ``Warning``
-an answer with a ``Content-Encoding`` (the application        passed on, not stored; the
-compressed it on its own: the request's ``Accept-Encoding``   key held until its lease ends
-never reaches it)
+an answer to store that cannot be stored whole: over         passed on whole with a
+``stored_bytes_max`` (at least 256), encoded (the             ``Warning``; stored without
+application compressed it on its own: the request's          its body, so a retry gets the
+``Accept-Encoding`` never reaches it), or past the bound      status and stored headers, an
+below                                                         empty body and a ``Warning``
 an answer body past the larger of ``body_bytes_max`` and      what was read and the rest
-``stored_bytes_max``                                          passed on as it comes; the key
-                                                              held until its lease ends
+``stored_bytes_max``                                          passed on as it comes; stored
+                                                              without its body once it
+                                                              ends, or held until its lease
+                                                              ends if it is cut short
 the application past ``handler_timeout_ms``                   ``504`` "outcome unknown"; the
                                                               key held until its lease ends
 ===========================================================  =============================
@@ -118,7 +117,7 @@ LEASE_MARGIN_MS = 5_000
 class _PassOn(Retryable):
     """An answer that is not stored: passed on, and the key released."""
 
-    def __init__(self, answer: Answer, error: Optional[BaseException] = None) -> None:
+    def __init__(self, answer: Optional[Answer], error: Optional[BaseException] = None) -> None:
         super().__init__("the answer is not stored")
         self.answer = answer
         self.error = error
@@ -245,6 +244,10 @@ class IdempotencyMiddleware:
         self.key_bytes_max = key_bytes_max
         self.headers_bytes_max = headers_bytes_max
         self.body_bytes_max = body_bytes_max
+        if stored_bytes_max < 256:
+            raise ValueError(
+                f"stored_bytes_max is {stored_bytes_max}; it must be at least 256 (what is stored for an answer not stored whole)"
+            )
         self.stored_bytes_max = stored_bytes_max
         self.wait_ms = wait_ms
         self.handler_timeout_ms = handler_timeout_ms
@@ -371,7 +374,6 @@ class IdempotencyMiddleware:
             log.warning("the answer could not be stored; passed on unstored: %s", unconfirmed)
             if whole:
                 answer = whole[0]
-                answer.headers = [(n, v) for n, v in answer.headers if n != b"warning"]
             else:
                 answer = _with_cookies(_replay(unconfirmed.response, replayed=False), cookies)
             answer.headers.append((b"warning", b'299 - "answer may not be stored; a retry may run again"'))
@@ -389,6 +391,7 @@ class IdempotencyMiddleware:
                 return problem(429, "Too many requests", "resource_exhausted", str(error), retry_after_s=1)
             return problem(503, "Gate unavailable", "unavailable", str(error), retry_after_s=1)
         if whole and not result.replayed:
+            whole[0].headers.append((b"warning", FIRST_OF_OMITTED))
             return whole[0]
         return _with_cookies(_replay(result.response, replayed=result.replayed), [] if result.replayed else cookies)
 
@@ -520,8 +523,11 @@ class IdempotencyMiddleware:
                     chunks.append(chunk)
                     read += len(chunk)
                     if read > bound:
-                        # Past what is read whole: passed on as it comes, never stored.
+                        # Past what is read whole: passed on as it comes, and stored without
+                        # its body once it ends.
                         out = [(n, v) for n, v in response_headers if n not in HOP_BY_HOP] + self._link()
+                        if self.stored_statuses.stores(status):
+                            out.append((b"warning", FIRST_OF_OMITTED))
                         await outlet.send({"type": "http.response.start", "status": status, "headers": out})
                         await outlet.send({"type": "http.response.body", "body": b"".join(chunks), "more_body": more})
                         chunks.clear()
@@ -553,11 +559,17 @@ class IdempotencyMiddleware:
             raise _Held(problem(504, "Outcome unknown", "unavailable", detail))
         error = None if application.cancelled() else application.exception()
         if outlet.started:
-            # Passed on in part or whole: the application ran, and its answer is not
-            # stored. The key is held; the caller's connection is ended if it was cut.
+            # Passed on as it came: the application ran. Ended, its key is completed
+            # without the body (or released, for a status not stored); cut short, the key
+            # is held, and the caller's connection is ended.
             if error is not None:
                 log.warning("the application failed after its answer was passed on in part: %r", error)
-            raise _Held(None)
+            if error is not None or status is None or not complete or application.cancelled():
+                raise _Held(None)
+            if not self.stored_statuses.stores(status):
+                raise _PassOn(None)
+            kept = [(name, v) for name in self.stored_headers for n, v in response_headers if n == name]
+            return _omitted(status, kept, f"more than {bound} bytes", self.stored_bytes_max)
         if application.cancelled():
             raise _Held(problem(502, "Outcome unknown", "unavailable", "the application was cancelled"))
         if error is not None:
@@ -571,23 +583,23 @@ class IdempotencyMiddleware:
         response_body = b"".join(chunks)
         cookies.extend(v for n, v in response_headers if n == b"set-cookie")
         passed = Answer(status, [(n, v) for n, v in response_headers if n not in HOP_BY_HOP], response_body)
-        if self.stored_statuses.stores(status) and _encoded(response_headers):
-            # Compressed by the application on its own: stored, it would be replayed
-            # without its Content-Encoding. The application ran: the key is held.
-            passed.headers.append((b"warning", b'299 - "encoded answer not stored"'))
-            raise _Held(passed)
         storable = self.stored_statuses.stores(status) and not self._soft_failure(response_body)
-        kept = [(name, v) for name in self.stored_headers for n, v in response_headers if n == name]
-        stored = encode_stored(status, kept, response_body)
         if not storable:
             raise _PassOn(passed)
+        kept = [(name, v) for name in self.stored_headers for n, v in response_headers if n == name]
+        # The application ran it: an answer that cannot be stored whole completes the key
+        # with its status and headers, its body left out and said so, and goes whole to
+        # this caller; a retry never runs it again.
+        coding = _encoding(response_headers)
+        if coding is not None:
+            whole.append(passed)
+            return _omitted(status, kept, f"encoded ({coding})", self.stored_bytes_max)
+        stored = encode_stored(status, kept, response_body)
         if len(stored) <= self.stored_bytes_max:
             return stored
-        # The application ran it: a retry must not run it again, so the key is completed
-        # with the answer's status and headers, its body left out and said so.
-        passed.headers.append((b"warning", FIRST_OF_OMITTED))
         whole.append(passed)
-        return _omitted(status, kept, len(response_body), self.stored_bytes_max)
+        reason = f"{len(stored)} bytes to store, over stored_bytes_max ({self.stored_bytes_max})"
+        return _omitted(status, kept, reason, self.stored_bytes_max)
 
     def _soft_failure(self, body: bytes) -> bool:
         if self.soft_failure is None:
@@ -601,17 +613,19 @@ class IdempotencyMiddleware:
         return found and value == expected and type(value) is type(expected)
 
 
-FIRST_OF_OMITTED = b'299 - "answer too large to store; a retry is answered without its body"'
+FIRST_OF_OMITTED = b'299 - "answer not stored whole; a retry is answered without its body"'
 
 
-def _omitted(status: int, headers: Headers, body_bytes: int, stored_bytes_max: int) -> bytes:
-    """What is stored for an answer over ``stored_bytes_max``: its status and stored
-    headers with an empty body and a ``Warning`` saying so, or, when even those are over
-    it, the status and the warning alone. A retry is told the request ran and how it
-    ended, and never runs it again."""
-    text = f'299 - "the answer\'s body ({body_bytes} bytes) was over stored_bytes_max ({stored_bytes_max}) and is not replayed"'
-    warning = (b"warning", text.encode())
-    marker = encode_stored(status, list(headers) + [warning], b"")
+def _omitted(status: int, headers: Headers, reason: str, stored_bytes_max: int) -> bytes:
+    """What is stored for an answer that cannot be stored whole (``reason`` says why): its
+    status and stored headers (but ``Content-Encoding``: there is no body to decode) with
+    an empty body and a ``Warning`` saying so, or, when even those are over
+    ``stored_bytes_max``, the status and the warning alone. A retry is told the request
+    ran and how it ended, and never runs it again. The same bytes as the proxy's."""
+    text = f'299 - "the answer was not stored whole: {reason}; its body is not replayed"'
+    warning = (b"warning", "".join(c if " " <= c <= "~" else "?" for c in text).encode())
+    kept = [(n, v) for n, v in headers if n != b"content-encoding"]
+    marker = encode_stored(status, kept + [warning], b"")
     if len(marker) <= stored_bytes_max:
         return marker
     return encode_stored(status, [warning], b"")
@@ -624,9 +638,13 @@ def _retrieve(task: asyncio.Task[Any]) -> None:
         log.debug("an application the middleware gave up on failed: %r", task.exception())
 
 
-def _encoded(headers: Headers) -> bool:
-    """Whether the answer carries a content coding (other than ``identity``)."""
-    return any(n == b"content-encoding" and v.strip().lower() not in (b"", b"identity") for n, v in headers)
+def _encoding(headers: Headers) -> Optional[str]:
+    """The answer's content coding, other than ``identity``."""
+    for name, value in headers:
+        coding = value.strip().decode("latin-1")
+        if name == b"content-encoding" and coding.lower() not in ("", "identity"):
+            return coding
+    return None
 
 
 def _never_stored(name: bytes) -> bool:
