@@ -70,7 +70,7 @@ export interface IdempotencyOptions {
   bodyBytesMax?: number;
   /** How long a guarded request's body may take to arrive (`408` past it); default 10 s. */
   bodyReadTimeoutMs?: number;
-  /** The largest answer stored (format bytes included); default 60 KiB. Larger ones (within the capture) are passed on with a `Warning` and release the key. */
+  /** The largest answer stored whole (format bytes included); default 60 KiB, at least 256. A larger one goes whole to its caller with a `Warning`, and its key is completed without its body: a retry gets the status and stored headers, an empty body and a `Warning`, and never runs the handler again. */
   storedBytesMax?: number;
   /** How long a retry waits for the first request's answer before `409`; default 5 s. */
   waitMs?: number;
@@ -587,10 +587,10 @@ export function idempotency(options: IdempotencyOptions): (req: IncomingMessage,
     const fingerprint = requestFingerprint(method, target, headers, body);
 
     const capture = new Capture(res, config.answerBytesMax, (out) => {
-      out.appendHeader('warning', FIRST_OF_OMITTED);
+      if (config.storedStatuses.stores(out.statusCode)) out.appendHeader('warning', FIRST_OF_OMITTED);
       if (config.link !== undefined) out.appendHeader('link', config.link);
     });
-    // Set when the answer was too large to store: it is stored without its body.
+    // Set when the answer was captured but not stored whole: it is stored without its body.
     let omitted = false;
     const work = async (lease: Lease): Promise<Buffer> => {
       // The answer is stored as it comes: asked for unencoded, so that a replay needs no

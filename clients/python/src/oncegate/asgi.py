@@ -36,8 +36,10 @@ below                                                         empty body and a `
 an answer body past the larger of ``body_bytes_max`` and      what was read and the rest
 ``stored_bytes_max``                                          passed on as it comes; stored
                                                               without its body once it
-                                                              ends, or held until its lease
-                                                              ends if it is cut short
+                                                              ends (released for a status
+                                                              not stored), or held until
+                                                              its lease ends if it is cut
+                                                              short
 the application past ``handler_timeout_ms``                   ``504`` "outcome unknown"; the
                                                               key held until its lease ends
 ===========================================================  =============================
@@ -469,14 +471,15 @@ class IdempotencyMiddleware:
         self, scope: Scope, body: bytes, attempt: Attempt, cookies: List[bytes], outlet: _Outlet, whole: List[Answer]
     ) -> bytes:
         """Runs the application and keeps its answer: the stored bytes, or an exception
-        saying what becomes of the key. A storable answer too large to store is stored
-        without its body (see :func:`_omitted`), and goes whole to this caller through
-        ``whole``.
+        saying what becomes of the key. A storable answer that cannot be stored whole (too
+        large, past the bound, or encoded) is stored without its body (see
+        :func:`_omitted`), and goes whole to this caller through ``whole``.
 
         The answer is read whole up to the larger of ``body_bytes_max`` and
         ``stored_bytes_max``; past it, what was read and the rest go to the caller as
-        they come (``outlet``), and the key is held (the application ran; its answer
-        cannot be stored)."""
+        they come (``outlet``); once it ends, the key is completed without its body
+        (released for a status not stored), and if it is cut short the key is held until
+        its lease ends."""
         # Asked unencoded: what is stored is replayed without a Content-Encoding.
         headers = [(n, v) for n, v in scope["headers"] if n.lower() != b"accept-encoding"]
         headers.append((b"oncegate-token", str(attempt.token).encode()))
