@@ -10,11 +10,13 @@ import pytest
 
 from conftest import VECTORS
 from oncegate import TradeKey, canonical_json, canonical_json_text, fingerprint_json, fingerprint_json_text
+from oncegate.asgi import _omitted
 from oncegate.fingerprint import loads_strict
 
 DATA = json.loads(VECTORS.read_text(encoding="utf-8"))
 FINGERPRINTS: List[Dict[str, Any]] = DATA["fingerprints"]
 TRADE_KEYS: List[Dict[str, Any]] = DATA["trade_keys"]
+NOT_WHOLE: List[Dict[str, Any]] = DATA["answers_not_stored_whole"]
 
 
 def test_the_vectors_file_has_cases() -> None:
@@ -69,3 +71,11 @@ def test_text_that_is_not_strict_json_is_refused() -> None:
 def test_a_fingerprint_is_the_format_byte_and_a_sha256() -> None:
     fingerprint = fingerprint_json({"qty": 1})
     assert len(fingerprint) == 33 and fingerprint[0] == 1
+
+
+@pytest.mark.parametrize("case", NOT_WHOLE, ids=[c["reason"] for c in NOT_WHOLE])
+def test_what_is_stored_for_an_answer_not_stored_whole(case: Dict[str, Any]) -> None:
+    """The proxy and both middlewares store the same bytes, so each replays the others'."""
+    headers = [(n.encode(), v.encode()) for n, v in case["headers"]]
+    stored = _omitted(case["status"], headers, case["reason"], case["stored_bytes_max"])
+    assert stored.hex() == case["stored_hex"]

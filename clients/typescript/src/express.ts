@@ -763,9 +763,10 @@ const FIRST_OF_OMITTED = '299 - "answer not stored whole; a retry is answered wi
  * status and stored headers (but `Content-Encoding`: there is no body to decode) with an
  * empty body and a `Warning` saying so, or, when even those are over `storedBytesMax`,
  * the status and the warning alone. A retry is told the request ran and how it ended,
- * and never runs it again. The same bytes as the proxy's and the ASGI middleware's.
+ * and never runs it again. The same bytes as the proxy's and the ASGI middleware's
+ * (clients/vectors.json).
  */
-function omittedAnswer(answer: StoredAnswer, reason: string, storedBytesMax: number): Buffer {
+export function omittedAnswer(answer: StoredAnswer, reason: string, storedBytesMax: number): Buffer {
   const text = `299 - "the answer was not stored whole: ${reason}; its body is not replayed"`;
   const warning: [string, string] = ['warning', text.replace(/[^\x20-\x7e]/g, '?')];
   const kept = answer.headers.filter(([name]) => name !== 'content-encoding');

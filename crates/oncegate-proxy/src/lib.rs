@@ -781,6 +781,33 @@ mod tests {
         assert_eq!(bare.headers[0].0, header::WARNING);
     }
 
+    /// The proxy and both middlewares store the same bytes for an answer not stored
+    /// whole, so that each replays the others' (clients/vectors.json).
+    #[test]
+    fn what_is_stored_for_an_answer_not_stored_whole_is_the_shared_vector() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../clients/vectors.json");
+        let vectors: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let cases = vectors["answers_not_stored_whole"].as_array().unwrap();
+        assert!(cases.len() >= 3);
+        for case in cases {
+            let headers = case["headers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|pair| {
+                    let name = HeaderName::from_bytes(pair[0].as_str().unwrap().as_bytes()).unwrap();
+                    (name, HeaderValue::from_str(pair[1].as_str().unwrap()).unwrap())
+                })
+                .collect();
+            let status = StatusCode::from_u16(case["status"].as_u64().unwrap() as u16).unwrap();
+            let max = case["stored_bytes_max"].as_u64().unwrap() as usize;
+            let stored = omitted(status, headers, case["reason"].as_str().unwrap(), max);
+            let hex: String = stored.iter().map(|b| format!("{b:02x}")).collect();
+            assert_eq!(hex, case["stored_hex"].as_str().unwrap(), "{}", case["reason"]);
+        }
+    }
+
     #[test]
     fn hop_by_hop_headers_and_those_connection_names_are_stripped() {
         let mut headers = HeaderMap::new();
