@@ -138,13 +138,17 @@ impl ProxyConfig {
     }
 }
 
-/// An upstream answer's body that fails once it pauses longer than `idle` between two
-/// frames: a stalled upstream must not hold the caller's connection (nor, for a guarded
-/// request, the key) for ever.
+/// An upstream answer's body that fails once the upstream keeps its reader waiting longer
+/// than `idle` for a frame: a stalled upstream must not hold the caller's connection (nor,
+/// for a guarded request, the key) for ever. Only the reader's wait counts, from the first
+/// poll that finds no frame: time the reader spends elsewhere (committing the answer,
+/// sending what it read to a slow caller) is not the upstream's pause.
 struct IdleBody<B> {
     body: B,
     idle: Duration,
     timer: Pin<Box<tokio::time::Sleep>>,
+    /// Whether the reader has been waiting since the last frame (the timer is armed).
+    waiting: bool,
 }
 
 /// Why a passed-through answer's body was cut.
@@ -156,7 +160,7 @@ struct UpstreamBodyIdle {
 
 impl<B> IdleBody<B> {
     fn new(body: B, idle: Duration) -> IdleBody<B> {
-        IdleBody { body, idle, timer: Box::pin(tokio::time::sleep(idle)) }
+        IdleBody { body, idle, timer: Box::pin(tokio::time::sleep(idle)), waiting: false }
     }
 }
 
@@ -173,9 +177,13 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<http_body::Frame<axum::body::Bytes>, axum::BoxError>>> {
         if let Poll::Ready(frame) = Pin::new(&mut self.body).poll_frame(cx) {
-            let next = tokio::time::Instant::now() + self.idle;
-            self.timer.as_mut().reset(next);
+            self.waiting = false;
             return Poll::Ready(frame.map(|frame| frame.map_err(Into::into)));
+        }
+        if !self.waiting {
+            self.waiting = true;
+            let until = tokio::time::Instant::now() + self.idle;
+            self.timer.as_mut().reset(until);
         }
         if self.timer.as_mut().poll(cx).is_ready() {
             return Poll::Ready(Some(Err(Box::new(UpstreamBodyIdle { idle_ms: self.idle.as_millis() }))));
@@ -806,6 +814,46 @@ mod tests {
             let hex: String = stored.iter().map(|b| format!("{b:02x}")).collect();
             assert_eq!(hex, case["stored_hex"].as_str().unwrap(), "{}", case["reason"]);
         }
+    }
+
+    /// A body whose frames the test hands in one at a time.
+    #[derive(Default)]
+    struct Handed(std::collections::VecDeque<axum::body::Bytes>);
+
+    impl http_body::Body for Handed {
+        type Data = axum::body::Bytes;
+        type Error = std::convert::Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+            match self.0.pop_front() {
+                Some(data) => Poll::Ready(Some(Ok(http_body::Frame::data(data)))),
+                None => Poll::Pending,
+            }
+        }
+    }
+
+    /// Only the reader's wait for a frame counts against `upstream_body_idle_ms`: a
+    /// reader that comes back after longer than that (it committed the answer, or sent
+    /// what it read to a slow caller) still gets the next frame. (The deadline ran from
+    /// the last frame, so the rest of an answer past the bytes read whole was cut at once
+    /// after a slow commit.)
+    #[tokio::test(start_paused = true)]
+    async fn only_the_readers_wait_counts_against_the_idle_timeout() {
+        use http_body::Body as _;
+        let idle = Duration::from_millis(100);
+        let mut body = IdleBody::new(Handed(["one".into()].into()), idle);
+        let mut poll =
+            async || std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx))).await;
+        assert!(matches!(poll().await, Poll::Ready(Some(Ok(_)))));
+        tokio::time::advance(idle * 3).await;
+        assert!(poll().await.is_pending(), "the reader was away, not waiting");
+        tokio::time::advance(idle / 2).await;
+        assert!(poll().await.is_pending());
+        tokio::time::advance(idle).await;
+        assert!(matches!(poll().await, Poll::Ready(Some(Err(_)))), "it waited longer than idle");
     }
 
     #[test]
