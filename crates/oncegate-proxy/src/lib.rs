@@ -745,11 +745,13 @@ async fn read_up_to(body: Body, bound: usize) -> Result<Read, axum::Error> {
     Ok(Read::Whole(chunks.concat().into()))
 }
 
-/// The content coding of an answer, other than `identity`.
+/// The content coding of an answer, other than `identity`, from any of its
+/// `Content-Encoding` lines.
 fn encoding(headers: &HeaderMap) -> Option<String> {
-    let coding = headers.get(header::CONTENT_ENCODING)?;
-    let coding = String::from_utf8_lossy(coding.as_bytes()).trim().to_owned();
-    (!coding.is_empty() && !coding.eq_ignore_ascii_case("identity")).then_some(coding)
+    headers.get_all(header::CONTENT_ENCODING).iter().find_map(|value| {
+        let coding = String::from_utf8_lossy(value.as_bytes()).trim().to_owned();
+        (!coding.is_empty() && !coding.eq_ignore_ascii_case("identity")).then_some(coding)
+    })
 }
 
 /// A stored answer as a response; `replayed` marks a retry's.
@@ -854,6 +856,17 @@ mod tests {
         assert!(poll().await.is_pending());
         tokio::time::advance(idle).await;
         assert!(matches!(poll().await, Poll::Ready(Some(Err(_)))), "it waited longer than idle");
+    }
+
+    #[test]
+    fn an_encoding_on_any_line_counts() {
+        let mut headers = HeaderMap::new();
+        headers.append(header::CONTENT_ENCODING, HeaderValue::from_static("identity"));
+        headers.append(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
+        assert_eq!(encoding(&headers).as_deref(), Some("gzip"));
+        headers.remove(header::CONTENT_ENCODING);
+        headers.append(header::CONTENT_ENCODING, HeaderValue::from_static(" Identity "));
+        assert_eq!(encoding(&headers), None);
     }
 
     #[test]
