@@ -264,6 +264,32 @@ async def test_stored_bytes_max_below_256_is_refused(client: Client) -> None:
         guard(app, client, stored_bytes_max=255)
 
 
+async def test_an_answer_not_stored_whole_reaches_its_caller_when_the_lease_is_lost(
+    client: Client, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It is the only copy the caller can get: passed on, warned that a retry may run
+    again. (It was dropped for a ``502``.)"""
+    commit = client.commit
+
+    async def lost(namespace: str, key: str, token: int, outcome: Any, response: bytes = b"") -> int:
+        # Released and granted to another attempt before the commit, which is fenced off.
+        await client.release(namespace, key, token)
+        await client.reserve(namespace, key)
+        return await commit(namespace, key, token, outcome, response)
+
+    monkeypatch.setattr(client, "commit", lost)
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 201, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"z" * 800})
+
+    first = Caller(guard(app, client, **LIMITS), key)
+    await first.call()
+    assert first.status() == 201 and first.body() == b"z" * 800
+    assert b"lease lost before the answer was stored" in first.headers()[b"warning"]
+
+
 # The middleware stops waiting for the application ------------------------------------
 
 

@@ -675,6 +675,10 @@ export function idempotency(options: IdempotencyOptions): (req: IncomingMessage,
         if (capture.passing) return;
         return sendCaptured(error.kind === 'unconfirmed' ? '299 - "answer may not be stored; a retry may run again"' : undefined);
       }
+      // Passed on as it came and ended: nothing may follow it, nor cut it short.
+      if (capture.passing && res.writableEnded) return;
+      // An answer not stored whole is the only copy the caller can get.
+      if (omitted && error instanceof OnceError && error.kind === 'lease_lost') return sendCaptured(LOST_BEFORE_STORED);
       capture.replace((out) => refused(out, error));
     }
   };
@@ -754,6 +758,9 @@ function parsedBodyBytes(body: unknown): Buffer {
   if (typeof body === 'string') return Buffer.from(body, 'utf8');
   return Buffer.from(JSON.stringify(body), 'utf8');
 }
+
+/** The warning on an answer not stored whole whose lease was lost before it was stored. */
+const LOST_BEFORE_STORED = '299 - "lease lost before the answer was stored; a retry may run again"';
 
 /** The warning on the whole answer of a request whose answer was not stored whole. */
 const FIRST_OF_OMITTED = '299 - "answer not stored whole; a retry is answered without its body"';

@@ -328,6 +328,29 @@ test('an answer past the capture limit is passed on as it comes and stored witho
   assert.equal(midRuns, 1, 'the retry did not run the handler again');
 });
 
+test('an answer not stored whole reaches its caller when the lease is lost before its commit', async () => {
+  // Released and granted to another attempt before the commit, which is fenced off.
+  const lost = new Client({ address: server.address });
+  const commit = lost.commit.bind(lost);
+  lost.commit = async (input, callOptions) => {
+    await lost.release({ namespace: input.namespace, key: input.key, token: input.token });
+    await lost.reserve({ namespace: input.namespace, key: input.key });
+    return commit(input, callOptions);
+  };
+  const app = express();
+  app.use(idempotency({ ...options({ storedBytesMax: 512 }), client: lost }));
+  app.post('/mid', (_req, res) => {
+    res.status(201).type('text').send('y'.repeat(800));
+  });
+  const at = await serve(app);
+  // The only copy the caller can get: passed on, warned (it was dropped for a 502).
+  const first = await post('/mid', uniqueKey('lost'), {}, {}, at);
+  assert.equal(first.status, 201);
+  assert.equal((await first.text()).length, 800);
+  assert.match(first.headers.get('warning') ?? '', /lease lost before the answer was stored/);
+  lost.close();
+});
+
 test('storedBytesMax below 256 is refused: what is stored for an answer not stored whole must fit', () => {
   assert.throws(() => idempotency(options({ storedBytesMax: 255 })), /storedBytesMax is 255; it must be at least 256/);
 });

@@ -596,6 +596,13 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
                 );
                 Ok(passed)
             }
+            // An answer not stored whole is the only copy the caller can get (past the
+            // bytes read whole, the rest is still coming): passed on, warned.
+            OnceError::LeaseLost { .. } if whole.is_some() => {
+                let mut passed = whole.expect("matched Some");
+                passed.headers_mut().append(header::WARNING, HeaderValue::from_static(LOST_BEFORE_STORED));
+                Ok(passed)
+            }
             OnceError::LeaseLost { .. } | OnceError::Failed { .. } | _ => Err(Problem::new(
                 StatusCode::BAD_GATEWAY,
                 "Outcome unknown",
@@ -692,6 +699,9 @@ struct FirstCaller {
     /// The whole answer, when it was too large to store.
     answer: std::sync::Mutex<Option<Response>>,
 }
+
+/// The warning on an answer not stored whole whose lease was lost before it was stored.
+const LOST_BEFORE_STORED: &str = "299 - \"lease lost before the answer was stored; a retry may run again\"";
 
 /// The warning on the whole answer of a request whose answer was not stored whole.
 const FIRST_OF_OMITTED: &str = "299 - \"answer not stored whole; a retry is answered without its body\"";

@@ -276,6 +276,58 @@ impl Gate for PanickingHeartbeats {
     }
 }
 
+/// The engine's gate, but every commit finds its lease gone: the key is released first, as
+/// an operator's force-release would, and granted to another attempt.
+#[derive(Clone)]
+struct LostAtCommit(TenantGate);
+
+impl Gate for LostAtCommit {
+    type Error = <TenantGate as Gate>::Error;
+
+    fn reserve(&self, request: ReserveRequest) -> impl Future<Output = Result<Reserved, Self::Error>> + Send {
+        self.0.reserve(request)
+    }
+
+    async fn commit(&self, request: CommitRequest) -> Result<u64, Self::Error> {
+        let (namespace, key) = (request.namespace.clone(), request.key.clone());
+        self.0
+            .release(KeyRequest {
+                namespace: namespace.clone(),
+                key: key.clone(),
+                token: request.token,
+                lease_ms: 0,
+            })
+            .await?;
+        // Another attempt is granted the key meanwhile: the commit is fenced off.
+        self.0.reserve(ReserveRequest { namespace, key, ..ReserveRequest::default() }).await?;
+        self.0.commit(request).await
+    }
+
+    fn release(&self, request: KeyRequest) -> impl Future<Output = Result<(), Self::Error>> + Send {
+        self.0.release(request)
+    }
+
+    fn heartbeat(&self, request: KeyRequest) -> impl Future<Output = Result<Renewed, Self::Error>> + Send {
+        self.0.heartbeat(request)
+    }
+
+    fn get(&self, request: KeyRequest) -> impl Future<Output = Result<View, Self::Error>> + Send {
+        self.0.get(request)
+    }
+}
+
+/// An answer not stored whole whose lease is lost before its commit still reaches its
+/// caller, warned that a retry may run again: it is the only copy. (It was dropped for a
+/// `502`; past the bytes read whole, the upstream's answer was lost with it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_not_stored_whole_reaches_its_caller_when_the_lease_is_lost() {
+    let setup = setup_on(|c| c.stored_bytes_max = 1_024, |_| {}, LostAtCommit).await;
+    let ((status, _, body), headers) = setup.post_with("/big", Some("b"), "{}", &[]).await;
+    assert_eq!((status, body.len()), (StatusCode::OK, 4_000));
+    let warning = headers[header::WARNING].to_str().unwrap();
+    assert!(warning.contains("lease lost before the answer was stored"), "{headers:?}");
+}
+
 /// A request whose task fails while the upstream may be running it leaves its key held
 /// until the lease ends, as a killed proxy does: a retry in the meantime is told the
 /// request is in progress and does not run it again.

@@ -380,7 +380,17 @@ class IdempotencyMiddleware:
                 answer = _with_cookies(_replay(unconfirmed.response, replayed=False), cookies)
             answer.headers.append((b"warning", b'299 - "answer may not be stored; a retry may run again"'))
             return answer
-        except (LeaseLostError, Final):
+        except LeaseLostError:
+            if whole:
+                # An answer not stored whole is the only copy the caller can get.
+                whole[0].headers.append((b"warning", LOST_BEFORE_STORED))
+                return whole[0]
+            detail = (
+                "the application may have run this request, but its answer could not be stored; "
+                "do not retry blindly: check what it did"
+            )
+            return problem(502, "Outcome unknown", "lease_lost", detail)
+        except Final:
             detail = (
                 "the application may have run this request, but its answer could not be stored; "
                 "do not retry blindly: check what it did"
@@ -617,6 +627,7 @@ class IdempotencyMiddleware:
 
 
 FIRST_OF_OMITTED = b'299 - "answer not stored whole; a retry is answered without its body"'
+LOST_BEFORE_STORED = b'299 - "lease lost before the answer was stored; a retry may run again"'
 
 
 def _omitted(status: int, headers: Headers, reason: str, stored_bytes_max: int) -> bytes:
