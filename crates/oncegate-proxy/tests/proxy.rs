@@ -8,6 +8,7 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::http::{HeaderName, Request, StatusCode, header};
 use axum::routing::post;
+use futures_util::StreamExt;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -26,6 +27,8 @@ struct Counts {
     slow_started: tokio::sync::Notify,
     hang: AtomicUsize,
     big: AtomicUsize,
+    /// Lets `/stream` send the rest of its answer.
+    stream_rest: tokio::sync::Notify,
 }
 
 async fn serve(router: axum::Router) -> String {
@@ -42,6 +45,7 @@ async fn upstream(counts: Arc<Counts>) -> String {
     let hang = Arc::clone(&counts);
     let big = Arc::clone(&counts);
     let encoded = Arc::clone(&counts);
+    let stream = Arc::clone(&counts);
     let router = axum::Router::new()
         .route(
             "/echo",
@@ -65,6 +69,20 @@ async fn upstream(counts: Arc<Counts>) -> String {
             post(move || async move {
                 big.big.fetch_add(1, Ordering::SeqCst);
                 "b".repeat(4_000)
+            }),
+        )
+        .route(
+            "/stream",
+            post(move || async move {
+                stream.big.fetch_add(1, Ordering::SeqCst);
+                let first = futures_util::stream::once(async {
+                    Ok::<_, std::convert::Infallible>(vec![b's'; 1_500])
+                });
+                let rest = futures_util::stream::once(async move {
+                    stream.stream_rest.notified().await;
+                    Ok(vec![b't'; 500])
+                });
+                Body::from_stream(first.chain(rest))
             }),
         )
         .route(
@@ -113,7 +131,7 @@ async fn upstream(counts: Arc<Counts>) -> String {
             axum::routing::get(|| async {
                 // One chunk, then nothing, for ever: an upstream that stalls mid-body.
                 let first = futures_util::stream::once(async { Ok::<_, std::io::Error>("first chunk") });
-                Body::from_stream(futures_util::StreamExt::chain(first, futures_util::stream::pending()))
+                Body::from_stream(first.chain(futures_util::stream::pending()))
             }),
         )
         .route(
@@ -605,6 +623,42 @@ async fn answers_past_the_bound_or_encoded_run_once_and_go_whole_to_their_caller
     assert_eq!(headers[header::LOCATION], "/orders/9");
     assert!(warning(&headers).contains("not stored whole: encoded (gzip)"), "{headers:?}");
     assert_eq!(setup.counts.big.load(Ordering::SeqCst), 2, "each ran once");
+}
+
+/// Past the bytes read whole, the answer reaches its caller while the upstream still
+/// sends it: the upstream holds back its rest until the caller has the first part, so a
+/// proxy that read the answer whole would never answer (the test's minute runs out). Its
+/// key is then completed without the body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_past_the_bound_reaches_its_caller_before_the_upstream_ends() {
+    let setup = setup(|c| {
+        c.body_bytes_max = 1_024;
+        c.stored_bytes_max = 512;
+    })
+    .await;
+    let request = Request::post(format!("{}/stream", setup.proxy))
+        .header(header::CONTENT_TYPE, "application/json")
+        .header("idempotency-key", "s")
+        .body(Body::from("{}"))
+        .unwrap();
+    let response = setup.http.request(request).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut body = Body::new(response.into_body()).into_data_stream();
+    let mut read = 0;
+    let first = async {
+        while read < 1_500 {
+            read += body.next().await.expect("more of the answer").unwrap().len();
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), first).await.expect("the first part came before the rest");
+    setup.counts.stream_rest.notify_one();
+    while let Some(chunk) = body.next().await {
+        read += chunk.unwrap().len();
+    }
+    assert_eq!(read, 2_000, "the whole answer");
+    let ((status, replayed, body), _) = setup.post_with("/stream", Some("s"), "{}", &[]).await;
+    assert_eq!((status, replayed.as_deref(), body.len()), (StatusCode::OK, Some("true"), 0));
+    assert_eq!(setup.counts.big.load(Ordering::SeqCst), 1, "it ran once");
 }
 
 /// A header the upstream sends twice is stored and replayed with both values, in order;
