@@ -542,6 +542,15 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
     ) -> Result<Response, Problem> {
         use oncegate_core::Code;
         use oncegate_core::gate::GateError;
+        // An answer not stored whole is the only copy the caller can get (past the bytes
+        // read whole, the rest is still coming): passed on, warned, if the lease was lost.
+        let whole = match (&error, whole) {
+            (OnceError::LeaseLost { .. }, Some(mut passed)) => {
+                passed.headers_mut().append(header::WARNING, HeaderValue::from_static(LOST_BEFORE_STORED));
+                return Ok(passed);
+            }
+            (_, whole) => whole,
+        };
         match error {
             OnceError::Retryable(Unstored(response)) | OnceError::Unknown(Unstored(response)) => Ok(response),
             OnceError::InProgress { retry_after_ms } => Err(Problem {
@@ -594,13 +603,6 @@ impl<G: Gate + Clone + 'static> Proxy<G> {
                     header::WARNING,
                     HeaderValue::from_static("299 - \"answer may not be stored; a retry may run again\""),
                 );
-                Ok(passed)
-            }
-            // An answer not stored whole is the only copy the caller can get (past the
-            // bytes read whole, the rest is still coming): passed on, warned.
-            OnceError::LeaseLost { .. } if whole.is_some() => {
-                let mut passed = whole.expect("matched Some");
-                passed.headers_mut().append(header::WARNING, HeaderValue::from_static(LOST_BEFORE_STORED));
                 Ok(passed)
             }
             OnceError::LeaseLost { .. } | OnceError::Failed { .. } | _ => Err(Problem::new(
@@ -696,7 +698,7 @@ fn with_cookies(mut response: Response, cookies: Option<&Vec<HeaderValue>>) -> R
 struct FirstCaller {
     /// The upstream's cookies: never stored, never replayed.
     cookies: std::sync::OnceLock<Vec<HeaderValue>>,
-    /// The whole answer, when it was too large to store.
+    /// The answer as it came, when it was not stored whole.
     answer: std::sync::Mutex<Option<Response>>,
 }
 
