@@ -122,47 +122,32 @@ impl Reserved {
     }
 }
 
-/// A gate shared by reference counting is the same gate.
-impl<G: Gate> Gate for std::sync::Arc<G> {
-    type Error = G::Error;
+/// A gate behind a pointer is the same gate: shared by reference counting, or borrowed.
+macro_rules! same_gate {
+    ($($pointer:ty),*) => {$(
+        impl<G: Gate> Gate for $pointer {
+            type Error = G::Error;
 
-    fn reserve(&self, request: ReserveRequest) -> impl Future<Output = Result<Reserved, Self::Error>> + Send {
-        (**self).reserve(request)
-    }
-    fn commit(&self, request: CommitRequest) -> impl Future<Output = Result<u64, Self::Error>> + Send {
-        (**self).commit(request)
-    }
-    fn release(&self, request: KeyRequest) -> impl Future<Output = Result<(), Self::Error>> + Send {
-        (**self).release(request)
-    }
-    fn heartbeat(&self, request: KeyRequest) -> impl Future<Output = Result<Renewed, Self::Error>> + Send {
-        (**self).heartbeat(request)
-    }
-    fn get(&self, request: KeyRequest) -> impl Future<Output = Result<View, Self::Error>> + Send {
-        (**self).get(request)
-    }
+            fn reserve(&self, request: ReserveRequest) -> impl Future<Output = Result<Reserved, Self::Error>> + Send {
+                (**self).reserve(request)
+            }
+            fn commit(&self, request: CommitRequest) -> impl Future<Output = Result<u64, Self::Error>> + Send {
+                (**self).commit(request)
+            }
+            fn release(&self, request: KeyRequest) -> impl Future<Output = Result<(), Self::Error>> + Send {
+                (**self).release(request)
+            }
+            fn heartbeat(&self, request: KeyRequest) -> impl Future<Output = Result<Renewed, Self::Error>> + Send {
+                (**self).heartbeat(request)
+            }
+            fn get(&self, request: KeyRequest) -> impl Future<Output = Result<View, Self::Error>> + Send {
+                (**self).get(request)
+            }
+        }
+    )*};
 }
 
-/// A borrowed gate is the same gate.
-impl<G: Gate> Gate for &G {
-    type Error = G::Error;
-
-    fn reserve(&self, request: ReserveRequest) -> impl Future<Output = Result<Reserved, Self::Error>> + Send {
-        (**self).reserve(request)
-    }
-    fn commit(&self, request: CommitRequest) -> impl Future<Output = Result<u64, Self::Error>> + Send {
-        (**self).commit(request)
-    }
-    fn release(&self, request: KeyRequest) -> impl Future<Output = Result<(), Self::Error>> + Send {
-        (**self).release(request)
-    }
-    fn heartbeat(&self, request: KeyRequest) -> impl Future<Output = Result<Renewed, Self::Error>> + Send {
-        (**self).heartbeat(request)
-    }
-    fn get(&self, request: KeyRequest) -> impl Future<Output = Result<View, Self::Error>> + Send {
-        (**self).get(request)
-    }
-}
+same_gate!(std::sync::Arc<G>, &G);
 
 /// A boxed future, as [`DynGate`] returns.
 pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn Future<Output = T> + Send + 'a>>;
