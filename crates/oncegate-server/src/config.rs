@@ -344,13 +344,13 @@ impl TenantConfig {
 
     /// The heartbeats, and the commits with releases, admitted per second: as set, or
     /// ten times the request rate; 0 is no limit.
-    pub fn finishes_rate(&self) -> u32 {
+    pub(crate) fn finishes_rate(&self) -> u32 {
         self.finishes_per_s.unwrap_or(self.requests_per_s.saturating_mul(FINISHES_PER_REQUEST))
     }
 
     /// How many finishes are admitted at once: a second's worth, or the request burst
     /// when that is larger (a burst of grants may all commit at once).
-    pub fn finishes_burst(&self) -> u32 {
+    pub(crate) fn finishes_burst(&self) -> u32 {
         self.finishes_rate().max(self.burst())
     }
 }
