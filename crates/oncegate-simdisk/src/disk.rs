@@ -309,6 +309,8 @@ pub struct DiskStats {
     pub dir_syncs: u64,
     /// Bytes written.
     pub bytes_written: u64,
+    /// Writes (calls, SQLite's and the seam's).
+    pub writes: u64,
     /// Power cuts.
     pub cuts: u64,
     /// Syncs of shard files (`*.sqlite`): in WAL mode, one per checkpoint (and one when
@@ -399,6 +401,7 @@ impl State {
         self.next_inode += 1;
         let id = self.next_inode;
         self.stats.bytes_written += inode.len() as u64;
+        self.stats.writes += u64::from(inode.len() > 0);
         self.inodes.insert(id, inode);
         self.entries.insert(path.to_owned(), Node::File(id));
         Ok(id)
@@ -500,6 +503,7 @@ impl State {
 
     pub fn write(&mut self, inode: u64, offset: usize, bytes: &[u8]) {
         self.stats.bytes_written += bytes.len() as u64;
+        self.stats.writes += 1;
         if let Some(inode) = self.inodes.get_mut(&inode) {
             inode.write(offset, bytes);
         }

@@ -10,7 +10,8 @@
 //! file has two, the shard's and its checkpointer's, which must exclude each other on the
 //! WAL index as they would on a real disk.
 //!
-//! This is the workspace's only `unsafe` code: the C ABI of `sqlite3_vfs` and
+//! One of the workspace's two modules with `unsafe` code (the engine's
+//! `store/sqlite/gather.rs` is the other): the C ABI of `sqlite3_vfs` and
 //! `sqlite3_io_methods`. Every function takes the pointers SQLite hands it, checks them,
 //! and turns to safe code on the `Disk` as soon as it can.
 #![allow(unsafe_code)]

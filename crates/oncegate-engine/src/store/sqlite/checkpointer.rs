@@ -82,15 +82,12 @@ impl Checkpointer {
     pub fn start(
         shard: &Connection,
         path: &Path,
-        vfs: Option<&str>,
+        vfs: &str,
         synchronous: &str,
         interval_pages: u64,
         runs: Arc<AtomicU64>,
     ) -> Result<Checkpointer, StoreError> {
-        let conn = match vfs {
-            Some(vfs) => Connection::open_with_flags_and_vfs(path, OpenFlags::default(), vfs)?,
-            None => Connection::open(path)?,
-        };
+        let conn = Connection::open_with_flags_and_vfs(path, OpenFlags::default(), vfs)?;
         conn.pragma_update(None, "synchronous", synchronous)?;
         // A checkpoint copies frames through its own buffer; the cache only holds the
         // schema.

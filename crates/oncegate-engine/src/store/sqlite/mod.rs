@@ -6,6 +6,7 @@
 //! [`Index`] (`index.rs` says why).
 
 mod checkpointer;
+mod gather;
 #[macro_use]
 mod schema;
 mod txn;
@@ -211,10 +212,8 @@ impl Store {
         // power cut takes away, and every one of them would be lost with them.
         let wal = crate::files::companion(path, "-wal");
         tuning.files.drop_cached(&wal).map_err(|source| StoreError::Io { path: wal.clone(), source })?;
-        let mut conn = match tuning.files.sqlite_vfs() {
-            Some(vfs) => Connection::open_with_flags_and_vfs(path, OpenFlags::default(), vfs)?,
-            None => Connection::open(path)?,
-        };
+        let vfs = gather::over(tuning.files.sqlite_vfs())?;
+        let mut conn = Connection::open_with_flags_and_vfs(path, OpenFlags::default(), vfs.as_str())?;
         // Takes effect only on a new, empty file; older files keep the size they have.
         conn.pragma_update(None, "page_size", NEW_FILE_PAGE_BYTES)?;
         let checkpoint_pages = faults.wal_checkpoint_pages().unwrap_or(tuning.wal_checkpoint_pages);
@@ -244,7 +243,7 @@ impl Store {
         let checkpointer = Checkpointer::start(
             &conn,
             path,
-            tuning.files.sqlite_vfs(),
+            &vfs,
             synchronous(tuning.durability),
             checkpoint_pages,
             Arc::clone(&tuning.checkpoints),
