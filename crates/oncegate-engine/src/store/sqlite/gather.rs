@@ -1,12 +1,12 @@
 //! A SQLite VFS that writes a commit's WAL frames with one write instead of two a frame.
 //!
 //! SQLite writes each WAL frame as its 24-byte header, then its page: a commit of seven
-//! frames is fourteen system calls (docs/benchmarks.md). This VFS sits over another one
-//! (the files seam's: SQLite's `unix-excl`, or the simulated disk's). A WAL file's writes
-//! that append to it are held in memory ([`Held`]) and written with one call of the VFS
-//! underneath as soon as the commit's last frame (the one whose header carries the
-//! database's size) is complete. Every other file, the database file included, is the
-//! underlying VFS's own object (this VFS opens it in SQLite's storage and steps aside).
+//! frames is fourteen system calls (docs/benchmarks.md). This VFS is stacked on another
+//! one, its base (the `Files` seam's: SQLite's `unix-excl`, or the simulated disk's). A
+//! WAL file's appends are held in memory ([`WalGather`]) and written with one call of the
+//! base as soon as the commit's last frame (the one whose header carries the database's
+//! size) is complete. Every other file, the database file included, is the base's own
+//! object (this VFS opens it in SQLite's storage and steps aside).
 //!
 //! Why nothing a reader or a crash could depend on is ever held:
 //! - a commit's frames reach the file when its last frame does, inside SQLite's write of
@@ -16,10 +16,11 @@
 //! - only appends are held: a write over bytes already written since the WAL last
 //!   started over (a checksum rewrite, a page changed again after its transaction
 //!   spilled) writes what is held, then goes straight to the file, as SQLite made it;
-//! - so what is held at any other moment is frames of a transaction not yet committed
-//!   (a large one that spilled its page cache), which SQLite reads back through this
-//!   handle (served from memory) and no other connection reads, or of one that rolled
-//!   back, which SQLite had written too (beyond the last commit, where nothing reads);
+//! - so what is held at any other moment belongs to a transaction not yet committed (its
+//!   frames, after a large one spilled its page cache, and a restarted WAL's header),
+//!   which SQLite reads back through this handle (served from memory) and no other
+//!   connection reads, or to one that rolled back, which SQLite had written too, beyond
+//!   the last commit, where nothing reads;
 //! - one connection writes a shard's WAL, the shard's own: the engine's directory lock
 //!   keeps a second engine off the file, and the checkpointer's connection only reads
 //!   it (`PASSIVE`). A second connection writing the WAL through this VFS would see a
@@ -28,17 +29,21 @@
 //!   commit with copies of its last frame and splits a write at a sector boundary. SQLite
 //!   asks the database file; this VFS asks the WAL's object and the database's `psow`
 //!   URI parameter, which is what `unix` answers the database with (fixed at open) and
-//!   what its WAL objects do not see. A base VFS that answers otherwise must not be used.
+//!   what its WAL objects do not see. A base that answers otherwise must not be used.
 //!
-//! A failed write answers the call that made it: SQLite's next write, or its sync, with
+//! A failed write of what is held answers the call that wrote it: a write or a sync with
 //! the write's own error (`SQLITE_FULL` for a full disk), which SQLite treats as a failed
-//! write of its own and rolls the whole transaction back; the held bytes are dropped.
+//! write of its own and rolls the whole transaction back; a read with
+//! `SQLITE_IOERR_READ` (never `SQLITE_FULL`, after which SQLite may undo only the
+//! statement, keeping earlier ones whose frames were dropped); a truncation or a close
+//! with the write's error. What was held is dropped.
 //!
-//! The C ABI of `sqlite3_vfs` and `sqlite3_io_methods`, as in the simulated disk's VFS:
-//! each function checks the pointers SQLite hands it and turns to safe code on [`Held`].
+//! The C ABI of `sqlite3_vfs` and `sqlite3_io_methods`: each function trusts the
+//! pointers SQLite hands it, as the VFS contract allows, and turns to safe code on
+//! [`WalGather`] as soon as it can.
 #![allow(unsafe_code)]
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::ffi::{CString, c_char, c_int, c_void};
 use std::ptr;
 use std::sync::Mutex;
@@ -47,24 +52,24 @@ use rusqlite::ffi;
 
 /// The most bytes a WAL file holds before it writes them: a batch's commit is a few
 /// dozen KiB; a larger transaction is written in pieces of at most this. SQLite's unix
-/// VFS writes less than 128 KiB a call (`seekAndWrite` masks the length with `0x1ffff`,
-/// as SQLite never writes more than a 64 KiB page), and answers a longer write with
-/// `SQLITE_FULL`.
+/// VFS writes less than 128 KiB a call (`seekAndWrite` masks the length with `0x1ffff`)
+/// and answers a longer write with `SQLITE_FULL`; a frame is at most a 64 KiB page and
+/// its header.
 const HELD_BYTES_MAX: usize = 96 << 10;
+const _: () = assert!(HELD_BYTES_MAX < 128 << 10 && HELD_BYTES_MAX >= (64 << 10) + FRAME_HEADER_BYTES);
 
 /// The bytes of a WAL frame's header; bytes 4 to 8 of a commit's last frame hold the
 /// database's size in pages, zero in every other frame.
 const FRAME_HEADER_BYTES: usize = 24;
 
-/// The names registered so far, by the VFS each sits over. Registrations live as long as
-/// the process (SQLite keeps the pointers).
-static REGISTERED: Mutex<Option<HashMap<Option<String>, String>>> = Mutex::new(None);
+/// The names registered so far, by their base's name. Registrations live as long as the
+/// process (SQLite keeps the pointers).
+static REGISTERED: Mutex<BTreeMap<Option<String>, String>> = Mutex::new(BTreeMap::new());
 
-/// The name of this VFS over `base` (`None`: SQLite's default VFS), registered on the
-/// first call for that base.
-pub(crate) fn over(base: Option<&str>) -> Result<String, rusqlite::Error> {
+/// Registers this VFS stacked on `base` (`None`: SQLite's default VFS), once per base,
+/// and returns its name.
+pub(super) fn vfs_over(base: Option<&str>) -> Result<String, rusqlite::Error> {
     let mut registered = REGISTERED.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let registered = registered.get_or_insert_with(HashMap::new);
     if let Some(name) = registered.get(&base.map(str::to_owned)) {
         return Ok(name.clone());
     }
@@ -75,18 +80,17 @@ pub(crate) fn over(base: Option<&str>) -> Result<String, rusqlite::Error> {
     // for the process. The structures handed to `sqlite3_vfs_register` are leaked, so they
     // live as long as SQLite may read them.
     unsafe {
-        let inner = ffi::sqlite3_vfs_find(c_base.as_ref().map_or(ptr::null(), |b| b.as_ptr()));
-        if inner.is_null() {
+        let base_vfs = ffi::sqlite3_vfs_find(c_base.as_ref().map_or(ptr::null(), |b| b.as_ptr()));
+        if base_vfs.is_null() {
             return Err(misuse("no such VFS to gather WAL writes over"));
         }
-        let size = std::mem::size_of::<File>() as c_int + (*inner).szOsFile;
         let vfs = Box::into_raw(Box::new(ffi::sqlite3_vfs {
             iVersion: 2,
-            szOsFile: size,
-            mxPathname: (*inner).mxPathname,
+            szOsFile: std::mem::size_of::<File>() as c_int + (*base_vfs).szOsFile,
+            mxPathname: (*base_vfs).mxPathname,
             pNext: ptr::null_mut(),
             zName: c_name.into_raw(),
-            pAppData: inner.cast(),
+            pAppData: base_vfs.cast(),
             xOpen: Some(x_open),
             xDelete: Some(x_delete),
             xAccess: Some(x_access),
@@ -117,19 +121,22 @@ fn misuse(message: &str) -> rusqlite::Error {
     rusqlite::Error::SqliteFailure(ffi::Error::new(ffi::SQLITE_MISUSE), Some(message.to_owned()))
 }
 
-/// Where a WAL file's writes go: the underlying VFS's file.
+/// Where a WAL file's writes go: its base object.
 trait Sink {
     /// Writes `bytes` at `offset`; SQLite's result code.
     fn write(&mut self, bytes: &[u8], offset: i64) -> c_int;
 }
 
-/// A WAL file's held writes: `bytes`, to go at `offset`.
-struct Held {
-    offset: i64,
-    bytes: Vec<u8>,
+/// A WAL file's gathering: the writes it holds, how far the WAL has been written, and
+/// whether the last write was a commit's last frame header.
+struct WalGather {
+    /// The held bytes, which go at `held_at`.
+    held: Vec<u8>,
+    held_at: i64,
     /// The furthest byte written or held since a write at the file's start (the WAL's
     /// header, when it starts over): a write below it overwrites, and is never held.
-    end: i64,
+    /// While bytes are held, they end here.
+    written_end: i64,
     /// Where the page of a commit's last frame goes, once its header was the last write:
     /// that page ends the commit.
     commit_page_at: Option<i64>,
@@ -145,83 +152,88 @@ enum Cover {
     Part,
 }
 
-impl Held {
-    fn new(gathering: bool) -> Held {
-        Held { offset: 0, bytes: Vec::new(), end: 0, commit_page_at: None, gathering }
+impl WalGather {
+    fn new(gathering: bool) -> WalGather {
+        WalGather { held: Vec::new(), held_at: 0, written_end: 0, commit_page_at: None, gathering }
     }
 
     fn held_end(&self) -> i64 {
-        self.offset + self.bytes.len() as i64
+        self.held_at + self.held.len() as i64
     }
 
-    /// SQLite's write of `bytes` at `offset`.
+    /// SQLite's write of `bytes` at `offset`: held when it appends, passed to `sink`
+    /// when it overwrites; a commit's last page writes everything held.
     fn write(&mut self, sink: &mut impl Sink, bytes: &[u8], offset: i64) -> c_int {
+        // A commit's last frame header (a database size in bytes 4 to 8): its page, next,
+        // ends the commit.
         let ends_commit = self.commit_page_at.take() == Some(offset);
         if bytes.len() == FRAME_HEADER_BYTES && bytes[4..8] != [0; 4] {
             self.commit_page_at = Some(offset + FRAME_HEADER_BYTES as i64);
         }
-        if !self.bytes.is_empty()
-            && (offset != self.held_end() || self.bytes.len() + bytes.len() > HELD_BYTES_MAX)
+        // What is held goes first unless this write continues it within the bound.
+        if !self.held.is_empty()
+            && (offset != self.held_end() || self.held.len() + bytes.len() > HELD_BYTES_MAX)
         {
             let rc = self.flush(sink);
             if rc != ffi::SQLITE_OK {
                 return rc;
             }
         }
+        // The WAL's header: the file starts over, and nothing after it was written yet.
         if offset == 0 {
-            self.end = 0;
+            self.written_end = 0;
         }
-        let overwrites = self.bytes.is_empty() && offset < self.end;
-        self.end = self.end.max(offset + bytes.len() as i64);
+        let overwrites = offset < self.written_end;
+        self.written_end = self.written_end.max(offset + bytes.len() as i64);
         if !self.gathering || overwrites {
             return sink.write(bytes, offset);
         }
-        if self.bytes.is_empty() {
-            self.offset = offset;
+        if self.held.is_empty() {
+            self.held_at = offset;
         }
-        self.bytes.extend_from_slice(bytes);
+        self.held.extend_from_slice(bytes);
         if ends_commit { self.flush(sink) } else { ffi::SQLITE_OK }
     }
 
     /// Writes what is held; on failure, drops it and returns the write's error.
     fn flush(&mut self, sink: &mut impl Sink) -> c_int {
-        if self.bytes.is_empty() {
+        if self.held.is_empty() {
             return ffi::SQLITE_OK;
         }
-        let rc = sink.write(&self.bytes, self.offset);
-        self.bytes.clear();
+        let rc = sink.write(&self.held, self.held_at);
+        self.held.clear();
         rc
     }
 
     /// How much of a read of `len` bytes at `offset` the held bytes cover.
     fn cover(&self, offset: i64, len: usize) -> Cover {
         let end = offset + len as i64;
-        if self.bytes.is_empty() || end <= self.offset || offset >= self.held_end() {
+        if self.held.is_empty() || end <= self.held_at || offset >= self.held_end() {
             Cover::Nothing
-        } else if offset >= self.offset && end <= self.held_end() {
+        } else if offset >= self.held_at && end <= self.held_end() {
             Cover::Whole
         } else {
             Cover::Part
         }
     }
 
-    /// Fills `buf`, a read at `offset` that [`Held::cover`]s whole.
+    /// Fills `buf`, a read at `offset` that [`WalGather::cover`]s whole.
     fn read(&self, buf: &mut [u8], offset: i64) {
-        let from = (offset - self.offset) as usize;
-        buf.copy_from_slice(&self.bytes[from..from + buf.len()]);
+        let from = (offset - self.held_at) as usize;
+        buf.copy_from_slice(&self.held[from..from + buf.len()]);
     }
 
     /// The file's size with what is held, given its size without.
     fn size(&self, file_bytes: i64) -> i64 {
-        if self.bytes.is_empty() { file_bytes } else { file_bytes.max(self.held_end()) }
+        if self.held.is_empty() { file_bytes } else { file_bytes.max(self.held_end()) }
     }
 }
 
-/// SQLite's file object followed by ours, then the underlying VFS's (a WAL file only).
+/// SQLite's file object followed by ours, then the base's (a WAL file only).
 #[repr(C)]
 struct File {
     base: ffi::sqlite3_file,
-    held: *mut Held,
+    gather: *mut WalGather,
 }
 
 /// The methods of a WAL file. Version 1: SQLite maps memory and shares the WAL index only
@@ -249,58 +261,59 @@ static WAL_METHODS: ffi::sqlite3_io_methods = ffi::sqlite3_io_methods {
 };
 
 /// # Safety
-/// `vfs` must be a VFS registered by [`over`].
-unsafe fn inner_vfs(vfs: *mut ffi::sqlite3_vfs) -> *mut ffi::sqlite3_vfs {
-    // SAFETY: `pAppData` is the underlying VFS, which lives for the process.
+/// `vfs` must be a VFS registered by [`vfs_over`].
+unsafe fn base_vfs(vfs: *mut ffi::sqlite3_vfs) -> *mut ffi::sqlite3_vfs {
+    // SAFETY: `pAppData` is the base VFS, which lives for the process.
     unsafe { (*vfs).pAppData.cast() }
 }
 
-/// The underlying VFS's file object behind a WAL file of ours.
+/// The base's object behind a WAL file of ours.
 ///
 /// # Safety
 /// `file` must be a WAL file this VFS opened: `szOsFile` bytes, ours first.
-unsafe fn inner(file: *mut ffi::sqlite3_file) -> *mut ffi::sqlite3_file {
-    // SAFETY: the underlying object starts right after ours, inside SQLite's storage.
+unsafe fn base_file(file: *mut ffi::sqlite3_file) -> *mut ffi::sqlite3_file {
+    // SAFETY: the base's object starts right after ours, inside SQLite's storage.
     unsafe { file.cast::<u8>().add(std::mem::size_of::<File>()).cast() }
 }
 
 /// # Safety
 /// `file` must be a WAL file this VFS opened and has not closed.
-unsafe fn held<'a>(file: *mut ffi::sqlite3_file) -> &'a mut Held {
-    // SAFETY: `x_open` set `held` to a live box, freed only by `x_close`.
-    unsafe { &mut *(*file.cast::<File>()).held }
+unsafe fn gather_of<'a>(file: *mut ffi::sqlite3_file) -> &'a mut WalGather {
+    // SAFETY: `x_open` set `gather` to a live box, freed only by `x_close`.
+    unsafe { &mut *(*file.cast::<File>()).gather }
 }
 
-/// The underlying method `$method` of `$inner`, or `$missing` without one.
-macro_rules! call_inner {
-    ($inner:expr, $method:ident ($($arg:expr),*) else $missing:expr) => {{
-        let inner = $inner;
-        match (*(*inner).pMethods).$method {
-            Some(method) => method(inner, $($arg),*),
+/// The base method `$method` of the base object `$file`, called with `$args`, or
+/// `$missing` when the base has none.
+macro_rules! call_base {
+    ($file:expr, $method:ident ($($arg:expr),*), or $missing:expr) => {{
+        let file = $file;
+        match (*(*file).pMethods).$method {
+            Some(method) => method(file, $($arg),*),
             None => $missing,
         }
     }};
 }
 
-/// The underlying object of an open WAL file of ours, where its writes go.
-struct Under(*mut ffi::sqlite3_file);
+/// The base object of an open WAL file of ours, where its writes go.
+struct BaseSink(*mut ffi::sqlite3_file);
 
-impl Sink for Under {
+impl Sink for BaseSink {
     fn write(&mut self, bytes: &[u8], offset: i64) -> c_int {
         let Ok(amount) = c_int::try_from(bytes.len()) else { return ffi::SQLITE_IOERR_WRITE };
-        // SAFETY: an `Under` is made only by `under`, of an open file's underlying object;
-        // the bytes outlive the call.
+        // SAFETY: a `BaseSink` is made only by `sink`, of an open file's base object; the
+        // bytes outlive the call.
         unsafe {
-            call_inner!(self.0, xWrite(bytes.as_ptr().cast(), amount, offset) else ffi::SQLITE_IOERR_WRITE)
+            call_base!(self.0, xWrite(bytes.as_ptr().cast(), amount, offset), or ffi::SQLITE_IOERR_WRITE)
         }
     }
 }
 
 /// # Safety
 /// `file` must be a WAL file this VFS opened and has not closed.
-unsafe fn under(file: *mut ffi::sqlite3_file) -> Under {
+unsafe fn sink(file: *mut ffi::sqlite3_file) -> BaseSink {
     // SAFETY: as the caller promises.
-    Under(unsafe { inner(file) })
+    BaseSink(unsafe { base_file(file) })
 }
 
 unsafe extern "C" fn x_open(
@@ -311,30 +324,31 @@ unsafe extern "C" fn x_open(
     out_flags: *mut c_int,
 ) -> c_int {
     // SAFETY: SQLite hands this VFS's pointer and `szOsFile` bytes at `file`, which hold
-    // the underlying object either at their start (a file that is not a WAL: it is then
-    // the underlying VFS's own) or after ours.
+    // the base's object either at their start (a file that is not a WAL: it is then the
+    // base's own) or after ours.
     unsafe {
-        let under = inner_vfs(vfs);
-        let Some(open) = (*under).xOpen else { return ffi::SQLITE_CANTOPEN };
+        let base = base_vfs(vfs);
+        let Some(open) = (*base).xOpen else { return ffi::SQLITE_CANTOPEN };
         if flags & ffi::SQLITE_OPEN_WAL == 0 {
-            return open(under, name, file, flags, out_flags);
+            return open(base, name, file, flags, out_flags);
         }
         (*file).pMethods = ptr::null();
-        let rc = open(under, name, inner(file), flags, out_flags);
+        let rc = open(base, name, base_file(file), flags, out_flags);
         if rc != ffi::SQLITE_OK {
-            // A VFS may leave its object open on failure; SQLite would close it.
-            if !(*inner(file)).pMethods.is_null() {
-                call_inner!(inner(file), xClose() else ffi::SQLITE_OK);
+            // SQLite closes a failed open only through our `pMethods`, which is null: a
+            // base that left its object open is closed here.
+            if !(*base_file(file)).pMethods.is_null() {
+                call_base!(base_file(file), xClose(), or ffi::SQLITE_OK);
             }
             return rc;
         }
         // SQLite pads a commit when its database file lacks power-safe overwrite, which
         // for `unix` is the database's `psow` URI parameter (a WAL's own answer ignores it).
-        let characteristics = call_inner!(inner(file), xDeviceCharacteristics() else 0);
+        let characteristics = call_base!(base_file(file), xDeviceCharacteristics(), or 0);
         let gathering = characteristics & ffi::SQLITE_IOCAP_POWERSAFE_OVERWRITE != 0
             && ffi::sqlite3_uri_boolean(name, c"psow".as_ptr(), 1) != 0;
-        let held = Box::into_raw(Box::new(Held::new(gathering)));
-        ptr::write(file.cast::<File>(), File { base: ffi::sqlite3_file { pMethods: &WAL_METHODS }, held });
+        let gather = Box::into_raw(Box::new(WalGather::new(gathering)));
+        ptr::write(file.cast::<File>(), File { base: ffi::sqlite3_file { pMethods: &WAL_METHODS }, gather });
         ffi::SQLITE_OK
     }
 }
@@ -342,9 +356,9 @@ unsafe extern "C" fn x_open(
 unsafe extern "C" fn x_close(file: *mut ffi::sqlite3_file) -> c_int {
     // SAFETY: SQLite closes a file this VFS opened, once.
     unsafe {
-        let flushed = held(file).flush(&mut under(file));
-        let closed = call_inner!(inner(file), xClose() else ffi::SQLITE_OK);
-        drop(Box::from_raw((*file.cast::<File>()).held));
+        let flushed = gather_of(file).flush(&mut sink(file));
+        let closed = call_base!(base_file(file), xClose(), or ffi::SQLITE_OK);
+        drop(Box::from_raw((*file.cast::<File>()).gather));
         (*file).pMethods = ptr::null();
         if flushed != ffi::SQLITE_OK { flushed } else { closed }
     }
@@ -362,7 +376,7 @@ unsafe extern "C" fn x_write(
         if len == 0 {
             return ffi::SQLITE_OK;
         }
-        held(file).write(&mut under(file), std::slice::from_raw_parts(buf.cast::<u8>(), len), offset)
+        gather_of(file).write(&mut sink(file), std::slice::from_raw_parts(buf.cast::<u8>(), len), offset)
     }
 }
 
@@ -375,30 +389,31 @@ unsafe extern "C" fn x_read(
     // SAFETY: SQLite provides `amount` bytes at `buf`, on a WAL file of ours.
     unsafe {
         let Ok(len) = usize::try_from(amount) else { return ffi::SQLITE_IOERR_READ };
-        let held = held(file);
-        match held.cover(offset, len) {
+        let gather = gather_of(file);
+        match gather.cover(offset, len) {
             Cover::Whole => {
-                held.read(std::slice::from_raw_parts_mut(buf.cast::<u8>(), len), offset);
+                gather.read(std::slice::from_raw_parts_mut(buf.cast::<u8>(), len), offset);
                 return ffi::SQLITE_OK;
             }
             Cover::Nothing => {}
-            // Never seen: SQLite reads whole frames, and holds whole frames.
+            // A frame whose header was written before the bound was reached, and whose
+            // page is held: rare, so what is held is written first.
             Cover::Part => {
-                if held.flush(&mut under(file)) != ffi::SQLITE_OK {
+                if gather.flush(&mut sink(file)) != ffi::SQLITE_OK {
                     return ffi::SQLITE_IOERR_READ;
                 }
             }
         }
-        call_inner!(inner(file), xRead(buf, amount, offset) else ffi::SQLITE_IOERR_READ)
+        call_base!(base_file(file), xRead(buf, amount, offset), or ffi::SQLITE_IOERR_READ)
     }
 }
 
 unsafe extern "C" fn x_file_size(file: *mut ffi::sqlite3_file, out: *mut ffi::sqlite3_int64) -> c_int {
     // SAFETY: a WAL file of ours and SQLite's output slot.
     unsafe {
-        let rc = call_inner!(inner(file), xFileSize(out) else ffi::SQLITE_IOERR_FSTAT);
+        let rc = call_base!(base_file(file), xFileSize(out), or ffi::SQLITE_IOERR_FSTAT);
         if rc == ffi::SQLITE_OK {
-            *out = held(file).size(*out);
+            *out = gather_of(file).size(*out);
         }
         rc
     }
@@ -407,53 +422,57 @@ unsafe extern "C" fn x_file_size(file: *mut ffi::sqlite3_file, out: *mut ffi::sq
 unsafe extern "C" fn x_sync(file: *mut ffi::sqlite3_file, flags: c_int) -> c_int {
     // SAFETY: a WAL file of ours; the flags are SQLite's, passed on.
     unsafe {
-        let rc = held(file).flush(&mut under(file));
+        let rc = gather_of(file).flush(&mut sink(file));
         if rc != ffi::SQLITE_OK {
             return rc;
         }
-        call_inner!(inner(file), xSync(flags) else ffi::SQLITE_IOERR_FSYNC)
+        call_base!(base_file(file), xSync(flags), or ffi::SQLITE_IOERR_FSYNC)
     }
 }
 
 unsafe extern "C" fn x_truncate(file: *mut ffi::sqlite3_file, size: ffi::sqlite3_int64) -> c_int {
     // SAFETY: a WAL file of ours.
     unsafe {
-        let held = held(file);
-        let rc = held.flush(&mut under(file));
+        let gather = gather_of(file);
+        let rc = gather.flush(&mut sink(file));
         if rc != ffi::SQLITE_OK {
             return rc;
         }
-        held.end = held.end.min(size);
-        call_inner!(inner(file), xTruncate(size) else ffi::SQLITE_IOERR_TRUNCATE)
+        gather.written_end = gather.written_end.min(size);
+        call_base!(base_file(file), xTruncate(size), or ffi::SQLITE_IOERR_TRUNCATE)
     }
 }
 
-/// A method of a WAL file that the underlying one answers as it is.
+/// Defines `$name`, a method of a WAL file that its base object answers as it is
+/// (`x_file_control`, `x_lock`, `x_unlock`, `x_check_reserved_lock`, `x_sector_size`,
+/// `x_device_characteristics`).
 macro_rules! passing {
-    ($name:ident, $method:ident ($($arg:ident: $ty:ty),*), $missing:expr) => {
+    ($name:ident, $method:ident ($($arg:ident: $ty:ty),*), or $missing:expr) => {
         unsafe extern "C" fn $name(file: *mut ffi::sqlite3_file, $($arg: $ty),*) -> c_int {
             // SAFETY: a WAL file this VFS opened; the arguments are SQLite's, passed on.
-            unsafe { call_inner!(inner(file), $method($($arg),*) else $missing) }
+            unsafe { call_base!(base_file(file), $method($($arg),*), or $missing) }
         }
     };
 }
 
-passing!(x_file_control, xFileControl(op: c_int, arg: *mut c_void), ffi::SQLITE_NOTFOUND);
-passing!(x_lock, xLock(level: c_int), ffi::SQLITE_OK);
-passing!(x_unlock, xUnlock(level: c_int), ffi::SQLITE_OK);
-passing!(x_check_reserved_lock, xCheckReservedLock(out: *mut c_int), ffi::SQLITE_IOERR_CHECKRESERVEDLOCK);
-passing!(x_sector_size, xSectorSize(), 4096);
-passing!(x_device_characteristics, xDeviceCharacteristics(), 0);
+passing!(x_file_control, xFileControl(op: c_int, arg: *mut c_void), or ffi::SQLITE_NOTFOUND);
+passing!(x_lock, xLock(level: c_int), or ffi::SQLITE_IOERR_LOCK);
+passing!(x_unlock, xUnlock(level: c_int), or ffi::SQLITE_IOERR_UNLOCK);
+passing!(x_check_reserved_lock, xCheckReservedLock(out: *mut c_int), or ffi::SQLITE_IOERR_CHECKRESERVEDLOCK);
+passing!(x_sector_size, xSectorSize(), or 4096);
+passing!(x_device_characteristics, xDeviceCharacteristics(), or 0);
 
-/// A method of this VFS that the underlying VFS answers.
+/// Defines `$name`, a method of this VFS that its base answers (`x_delete`, `x_access`,
+/// `x_full_pathname`, `x_randomness`, `x_sleep`, `x_current_time`, `x_get_last_error`,
+/// `x_current_time_int64` and the `x_dl_*` of loadable extensions).
 macro_rules! vfs_passing {
-    ($name:ident, $method:ident ($($arg:ident: $ty:ty),*) -> $ret:ty, $missing:expr) => {
+    ($name:ident, $method:ident ($($arg:ident: $ty:ty),*) -> $ret:ty, or $missing:expr) => {
         unsafe extern "C" fn $name(vfs: *mut ffi::sqlite3_vfs, $($arg: $ty),*) -> $ret {
-            // SAFETY: a VFS registered by `over`; the arguments are SQLite's.
+            // SAFETY: a VFS registered by `vfs_over`; the arguments are SQLite's.
             unsafe {
-                let under = inner_vfs(vfs);
-                match (*under).$method {
-                    Some(method) => method(under, $($arg),*),
+                let base = base_vfs(vfs);
+                match (*base).$method {
+                    Some(method) => method(base, $($arg),*),
                     None => $missing,
                 }
             }
@@ -461,22 +480,22 @@ macro_rules! vfs_passing {
     };
 }
 
-vfs_passing!(x_delete, xDelete(name: *const c_char, sync_dir: c_int) -> c_int, ffi::SQLITE_IOERR_DELETE);
-vfs_passing!(x_access, xAccess(name: *const c_char, flags: c_int, out: *mut c_int) -> c_int, ffi::SQLITE_IOERR_ACCESS);
-vfs_passing!(x_full_pathname, xFullPathname(name: *const c_char, n: c_int, out: *mut c_char) -> c_int, ffi::SQLITE_CANTOPEN);
-vfs_passing!(x_randomness, xRandomness(n: c_int, out: *mut c_char) -> c_int, 0);
-vfs_passing!(x_sleep, xSleep(micros: c_int) -> c_int, 0);
-vfs_passing!(x_current_time, xCurrentTime(out: *mut f64) -> c_int, ffi::SQLITE_ERROR);
-vfs_passing!(x_get_last_error, xGetLastError(n: c_int, out: *mut c_char) -> c_int, 0);
-vfs_passing!(x_current_time_int64, xCurrentTimeInt64(out: *mut ffi::sqlite3_int64) -> c_int, ffi::SQLITE_ERROR);
+vfs_passing!(x_delete, xDelete(name: *const c_char, sync_dir: c_int) -> c_int, or ffi::SQLITE_IOERR_DELETE);
+vfs_passing!(x_access, xAccess(name: *const c_char, flags: c_int, out: *mut c_int) -> c_int, or ffi::SQLITE_IOERR_ACCESS);
+vfs_passing!(x_full_pathname, xFullPathname(name: *const c_char, n: c_int, out: *mut c_char) -> c_int, or ffi::SQLITE_CANTOPEN);
+vfs_passing!(x_randomness, xRandomness(n: c_int, out: *mut c_char) -> c_int, or 0);
+vfs_passing!(x_sleep, xSleep(micros: c_int) -> c_int, or 0);
+vfs_passing!(x_current_time, xCurrentTime(out: *mut f64) -> c_int, or ffi::SQLITE_ERROR);
+vfs_passing!(x_get_last_error, xGetLastError(n: c_int, out: *mut c_char) -> c_int, or 0);
+vfs_passing!(x_current_time_int64, xCurrentTimeInt64(out: *mut ffi::sqlite3_int64) -> c_int, or ffi::SQLITE_ERROR);
 
 /// A symbol of a loaded library, as `xDlSym` answers it.
 type Symbol = Option<unsafe extern "C" fn(*mut ffi::sqlite3_vfs, *mut c_void, *const c_char)>;
 
-vfs_passing!(x_dl_open, xDlOpen(name: *const c_char) -> *mut c_void, ptr::null_mut());
-vfs_passing!(x_dl_error, xDlError(n: c_int, out: *mut c_char) -> (), ());
-vfs_passing!(x_dl_sym, xDlSym(library: *mut c_void, name: *const c_char) -> Symbol, None);
-vfs_passing!(x_dl_close, xDlClose(library: *mut c_void) -> (), ());
+vfs_passing!(x_dl_open, xDlOpen(name: *const c_char) -> *mut c_void, or ptr::null_mut());
+vfs_passing!(x_dl_error, xDlError(n: c_int, out: *mut c_char) -> (), or ());
+vfs_passing!(x_dl_sym, xDlSym(library: *mut c_void, name: *const c_char) -> Symbol, or None);
+vfs_passing!(x_dl_close, xDlClose(library: *mut c_void) -> (), or ());
 
 #[cfg(test)]
 mod tests {
@@ -509,99 +528,100 @@ mod tests {
     fn header(commit: bool) -> Vec<u8> {
         let mut header = vec![0; FRAME_HEADER_BYTES];
         if commit {
+            // A database size of 9 pages marks a commit's last frame.
             header[7] = 9;
         }
         header
     }
 
     /// Writes frame `n` (counting from 0, after the 32-byte WAL header) to `held`.
-    fn frame(held: &mut Held, file: &mut Recorder, n: i64, commit: bool) -> c_int {
+    fn frame(gather: &mut WalGather, file: &mut Recorder, n: i64, commit: bool) -> c_int {
         let at = 32 + n * (FRAME_HEADER_BYTES + PAGE) as i64;
-        let rc = held.write(file, &header(commit), at);
+        let rc = gather.write(file, &header(commit), at);
         if rc != ffi::SQLITE_OK {
             return rc;
         }
-        held.write(file, &[n as u8; PAGE], at + FRAME_HEADER_BYTES as i64)
+        gather.write(file, &[(n as u8).wrapping_add(1); PAGE], at + FRAME_HEADER_BYTES as i64)
     }
 
     #[test]
     fn a_commits_frames_reach_the_file_in_one_write_when_its_last_frame_does() {
-        let (mut held, mut file) = (Held::new(true), Recorder::default());
-        assert_eq!(held.write(&mut file, &[1; 32], 0), ffi::SQLITE_OK);
+        let (mut gather, mut file) = (WalGather::new(true), Recorder::default());
+        assert_eq!(gather.write(&mut file, &[1; 32], 0), ffi::SQLITE_OK);
         for n in 0..3 {
-            assert_eq!(frame(&mut held, &mut file, n, false), ffi::SQLITE_OK);
+            assert_eq!(frame(&mut gather, &mut file, n, false), ffi::SQLITE_OK);
         }
         assert!(file.writes.is_empty(), "nothing before the commit's last frame");
-        assert_eq!(frame(&mut held, &mut file, 3, true), ffi::SQLITE_OK);
+        assert_eq!(frame(&mut gather, &mut file, 3, true), ffi::SQLITE_OK);
         assert_eq!(file.writes.len(), 1);
         assert_eq!(file.writes[0].0, 0);
         assert_eq!(file.writes[0].1.len(), 32 + 4 * (FRAME_HEADER_BYTES + PAGE));
-        assert!(held.bytes.is_empty());
+        assert!(gather.held.is_empty());
     }
 
     #[test]
     fn an_overwrite_goes_to_the_file_as_it_comes_and_the_next_commit_is_still_one_write() {
-        let (mut held, mut file) = (Held::new(true), Recorder::default());
-        held.write(&mut file, &[1; 32], 0);
-        frame(&mut held, &mut file, 0, false);
-        frame(&mut held, &mut file, 1, true);
+        let (mut gather, mut file) = (WalGather::new(true), Recorder::default());
+        gather.write(&mut file, &[1; 32], 0);
+        frame(&mut gather, &mut file, 0, false);
+        frame(&mut gather, &mut file, 1, true);
         assert_eq!(file.writes.len(), 1);
         // A checksum rewrite of the commit's last header: an overwrite, written at once,
         // although no page follows it.
         let at = 32 + (FRAME_HEADER_BYTES + PAGE) as i64;
-        assert_eq!(held.write(&mut file, &header(true), at), ffi::SQLITE_OK);
+        assert_eq!(gather.write(&mut file, &header(true), at), ffi::SQLITE_OK);
         assert_eq!(file.writes.len(), 2, "the overwrite is not held");
         // The next commit is one frame: its page ends it.
-        frame(&mut held, &mut file, 2, true);
+        frame(&mut gather, &mut file, 2, true);
         assert_eq!(file.writes.len(), 3);
-        assert!(held.bytes.is_empty(), "the one-frame commit is on the file");
+        assert!(gather.held.is_empty(), "the one-frame commit is on the file");
     }
 
     #[test]
     fn a_transaction_after_a_rollback_overwrites_and_a_restarted_wal_is_held_again() {
-        let (mut held, mut file) = (Held::new(true), Recorder::default());
-        held.write(&mut file, &[1; 32], 0);
-        frame(&mut held, &mut file, 0, false);
-        frame(&mut held, &mut file, 1, false);
+        let (mut gather, mut file) = (WalGather::new(true), Recorder::default());
+        gather.write(&mut file, &[1; 32], 0);
+        frame(&mut gather, &mut file, 0, false);
+        frame(&mut gather, &mut file, 1, false);
         // Rolled back: the next transaction writes over frame 0, which is not held.
-        frame(&mut held, &mut file, 0, false);
-        let writes = file.writes.len();
-        assert!(writes >= 2, "the spilled frames, then the overwrite, reached the file");
-        assert!(held.bytes.is_empty());
+        frame(&mut gather, &mut file, 0, false);
+        // The spilled frames (one write), then frame 0's header and page as they came.
+        assert_eq!(file.writes.len(), 3);
+        assert!(gather.held.is_empty());
         // The WAL starts over: its header and the frames after it are held until the
-        // commit's last frame.
-        held.write(&mut file, &[2; 32], 0);
-        frame(&mut held, &mut file, 0, false);
-        assert_eq!(file.writes.len(), writes);
-        frame(&mut held, &mut file, 1, true);
-        assert_eq!(file.writes.len(), writes + 1);
+        // commit's last frame, and written at once.
+        gather.write(&mut file, &[2; 32], 0);
+        frame(&mut gather, &mut file, 0, false);
+        assert_eq!(file.writes.len(), 3);
+        frame(&mut gather, &mut file, 1, true);
+        assert_eq!(file.writes.len(), 4);
+        assert_eq!(file.writes[3].1.len(), 32 + 2 * (FRAME_HEADER_BYTES + PAGE));
     }
 
     #[test]
     fn held_frames_are_read_back_and_counted_in_the_size() {
-        let (mut held, mut file) = (Held::new(true), Recorder::default());
-        held.write(&mut file, &[1; 32], 0);
-        frame(&mut held, &mut file, 0, false);
+        let (mut gather, mut file) = (WalGather::new(true), Recorder::default());
+        gather.write(&mut file, &[1; 32], 0);
+        frame(&mut gather, &mut file, 0, false);
         let page_at = 32 + FRAME_HEADER_BYTES as i64;
-        assert_eq!(held.cover(page_at, PAGE), Cover::Whole);
+        assert_eq!(gather.cover(page_at, PAGE), Cover::Whole);
         let mut page = vec![9; PAGE];
-        held.read(&mut page, page_at);
-        assert_eq!(page, vec![0; PAGE]);
-        assert_eq!(held.cover(page_at + PAGE as i64, PAGE), Cover::Nothing);
-        assert_eq!(held.cover(page_at, 2 * PAGE), Cover::Part);
-        assert_eq!(held.size(0), 32 + (FRAME_HEADER_BYTES + PAGE) as i64);
-        assert_eq!(held.size(1 << 20), 1 << 20);
+        gather.read(&mut page, page_at);
+        assert_eq!(page, vec![1; PAGE]);
+        assert_eq!(gather.cover(page_at + PAGE as i64, PAGE), Cover::Nothing);
+        assert_eq!(gather.cover(page_at, 2 * PAGE), Cover::Part);
+        assert_eq!(gather.size(0), 32 + (FRAME_HEADER_BYTES + PAGE) as i64);
+        assert_eq!(gather.size(1 << 20), 1 << 20);
     }
 
     #[test]
     fn more_than_the_bound_is_written_in_pieces_below_it() {
-        let (mut held, mut file) = (Held::new(true), Recorder::default());
-        held.write(&mut file, &[1; 32], 0);
+        let (mut gather, mut file) = (WalGather::new(true), Recorder::default());
+        gather.write(&mut file, &[1; 32], 0);
         let frames = (2 * HELD_BYTES_MAX / (FRAME_HEADER_BYTES + PAGE)) as i64;
         for n in 0..frames {
-            frame(&mut held, &mut file, n, n == frames - 1);
+            frame(&mut gather, &mut file, n, n == frames - 1);
         }
-        assert!(file.writes.len() >= 2);
         assert!(file.writes.iter().all(|(_, bytes)| bytes.len() <= HELD_BYTES_MAX));
         let total: usize = file.writes.iter().map(|(_, bytes)| bytes.len()).sum();
         assert_eq!(total, 32 + frames as usize * (FRAME_HEADER_BYTES + PAGE));
@@ -609,15 +629,15 @@ mod tests {
 
     #[test]
     fn a_failed_write_answers_the_call_that_made_it_and_drops_what_was_held() {
-        let (mut held, mut file) = (Held::new(true), Recorder::default());
-        held.write(&mut file, &[1; 32], 0);
-        frame(&mut held, &mut file, 0, false);
+        let (mut gather, mut file) = (WalGather::new(true), Recorder::default());
+        gather.write(&mut file, &[1; 32], 0);
+        frame(&mut gather, &mut file, 0, false);
         file.fail_next = Some(ffi::SQLITE_FULL);
-        assert_eq!(frame(&mut held, &mut file, 1, true), ffi::SQLITE_FULL);
-        assert!(held.bytes.is_empty() && file.writes.is_empty());
+        assert_eq!(frame(&mut gather, &mut file, 1, true), ffi::SQLITE_FULL);
+        assert!(gather.held.is_empty() && file.writes.is_empty());
         // SQLite rolls back and writes the frames again: they reach the file.
-        frame(&mut held, &mut file, 0, false);
-        frame(&mut held, &mut file, 1, true);
+        frame(&mut gather, &mut file, 0, false);
+        frame(&mut gather, &mut file, 1, true);
         assert_eq!(
             file.writes.iter().map(|(_, bytes)| bytes.len()).sum::<usize>(),
             2 * (FRAME_HEADER_BYTES + PAGE)
@@ -626,9 +646,9 @@ mod tests {
 
     #[test]
     fn without_power_safe_overwrite_every_write_goes_to_the_file() {
-        let (mut held, mut file) = (Held::new(false), Recorder::default());
-        held.write(&mut file, &[1; 32], 0);
-        frame(&mut held, &mut file, 0, true);
+        let (mut gather, mut file) = (WalGather::new(false), Recorder::default());
+        gather.write(&mut file, &[1; 32], 0);
+        frame(&mut gather, &mut file, 0, true);
         assert_eq!(file.writes.len(), 3);
     }
 
@@ -674,12 +694,12 @@ mod tests {
     /// and checkpoints them as the checkpointer does, sees it, and so does a crash image of
     /// the files.
     #[test]
-    fn what_goes_through_the_gathering_vfs_is_what_sqlite_wrote() {
+    fn every_commit_is_seen_by_a_reader_and_kept_by_a_crash_image() {
         for (synchronous, psow) in [("FULL", 1), ("NORMAL", 1), ("FULL", 0), ("NORMAL", 0)] {
             let dir = tempfile::tempdir().unwrap();
             let path = dir.path().join("gathered.sqlite");
             let uri = format!("file:{}?psow={psow}", path.display());
-            let vfs = over(Some("unix-excl")).unwrap();
+            let vfs = vfs_over(Some("unix-excl")).unwrap();
             let mut conn = open(&uri, &vfs, synchronous);
             conn.pragma_update(None, "cache_size", 8).unwrap();
             conn.execute_batch(
@@ -721,7 +741,9 @@ mod tests {
                 // The second connection and a crash now see the large commit; then a
                 // one-page commit, checkpointed by the second connection, and a crash after
                 // it keeps both.
+                // (`assert!` on the rows: a failing `assert_eq!` would print megabytes.)
                 assert!(rows(&reader) == committed, "the reader sees the large commit ({case})");
+                // `one` holds the round of the last one-page commit (-1 before the first).
                 crash_keeps(&crash_image(dir.path(), &path, 2 * round), &committed, round - 1, &case);
                 conn.execute("UPDATE one SET n = ?1 WHERE id = 0", [round]).unwrap();
                 reader.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())).expect(&case);
@@ -736,8 +758,8 @@ mod tests {
 
     #[test]
     fn a_base_is_registered_once_and_an_unknown_one_is_an_error() {
-        assert_eq!(over(Some("unix-excl")).unwrap(), over(Some("unix-excl")).unwrap());
-        assert_ne!(over(Some("unix-excl")).unwrap(), over(None).unwrap());
-        assert!(over(Some("no-such-vfs")).is_err());
+        assert_eq!(vfs_over(Some("unix-excl")).unwrap(), vfs_over(Some("unix-excl")).unwrap());
+        assert_ne!(vfs_over(Some("unix-excl")).unwrap(), vfs_over(None).unwrap());
+        assert!(vfs_over(Some("no-such-vfs")).is_err());
     }
 }

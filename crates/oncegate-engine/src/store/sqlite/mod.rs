@@ -212,7 +212,7 @@ impl Store {
         // power cut takes away, and every one of them would be lost with them.
         let wal = crate::files::companion(path, "-wal");
         tuning.files.drop_cached(&wal).map_err(|source| StoreError::Io { path: wal.clone(), source })?;
-        let vfs = gather::over(tuning.files.sqlite_vfs())?;
+        let vfs = gather::vfs_over(tuning.files.sqlite_vfs())?;
         let mut conn = Connection::open_with_flags_and_vfs(path, OpenFlags::default(), vfs.as_str())?;
         // Takes effect only on a new, empty file; older files keep the size they have.
         conn.pragma_update(None, "page_size", NEW_FILE_PAGE_BYTES)?;
