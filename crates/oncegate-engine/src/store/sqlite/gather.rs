@@ -499,7 +499,7 @@ vfs_passing!(x_dl_close, xDlClose(library: *mut c_void) -> (), or ());
 
 #[cfg(test)]
 mod tests {
-    use std::path::Path;
+    use std::path::{Path, PathBuf};
 
     use rusqlite::{Connection, OpenFlags, params};
 
@@ -668,13 +668,14 @@ mod tests {
 
     /// What a process crash would leave: the database file and its WAL as the files hold
     /// them now (the writer still open), opened as a new process would.
-    fn crash_image(dir: &Path, path: &Path, round: i64) -> Connection {
+    fn crash_image(dir: &Path, path: &Path, round: i64, vfs: &str) -> (PathBuf, Connection) {
         let files = OsFiles;
         let image = dir.join(format!("image-{round}.sqlite"));
         files.write_new(&image, &files.read(path).unwrap()).unwrap();
         let wal = crate::files::companion(path, "-wal");
         files.write_new(&crate::files::companion(&image, "-wal"), &files.read(&wal).unwrap()).unwrap();
-        Connection::open_with_flags_and_vfs(&image, OpenFlags::default(), "unix-excl").unwrap()
+        let conn = Connection::open_with_flags_and_vfs(&image, OpenFlags::default(), vfs).unwrap();
+        (image, conn)
     }
 
     /// Checks that `image` holds the rows `committed` and the one-page table's `n`.
@@ -744,11 +745,24 @@ mod tests {
                 // (`assert!` on the rows: a failing `assert_eq!` would print megabytes.)
                 assert!(rows(&reader) == committed, "the reader sees the large commit ({case})");
                 // `one` holds the round of the last one-page commit (-1 before the first).
-                crash_keeps(&crash_image(dir.path(), &path, 2 * round), &committed, round - 1, &case);
+                crash_keeps(
+                    &crash_image(dir.path(), &path, 2 * round, "unix-excl").1,
+                    &committed,
+                    round - 1,
+                    &case,
+                );
                 conn.execute("UPDATE one SET n = ?1 WHERE id = 0", [round]).unwrap();
                 reader.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())).expect(&case);
                 assert!(rows(&reader) == committed, "the reader sees every commit ({case})");
-                crash_keeps(&crash_image(dir.path(), &path, 2 * round + 1), &committed, round, &case);
+                // This image is recovered through this VFS, which then appends a commit to
+                // a WAL that already holds frames; a plain connection finds all of it.
+                let (image, recovered) = crash_image(dir.path(), &path, 2 * round + 1, &vfs);
+                crash_keeps(&recovered, &committed, round, &case);
+                recovered.execute("UPDATE one SET n = n + 100 WHERE id = 0", []).unwrap();
+                drop(recovered);
+                let reopened =
+                    Connection::open_with_flags_and_vfs(&image, OpenFlags::default(), "unix-excl").unwrap();
+                crash_keeps(&reopened, &committed, round + 100, &case);
                 if round % 10 == 9 {
                     conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(())).unwrap();
                 }
