@@ -37,6 +37,9 @@ struct FaultsInner {
     /// When non-zero, overrides `wal_checkpoint_pages` at every open, below the
     /// configuration's floor: the power-loss harness checkpoints every few batches.
     wal_checkpoint_pages: AtomicU64,
+    /// When non-zero, overrides `page_cache_bytes_max` at every open, in pages, below the
+    /// configuration's floor: the power-loss harness's batches spill the cache.
+    page_cache_pages: AtomicU64,
     /// The deliberate bug the power-loss harness must catch: shards answer a batch
     /// before its `COMMIT`.
     acks_before_commit: AtomicBool,
@@ -102,6 +105,13 @@ impl Faults {
     /// the override), so that tests cross checkpoints often.
     pub fn checkpoint_after_pages(&self, pages: u64) {
         self.inner.wal_checkpoint_pages.store(pages, Ordering::SeqCst);
+    }
+
+    /// Keeps at most `pages` pages in SQLite's page cache of every shard file opened from
+    /// now on (0 lifts the override), so that a batch that dirties more spills them into
+    /// the WAL before its commit.
+    pub fn cache_pages(&self, pages: u64) {
+        self.inner.page_cache_pages.store(pages, Ordering::SeqCst);
     }
 
     /// Switches on a deliberate durability bug: every shard answers its batches before
@@ -188,6 +198,13 @@ impl Faults {
 
     pub(crate) fn wal_checkpoint_pages(&self) -> Option<u64> {
         match self.inner.wal_checkpoint_pages.load(Ordering::SeqCst) {
+            0 => None,
+            pages => Some(pages),
+        }
+    }
+
+    pub(crate) fn page_cache_pages(&self) -> Option<u64> {
+        match self.inner.page_cache_pages.load(Ordering::SeqCst) {
             0 => None,
             pages => Some(pages),
         }

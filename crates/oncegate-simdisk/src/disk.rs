@@ -17,6 +17,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::io;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -78,6 +79,8 @@ pub(crate) struct Inode {
     /// read back whole, even past a drop of the page cache, never made durable by a later
     /// sync, and lost at a cut; a new write of the sector replaces them.
     cached: BTreeSet<usize>,
+    /// The byte ranges written since the last sync.
+    written: Vec<Range<usize>>,
     /// The WAL index, volatile by nature.
     pub shm: Shm,
     /// Handles that have the WAL index mapped. The first to map it while none does
@@ -194,8 +197,16 @@ impl Inode {
         available
     }
 
-    pub fn write(&mut self, offset: usize, bytes: &[u8]) {
+    /// Writes `bytes` at `offset`; returns whether it overwrites bytes written since
+    /// the last sync.
+    pub fn write(&mut self, offset: usize, bytes: &[u8]) -> bool {
         let end = offset + bytes.len();
+        let overwrites = self.written.iter().any(|range| range.start < end && offset < range.end);
+        match self.written.last_mut() {
+            Some(last) if last.end == offset => last.end = end,
+            _ if bytes.is_empty() => {}
+            _ => self.written.push(offset..end),
+        }
         if end > self.data.len() {
             self.grow(end);
         }
@@ -207,6 +218,7 @@ impl Inode {
             }
             self.dirty.extend(sectors);
         }
+        overwrites
     }
 
     pub fn truncate(&mut self, len: usize) {
@@ -225,6 +237,7 @@ impl Inode {
     }
 
     pub fn sync(&mut self) {
+        self.written.clear();
         self.durable.resize(self.data.len(), 0);
         for sector in std::mem::take(&mut self.dirty) {
             copy_sector(&self.data, &mut self.durable, sector);
@@ -235,12 +248,14 @@ impl Inode {
     /// are marked clean, so no later sync writes them and a cut loses them.
     fn lose_unsynced(&mut self) {
         self.dirty.clear();
+        self.written.clear();
     }
 
     /// A failed sync whose data the device keeps in its volatile cache only: readable as
     /// it is, never durable (see [`Writeback::Cached`]).
     fn cache_unsynced(&mut self) {
         self.cached.append(&mut self.dirty);
+        self.written.clear();
     }
 
     /// The page cache's clean pages dropped: every sector not written since the last
@@ -275,6 +290,7 @@ impl Inode {
         self.durable = image;
         self.dirty.clear();
         self.cached.clear();
+        self.written.clear();
         self.shm = Shm::default();
         self.shm_maps = 0;
         self.db_opens = 0;
@@ -316,6 +332,11 @@ pub struct DiskStats {
     /// Syncs of shard files (`*.sqlite`): in WAL mode, one per checkpoint (and one when
     /// a new file is switched to WAL).
     pub checkpoints: u64,
+    /// Writes to a WAL over bytes written since its last sync: frames (or their
+    /// checksums) written again before their commit, as a transaction that spills its
+    /// page cache does. (A database file's are SQLite's checkpoints that stopped short
+    /// of the WAL's end, which sync only when they reach it.)
+    pub wal_overwrites: u64,
     /// Operations the disk was asked to do (the fuse counts these).
     pub ops: u64,
     /// Cuts that found a shard file (`*.sqlite`) with writes not yet synced: cuts in the
@@ -501,11 +522,13 @@ impl State {
         len > now && self.used_bytes() + (len - now) as u64 > capacity
     }
 
-    pub fn write(&mut self, inode: u64, offset: usize, bytes: &[u8]) {
+    /// Writes `bytes` at `offset` of `inode`, a WAL if `wal`.
+    pub fn write(&mut self, inode: u64, offset: usize, bytes: &[u8], wal: bool) {
         self.stats.bytes_written += bytes.len() as u64;
         self.stats.writes += 1;
         if let Some(inode) = self.inodes.get_mut(&inode) {
-            inode.write(offset, bytes);
+            let overwrites = inode.write(offset, bytes);
+            self.stats.wal_overwrites += u64::from(wal && overwrites);
         }
     }
 }
@@ -909,6 +932,20 @@ mod tests {
         let files = disk.boot();
         assert_eq!(files.read(&dir.join("synced")).unwrap(), b"kept");
         assert!(files.read(&dir.join("unsynced-name")).is_err(), "a name not synced is lost");
+    }
+
+    #[test]
+    fn a_write_over_bytes_written_since_the_last_sync_is_an_overwrite_and_an_append_is_not() {
+        let mut inode = Inode::with(&[1; 100]);
+        inode.sync();
+        assert!(!inode.write(0, &[2; 10]), "over synced bytes");
+        assert!(!inode.write(10, &[2; 10]), "an append to what was written");
+        assert!(!inode.write(50, &[2; 10]), "beside it");
+        assert!(inode.write(15, &[3; 2]), "inside it");
+        assert!(inode.write(45, &[3; 6]), "over the start of a later write");
+        assert!(!inode.write(30, &[3; 10]), "between two writes");
+        inode.sync();
+        assert!(!inode.write(0, &[4; 100]), "after a sync");
     }
 
     #[test]

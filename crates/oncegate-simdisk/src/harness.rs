@@ -57,6 +57,11 @@ pub struct Plan {
     pub ack_before_commit: bool,
     /// WAL pages between checkpoints (small, so that cuts land around checkpoints).
     pub checkpoint_pages: u64,
+    /// SQLite's page cache of each shard, in pages (0: the configuration's). A few pages
+    /// and large responses make batches spill the cache into the WAL before their commit.
+    pub cache_pages: u64,
+    /// Each committed response is padded to this many bytes (if shorter).
+    pub response_bytes: usize,
     /// The most keys a client ever works on. A client at it moves on from no completed
     /// key and commits no more: its held keys are heartbeated and released and granted
     /// again, so the shards keep writing while their live records stop growing (a store
@@ -80,6 +85,8 @@ impl Default for Plan {
             durability: Durability::Full,
             ack_before_commit: false,
             checkpoint_pages: 4,
+            cache_pages: 0,
+            response_bytes: 0,
             client_keys_max: u64::MAX,
             violations_max: 20,
             seed: 1,
@@ -135,6 +142,9 @@ pub struct Report {
     pub cut_while_opening: u64,
     /// Cuts that found a shard file with writes not yet synced (mid-checkpoint).
     pub cut_mid_checkpoint: u64,
+    /// Writes to a WAL over bytes not yet synced: frames of a spilled page cache, or
+    /// their checksums, written again before their commit.
+    pub wal_overwrites: u64,
     /// Syncs of shard files: checkpoints, mostly.
     pub checkpoints: u64,
     /// What the engine's shards counted as SQLite WAL checkpoints.
@@ -167,6 +177,7 @@ impl Report {
         self.torn += other.torn;
         self.cut_while_opening += other.cut_while_opening;
         self.cut_mid_checkpoint += other.cut_mid_checkpoint;
+        self.wal_overwrites += other.wal_overwrites;
         self.checkpoints += other.checkpoints;
         self.engine_checkpoints += other.engine_checkpoints;
         self.acknowledged += other.acknowledged;
@@ -316,6 +327,7 @@ struct Cycle {
     /// The call count at which the power is cut, if the cut is counted in calls.
     cut_at: u64,
     client_keys_max: u64,
+    response_bytes: usize,
     calls: AtomicU64,
     cut: AtomicBool,
     before: Marks,
@@ -333,6 +345,7 @@ pub fn run(plan: &Plan) -> Report {
     let stats = run.disk.stats();
     run.report.checkpoints = stats.checkpoints;
     run.report.cut_mid_checkpoint = stats.cuts_mid_checkpoint;
+    run.report.wal_overwrites = stats.wal_overwrites;
     run.report
 }
 
@@ -358,6 +371,7 @@ impl Run<'_> {
     fn new(plan: &Plan) -> Run<'_> {
         let faults = Faults::default();
         faults.checkpoint_after_pages(plan.checkpoint_pages);
+        faults.cache_pages(plan.cache_pages);
         if plan.ack_before_commit {
             faults.ack_before_commit();
         }
@@ -556,6 +570,7 @@ impl Run<'_> {
             tenant: Tenant::default_tenant(),
             cut_at,
             client_keys_max: self.plan.client_keys_max,
+            response_bytes: self.plan.response_bytes,
             calls: AtomicU64::new(0),
             cut: AtomicBool::new(false),
             before: self.marks.clone(),
@@ -804,7 +819,10 @@ fn finish(
             engine.release_blocking(tenant, key_request(key, token)).map(|()| Known::Free)
         }
         _ => {
-            let response = format!("{}#{token}", key.key).into_bytes();
+            let mut response = format!("{}#{token}", key.key).into_bytes();
+            if response.len() < cycle.response_bytes {
+                response.resize(cycle.response_bytes, b'.');
+            }
             let done = Known::Done { token, response: response.clone() };
             key.maybe = Some(Maybe::State(done.clone()));
             let request = CommitRequest {

@@ -59,6 +59,8 @@ struct Handle {
     delete_on_close: bool,
     /// Whether it is a main database (two connections per file at most).
     main_db: bool,
+    /// Whether it is a WAL.
+    wal: bool,
     /// The WAL index this handle mapped.
     shm: Option<Shm>,
 }
@@ -184,6 +186,7 @@ unsafe extern "C" fn x_open(
             sync_dir_pending: creates_journal,
             delete_on_close: flags & ffi::SQLITE_OPEN_DELETEONCLOSE != 0,
             main_db: flags & ffi::SQLITE_OPEN_MAIN_DB != 0,
+            wal: flags & ffi::SQLITE_OPEN_WAL != 0,
             shm: None,
         });
         ptr::write(
@@ -395,6 +398,7 @@ unsafe extern "C" fn x_write(
     // SAFETY: SQLite provides `amount` bytes at `buf`.
     unsafe {
         let bytes = std::slice::from_raw_parts(buf.cast::<u8>(), amount as usize);
+        let wal = handle(file).wal;
         match with_file(handle(file), ffi::SQLITE_IOERR_WRITE, |state, inode| {
             if state.fail_planned_write(inode) {
                 return ffi::SQLITE_IOERR_WRITE;
@@ -402,7 +406,7 @@ unsafe extern "C" fn x_write(
             if state.no_room_for(Some(inode), offset as usize + bytes.len()) {
                 return ffi::SQLITE_FULL;
             }
-            state.write(inode, offset as usize, bytes);
+            state.write(inode, offset as usize, bytes, wal);
             ffi::SQLITE_OK
         }) {
             Ok(code) | Err(code) => code,

@@ -20,9 +20,19 @@ struct Args {
     /// Client threads.
     #[arg(long, default_value_t = 6)]
     clients: usize,
+    /// Keys each client works on at a time.
+    #[arg(long, default_value_t = 12)]
+    keys_per_client: usize,
     /// Shards.
     #[arg(long, default_value_t = 3)]
     shards: u32,
+    /// SQLite's page cache per shard, in pages (0: the configuration's); a few pages make
+    /// batches spill it.
+    #[arg(long, default_value_t = 0)]
+    cache_pages: u64,
+    /// Committed responses padded to this many bytes.
+    #[arg(long, default_value_t = 0)]
+    response_bytes: usize,
     /// The most acknowledged calls between two cuts.
     #[arg(long, default_value_t = 240)]
     calls_per_cut_max: u64,
@@ -56,7 +66,10 @@ fn main() -> anyhow::Result<()> {
             cuts,
             torn_every: args.torn_every,
             clients: args.clients,
+            keys_per_client: args.keys_per_client,
             shards: args.shards,
+            cache_pages: args.cache_pages,
+            response_bytes: args.response_bytes,
             calls_per_cut_max: args.calls_per_cut_max,
             durability: if args.normal { Durability::Normal } else { Durability::Full },
             ack_before_commit: args.ack_before_commit,
@@ -68,12 +81,13 @@ fn main() -> anyhow::Result<()> {
         done += cuts;
         total.absorb(report);
         println!(
-            "{} cuts ({} torn, {} while opening, {} mid-checkpoint), {} checkpoints, {} calls acknowledged, {} key states and {} grants checked, {} violations, {:.1} s",
+            "{} cuts ({} torn, {} while opening, {} mid-checkpoint), {} checkpoints, {} WAL overwrites, {} calls acknowledged, {} key states and {} grants checked, {} violations, {:.1} s",
             total.cuts,
             total.torn,
             total.cut_while_opening,
             total.cut_mid_checkpoint,
             total.checkpoints,
+            total.wal_overwrites,
             total.acknowledged,
             total.keys_checked,
             total.grants_checked,

@@ -218,6 +218,10 @@ impl Store {
         conn.pragma_update(None, "page_size", NEW_FILE_PAGE_BYTES)?;
         let checkpoint_pages = faults.wal_checkpoint_pages().unwrap_or(tuning.wal_checkpoint_pages);
         configure(&conn, tuning.durability, checkpoint_pages, tuning.page_cache_bytes_max)?;
+        if let Some(pages) = faults.page_cache_pages() {
+            // A positive cache_size is in pages.
+            conn.pragma_update(None, "cache_size", super::to_sql(pages))?;
+        }
         if check_integrity {
             quick_check(&conn, faults)?;
         }
