@@ -403,8 +403,19 @@ fn check_label(field: &'static str, value: &str, max: usize) -> Result<(), Inval
 macro_rules! string_newtype {
     ($(#[$meta:meta])* $name:ident) => {
         $(#[$meta])*
-        #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+        #[derive(Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
         pub struct $name(String);
+
+        /// `clone_from` reuses the string's buffer.
+        impl Clone for $name {
+            fn clone(&self) -> Self {
+                $name(self.0.clone())
+            }
+
+            fn clone_from(&mut self, source: &Self) {
+                self.0.clone_from(&source.0);
+            }
+        }
 
         impl $name {
             /// The validated text.
@@ -504,7 +515,7 @@ impl Key {
 }
 
 /// The full address of a record: `(tenant, namespace, key)`.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Scope {
     /// From authentication.
     pub tenant: Tenant,
@@ -512,4 +523,17 @@ pub struct Scope {
     pub namespace: Namespace,
     /// From the request, or derived.
     pub key: Key,
+}
+
+/// `clone_from` reuses the strings' buffers (the shard remembers the last key it found).
+impl Clone for Scope {
+    fn clone(&self) -> Self {
+        Scope { tenant: self.tenant.clone(), namespace: self.namespace.clone(), key: self.key.clone() }
+    }
+
+    fn clone_from(&mut self, source: &Self) {
+        self.tenant.clone_from(&source.tenant);
+        self.namespace.clone_from(&source.namespace);
+        self.key.clone_from(&source.key);
+    }
 }

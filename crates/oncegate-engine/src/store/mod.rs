@@ -354,15 +354,15 @@ pub(crate) fn stored_scope(tenant: String, namespace: String, key: String) -> Re
 /// Bytes per history entry: the transition (1), `at_ms` (8, little-endian), the token (8).
 const EVENT_BYTES: usize = 17;
 
-/// A record's history as both stores keep it.
-pub(crate) fn encode_history(history: &[Event]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(history.len() * EVENT_BYTES);
+/// A record's history as both stores keep it, written over `out`.
+pub(crate) fn encode_history(history: &[Event], out: &mut Vec<u8>) {
+    out.clear();
+    out.reserve(history.len() * EVENT_BYTES);
     for event in history {
         out.push(event.transition.as_u8());
         out.extend_from_slice(&event.at_ms.to_le_bytes());
         out.extend_from_slice(&event.token.to_le_bytes());
     }
-    out
 }
 
 /// Unknown transitions (from a newer version) are skipped rather than failing the read:

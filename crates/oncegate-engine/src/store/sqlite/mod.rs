@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
 use oncegate_core::route::{self, Routing};
-use rusqlite::{Connection, OpenFlags, TransactionBehavior};
+use rusqlite::{Connection, OpenFlags, Transaction, TransactionBehavior};
 
 use super::{Meta, StoreError};
 use crate::config::Durability;
@@ -28,6 +28,7 @@ use crate::quota::Tally;
 use crate::schedule::Schedule;
 use checkpointer::Checkpointer;
 use schema::*;
+use txn::Statements;
 pub(crate) use txn::Txn;
 
 /// The settings a store is opened with.
@@ -347,7 +348,9 @@ impl Store {
     }
 
     fn start(&mut self, behavior: TransactionBehavior, now_ms: u64) -> Result<Txn<'_>, StoreError> {
-        let tx = self.conn.transaction_with_behavior(behavior)?;
+        // Unchecked: a shared borrow, so that the statements borrow the connection too
+        // (the store's `&mut self` already rules out a nested transaction).
+        let tx = Transaction::new_unchecked(&self.conn, behavior)?;
         Ok(Txn {
             tx: Some(tx),
             now_ms,
@@ -363,6 +366,8 @@ impl Store {
             checkpointer: &self.checkpointer,
             refused: self.writes_refused,
             committed: &self.committed,
+            statements: Box::new(Statements::prepare(&self.conn)?),
+            history: RefCell::default(),
         })
     }
 

@@ -4,7 +4,9 @@ use std::cell::{Cell, RefCell};
 
 use oncegate_core::route::Routing;
 use oncegate_core::{Record, Scope};
-use rusqlite::{OptionalExtension, Transaction, params};
+use rusqlite::{
+    CachedStatement, Connection, OptionalExtension, ToSql, Transaction, params, params_from_iter,
+};
 
 use super::checkpointer::Checkpointer;
 use super::commit_failed;
@@ -42,6 +44,31 @@ pub(crate) struct Txn<'s> {
     pub(super) refused: bool,
     /// The store's counters as of its last commit.
     pub(super) committed: &'s Cell<Meta>,
+    /// The statements every command uses, taken from the connection's cache once per
+    /// transaction rather than once per use (each take copies the SQL into a new key);
+    /// boxed, as they are most of the transaction's size.
+    pub(super) statements: Box<Statements<'s>>,
+    /// The encoded history of the last record written, its buffer reused.
+    pub(super) history: RefCell<Vec<u8>>,
+}
+
+/// A transaction's statements for finding, reading and writing a key's row.
+pub(super) struct Statements<'c> {
+    scope: RefCell<CachedStatement<'c>>,
+    record: RefCell<CachedStatement<'c>>,
+    update: RefCell<CachedStatement<'c>>,
+    insert: RefCell<CachedStatement<'c>>,
+}
+
+impl<'c> Statements<'c> {
+    pub(super) fn prepare(conn: &'c Connection) -> Result<Statements<'c>, rusqlite::Error> {
+        Ok(Statements {
+            scope: RefCell::new(conn.prepare_cached(SELECT_SCOPE)?),
+            record: RefCell::new(conn.prepare_cached(SELECT_RECORD)?),
+            update: RefCell::new(conn.prepare_cached(UPDATE_RECORD)?),
+            insert: RefCell::new(conn.prepare_cached(INSERT_RECORD)?),
+        })
+    }
 }
 
 /// A row found by scope.
@@ -94,7 +121,7 @@ impl Txn<'_> {
             return Ok(Some(last.id));
         }
         let index = self.index.borrow();
-        let mut stmt = self.tx().prepare_cached(SELECT_SCOPE)?;
+        let mut stmt = self.statements.scope.borrow_mut();
         for id in index.ids(self.routing.hash(scope)) {
             let found = stmt
                 .query_row(params![id], |row| {
@@ -104,18 +131,30 @@ impl Txn<'_> {
                 })
                 .optional()?;
             if found == Some(true) {
-                *self.located.borrow_mut() = Some(Located { scope: scope.clone(), id, reclaim_at_ms: None });
+                self.set_located(scope, id, None);
                 return Ok(Some(id));
             }
         }
         Ok(None)
     }
 
+    /// Remembers the row `scope` was found at, reusing the last scope's strings.
+    fn set_located(&self, scope: &Scope, id: i64, reclaim_at_ms: Option<u64>) {
+        let mut located = self.located.borrow_mut();
+        match &mut *located {
+            Some(last) => {
+                last.scope.clone_from(scope);
+                (last.id, last.reclaim_at_ms) = (id, reclaim_at_ms);
+            }
+            None => *located = Some(Located { scope: scope.clone(), id, reclaim_at_ms }),
+        }
+    }
+
     /// The stored record of a key, expired or not.
     pub fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError> {
         self.failpoint()?;
         let Some(id) = self.locate(scope)? else { return Ok(None) };
-        let mut stmt = self.tx().prepare_cached(SELECT_RECORD)?;
+        let mut stmt = self.statements.record.borrow_mut();
         let record = stmt.query_row(params![id], |row| read_record(row, 3)).optional()?;
         if let (Some(record), Some(located)) = (&record, &mut *self.located.borrow_mut()) {
             located.reclaim_at_ms = Some(record.reclaim_at_ms());
@@ -129,40 +168,45 @@ impl Txn<'_> {
         self.refuse()?;
         self.failpoint()?;
         let completion = record.completion.as_ref();
-        let values = params![
-            to_sql(record.reclaim_at_ms()),
-            to_sql(record.token),
-            i64::from(record.attempt),
-            to_sql(record.lease_until_ms),
-            to_sql(record.expires_at_ms),
-            to_sql(record.ttl_ms),
-            record.fingerprint.as_bytes(),
-            completion.map(|c| i64::from(c.outcome.as_u8())),
-            completion.map(|c| c.response.as_slice()),
-            completion.map(|c| to_sql(c.completed_at_ms)),
-            encode_history(&record.history),
+        let (reclaim_at_ms, token, attempt) =
+            (to_sql(record.reclaim_at_ms()), to_sql(record.token), i64::from(record.attempt));
+        let (lease_until_ms, expires_at_ms, ttl_ms) =
+            (to_sql(record.lease_until_ms), to_sql(record.expires_at_ms), to_sql(record.ttl_ms));
+        let outcome = completion.map(|c| i64::from(c.outcome.as_u8()));
+        let response = completion.map(|c| c.response.as_slice());
+        let completed_at_ms = completion.map(|c| to_sql(c.completed_at_ms));
+        let mut history = self.history.borrow_mut();
+        encode_history(&record.history, &mut history);
+        let history = history.as_slice();
+        let values: [&dyn ToSql; 11] = [
+            &reclaim_at_ms,
+            &token,
+            &attempt,
+            &lease_until_ms,
+            &expires_at_ms,
+            &ttl_ms,
+            &record.fingerprint.as_bytes(),
+            &outcome,
+            &response,
+            &completed_at_ms,
+            &history,
         ];
         let reclaim_at_ms = record.reclaim_at_ms();
         self.wrote.set(true);
         if let Some(id) = self.locate(scope)? {
-            let mut stmt = self.tx().prepare_cached(UPDATE_RECORD)?;
-            let mut all: Vec<&dyn rusqlite::ToSql> = vec![&id];
-            all.extend_from_slice(values);
-            stmt.execute(all.as_slice())?;
+            let all = std::iter::once(&id as &dyn ToSql).chain(values);
+            self.statements.update.borrow_mut().execute(params_from_iter(all))?;
             return Ok(self.reschedule(id, reclaim_at_ms));
         }
         let hash = self.routing.hash(scope);
-        let mut stmt = self.tx().prepare_cached(INSERT_RECORD)?;
         let (hash_sql, tenant, namespace, key) =
             (hash_to_sql(hash), scope.tenant.as_str(), scope.namespace.as_str(), scope.key.as_str());
-        let mut all: Vec<&dyn rusqlite::ToSql> = vec![&hash_sql, &tenant, &namespace, &key];
-        all.extend_from_slice(values);
-        stmt.execute(all.as_slice())?;
+        let all = [&hash_sql as &dyn ToSql, &tenant, &namespace, &key].into_iter().chain(values);
+        self.statements.insert.borrow_mut().execute(params_from_iter(all))?;
         let id = self.tx().last_insert_rowid();
         self.index.borrow_mut().insert(hash, id);
         self.undo.borrow_mut().push(Undo::Remove(hash, id));
-        *self.located.borrow_mut() =
-            Some(Located { scope: scope.clone(), id, reclaim_at_ms: Some(reclaim_at_ms) });
+        self.set_located(scope, id, Some(reclaim_at_ms));
         let mut schedule = self.schedule.borrow_mut();
         schedule.add(reclaim_at_ms, id);
         Ok(schedule.due_ms(reclaim_at_ms))
@@ -333,7 +377,7 @@ impl Txn<'_> {
     /// ones included (their destination reclaims them as this shard would have).
     pub fn records_of(&self, rows: &[(u64, i64)]) -> Result<Vec<(Scope, Record)>, StoreError> {
         self.failpoint()?;
-        let mut stmt = self.tx().prepare_cached(SELECT_RECORD)?;
+        let mut stmt = self.statements.record.borrow_mut();
         let mut records = Vec::with_capacity(rows.len());
         for (hash, id) in rows {
             let (tenant, namespace, key, record) = stmt.query_row(params![id], |row| {
