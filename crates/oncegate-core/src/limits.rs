@@ -525,15 +525,17 @@ pub struct Scope {
     pub key: Key,
 }
 
-/// `clone_from` reuses the strings' buffers (the shard remembers the last key it found).
+/// `clone_from` reuses the strings' buffers.
 impl Clone for Scope {
     fn clone(&self) -> Self {
         Scope { tenant: self.tenant.clone(), namespace: self.namespace.clone(), key: self.key.clone() }
     }
 
     fn clone_from(&mut self, source: &Self) {
-        self.tenant.clone_from(&source.tenant);
-        self.namespace.clone_from(&source.namespace);
-        self.key.clone_from(&source.key);
+        // Destructured, so that a new field cannot be left out.
+        let Scope { tenant, namespace, key } = self;
+        tenant.clone_from(&source.tenant);
+        namespace.clone_from(&source.namespace);
+        key.clone_from(&source.key);
     }
 }

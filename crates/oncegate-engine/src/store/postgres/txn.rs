@@ -189,9 +189,7 @@ impl Upserts {
         self.lease_until_ms.push(to_sql(record.lease_until_ms));
         self.expires_at_ms.push(to_sql(record.expires_at_ms));
         self.ttl_ms.push(to_sql(record.ttl_ms));
-        let mut history = Vec::new();
-        encode_history(&record.history, &mut history);
-        self.history.push(history);
+        self.history.push(encode_history(&record.history));
         self.fingerprint.push(record.fingerprint.as_bytes().to_vec());
         let completion = record.completion;
         self.outcome.push(completion.as_ref().map(|c| i16::from(c.outcome.as_u8())));

@@ -1,8 +1,9 @@
 //! One shard's SQLite file: schema, pragmas, and the statements the actor runs.
 //!
 //! Only the shard's own thread ever touches a `Store`. Every statement is prepared once
-//! per connection (`prepare_cached`) and every change happens inside the batch's one
-//! transaction. Records are appended in arrival order and found through the in-memory
+//! per connection (`prepare_cached`), the four every command runs are taken from that
+//! cache once per transaction (`txn::Statements`), and every change happens inside the
+//! batch's one transaction. Records are appended in arrival order and found through the in-memory
 //! [`Index`] (`index.rs` says why).
 
 mod checkpointer;
@@ -367,7 +368,7 @@ impl Store {
             refused: self.writes_refused,
             committed: &self.committed,
             statements: Box::new(Statements::prepare(&self.conn)?),
-            history: RefCell::default(),
+            history_buf: RefCell::default(),
         })
     }
 

@@ -15,7 +15,7 @@ use crate::faults::Faults;
 use crate::index::{Index, Undo};
 use crate::quota::Tally;
 use crate::schedule::Schedule;
-use crate::store::{Meta, StoreError, encode_history, stored_scope, stored_tenant};
+use crate::store::{Meta, StoreError, encode_history_into, stored_scope, stored_tenant};
 
 /// The batch's transaction. Dropping it without `commit` rolls everything back, the
 /// in-memory index's changes included.
@@ -44,12 +44,13 @@ pub(crate) struct Txn<'s> {
     pub(super) refused: bool,
     /// The store's counters as of its last commit.
     pub(super) committed: &'s Cell<Meta>,
-    /// The statements every command uses, taken from the connection's cache once per
-    /// transaction rather than once per use (each take copies the SQL into a new key);
+    /// The statements every command uses, taken from the connection's cache when the
+    /// transaction starts (every transaction, though a read or an alarm uses one or
+    /// none) rather than at each use, which copies the SQL into a new key each time;
     /// boxed, as they are most of the transaction's size.
     pub(super) statements: Box<Statements<'s>>,
-    /// The encoded history of the last record written, its buffer reused.
-    pub(super) history: RefCell<Vec<u8>>,
+    /// Scratch space for encoding each written record's history.
+    pub(super) history_buf: RefCell<Vec<u8>>,
 }
 
 /// A transaction's statements for finding, reading and writing a key's row.
@@ -168,40 +169,34 @@ impl Txn<'_> {
         self.refuse()?;
         self.failpoint()?;
         let completion = record.completion.as_ref();
-        let (reclaim_at_ms, token, attempt) =
-            (to_sql(record.reclaim_at_ms()), to_sql(record.token), i64::from(record.attempt));
-        let (lease_until_ms, expires_at_ms, ttl_ms) =
-            (to_sql(record.lease_until_ms), to_sql(record.expires_at_ms), to_sql(record.ttl_ms));
-        let outcome = completion.map(|c| i64::from(c.outcome.as_u8()));
-        let response = completion.map(|c| c.response.as_slice());
-        let completed_at_ms = completion.map(|c| to_sql(c.completed_at_ms));
-        let mut history = self.history.borrow_mut();
-        encode_history(&record.history, &mut history);
-        let history = history.as_slice();
-        let values: [&dyn ToSql; 11] = [
-            &reclaim_at_ms,
-            &token,
-            &attempt,
-            &lease_until_ms,
-            &expires_at_ms,
-            &ttl_ms,
-            &record.fingerprint.as_bytes(),
-            &outcome,
-            &response,
-            &completed_at_ms,
-            &history,
+        let mut history = self.history_buf.borrow_mut();
+        encode_history_into(&record.history, &mut history);
+        let values = params![
+            to_sql(record.reclaim_at_ms()),
+            to_sql(record.token),
+            i64::from(record.attempt),
+            to_sql(record.lease_until_ms),
+            to_sql(record.expires_at_ms),
+            to_sql(record.ttl_ms),
+            record.fingerprint.as_bytes(),
+            completion.map(|c| i64::from(c.outcome.as_u8())),
+            completion.map(|c| c.response.as_slice()),
+            completion.map(|c| to_sql(c.completed_at_ms)),
+            history.as_slice(),
         ];
         let reclaim_at_ms = record.reclaim_at_ms();
         self.wrote.set(true);
+        // Bound from iterators: no vector of parameters per write.
         if let Some(id) = self.locate(scope)? {
-            let all = std::iter::once(&id as &dyn ToSql).chain(values);
+            let all = std::iter::once(&id as &dyn ToSql).chain(values.iter().copied());
             self.statements.update.borrow_mut().execute(params_from_iter(all))?;
             return Ok(self.reschedule(id, reclaim_at_ms));
         }
         let hash = self.routing.hash(scope);
         let (hash_sql, tenant, namespace, key) =
             (hash_to_sql(hash), scope.tenant.as_str(), scope.namespace.as_str(), scope.key.as_str());
-        let all = [&hash_sql as &dyn ToSql, &tenant, &namespace, &key].into_iter().chain(values);
+        let all =
+            [&hash_sql as &dyn ToSql, &tenant, &namespace, &key].into_iter().chain(values.iter().copied());
         self.statements.insert.borrow_mut().execute(params_from_iter(all))?;
         let id = self.tx().last_insert_rowid();
         self.index.borrow_mut().insert(hash, id);
