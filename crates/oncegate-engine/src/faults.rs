@@ -110,7 +110,7 @@ impl Faults {
     /// Keeps at most `pages` pages in SQLite's page cache of every shard file opened from
     /// now on (0 lifts the override), so that a batch that dirties more spills them into
     /// the WAL before its commit.
-    pub fn cache_pages(&self, pages: u64) {
+    pub fn cap_page_cache(&self, pages: u64) {
         self.inner.page_cache_pages.store(pages, Ordering::SeqCst);
     }
 

@@ -334,8 +334,8 @@ pub struct DiskStats {
     pub checkpoints: u64,
     /// Writes to a WAL over bytes written since its last sync: frames (or their
     /// checksums) written again before their commit, as a transaction that spills its
-    /// page cache does. (A database file's are SQLite's checkpoints that stopped short
-    /// of the WAL's end, which sync only when they reach it.)
+    /// page cache does. Database files are not counted: a checkpoint that stops short
+    /// of the WAL's end does not sync them, so the next one may overwrite its writes.
     pub wal_overwrites: u64,
     /// Operations the disk was asked to do (the fuse counts these).
     pub ops: u64,

@@ -142,8 +142,8 @@ pub struct Report {
     pub cut_while_opening: u64,
     /// Cuts that found a shard file with writes not yet synced (mid-checkpoint).
     pub cut_mid_checkpoint: u64,
-    /// Writes to a WAL over bytes not yet synced: frames of a spilled page cache, or
-    /// their checksums, written again before their commit.
+    /// Writes to a WAL over bytes written since its last sync: frames of a spilled page
+    /// cache, or their checksums, written again before their commit.
     pub wal_overwrites: u64,
     /// Syncs of shard files: checkpoints, mostly.
     pub checkpoints: u64,
@@ -371,7 +371,7 @@ impl Run<'_> {
     fn new(plan: &Plan) -> Run<'_> {
         let faults = Faults::default();
         faults.checkpoint_after_pages(plan.checkpoint_pages);
-        faults.cache_pages(plan.cache_pages);
+        faults.cap_page_cache(plan.cache_pages);
         if plan.ack_before_commit {
             faults.ack_before_commit();
         }

@@ -1,7 +1,8 @@
 //! The power-loss harness as part of the suite: 500 cuts, half of them torn, must find
 //! every acknowledged call after every restart; and the harness must see the losses of
 //! `durability = "normal"` and of a deliberate ack-before-commit bug as lost
-//! acknowledgements, while the same plan without them passes, or it proves nothing.
+//! acknowledgements, while the same plan without them passes, or it proves nothing. A
+//! second run cuts the power among batches that spill SQLite's page cache.
 
 use oncegate_engine::Durability;
 use oncegate_simdisk::harness::{Plan, Report, run};
@@ -37,11 +38,12 @@ fn every_acknowledged_call_survives_500_plain_and_torn_power_cuts() {
     assert!(report.cut_mid_checkpoint > 10, "{}", summary(&report));
 }
 
-/// Batches larger than SQLite's page cache write some of their pages into the WAL before
-/// their commit and write them again when they change (more than a commit's frames are
-/// held in memory at once, so some go to the file early): the cuts land among them too.
+/// A batch whose dirty pages outgrow SQLite's page cache writes some of them into the WAL
+/// before its commit, and overwrites those frames when it changes the pages again (the
+/// gathering VFS writes what it holds first): a 16-page cache and 6,000-byte responses
+/// (three overflow pages each) make such batches, and the cuts land among them.
 #[test]
-fn every_acknowledged_call_survives_power_cuts_between_batches_that_spill_their_cache() {
+fn every_acknowledged_call_survives_power_cuts_among_batches_that_spill_the_page_cache() {
     let plan = Plan {
         cuts: 60,
         clients: 24,
@@ -54,7 +56,9 @@ fn every_acknowledged_call_survives_power_cuts_between_batches_that_spill_their_
     };
     let report = run(&plan);
     assert!(report.violations.is_empty(), "{}", summary(&report));
-    assert!(report.wal_overwrites > 0, "no batch spilled: {}", summary(&report));
+    // About seven a cut with SQLite 3.50; at least one a cut on average, or the run no
+    // longer tests what it is for.
+    assert!(report.wal_overwrites >= plan.cuts, "too few batches spilled: {}", summary(&report));
     assert!(report.acknowledged > 1_000, "{}", summary(&report));
 }
 
