@@ -354,14 +354,8 @@ pub(crate) fn stored_scope(tenant: String, namespace: String, key: String) -> Re
 /// Bytes per history entry: the transition (1), `at_ms` (8, little-endian), the token (8).
 const EVENT_BYTES: usize = 17;
 
-/// A record's history as both stores keep it.
-pub(crate) fn encode_history(history: &[Event]) -> Vec<u8> {
-    let mut out = Vec::new();
-    encode_history_into(history, &mut out);
-    out
-}
-
-/// [`encode_history`] written over `out`, whose buffer is reused.
+/// A record's history as both stores keep it, written over `out` (whose buffer the
+/// SQLite store reuses from one write to the next).
 pub(crate) fn encode_history_into(history: &[Event], out: &mut Vec<u8>) {
     out.clear();
     out.reserve(history.len() * EVENT_BYTES);

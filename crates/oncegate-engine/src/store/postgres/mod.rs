@@ -45,7 +45,7 @@ use oncegate_core::{Record, Scope};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
 
-use super::{Meta, StoreError, decode_history, encode_history, stored_scope, stored_tenant};
+use super::{Meta, StoreError, decode_history, encode_history_into, stored_scope, stored_tenant};
 use crate::config::{Durability, PgClock, PostgresConfig};
 use crate::faults::Faults;
 use crate::placement::slots;

@@ -9,7 +9,7 @@ use oncegate_core::route::{self};
 use oncegate_core::{Record, Scope};
 use tokio_postgres::types::ToSql;
 
-use super::{Meta, StoreError, encode_history, stored_tenant};
+use super::{Meta, StoreError, encode_history_into, stored_tenant};
 use crate::quota::Tally;
 
 use super::Store;
@@ -189,7 +189,9 @@ impl Upserts {
         self.lease_until_ms.push(to_sql(record.lease_until_ms));
         self.expires_at_ms.push(to_sql(record.expires_at_ms));
         self.ttl_ms.push(to_sql(record.ttl_ms));
-        self.history.push(encode_history(&record.history));
+        let mut history = Vec::new();
+        encode_history_into(&record.history, &mut history);
+        self.history.push(history);
         self.fingerprint.push(record.fingerprint.as_bytes().to_vec());
         let completion = record.completion;
         self.outcome.push(completion.as_ref().map(|c| i16::from(c.outcome.as_u8())));
