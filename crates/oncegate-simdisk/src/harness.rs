@@ -159,6 +159,27 @@ pub struct Report {
     pub violations: Vec<Violation>,
 }
 
+/// The counts in one line; the violations are the caller's to list.
+impl std::fmt::Display for Report {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} cuts ({} torn, {} while opening, {} mid-checkpoint), {} checkpoints ({} by the engine's count), {} WAL overwrites, {} calls acknowledged, {} key states and {} grants checked, {} violations",
+            self.cuts,
+            self.torn,
+            self.cut_while_opening,
+            self.cut_mid_checkpoint,
+            self.checkpoints,
+            self.engine_checkpoints,
+            self.wal_overwrites,
+            self.acknowledged,
+            self.keys_checked,
+            self.grants_checked,
+            self.violations.len(),
+        )
+    }
+}
+
 impl Report {
     /// Whether some violation is of `kind`.
     pub fn has(&self, kind: Kind) -> bool {
