@@ -3,8 +3,8 @@
 //! Only the shard's own thread ever touches a `Store`. Every statement is prepared once
 //! per connection (`prepare_cached`), the four every command runs are taken from that
 //! cache once per transaction (`txn::Statements`), and every change happens inside the
-//! batch's one transaction. Records are appended in arrival order and found through the in-memory
-//! [`Index`] (`index.rs` says why).
+//! batch's one transaction. Records are appended in arrival order and found through the
+//! in-memory [`Index`] (`index.rs` says why).
 
 mod checkpointer;
 mod gather;
