@@ -146,6 +146,12 @@ pub fn this_thread_ticks() -> u64 {
     std::fs::read_to_string("/proc/thread-self/stat").ok().and_then(|s| cpu_ticks(&s)).map_or(0, |(_, t)| t)
 }
 
+/// CPU time of the calling thread, to the nanosecond (`CLOCK_THREAD_CPUTIME_ID`).
+pub fn this_thread_cpu() -> std::time::Duration {
+    let now = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    std::time::Duration::new(u64::try_from(now.tv_sec).unwrap_or(0), u32::try_from(now.tv_nsec).unwrap_or(0))
+}
+
 /// Bytes this process caused to be written to storage.
 pub fn this_process_write_bytes() -> u64 {
     write_bytes("/proc/self/io")

@@ -55,15 +55,32 @@ pub mod reshard {
 }
 
 /// What the workspace's own tests and tools reach into: the data directory's layout and
-/// SQLite's settings for the benchmark's raw ceiling. Not the API: it changes without
-/// notice.
+/// SQLite's settings for the benchmark's layouts and raw ceiling. Not the API: it changes
+/// without notice.
 #[doc(hidden)]
 pub mod testing {
     pub use crate::placement::{manifest, slots, token};
 
+    /// Opens a SQLite file exactly as the engine opens a shard file (its VFS, page size
+    /// and settings, from `config`), without the shard's schema or checkpointer: the
+    /// benchmark's raw-SQLite ceiling measures the same SQLite this way.
+    pub fn open_sqlite_like_shard(
+        path: &std::path::Path,
+        config: &crate::EngineConfig,
+    ) -> Result<rusqlite::Connection, crate::StoreError> {
+        let sqlite = config.store.sqlite();
+        crate::store::open_configured(
+            path,
+            &crate::files::OsFiles,
+            config.durability,
+            sqlite.wal_checkpoint_pages,
+            sqlite.page_cache_bytes_max,
+        )
+    }
+
     /// Applies the settings of a shard file's connection to `conn` (WAL, `synchronous`,
-    /// the checkpoint interval, the page cache) from `config`: the benchmark's raw-SQLite
-    /// ceiling runs with exactly the engine's settings this way.
+    /// the checkpoint interval, the page cache) from `config`, for the benchmark's record
+    /// layouts, which choose their own page size.
     pub fn configure_sqlite(
         conn: &rusqlite::Connection,
         config: &crate::EngineConfig,

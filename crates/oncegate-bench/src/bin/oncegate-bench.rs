@@ -91,8 +91,8 @@ struct Cli {
     /// Writes the reports as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
-    /// Also measure the raw SQLite group-commit ceiling with this many keys per
-    /// transaction (match it to the embedded target's mean batch; 0 skips it).
+    /// Also measure the raw SQLite group-commit ceiling with this many commands per
+    /// commit (match it to the embedded target's mean batch; 0 skips it).
     #[arg(long, default_value_t = 0)]
     raw_batch: usize,
     /// Draws throughput and p99 against in-flight requests into this SVG.
@@ -283,7 +283,7 @@ impl Bench {
         let dir = self.scratch.path().join("raw");
         std::fs::create_dir_all(&dir)?;
         let seconds = Duration::from_secs_f64(self.cli.seconds);
-        let pairs = oncegate_bench::raw_sqlite::raw_sqlite_ceiling(
+        let ceiling = oncegate_bench::raw_sqlite::raw_sqlite_ceiling(
             &dir,
             self.cli.shards,
             self.cli.raw_batch,
@@ -291,15 +291,20 @@ impl Bench {
             &self.work,
         )?;
         println!(
-            "raw SQLite ceiling, {} files, {} keys per transaction: {pairs:.0} pairs/s",
-            self.cli.shards, self.cli.raw_batch
+            "raw SQLite ceiling, {} files, {} commands per commit: {:.0} pairs/s, {:.1} µs of CPU per command \
+             (checkpoints aside), {:.0} device bytes per pair",
+            self.cli.shards,
+            self.cli.raw_batch,
+            ceiling.pairs_per_s,
+            ceiling.cpu_us_per_command,
+            ceiling.device_bytes_per_pair
         );
         for r in reports.iter().filter(|r| r.target == "oncegate-embedded") {
             let batch = r.batch_len_mean.unwrap_or(0.0);
             println!(
                 "oncegate-embedded at {} in flight (mean batch {batch:.1}) / raw SQLite ceiling: {:.2}",
                 r.in_flight,
-                r.pairs_per_s / pairs
+                r.pairs_per_s / ceiling.pairs_per_s
             );
         }
         Ok(())

@@ -22,7 +22,7 @@ pub(crate) mod sqlite;
 
 use oncegate_core::{Event, Key, Namespace, Record, Scope, Tenant, Transition};
 
-pub(crate) use sqlite::{Tuning, configure};
+pub(crate) use sqlite::{Tuning, configure, open_configured};
 
 /// The PostgreSQL store every shard of a node shares, when the records live there. A
 /// build without the `postgres` feature has none: the type has no value.

@@ -183,6 +183,23 @@ pub(crate) fn copy_file(from: &Path, to: &Path, vfs: Option<&str>) -> Result<u64
     Ok(from_sql(pages) * from_sql(page_bytes))
 }
 
+/// Opens a shard file's connection: through the gathering VFS over the files seam's,
+/// with the page size of new files (older files keep theirs) and [`configure`]'s
+/// settings. The benchmark's raw-SQLite ceiling opens its files this way too.
+pub(crate) fn open_configured(
+    path: &Path,
+    files: &dyn Files,
+    durability: Durability,
+    wal_checkpoint_pages: u64,
+    page_cache_bytes_max: u64,
+) -> Result<Connection, StoreError> {
+    let vfs = gather::vfs_over(files.sqlite_vfs())?;
+    let conn = Connection::open_with_flags_and_vfs(path, OpenFlags::default(), vfs.as_str())?;
+    conn.pragma_update(None, "page_size", NEW_FILE_PAGE_BYTES)?;
+    configure(&conn, durability, wal_checkpoint_pages, page_cache_bytes_max)?;
+    Ok(conn)
+}
+
 /// `PRAGMA quick_check`: reads the whole file (at process start only).
 fn quick_check(conn: &Connection, faults: &Faults) -> Result<(), StoreError> {
     let check: String = conn.query_row("PRAGMA quick_check", [], |row| row.get(0))?;
@@ -214,12 +231,14 @@ impl Store {
         // power cut takes away, and every one of them would be lost with them.
         let wal = crate::files::companion(path, "-wal");
         tuning.files.drop_cached(&wal).map_err(|source| StoreError::Io { path: wal.clone(), source })?;
-        let vfs = gather::vfs_over(tuning.files.sqlite_vfs())?;
-        let mut conn = Connection::open_with_flags_and_vfs(path, OpenFlags::default(), vfs.as_str())?;
-        // Takes effect only on a new, empty file; older files keep the size they have.
-        conn.pragma_update(None, "page_size", NEW_FILE_PAGE_BYTES)?;
         let checkpoint_pages = faults.wal_checkpoint_pages().unwrap_or(tuning.wal_checkpoint_pages);
-        configure(&conn, tuning.durability, checkpoint_pages, tuning.page_cache_bytes_max)?;
+        let mut conn = open_configured(
+            path,
+            &*tuning.files,
+            tuning.durability,
+            checkpoint_pages,
+            tuning.page_cache_bytes_max,
+        )?;
         if let Some(pages) = faults.page_cache_pages() {
             // A positive cache_size is in pages.
             conn.pragma_update(None, "cache_size", super::to_sql(pages))?;
@@ -249,7 +268,7 @@ impl Store {
         let checkpointer = Checkpointer::start(
             &conn,
             path,
-            &vfs,
+            &gather::vfs_over(tuning.files.sqlite_vfs())?,
             synchronous(tuning.durability),
             checkpoint_pages,
             Arc::clone(&tuning.checkpoints),
