@@ -157,11 +157,12 @@ fn main() -> anyhow::Result<()> {
             }
         }
     }
-    bench.raw_ceiling(&reports)?;
     for (mut child, _) in bench.servers.drain(..) {
         let _ = child.kill();
         let _ = child.wait();
     }
+    // After the servers are gone: it counts the device's bytes.
+    bench.raw_ceiling(&reports)?;
     print_results(&bench.cli, &reports)
 }
 
