@@ -16,8 +16,8 @@ pub struct Ceiling {
     /// Completed pairs per second, over every file.
     pub pairs_per_s: f64,
     /// CPU of the writing threads per command (a pair is two), in microseconds, without
-    /// the checkpoints: the engine runs those on a thread of its own, outside its shard
-    /// CPU, so this is the figure to hold against the shard CPU per command.
+    /// the checkpoints: the figure to hold against the shard CPU per command, whose
+    /// checkpoints run on a thread of their own (all but each one's tail).
     pub cpu_us_per_command: f64,
     /// Bytes the device wrote per pair, the checkpoints' included.
     pub device_bytes_per_pair: f64,
@@ -49,9 +49,11 @@ struct Counted {
 /// exactly as the engine opens a shard file, each committing batches of `batch` fresh
 /// keys (a pending row appended, as the engine appends records and finds them through its
 /// in-memory index) and then a second transaction completing them (the response written
-/// into the row, found by its id), as fast as it can. Each thread checkpoints its WAL past
-/// the engine's interval, as the engine's checkpointer does, and leaves that time out of
-/// its CPU.
+/// into the row, found by its id), as fast as it can. The rows hold 6 of a record's 16
+/// columns, and nothing is read before it is written. Each thread checkpoints its WAL
+/// past the engine's interval and leaves that time out of its CPU (all of it: a shard
+/// leaves out its checkpointer thread's, but copies each checkpoint's tail itself).
+/// Measuring starts once every WAL has been checkpointed once.
 pub fn raw_sqlite_ceiling(
     dir: &std::path::Path,
     shards: u32,
@@ -62,14 +64,20 @@ pub fn raw_sqlite_ceiling(
     let settings = oncegate_engine::EngineConfig::default();
     let checkpoint_pages = settings.store.sqlite().wal_checkpoint_pages;
     let phase = Arc::new(AtomicU8::new(WARMING));
+    // Each thread says when its WAL has been through one checkpoint: from then on its
+    // writes reuse the WAL's blocks, as a running shard's do (the first pass allocates
+    // them, which costs more CPU and bytes a commit).
+    let (warmed, warm) = std::sync::mpsc::channel::<()>();
     let mut threads = Vec::new();
     for shard in 0..shards {
         let path = dir.join(format!("raw-{shard}.sqlite"));
         let (phase, work, settings) = (phase.clone(), work.clone(), settings.clone());
+        let mut warmed = Some(warmed.clone());
         threads.push(std::thread::Builder::new().name(format!("raw-sqlite-{shard}")).spawn(
             move || -> anyhow::Result<Counted> {
                 let conn = oncegate_engine::testing::open_sqlite_like_shard(&path, &settings)?;
-                // The hook replaces SQLite's own checkpoints on commit.
+                // The hook replaces SQLite's own checkpoints on commit (a later
+                // `wal_autocheckpoint` pragma would put them back).
                 conn.wal_hook(Some(on_commit));
                 conn.execute_batch(
                     "CREATE TABLE IF NOT EXISTS records (id INTEGER PRIMARY KEY, hash INTEGER NOT NULL,
@@ -92,12 +100,21 @@ pub fn raw_sqlite_ceiling(
                     }
                     if WAL_PAGES.get() >= checkpoint_pages {
                         conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))?;
+                        if let Some(warmed) = warmed.take() {
+                            let _ = warmed.send(());
+                        }
                     }
                 }
             },
         )?);
     }
-    std::thread::sleep(Duration::from_millis(500));
+    drop(warmed);
+    // Every thread's, or fewer if one failed (its error comes with its join).
+    for _ in 0..shards {
+        if warm.recv().is_err() {
+            break;
+        }
+    }
     let probe = Probe::this_process().on_device_of(dir);
     let before = probe.sample();
     let started = Instant::now();

@@ -120,8 +120,8 @@ impl Tuning {
 
 /// The settings every shard file's connection runs with: WAL, the durability's
 /// `synchronous`, the checkpoint interval, temporary tables in memory and the page cache.
-/// The benchmark's raw-SQLite ceiling applies exactly these (and so checkpoints inline, as
-/// SQLite does by default; a shard's file hands its checkpoints to `checkpointer.rs`).
+/// SQLite checkpoints on commit at that interval unless a WAL hook replaces it, as a
+/// shard's does (`checkpointer.rs`) and the benchmark's raw-SQLite ceiling's.
 pub fn configure(
     conn: &Connection,
     durability: Durability,
