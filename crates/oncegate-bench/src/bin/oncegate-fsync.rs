@@ -103,7 +103,11 @@ fn write_and_sync(
         file.write_all_at(&block, offset)?;
         file.sync_data()?;
         syncs += 1;
-        offset = (offset + write_bytes as u64) % (FILE_BYTES - write_bytes as u64 + 1);
+        offset += write_bytes as u64;
+        if offset + write_bytes as u64 > FILE_BYTES {
+            // Back to the start, so that every write keeps its place in the pages.
+            offset = 0;
+        }
     }
     Ok((syncs, this_thread_cpu().saturating_sub(cpu)))
 }
