@@ -472,6 +472,32 @@ mod tests {
         assert!(tuning.checkpoints.load(std::sync::atomic::Ordering::Relaxed) > 0, "nothing checkpointed");
     }
 
+    /// Scopes whose hashes collide share the index's entry: only the stored scope tells
+    /// their rows apart, when a key is read and when it is written.
+    #[test]
+    fn scopes_whose_hashes_collide_keep_their_own_rows() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut store, _, _) =
+            Store::open(&dir.path().join("shard.sqlite"), &tuning(), &Faults::default(), true).unwrap();
+        let (a, b) = (scope("a"), scope("b"));
+        let txn = store.begin(0).unwrap();
+        txn.put(&a, &granted(7, 500)).unwrap();
+        txn.commit(Meta { next_token: 8, high_water_ms: 500 }).unwrap();
+        // A 64-bit collision, made by hand: b's hash names a's row.
+        let routing = tuning().routing;
+        let a_row = store.index.ids(routing.hash(&a)).next().unwrap();
+        store.index.insert(routing.hash(&b), a_row);
+        let txn = store.begin(0).unwrap();
+        assert!(txn.get(&b).unwrap().is_none(), "b read a's row");
+        txn.put(&b, &granted(9, 600)).unwrap();
+        assert_eq!(txn.get(&a).unwrap().map(|r| r.token), Some(7), "b's write went to a's row");
+        txn.commit(Meta { next_token: 10, high_water_ms: 600 }).unwrap();
+        // Both rows under b's hash now, a's first.
+        let txn = store.begin(0).unwrap();
+        assert_eq!(txn.get(&b).unwrap().map(|r| r.token), Some(9));
+        assert_eq!(txn.get(&a).unwrap().map(|r| r.token), Some(7));
+    }
+
     /// Batches that delete nothing leave `meta` as it was; the next open reads the
     /// counters from the rows, and a delete of the row that held them writes `meta`.
     #[test]
