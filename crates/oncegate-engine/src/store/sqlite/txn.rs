@@ -79,6 +79,14 @@ pub(super) struct Located {
     reclaim_at_ms: Option<u64>,
 }
 
+/// Whether a row read by [`SELECT_SCOPE`] or [`SELECT_RECORD`] (the scope's three
+/// columns first) holds `scope`.
+fn holds(row: &rusqlite::Row<'_>, scope: &Scope) -> rusqlite::Result<bool> {
+    Ok(row.get_ref(0)?.as_str()? == scope.tenant.as_str()
+        && row.get_ref(1)?.as_str()? == scope.namespace.as_str()
+        && row.get_ref(2)?.as_str()? == scope.key.as_str())
+}
+
 impl Drop for Txn<'_> {
     fn drop(&mut self) {
         if self.tx.is_some() {
@@ -124,13 +132,7 @@ impl Txn<'_> {
         let index = self.index.borrow();
         let mut stmt = self.statements.scope.borrow_mut();
         for id in index.ids(self.routing.hash(scope)) {
-            let found = stmt
-                .query_row(params![id], |row| {
-                    Ok(row.get_ref(0)?.as_str()? == scope.tenant.as_str()
-                        && row.get_ref(1)?.as_str()? == scope.namespace.as_str()
-                        && row.get_ref(2)?.as_str()? == scope.key.as_str())
-                })
-                .optional()?;
+            let found = stmt.query_row(params![id], |row| holds(row, scope)).optional()?;
             if found == Some(true) {
                 self.set_located(scope, id, None);
                 return Ok(Some(id));
@@ -151,16 +153,34 @@ impl Txn<'_> {
         }
     }
 
-    /// The stored record of a key, expired or not.
+    /// The stored record of a key, expired or not. Each candidate row is read whole and
+    /// its scope compared there: one statement per candidate, not [`Txn::locate`]'s and
+    /// then the record's.
     pub fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError> {
         self.failpoint()?;
-        let Some(id) = self.locate(scope)? else { return Ok(None) };
         let mut stmt = self.statements.record.borrow_mut();
-        let record = stmt.query_row(params![id], |row| read_record(row, 3)).optional()?;
-        if let (Some(record), Some(located)) = (&record, &mut *self.located.borrow_mut()) {
-            located.reclaim_at_ms = Some(record.reclaim_at_ms());
+        let last = self.located.borrow().as_ref().filter(|last| last.scope == *scope).map(|last| last.id);
+        if let Some(id) = last {
+            let record = stmt.query_row(params![id], |row| read_record(row, 3)).optional()?;
+            if let (Some(record), Some(located)) = (&record, &mut *self.located.borrow_mut()) {
+                located.reclaim_at_ms = Some(record.reclaim_at_ms());
+            }
+            return Ok(record);
         }
-        Ok(record)
+        let index = self.index.borrow();
+        for id in index.ids(self.routing.hash(scope)) {
+            let found = stmt
+                .query_row(params![id], |row| {
+                    if holds(row, scope)? { read_record(row, 3).map(Some) } else { Ok(None) }
+                })
+                .optional()?
+                .flatten();
+            if let Some(record) = found {
+                self.set_located(scope, id, Some(record.reclaim_at_ms()));
+                return Ok(Some(record));
+            }
+        }
+        Ok(None)
     }
 
     /// Inserts or replaces a key's record: in place when it has a row, appended when not.
