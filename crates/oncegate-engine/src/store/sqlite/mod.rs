@@ -498,6 +498,36 @@ mod tests {
         assert_eq!(txn.get(&a).unwrap().map(|r| r.token), Some(7));
     }
 
+    /// A write that does not fit in a full file is refused alone, and the batch goes on;
+    /// its time must still be kept, in `meta` when no row of the batch carries it.
+    #[test]
+    fn a_batch_whose_only_write_did_not_fit_keeps_its_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("shard.sqlite");
+        let faults = Faults::default();
+        faults.limit_pages(48);
+        let meta = |store_meta: Meta| (store_meta.next_token, store_meta.high_water_ms);
+        let (mut store, _, _) = Store::open(&path, &tuning(), &faults, true).unwrap();
+        let mut big = granted(1, 500);
+        big.fingerprint = Fingerprint::from_stored(vec![7; 16 * 1024]);
+        let mut stored = 0;
+        let refusal = loop {
+            let txn = store.begin(500).unwrap();
+            match txn.put(&scope(&format!("k{stored}")), &big) {
+                Ok(_) => txn.commit(Meta { next_token: 2, high_water_ms: 500 }).unwrap(),
+                Err(error) => break error,
+            }
+            stored += 1;
+        };
+        assert!(refusal.is_full() && stored > 0, "{refusal} after {stored}");
+        let txn = store.begin(900).unwrap();
+        assert!(txn.put(&scope("late"), &big).unwrap_err().is_full());
+        txn.commit(Meta { next_token: 2, high_water_ms: 900 }).unwrap();
+        drop(store);
+        let (_, opened, _) = Store::open(&path, &tuning(), &faults, false).unwrap();
+        assert_eq!(meta(opened), (2, 900), "the refused batch's time was lost");
+    }
+
     /// Batches that delete nothing leave `meta` as it was; the next open reads the
     /// counters from the rows, and a delete of the row that held them writes `meta`.
     #[test]

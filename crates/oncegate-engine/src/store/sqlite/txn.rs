@@ -205,11 +205,12 @@ impl Txn<'_> {
             history.as_slice(),
         ];
         let reclaim_at_ms = record.reclaim_at_ms();
-        self.wrote.set(true);
-        // Bound from iterators: no vector of parameters per write.
+        // Bound from iterators: no vector of parameters per write. `wrote` is set only
+        // once a row is written: a write refused alone (a full file) carries no time.
         if let Some(id) = self.locate(scope)? {
             let all = std::iter::once(&id as &dyn ToSql).chain(values.iter().copied());
             self.statements.update.borrow_mut().execute(params_from_iter(all))?;
+            self.wrote.set(true);
             return Ok(self.reschedule(id, reclaim_at_ms));
         }
         let hash = self.routing.hash(scope);
@@ -218,6 +219,7 @@ impl Txn<'_> {
         let all =
             [&hash_sql as &dyn ToSql, &tenant, &namespace, &key].into_iter().chain(values.iter().copied());
         self.statements.insert.borrow_mut().execute(params_from_iter(all))?;
+        self.wrote.set(true);
         let id = self.tx().last_insert_rowid();
         self.index.borrow_mut().insert(hash, id);
         self.undo.borrow_mut().push(Undo::Remove(hash, id));
