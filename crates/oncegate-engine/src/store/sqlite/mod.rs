@@ -473,29 +473,53 @@ mod tests {
     }
 
     /// Scopes whose hashes collide share the index's entry: only the stored scope tells
-    /// their rows apart, when a key is read and when it is written.
+    /// their rows apart, when a key is read, written or deleted, whichever of its three
+    /// parts differs.
     #[test]
     fn scopes_whose_hashes_collide_keep_their_own_rows() {
-        let dir = tempfile::tempdir().unwrap();
-        let (mut store, _, _) =
-            Store::open(&dir.path().join("shard.sqlite"), &tuning(), &Faults::default(), true).unwrap();
-        let (a, b) = (scope("a"), scope("b"));
-        let txn = store.begin(0).unwrap();
-        txn.put(&a, &granted(7, 500)).unwrap();
-        txn.commit(Meta { next_token: 8, high_water_ms: 500 }).unwrap();
-        // A 64-bit collision, made by hand: b's hash names a's row.
-        let routing = tuning().routing;
-        let a_row = store.index.ids(routing.hash(&a)).next().unwrap();
-        store.index.insert(routing.hash(&b), a_row);
-        let txn = store.begin(0).unwrap();
-        assert!(txn.get(&b).unwrap().is_none(), "b read a's row");
-        txn.put(&b, &granted(9, 600)).unwrap();
-        assert_eq!(txn.get(&a).unwrap().map(|r| r.token), Some(7), "b's write went to a's row");
-        txn.commit(Meta { next_token: 10, high_water_ms: 600 }).unwrap();
-        // Both rows under b's hash now, a's first.
-        let txn = store.begin(0).unwrap();
-        assert_eq!(txn.get(&b).unwrap().map(|r| r.token), Some(9));
-        assert_eq!(txn.get(&a).unwrap().map(|r| r.token), Some(7));
+        let other = |tenant: &str, namespace: &str, key: &str| Scope {
+            tenant: Tenant::new(tenant).unwrap(),
+            namespace: Namespace::new(namespace).unwrap(),
+            key: Key::from_stored(key.into()),
+        };
+        let pairs = [
+            ("key", other("t", "n", "a"), other("t", "n", "b")),
+            ("tenant", other("t", "n", "a"), other("u", "n", "a")),
+            ("namespace", other("t", "n", "a"), other("t", "m", "a")),
+        ];
+        let token = |txn: &Txn<'_>, scope: &Scope| txn.get(scope).unwrap().map(|r| r.token);
+        for (differs, a, b) in pairs {
+            let dir = tempfile::tempdir().unwrap();
+            let (mut store, _, _) =
+                Store::open(&dir.path().join("shard.sqlite"), &tuning(), &Faults::default(), true).unwrap();
+            let txn = store.begin(0).unwrap();
+            txn.put(&a, &granted(7, 500)).unwrap();
+            txn.commit(Meta { next_token: 8, high_water_ms: 500 }).unwrap();
+            // A 64-bit collision, made by hand: b's hash names a's row.
+            let routing = tuning().routing;
+            let a_row = store.index.ids(routing.hash(&a)).next().unwrap();
+            store.index.insert(routing.hash(&b), a_row);
+            let txn = store.begin(0).unwrap();
+            assert_eq!(token(&txn, &b), None, "{differs}: b read a's row");
+            txn.put(&b, &granted(9, 600)).unwrap();
+            assert_eq!(token(&txn, &a), Some(7), "{differs}: b's first write went to a's row");
+            txn.commit(Meta { next_token: 10, high_water_ms: 600 }).unwrap();
+            // Both rows under b's hash now, a's first: a write of b with nothing read
+            // before it passes a's row and rewrites b's.
+            let txn = store.begin(0).unwrap();
+            txn.put(&b, &granted(11, 700)).unwrap();
+            assert_eq!((token(&txn, &a), token(&txn, &b)), (Some(7), Some(11)), "{differs}");
+            txn.commit(Meta { next_token: 12, high_water_ms: 700 }).unwrap();
+            assert_eq!(store.index.ids(routing.hash(&b)).count(), 2, "{differs}: b got a second row");
+            let txn = store.begin(0).unwrap();
+            txn.delete(&b).unwrap();
+            assert_eq!(
+                (token(&txn, &a), token(&txn, &b)),
+                (Some(7), None),
+                "{differs}: the delete took a's row"
+            );
+            txn.commit(Meta { next_token: 12, high_water_ms: 700 }).unwrap();
+        }
     }
 
     /// A write that does not fit in a full file is refused alone, and the batch goes on;
