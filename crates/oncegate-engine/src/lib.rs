@@ -61,9 +61,10 @@ pub mod reshard {
 pub mod testing {
     pub use crate::placement::{manifest, slots, token};
 
-    /// Opens a SQLite file exactly as the engine opens a shard file (its VFS, page size
-    /// and settings, from `config`), without the shard's schema or checkpointer: the
-    /// benchmark's raw-SQLite ceiling measures the same SQLite this way.
+    /// Opens a SQLite file with a shard file's VFS, page size and settings (from
+    /// `config`), without the shard's schema, checkpointer or start-up steps: the
+    /// benchmark's raw-SQLite ceiling measures the same SQLite on files of its own this
+    /// way. Never on a serving shard's file: it would be a second writer.
     pub fn open_sqlite_like_shard(
         path: &std::path::Path,
         config: &crate::EngineConfig,

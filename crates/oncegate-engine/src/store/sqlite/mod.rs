@@ -183,9 +183,12 @@ pub(crate) fn copy_file(from: &Path, to: &Path, vfs: Option<&str>) -> Result<u64
     Ok(from_sql(pages) * from_sql(page_bytes))
 }
 
-/// Opens a shard file's connection: through the gathering VFS over the files seam's,
-/// with the page size of new files (older files keep theirs) and [`configure`]'s
-/// settings. The benchmark's raw-SQLite ceiling opens its files this way too.
+/// Opens a connection with a shard file's settings: through the gathering VFS over the
+/// files seam's, with the page size of new files (older files keep theirs) and
+/// [`configure`]'s settings. Only that: [`Store::open`] also creates the file through the
+/// seam, drops the WAL's cached pages and starts the checkpointer, and it alone opens a
+/// shard's file (the gathering VFS allows one writer). The benchmark's raw-SQLite
+/// ceiling opens its own files this way.
 pub(crate) fn open_configured(
     path: &Path,
     files: &dyn Files,
