@@ -62,7 +62,6 @@ pub fn raw_sqlite_ceiling(
     work: &Work,
 ) -> anyhow::Result<Ceiling> {
     let settings = oncegate_engine::EngineConfig::default();
-    let checkpoint_pages = settings.store.sqlite().wal_checkpoint_pages;
     let phase = Arc::new(AtomicU8::new(WARMING));
     // Each thread says when its WAL has been through one checkpoint: from then on its
     // writes reuse the WAL's blocks, as a running shard's do (the first pass allocates
@@ -72,41 +71,12 @@ pub fn raw_sqlite_ceiling(
     for shard in 0..shards {
         let path = dir.join(format!("raw-{shard}.sqlite"));
         let (phase, work, settings) = (phase.clone(), work.clone(), settings.clone());
-        let mut warmed = Some(warmed.clone());
-        threads.push(std::thread::Builder::new().name(format!("raw-sqlite-{shard}")).spawn(
-            move || -> anyhow::Result<Counted> {
-                let conn = oncegate_engine::testing::open_sqlite_like_shard(&path, &settings)?;
-                // The hook replaces SQLite's own checkpoints on commit (a later
-                // `wal_autocheckpoint` pragma would put them back).
-                conn.wal_hook(Some(on_commit));
-                conn.execute_batch(
-                    "CREATE TABLE IF NOT EXISTS records (id INTEGER PRIMARY KEY, hash INTEGER NOT NULL,
-                 key TEXT NOT NULL, token INTEGER NOT NULL, expires_at_ms INTEGER NOT NULL, response BLOB)",
-                )?;
-                let response = vec![b'r'; work.response_bytes];
-                let mut counted = Counted::default();
-                let mut n = 0u64;
-                loop {
-                    let now = phase.load(Ordering::Relaxed);
-                    if now == STOPPING {
-                        return Ok(counted);
-                    }
-                    let started = this_thread_cpu();
-                    write_pairs(&conn, n, batch, &work, &response)?;
-                    n += batch as u64;
-                    if now == MEASURING {
-                        counted.cpu += this_thread_cpu().saturating_sub(started);
-                        counted.pairs += batch as u64;
-                    }
-                    if WAL_PAGES.get() >= checkpoint_pages {
-                        conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))?;
-                        if let Some(warmed) = warmed.take() {
-                            let _ = warmed.send(());
-                        }
-                    }
-                }
-            },
-        )?);
+        let warmed = warmed.clone();
+        threads.push(
+            std::thread::Builder::new()
+                .name(format!("raw-sqlite-{shard}"))
+                .spawn(move || write_until_stopped(&path, &settings, batch, &work, &phase, warmed))?,
+        );
     }
     drop(warmed);
     // Every thread's, or fewer if one failed (its error comes with its join).
@@ -135,6 +105,51 @@ pub fn raw_sqlite_ceiling(
         cpu_us_per_command: total.cpu.as_secs_f64() * 1e6 / (2.0 * pairs),
         device_bytes_per_pair: after.device_bytes.saturating_sub(before.device_bytes) as f64 / pairs,
     })
+}
+
+/// One writing thread, on a file of its own at `path`, until the phase says stop: batches
+/// of pairs, the WAL checkpointed past the interval (saying so on `warmed` the first
+/// time), CPU and pairs counted while measuring, checkpoints left out.
+fn write_until_stopped(
+    path: &std::path::Path,
+    settings: &oncegate_engine::EngineConfig,
+    batch: usize,
+    work: &Work,
+    phase: &AtomicU8,
+    warmed: std::sync::mpsc::Sender<()>,
+) -> anyhow::Result<Counted> {
+    let conn = oncegate_engine::testing::open_sqlite_like_shard(path, settings)?;
+    let checkpoint_pages = settings.store.sqlite().wal_checkpoint_pages;
+    let mut warmed = Some(warmed);
+    // The hook replaces SQLite's own checkpoints on commit (a later `wal_autocheckpoint`
+    // pragma would put them back).
+    conn.wal_hook(Some(on_commit));
+    conn.execute_batch(
+        "CREATE TABLE IF NOT EXISTS records (id INTEGER PRIMARY KEY, hash INTEGER NOT NULL,
+         key TEXT NOT NULL, token INTEGER NOT NULL, expires_at_ms INTEGER NOT NULL, response BLOB)",
+    )?;
+    let response = vec![b'r'; work.response_bytes];
+    let mut counted = Counted::default();
+    let mut n = 0u64;
+    loop {
+        let now = phase.load(Ordering::Relaxed);
+        if now == STOPPING {
+            return Ok(counted);
+        }
+        let started = this_thread_cpu();
+        write_pairs(&conn, n, batch, work, &response)?;
+        n += batch as u64;
+        if now == MEASURING {
+            counted.cpu += this_thread_cpu().saturating_sub(started);
+            counted.pairs += batch as u64;
+        }
+        if WAL_PAGES.get() >= checkpoint_pages {
+            conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))?;
+            if let Some(warmed) = warmed.take() {
+                let _ = warmed.send(());
+            }
+        }
+    }
 }
 
 /// One batch, rows `first..first + batch`: appended pending in one transaction,
