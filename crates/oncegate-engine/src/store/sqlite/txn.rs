@@ -124,10 +124,8 @@ impl Txn<'_> {
     /// The row of a key, if it has one: the index names the candidates, the stored scope
     /// decides between them.
     fn locate(&self, scope: &Scope) -> Result<Option<i64>, StoreError> {
-        if let Some(last) = &*self.located.borrow()
-            && last.scope == *scope
-        {
-            return Ok(Some(last.id));
+        if let Some(id) = self.last_located(scope) {
+            return Ok(Some(id));
         }
         let index = self.index.borrow();
         let mut stmt = self.statements.scope.borrow_mut();
@@ -139,6 +137,11 @@ impl Txn<'_> {
             }
         }
         Ok(None)
+    }
+
+    /// The row of `scope` if it is the last scope found in this transaction.
+    fn last_located(&self, scope: &Scope) -> Option<i64> {
+        self.located.borrow().as_ref().filter(|last| last.scope == *scope).map(|last| last.id)
     }
 
     /// Remembers the row `scope` was found at, reusing the last scope's strings.
@@ -159,8 +162,7 @@ impl Txn<'_> {
     pub fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError> {
         self.failpoint()?;
         let mut stmt = self.statements.record.borrow_mut();
-        let last = self.located.borrow().as_ref().filter(|last| last.scope == *scope).map(|last| last.id);
-        if let Some(id) = last {
+        if let Some(id) = self.last_located(scope) {
             let record = stmt.query_row(params![id], |row| read_record(row, 3)).optional()?;
             if let (Some(record), Some(located)) = (&record, &mut *self.located.borrow_mut()) {
                 located.reclaim_at_ms = Some(record.reclaim_at_ms());
