@@ -69,10 +69,15 @@ pub(crate) struct Store {
     pages_max: u64,
     /// The most pages one batch's writes can take.
     batch_pages_max: u64,
+    /// The most pages one write can take: a record at its largest, and the splits it may
+    /// cause up a tree of several levels.
+    write_pages: u64,
     /// The file's page size, in bytes.
     page_bytes: u64,
-    /// The file's pages in use (its pages less its free list), as of the last batch.
+    /// The file's pages in use (its pages less its free list), as last read.
     pages_used: Cell<u64>,
+    /// The room left in the file as a lower bound, so that a batch need not ask SQLite.
+    room: Room,
     /// Whether the statement journal's triggers exist on this connection.
     journaled: bool,
     /// Whether writes are refused (the disk is full): see [`Store::refuse_writes`].
@@ -83,6 +88,21 @@ pub(crate) struct Store {
     /// The counters of the last commit (as opened before the first): every commit's are
     /// at least these.
     committed: Cell<Meta>,
+}
+
+/// How often, at most, a busy shard reads its file's size from SQLite (the size gauge's
+/// age), in its clock's milliseconds.
+const ROOM_READ_INTERVAL_MS: u64 = 1_000;
+
+/// What a store knows of the room left in its file without asking SQLite.
+#[derive(Default)]
+struct Room {
+    /// Pages the file may still take, at least: the last reading, less the largest each
+    /// write since may have taken ([`Txn::put`] charges it; a delete frees pages, so it
+    /// charges nothing).
+    pages: Cell<u64>,
+    /// When (the shard's time) it was last read.
+    read_at_ms: Cell<u64>,
 }
 
 impl Tuning {
@@ -265,8 +285,6 @@ impl Store {
         if !foreign.is_empty() {
             delete_foreign(&mut conn, &foreign, meta)?;
         }
-        // Room for the largest batch: every write at its largest, plus the splits it may
-        // cause up a tree of several levels.
         let write_pages = tuning.write_bytes_max / from_sql(page_bytes).saturating_sub(64).max(64) + 1 + 8;
         let checkpointer = Checkpointer::start(
             &conn,
@@ -286,7 +304,9 @@ impl Store {
             pages_max: pages,
             page_bytes: from_sql(page_bytes),
             pages_used: Cell::new(0),
+            room: Room::default(),
             batch_pages_max: write_pages.saturating_mul(tuning.batch_writes_max),
+            write_pages,
             journaled: false,
             writes_refused: false,
             durability: tuning.durability,
@@ -294,7 +314,7 @@ impl Store {
             committed: Cell::new(meta),
         };
         // The file's size as opened, for the gauge read before the first batch.
-        store.pages_left()?;
+        store.room.pages.set(store.pages_left()?);
         Ok((store, meta, version == 0))
     }
 
@@ -342,12 +362,31 @@ impl Store {
                 Err(error) => return Err(error),
             }
         }
-        let near_full = self.pages_left()? < self.batch_pages_max;
+        let near_full = self.room_at_least(now_ms)? < self.batch_pages_max;
         if near_full != self.journaled {
             self.conn.execute_batch(if near_full { STATEMENT_JOURNAL_ON } else { STATEMENT_JOURNAL_OFF })?;
             self.journaled = near_full;
         }
         self.start(TransactionBehavior::Immediate, now_ms)
+    }
+
+    /// Pages the file may still take, at least, before a write transaction: read from
+    /// SQLite when the room the writes since the last reading may have left is under a
+    /// batch's largest, or when that reading is `ROOM_READ_INTERVAL_MS` old (for the size
+    /// gauge); otherwise the last reading less every write's largest since. The two
+    /// `PRAGMA`s cost 4% of a shard's CPU when read every batch: SQLite compiles a
+    /// `PRAGMA` again each time it runs.
+    fn room_at_least(&self, now_ms: u64) -> Result<u64, StoreError> {
+        let read_due = now_ms >= self.room.read_at_ms.get().saturating_add(ROOM_READ_INTERVAL_MS);
+        let room = if self.room.pages.get() < self.batch_pages_max || read_due {
+            self.room.read_at_ms.set(now_ms);
+            self.pages_left()?
+        } else {
+            self.room.pages.get()
+        };
+        // The transaction's `meta` row, which may grow by a byte, is charged now.
+        self.room.pages.set(room.saturating_sub(self.write_pages));
+        Ok(room)
     }
 
     /// Pages the file may still take: those below its limit and those on its free list.
@@ -358,8 +397,9 @@ impl Store {
         Ok(self.pages_max.saturating_sub(from_sql(count)) + from_sql(free))
     }
 
-    /// The bytes of the file's pages in use (free pages aside) as of the last write
-    /// batch: how close the file is to `shard_file_bytes_max`.
+    /// The bytes of the file's pages in use (free pages aside), read at most
+    /// `ROOM_READ_INTERVAL_MS` before the last write transaction began: how close the
+    /// file is to `shard_file_bytes_max`.
     pub fn used_bytes(&self) -> u64 {
         self.pages_used.get().saturating_mul(self.page_bytes)
     }
@@ -389,6 +429,8 @@ impl Store {
             checkpointer: &self.checkpointer,
             refused: self.writes_refused,
             committed: &self.committed,
+            room: &self.room.pages,
+            write_pages: self.write_pages,
             statements: Box::new(Statements::prepare(&self.conn)?),
             history_buf: RefCell::default(),
         })
@@ -523,6 +565,57 @@ mod tests {
             );
             txn.commit(Meta { next_token: 12, high_water_ms: 700 }).unwrap();
         }
+    }
+
+    /// Batches between two readings of the file's size are charged the most their writes
+    /// can take: the statement journal is on before a write can reach the limit, so the
+    /// write that does not fit is refused alone however long ago the last reading was.
+    #[test]
+    fn writes_between_readings_of_the_size_keep_room_for_a_refusal_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("shard.sqlite");
+        let faults = Faults::default();
+        faults.limit_pages(2_000);
+        let tuning = Tuning { batch_writes_max: 8, ..tuning() };
+        let (mut store, _, _) = Store::open(&path, &tuning, &faults, true).unwrap();
+        let mut big = granted(1, 500);
+        big.fingerprint = Fingerprint::from_stored(vec![7; 16 * 1024]);
+        let mut stored = 0;
+        let refusal = 'fill: loop {
+            // One clock reading throughout: no reading of the size falls due by time.
+            let txn = store.begin(500).unwrap();
+            for _ in 0..8 {
+                if let Err(error) = txn.put(&scope(&format!("k{stored}")), &big) {
+                    assert!(txn.failed_alone(&error), "{error} after {stored}: the batch was undone");
+                    break 'fill error;
+                }
+                stored += 1;
+            }
+            txn.commit(Meta { next_token: 2, high_water_ms: 500 }).unwrap();
+        };
+        assert!(refusal.is_full() && stored > 100, "{refusal} after {stored}");
+    }
+
+    /// The size gauge is read again once `ROOM_READ_INTERVAL_MS` has passed, and not
+    /// before while the file is far from its limit.
+    #[test]
+    fn the_file_size_is_read_again_after_its_interval() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("shard.sqlite");
+        let (mut store, _, _) = Store::open(&path, &tuning(), &Faults::default(), true).unwrap();
+        let write = |store: &mut Store, now_ms: u64, key: &str| {
+            let txn = store.begin(now_ms).unwrap();
+            txn.put(&scope(key), &granted(1, now_ms)).unwrap();
+            txn.commit(Meta { next_token: 2, high_water_ms: now_ms }).unwrap();
+        };
+        write(&mut store, ROOM_READ_INTERVAL_MS, "first");
+        let read = store.used_bytes();
+        for n in 0..200 {
+            write(&mut store, ROOM_READ_INTERVAL_MS + 1, &format!("k{n}"));
+        }
+        assert_eq!(store.used_bytes(), read, "read again before its interval");
+        write(&mut store, 2 * ROOM_READ_INTERVAL_MS, "late");
+        assert!(store.used_bytes() > read, "not read again after its interval");
     }
 
     /// A write that does not fit in a full file is refused alone, and the batch goes on;

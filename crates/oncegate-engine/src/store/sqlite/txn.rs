@@ -44,6 +44,10 @@ pub(crate) struct Txn<'s> {
     pub(super) refused: bool,
     /// The store's counters as of its last commit.
     pub(super) committed: &'s Cell<Meta>,
+    /// The room the store knows its file to have, at least, which each write lessens by
+    /// `write_pages`, the most it can take.
+    pub(super) room: &'s Cell<u64>,
+    pub(super) write_pages: u64,
     /// The statements every command uses, taken from the connection's cache when the
     /// transaction starts (every transaction, though a read or an alarm uses one or
     /// none) rather than at each use, which copies the SQL into a new key each time;
@@ -207,6 +211,8 @@ impl Txn<'_> {
             history.as_slice(),
         ];
         let reclaim_at_ms = record.reclaim_at_ms();
+        // Charged before the write, whether or not it is done.
+        self.room.set(self.room.get().saturating_sub(self.write_pages));
         // Bound from iterators: no vector of parameters per write. `wrote` is set only
         // once a row is written: a write refused alone (a full file) carries no time.
         if let Some(id) = self.locate(scope)? {
