@@ -119,7 +119,7 @@ fn describe() {
     gauge!("oncegate_shard_slots", "Slots the slot map gives the shard.");
     gauge!(
         "oncegate_shard_file_bytes",
-        "Bytes of the shard file's pages in use, as of its last write batch."
+        "Bytes of the shard file's pages in use, read at most a second before its last write batch."
     );
     gauge!("oncegate_shard_file_bytes_max", "store.shard_file_bytes_max.");
     gauge!("oncegate_shard_clock_ahead_seconds", "The shard's time less the wall clock.");

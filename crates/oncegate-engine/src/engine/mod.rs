@@ -68,8 +68,9 @@ pub struct ShardStats {
     pub records_pending: u64,
     /// Stored completed records (expired ones not yet reclaimed included).
     pub records_completed: u64,
-    /// The bytes of the shard file's pages in use, as of its last write batch (0 on
-    /// PostgreSQL): beside `shard_file_bytes_max`, how full the file is.
+    /// The bytes of the shard file's pages in use, read at most a second of the shard's
+    /// time before its last write batch (0 on PostgreSQL): beside
+    /// `shard_file_bytes_max`, how full the file is.
     pub file_bytes: u64,
     /// How far the shard's time runs ahead of the wall clock, in ms (negative: behind),
     /// as of its last batch: far ahead, the clock guard holds time from going back.

@@ -79,8 +79,8 @@ pub(crate) struct Shared {
     pub records_pending: AtomicU64,
     pub records_completed: AtomicU64,
     pub waiters: AtomicU64,
-    /// The bytes of the shard file's pages in use, as of its last write batch (0 on a
-    /// shared store).
+    /// The bytes of the shard file's pages in use, read at most a second before its last
+    /// write batch (0 on a shared store).
     pub file_bytes: AtomicU64,
     /// How far the shard's time is ahead of the wall clock (ms; negative: behind), as of
     /// its last batch. Far ahead, the wall clock stepped back (or a mark from a clock

@@ -90,16 +90,18 @@ pub(crate) struct Store {
     committed: Cell<Meta>,
 }
 
-/// How often, at most, a busy shard reads its file's size from SQLite (the size gauge's
-/// age), in its clock's milliseconds.
+/// The longest a shard goes between readings of its file's size from SQLite (the size
+/// gauge's age), in its clock's milliseconds; near the file's limit, every write
+/// transaction reads it.
 const ROOM_READ_INTERVAL_MS: u64 = 1_000;
 
 /// What a store knows of the room left in its file without asking SQLite.
 #[derive(Default)]
 struct Room {
-    /// Pages the file may still take, at least: the last reading, less the largest each
-    /// write since may have taken ([`Txn::put`] charges it; a delete frees pages, so it
-    /// charges nothing).
+    /// Pages the file may still take, at least: the last reading, less the most each
+    /// write since may have taken ([`Txn::put`] charges it, [`write_pages`] of its own
+    /// size or of the limits' largest record, whichever is more: a record stored under
+    /// larger limits may be moved in; a delete frees pages, so it charges nothing).
     pages: Cell<u64>,
     /// When (the shard's time) it was last read.
     read_at_ms: Cell<u64>,
@@ -223,6 +225,12 @@ pub(crate) fn open_configured(
     Ok(conn)
 }
 
+/// The most pages a write of `write_bytes` takes: its bytes over a page's room, and the
+/// splits it may cause up a tree of several levels.
+pub(super) fn write_pages(write_bytes: u64, page_bytes: u64) -> u64 {
+    write_bytes / page_bytes.saturating_sub(64).max(64) + 1 + 8
+}
+
 /// `PRAGMA quick_check`: reads the whole file (at process start only).
 fn quick_check(conn: &Connection, faults: &Faults) -> Result<(), StoreError> {
     let check: String = conn.query_row("PRAGMA quick_check", [], |row| row.get(0))?;
@@ -285,7 +293,7 @@ impl Store {
         if !foreign.is_empty() {
             delete_foreign(&mut conn, &foreign, meta)?;
         }
-        let write_pages = tuning.write_bytes_max / from_sql(page_bytes).saturating_sub(64).max(64) + 1 + 8;
+        let write_pages = write_pages(tuning.write_bytes_max, from_sql(page_bytes));
         let checkpointer = Checkpointer::start(
             &conn,
             path,
@@ -430,7 +438,8 @@ impl Store {
             refused: self.writes_refused,
             committed: &self.committed,
             room: &self.room.pages,
-            write_pages: self.write_pages,
+            write_pages_max: self.write_pages,
+            page_bytes: self.page_bytes,
             statements: Box::new(Statements::prepare(&self.conn)?),
             history_buf: RefCell::default(),
         })
@@ -568,18 +577,20 @@ mod tests {
     }
 
     /// Batches between two readings of the file's size are charged the most their writes
-    /// can take: the statement journal is on before a write can reach the limit, so the
-    /// write that does not fit is refused alone however long ago the last reading was.
+    /// can take, records larger than the limits allow now included (stored under larger
+    /// ones, then moved in): the statement journal is on before a write can reach the
+    /// limit, so the write that does not fit is refused alone however long ago the last
+    /// reading was.
     #[test]
     fn writes_between_readings_of_the_size_keep_room_for_a_refusal_alone() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("shard.sqlite");
         let faults = Faults::default();
         faults.limit_pages(2_000);
-        let tuning = Tuning { batch_writes_max: 8, ..tuning() };
+        let tuning = Tuning { batch_writes_max: 8, write_bytes_max: 1_000, ..tuning() };
         let (mut store, _, _) = Store::open(&path, &tuning, &faults, true).unwrap();
         let mut big = granted(1, 500);
-        big.fingerprint = Fingerprint::from_stored(vec![7; 16 * 1024]);
+        big.fingerprint = Fingerprint::from_stored(vec![7; 32 * 1024]);
         let mut stored = 0;
         let refusal = 'fill: loop {
             // One clock reading throughout: no reading of the size falls due by time.
