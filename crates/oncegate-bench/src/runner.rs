@@ -79,7 +79,7 @@ pub async fn run<T: Target + Clone>(
     let load_probe = if probe.is_some_and(|p| p.pid == own) { None } else { Some(Probe::of(own)) };
     tokio::time::sleep(load.warm_up).await;
     let load_before = load_probe.map(|p| p.sample());
-    let (batches_before, cost_before) = (target.batches(), probe.map(|p| p.sample()));
+    let (batches_before, cost_before) = (target.batches().await, probe.map(|p| p.sample()));
     shared.measuring.store(true, Ordering::Relaxed);
     let started = Instant::now();
     while started.elapsed() < load.duration {
@@ -88,7 +88,7 @@ pub async fn run<T: Target + Clone>(
     }
     shared.measuring.store(false, Ordering::Relaxed);
     let elapsed = started.elapsed();
-    let (batches_after, cost_after) = (target.batches(), probe.map(|p| p.sample()));
+    let (batches_after, cost_after) = (target.batches().await, probe.map(|p| p.sample()));
     let load_after = load_probe.map(|p| p.sample());
     shared.stop.store(true, Ordering::Relaxed);
     let mut latencies = histogram();

@@ -52,7 +52,7 @@ impl Target for Embedded {
         Ok(())
     }
 
-    fn batches(&self) -> Option<(u64, u64)> {
+    async fn batches(&self) -> Option<(u64, u64)> {
         Some(self.engine.stats().iter().fold((0, 0), |(b, c), s| (b + s.batches, c + s.commands)))
     }
 }

@@ -11,13 +11,14 @@ use crate::Work;
 #[derive(Clone)]
 pub struct Grpc {
     clients: Vec<GateClient<Channel>>,
+    stats: super::ServerStats,
 }
 
 impl Grpc {
     /// Connects to `addr` with `connections` HTTP/2 connections.
     pub async fn connect(addrs: &[String], connections: usize) -> anyhow::Result<Grpc> {
         let clients = super::channels(addrs, connections).await?.into_iter().map(GateClient::new).collect();
-        Ok(Grpc { clients })
+        Ok(Grpc { clients, stats: super::ServerStats::connect(addrs).await? })
     }
 
     fn client(&self, worker: usize) -> GateClient<Channel> {
@@ -44,6 +45,10 @@ impl Target for Grpc {
     ) -> anyhow::Result<()> {
         self.client(worker).commit(commit_request(key, token, response)).await?;
         Ok(())
+    }
+
+    async fn batches(&self) -> Option<(u64, u64)> {
+        self.stats.batches().await
     }
 }
 

@@ -67,8 +67,36 @@ pub trait Target: Send + Sync + 'static {
     ) -> impl Future<Output = anyhow::Result<()>> + Send;
 
     /// Transactions and the commands in them so far, where the target can tell.
-    fn batches(&self) -> Option<(u64, u64)> {
-        None
+    fn batches(&self) -> impl Future<Output = Option<(u64, u64)>> + Send {
+        async { None }
+    }
+}
+
+/// The shards' counters of oncegate servers, read over their Admin service: every node's
+/// shards, summed. `None` where a server does not answer (an admin token the tool lacks).
+#[derive(Clone)]
+struct ServerStats {
+    clients: Vec<oncegate_proto::v1::admin_client::AdminClient<tonic::transport::Channel>>,
+}
+
+impl ServerStats {
+    async fn connect(addrs: &[String]) -> anyhow::Result<ServerStats> {
+        let channels = channels(addrs, addrs.len()).await?;
+        Ok(ServerStats {
+            clients: channels.into_iter().map(oncegate_proto::v1::admin_client::AdminClient::new).collect(),
+        })
+    }
+
+    /// Transactions and the commands in them, summed over every node's shards.
+    async fn batches(&self) -> Option<(u64, u64)> {
+        let mut sum = (0, 0);
+        for client in &self.clients {
+            let stats = client.clone().shard_stats(oncegate_proto::v1::ShardStatsRequest {}).await.ok()?;
+            for shard in stats.into_inner().shards {
+                sum = (sum.0 + shard.batches, sum.1 + shard.commands);
+            }
+        }
+        Some(sum)
     }
 }
 

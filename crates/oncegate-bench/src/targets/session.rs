@@ -14,6 +14,7 @@ use crate::Work;
 #[derive(Clone)]
 pub struct Session {
     clients: Vec<Client>,
+    stats: super::ServerStats,
 }
 
 impl Session {
@@ -25,7 +26,7 @@ impl Session {
             let builder = Client::builder(addrs[n % addrs.len()].clone());
             clients.push(builder.transport(Transport::Session).retry(RetryPolicy::NONE).connect().await?);
         }
-        Ok(Session { clients })
+        Ok(Session { clients, stats: super::ServerStats::connect(addrs).await? })
     }
 
     fn client(&self, worker: usize) -> &Client {
@@ -55,5 +56,9 @@ impl Target for Session {
         let request = CommitRequest::try_from(commit_request(key, token, response))?;
         self.client(worker).commit(request).await?;
         Ok(())
+    }
+
+    async fn batches(&self) -> Option<(u64, u64)> {
+        self.stats.batches().await
     }
 }
