@@ -69,9 +69,6 @@ pub(crate) struct Store {
     pages_max: u64,
     /// The most pages one batch's writes can take.
     batch_pages_max: u64,
-    /// The most pages one write can take: a record at its largest, and the splits it may
-    /// cause up a tree of several levels.
-    write_pages: u64,
     /// The file's page size, in bytes.
     page_bytes: u64,
     /// The file's pages in use (its pages less its free list), as last read.
@@ -96,15 +93,25 @@ pub(crate) struct Store {
 const ROOM_READ_INTERVAL_MS: u64 = 1_000;
 
 /// What a store knows of the room left in its file without asking SQLite.
-#[derive(Default)]
 struct Room {
-    /// Pages the file may still take, at least: the last reading, less the most each
-    /// write since may have taken ([`Txn::put`] charges it, [`write_pages`] of its own
-    /// size or of the limits' largest record, whichever is more: a record stored under
-    /// larger limits may be moved in; a delete frees pages, so it charges nothing).
+    /// Pages the file may still take, at least: the last reading, less what every write
+    /// since was charged ([`Room::charge`]; a delete frees pages, so it charges nothing).
     pages: Cell<u64>,
     /// When (the shard's time) it was last read.
     read_at_ms: Cell<u64>,
+    /// The most pages a record at the limits' largest takes.
+    write_pages_max: u64,
+    page_bytes: u64,
+}
+
+impl Room {
+    /// Charges a write of `write_bytes`: the pages it may take, and never fewer than a
+    /// record at the limits' largest (a record stored under larger limits may be moved
+    /// in, so its own size counts too).
+    fn charge(&self, write_bytes: u64) {
+        let pages = write_pages(write_bytes, self.page_bytes).max(self.write_pages_max);
+        self.pages.set(self.pages.get().saturating_sub(pages));
+    }
 }
 
 impl Tuning {
@@ -312,9 +319,13 @@ impl Store {
             pages_max: pages,
             page_bytes: from_sql(page_bytes),
             pages_used: Cell::new(0),
-            room: Room::default(),
+            room: Room {
+                pages: Cell::new(0),
+                read_at_ms: Cell::new(0),
+                write_pages_max: write_pages,
+                page_bytes: from_sql(page_bytes),
+            },
             batch_pages_max: write_pages.saturating_mul(tuning.batch_writes_max),
-            write_pages,
             journaled: false,
             writes_refused: false,
             durability: tuning.durability,
@@ -381,9 +392,9 @@ impl Store {
     /// Pages the file may still take, at least, before a write transaction: read from
     /// SQLite when the room the writes since the last reading may have left is under a
     /// batch's largest, or when that reading is `ROOM_READ_INTERVAL_MS` old (for the size
-    /// gauge); otherwise the last reading less every write's largest since. The two
-    /// `PRAGMA`s cost 4% of a shard's CPU when read every batch: SQLite compiles a
-    /// `PRAGMA` again each time it runs.
+    /// gauge); otherwise the last reading less every write's charge since. Read every
+    /// batch, the two `PRAGMA`s cost about 3% of a shard's CPU, half of it SQLite
+    /// compiling each `PRAGMA` anew every time it runs.
     fn room_at_least(&self, now_ms: u64) -> Result<u64, StoreError> {
         let read_due = now_ms >= self.room.read_at_ms.get().saturating_add(ROOM_READ_INTERVAL_MS);
         let room = if self.room.pages.get() < self.batch_pages_max || read_due {
@@ -393,7 +404,8 @@ impl Store {
             self.room.pages.get()
         };
         // The transaction's `meta` row, which may grow by a byte, is charged now.
-        self.room.pages.set(room.saturating_sub(self.write_pages));
+        self.room.pages.set(room);
+        self.room.charge(0);
         Ok(room)
     }
 
@@ -437,9 +449,7 @@ impl Store {
             checkpointer: &self.checkpointer,
             refused: self.writes_refused,
             committed: &self.committed,
-            room: &self.room.pages,
-            write_pages_max: self.write_pages,
-            page_bytes: self.page_bytes,
+            room: &self.room,
             statements: Box::new(Statements::prepare(&self.conn)?),
             history_buf: RefCell::default(),
         })

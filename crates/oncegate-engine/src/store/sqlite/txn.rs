@@ -44,11 +44,9 @@ pub(crate) struct Txn<'s> {
     pub(super) refused: bool,
     /// The store's counters as of its last commit.
     pub(super) committed: &'s Cell<Meta>,
-    /// The room the store knows its file to have, at least, which each write lessens by
-    /// the most it can take: at least `write_pages_max`, a record at the limits' largest.
-    pub(super) room: &'s Cell<u64>,
-    pub(super) write_pages_max: u64,
-    pub(super) page_bytes: u64,
+    /// The room the store knows its file to have, at least, which each write is charged
+    /// against.
+    pub(super) room: &'s super::Room,
     /// The statements every command uses, taken from the connection's cache when the
     /// transaction starts (every transaction, though a read or an alarm uses one or
     /// none) rather than at each use, which copies the SQL into a new key each time;
@@ -212,9 +210,8 @@ impl Txn<'_> {
             history.as_slice(),
         ];
         let reclaim_at_ms = record.reclaim_at_ms();
-        // Charged before the write, whether or not it is done. A record may be larger
-        // than the limits allow now (stored under larger ones, then moved in).
-        // 256: the integers and SQLite's headers, as in the limits' largest.
+        // Charged before the write, whether or not it is done; 256: the integers and
+        // SQLite's headers, as in the limits' largest.
         let bytes = record.fingerprint.as_bytes().len()
             + completion.map_or(0, |c| c.response.len())
             + history.len()
@@ -222,8 +219,7 @@ impl Txn<'_> {
             + scope.namespace.as_str().len()
             + scope.key.as_str().len()
             + 256;
-        let pages = super::write_pages(bytes as u64, self.page_bytes).max(self.write_pages_max);
-        self.room.set(self.room.get().saturating_sub(pages));
+        self.room.charge(bytes as u64);
         // Bound from iterators: no vector of parameters per write. `wrote` is set only
         // once a row is written: a write refused alone (a full file) carries no time.
         if let Some(id) = self.locate(scope)? {
