@@ -561,7 +561,9 @@ fn a_token_sequence_behind_the_records_or_cached_is_refused() {
     let Some(cluster) = shared() else { return };
     let url = cluster.database("sequence");
     let dir = tempfile::tempdir().unwrap();
-    let start = || node(dir.path(), &url, PgClock::Database, Arc::new(SystemClock));
+    // A node clock before the token floor's origin: the sequence is not raised, and
+    // only the check stands between a set-back sequence and a reissued token.
+    let start = || node(dir.path(), &url, PgClock::Database, Arc::new(ManualClock::new(T0)));
     let engine = start();
     for n in 0..3 {
         assert!(matches!(
@@ -585,6 +587,64 @@ fn a_token_sequence_behind_the_records_or_cached_is_refused() {
     assert!(
         matches!(engine.reserve_blocking(&tenant(), reserve("new")).unwrap().reply, ReserveReply::Granted { token, .. } if token > 1_000_000)
     );
+}
+
+/// A database restored from a backup brings its token sequence back; a node connecting
+/// to it raises the sequence to its clock's floor, so every token granted after the
+/// restore is above every token the original granted, however often its nodes restarted
+/// after the backup. Before, the restored sequence handed out tokens below them again.
+#[test]
+fn a_restored_database_grants_above_every_token_the_original_granted() {
+    let Some(cluster) = shared() else { return };
+    let url = cluster.database("restored");
+    let dir = tempfile::tempdir().unwrap();
+    // 2025-01-02: a day past the token floor's origin.
+    let time = ManualClock::new(1_735_776_000_000);
+    let granted =
+        |engine: &Engine, key: &str| match engine.reserve_blocking(&tenant(), reserve(key)).unwrap().reply {
+            ReserveReply::Granted { token, .. } => token,
+            other => panic!("{key}: {other:?}"),
+        };
+    let engine = one_shard_node(dir.path(), &url, &time);
+    let before = granted(&engine, "before");
+    engine.commit_blocking(&tenant(), commit("before", before, b"done")).unwrap();
+    // The backup: the records as they are now, and the sequence with them.
+    sql(
+        &url,
+        "CREATE TABLE backup_records AS TABLE oncegate_records; \
+               CREATE TABLE backup_tokens AS SELECT last_value, is_called FROM oncegate_tokens",
+    );
+    drop(engine);
+    let mut original = Vec::new();
+    for restart in 0..3 {
+        time.advance(1_000);
+        let engine = one_shard_node(dir.path(), &url, &time);
+        original.push(granted(&engine, &format!("after-{restart}")));
+        engine.shutdown();
+    }
+    // The restore, a second later.
+    sql(
+        &url,
+        "DELETE FROM oncegate_records; INSERT INTO oncegate_records TABLE backup_records; \
+               SELECT setval('oncegate_tokens', last_value, is_called) FROM backup_tokens",
+    );
+    time.advance(1_000);
+    let engine = one_shard_node(dir.path(), &url, &time);
+    assert!(
+        matches!(
+            engine.reserve_blocking(&tenant(), reserve("before")).unwrap().reply,
+            ReserveReply::Completed { .. }
+        ),
+        "the backup's commit is in the restored database"
+    );
+    let highest = original.iter().max().copied().unwrap();
+    for restart in 0..3 {
+        let again = granted(&engine, &format!("after-{restart}"));
+        assert!(
+            again > highest,
+            "after-{restart}: {again} is not above {highest}, granted before the restore"
+        );
+    }
 }
 
 /// The lease end of a grant of `key` for `lease_ms`.

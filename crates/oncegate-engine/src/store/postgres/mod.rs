@@ -48,7 +48,7 @@ use tokio_postgres::types::ToSql;
 use super::{Meta, StoreError, decode_history, encode_history_into, stored_scope, stored_tenant};
 use crate::config::{Durability, PgClock, PostgresConfig};
 use crate::faults::Faults;
-use crate::placement::slots;
+use crate::placement::{slots, token};
 use crate::quota::Tally;
 
 pub(crate) use schema::ROUTING;
@@ -77,7 +77,8 @@ pub(crate) struct Postgres {
     paces: std::sync::Mutex<std::collections::HashMap<String, (u64, u64)>>,
     /// The engine's clock, whose monotonic readings pace the database's (a node's
     /// transactions may see the database's clock run ahead of them by
-    /// [`CLOCK_SLEW_PER_MILLE`] only).
+    /// [`CLOCK_SLEW_PER_MILLE`] only), and whose wall time floors the token sequence
+    /// at every connection ([`raise_sequence`]).
     clock: Arc<dyn crate::clock::Clock>,
 }
 
@@ -193,6 +194,7 @@ impl Postgres {
             }
             migrate(&client, schema).await?;
             check_sequence(&client).await?;
+            raise_sequence(&client, token::first_of(token::floor(self.clock.now_ms()))).await?;
             if report {
                 report_durability(&client, &self.display, &inherited).await?;
             }

@@ -404,6 +404,44 @@ pub(super) async fn check_sequence(client: &Object) -> Result<(), StoreError> {
     Ok(())
 }
 
+/// How far below the clock floor the token sequence must be before a connection raises
+/// it: a thousand blocks, so that draws made by other nodes between the raise's read of
+/// the sequence and its `setval` cannot reach the floor (which `setval` would then hand
+/// out again). A sequence that close to the floor is as good as raised.
+const RAISE_MARGIN: i64 = 1 << 20;
+
+/// Raises the token sequence to `floor`, the first token of the node clock's epoch floor
+/// (`placement/token.rs`), under the schema lock so that two nodes raising at once
+/// cannot set it back. A database restored from a backup brings back an older
+/// sequence; raised at every connection to a floor that advances 4,194,304 tokens a
+/// millisecond, far faster than any node draws, its next token is above every token any
+/// node issued before the restore (on clocks not ahead of this node's).
+pub(super) async fn raise_sequence(client: &Object, floor: u64) -> Result<(), StoreError> {
+    let floor =
+        i64::try_from(floor).map_err(|_| StoreError::Corrupt(format!("token floor {floor} is past i64")))?;
+    client.batch_execute("BEGIN").await.map_err(StoreError::Postgres)?;
+    let raised = async {
+        client
+            .execute("SELECT pg_advisory_xact_lock($1)", &[&SCHEMA_LOCK])
+            .await
+            .map_err(StoreError::Postgres)?;
+        client
+            .execute(
+                "SELECT setval('oncegate_tokens', $1, false) FROM oncegate_tokens WHERE last_value < $1 - $2",
+                &[&floor, &RAISE_MARGIN],
+            )
+            .await
+            .map_err(StoreError::Postgres)
+    }
+    .await;
+    let end = if raised.is_ok() { "COMMIT" } else { "ROLLBACK" };
+    client.batch_execute(end).await.map_err(StoreError::Postgres)?;
+    if raised? > 0 {
+        tracing::info!(floor, "raised the token sequence to the clock floor");
+    }
+    Ok(())
+}
+
 /// The records of `owned` slots by state and tenant, in a transaction whose statement
 /// timeout is `limit_ms` instead of the connection's; and, from the same pass, the check
 /// that the token sequence is past every token they hold ([`sequence_past`]).
