@@ -1,9 +1,11 @@
 //! What a connection may hold of a listener's connection slots: a deadline for its first
-//! request head and an idle timeout, read from the connection's [`Activity`] (the
-//! requests the service has open on it). The gRPC port's connection and the plain HTTP
-//! listener ([`crate::serve`]) check their [`Deadlines`] on every read: the protocol
-//! always has a read pending, so the timer is registered there, and a read past a
-//! deadline fails, which makes the protocol close the connection.
+//! request head, an idle timeout and a send timeout, read from the connection's
+//! [`Activity`] (the requests the service has open on it, and the frames of their answers
+//! the peer has not taken). The gRPC port's connection and the plain HTTP listener
+//! ([`crate::serve`]) check their [`Deadlines`] on every read, and the plain listener on
+//! every write too: the protocol always has a read pending or a write it waits to make,
+//! so the timer is registered there, and an operation past a deadline fails, which makes
+//! the protocol close the connection.
 
 use std::future::Future;
 use std::io;
@@ -19,13 +21,21 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::{Instant, Sleep};
 
 /// What the protocol does on one connection: whether a request head arrived, how many
-/// requests are open (a response whose body has not ended), and since when none is.
+/// requests are open (a response whose body has not ended), since when none is, and
+/// whether the peer takes the answers' frames.
 #[derive(Debug)]
 pub struct Activity {
     started: AtomicBool,
     open: AtomicUsize,
     /// When `open` last fell to 0 (or the connection was accepted), in ms after `origin`.
     idle_since_ms: AtomicU64,
+    /// Answers' bodies that handed the protocol a frame and have not been asked for the
+    /// next one: the protocol asks once it has sent the frame (HTTP/1.1, into the
+    /// socket) or once the peer gave the stream room (HTTP/2's window).
+    handed: AtomicUsize,
+    /// When a body was last asked for its next frame after handing one, or when `handed`
+    /// rose from 0, in ms after `origin`: the peer's last sign of taking answers.
+    taken_ms: AtomicU64,
     origin: Instant,
 }
 
@@ -39,8 +49,34 @@ impl Activity {
             started: AtomicBool::new(false),
             open: AtomicUsize::new(0),
             idle_since_ms: AtomicU64::new(0),
+            handed: AtomicUsize::new(0),
+            taken_ms: AtomicU64::new(0),
             origin: Instant::now(),
         })
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.origin.elapsed().as_millis() as u64
+    }
+
+    /// A body handed the protocol a frame.
+    fn handed(&self) {
+        if self.handed.fetch_add(1, Ordering::AcqRel) == 0 {
+            self.taken_ms.fetch_max(self.now_ms(), Ordering::AcqRel);
+        }
+    }
+
+    /// A body that had handed a frame was asked for the next one (or ended).
+    fn taken(&self) {
+        self.taken_ms.fetch_max(self.now_ms(), Ordering::AcqRel);
+        self.handed.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Since when the peer has taken no frame while one waits for it; `None` when none
+    /// waits.
+    fn waiting_since(&self) -> Option<Instant> {
+        (self.handed.load(Ordering::Acquire) > 0)
+            .then(|| self.origin + Duration::from_millis(self.taken_ms.load(Ordering::Acquire)))
     }
 
     /// A request's head arrived: it is open until the returned guard drops.
@@ -60,7 +96,7 @@ impl Drop for Open {
     /// never reads an idle time older than the last request's end.
     fn drop(&mut self) {
         let activity = &self.0;
-        let now = activity.origin.elapsed().as_millis() as u64;
+        let now = activity.now_ms();
         activity.idle_since_ms.fetch_max(now, Ordering::AcqRel);
         activity.open.fetch_sub(1, Ordering::AcqRel);
     }
@@ -90,6 +126,9 @@ pub struct Limits {
     pub request_head: Timeout,
     /// Without an open request; `None` keeps idle connections.
     pub idle: Option<Timeout>,
+    /// While an answer's frame waits for the peer to take it (a peer that stopped
+    /// reading); `None` waits for ever.
+    pub send: Option<Timeout>,
 }
 
 /// Why a connection was closed at a deadline (the read that found it fails with it).
@@ -100,6 +139,8 @@ pub enum Passed {
     RequestHead { ms: u128, setting: &'static str },
     #[error("no request for {ms} ms ({setting})")]
     Idle { ms: u128, setting: &'static str },
+    #[error("the peer took none of an answer for {ms} ms ({setting})")]
+    Send { ms: u128, setting: &'static str },
 }
 
 /// A connection's next deadline, and what it reads to move it.
@@ -129,7 +170,9 @@ impl Deadlines {
         while self.timer.as_mut().is_some_and(|timer| timer.as_mut().poll(cx).is_ready()) {
             if let Some(passed) = self.rearm() {
                 let limit = match passed {
-                    Passed::RequestHead { setting, .. } | Passed::Idle { setting, .. } => setting,
+                    Passed::RequestHead { setting, .. }
+                    | Passed::Idle { setting, .. }
+                    | Passed::Send { setting, .. } => setting,
                 };
                 metrics::counter!("oncegate_connections_closed_total", "limit" => limit).increment(1);
                 return Poll::Ready(io::Error::new(io::ErrorKind::TimedOut, passed));
@@ -139,48 +182,69 @@ impl Deadlines {
     }
 
     /// At the timer: the limit that closes the connection, or none, the timer moved to
-    /// the next time it could (or gone, without an idle timeout). No request head yet:
-    /// the first request's deadline passed. Otherwise the connection is closed once it
-    /// has carried no request for the idle timeout; while a request is open, it is looked
-    /// at again an idle timeout later.
+    /// the next time it could (or gone, with neither an idle nor a send timeout). No
+    /// request head yet: the first request's deadline passed. A frame of an answer the
+    /// peer has not taken for the send timeout closes it, and so does carrying no request
+    /// for the idle timeout; while a request is open, it is looked at again an idle or a
+    /// send timeout later, whichever is sooner.
     fn rearm(&mut self) -> Option<Passed> {
         let activity = &self.activity;
         if !activity.started.load(Ordering::Acquire) {
             let Timeout { within, setting } = self.limits.request_head;
             return Some(Passed::RequestHead { ms: within.as_millis(), setting });
         }
-        let Some(Timeout { within: idle, setting }) = self.limits.idle else {
-            self.timer = None;
-            return None;
-        };
         let now = Instant::now();
-        let next = if activity.open.load(Ordering::Acquire) > 0 {
-            now + idle
-        } else {
-            let until = activity.idle_since() + idle;
+        let mut next: Option<Instant> = None;
+        if let Some(Timeout { within: send, setting }) = self.limits.send {
+            let until = activity.waiting_since().map_or(now + send, |since| since + send);
             if until <= now {
-                return Some(Passed::Idle { ms: idle.as_millis(), setting });
+                return Some(Passed::Send { ms: send.as_millis(), setting });
             }
-            until
-        };
-        if let Some(timer) = self.timer.as_mut() {
-            timer.as_mut().reset(next);
+            next = Some(until);
+        }
+        if let Some(Timeout { within: idle, setting }) = self.limits.idle {
+            let until = if activity.open.load(Ordering::Acquire) > 0 {
+                now + idle
+            } else {
+                let until = activity.idle_since() + idle;
+                if until <= now {
+                    return Some(Passed::Idle { ms: idle.as_millis(), setting });
+                }
+                until
+            };
+            next = Some(next.map_or(until, |sooner| sooner.min(until)));
+        }
+        match (next, self.timer.as_mut()) {
+            (Some(next), Some(timer)) => timer.as_mut().reset(next),
+            (None, _) => self.timer = None,
+            (Some(_), None) => {}
         }
         None
     }
 }
 
 /// A response's body, holding its request open on its connection until it is dropped
-/// (it ended, or the stream was reset).
+/// (it ended, or the stream was reset), and telling the connection's send timeout when a
+/// frame it handed waits for the peer.
 pub struct CountedBody<B> {
     body: B,
-    _open: Open,
+    open: Open,
+    /// A frame was handed out and the next not yet asked for.
+    handed: bool,
 }
 
 impl<B> CountedBody<B> {
     /// `body`, its request `open` until it is dropped.
     pub fn new(body: B, open: Open) -> CountedBody<B> {
-        CountedBody { body, _open: open }
+        CountedBody { body, open, handed: false }
+    }
+}
+
+impl<B> Drop for CountedBody<B> {
+    fn drop(&mut self) {
+        if self.handed {
+            self.open.0.taken();
+        }
     }
 }
 
@@ -192,7 +256,15 @@ impl<B: http_body::Body<Data = Bytes> + Unpin> http_body::Body for CountedBody<B
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
+        if std::mem::take(&mut self.handed) {
+            self.open.0.taken();
+        }
+        let polled = Pin::new(&mut self.body).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(_))) = &polled {
+            self.handed = true;
+            self.open.0.handed();
+        }
+        polled
     }
 
     fn is_end_stream(&self) -> bool {
@@ -240,8 +312,13 @@ impl<S: AsyncRead + Unpin> AsyncRead for Timed<S> {
     }
 }
 
+/// Writes check the deadlines too: a peer that stopped reading leaves the protocol
+/// waiting to write, with no read of its own to make.
 impl<S: AsyncWrite + Unpin> AsyncWrite for Timed<S> {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        if let Poll::Ready(passed) = self.deadlines.poll_passed(cx) {
+            return Poll::Ready(Err(passed));
+        }
         Pin::new(&mut self.stream).poll_write(cx, buf)
     }
 
@@ -250,6 +327,9 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Timed<S> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
+        if let Poll::Ready(passed) = self.deadlines.poll_passed(cx) {
+            return Poll::Ready(Err(passed));
+        }
         Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
     }
 

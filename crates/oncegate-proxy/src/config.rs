@@ -57,6 +57,9 @@ pub struct ProxyConfig {
     /// A caller's connection that carries no request for this long is closed; 0 keeps
     /// idle connections.
     pub idle_timeout_ms: u64,
+    /// A caller's connection is closed once an answer's data has waited this long for
+    /// the caller to take any of it (a caller that stopped reading); 0 waits for ever.
+    pub send_timeout_ms: u64,
     /// How long an answer is kept for replays.
     pub ttl_ms: u64,
     /// Request headers that are part of the payload (its fingerprint).
@@ -98,6 +101,7 @@ impl Default for ProxyConfig {
             connections_max: 1_024,
             header_read_timeout_ms: 10_000,
             idle_timeout_ms: 60_000,
+            send_timeout_ms: 60_000,
             ttl_ms: 86_400_000,
             fingerprint_headers: vec![header::CONTENT_TYPE],
             stored_headers: vec![header::CONTENT_TYPE, header::LOCATION],
@@ -201,6 +205,7 @@ pub struct ProxyFile {
     connections_max: Option<u64>,
     header_read_timeout_ms: Option<u64>,
     idle_timeout_ms: Option<u64>,
+    send_timeout_ms: Option<u64>,
     ttl_ms: Option<u64>,
     fingerprint_headers: Option<Vec<String>>,
     stored_headers: Option<Vec<String>>,
@@ -305,6 +310,9 @@ impl ProxyFile {
         let idle = config.idle_timeout_ms;
         config.idle_timeout_ms =
             within("idle_timeout_ms", self.idle_timeout_ms, idle, 0, 86_400_000, Unit::Ms);
+        let send = config.send_timeout_ms;
+        config.send_timeout_ms =
+            within("send_timeout_ms", self.send_timeout_ms, send, 0, 86_400_000, Unit::Ms);
     }
 
     /// Everything written as text: the upstream, methods, header names, statuses, the

@@ -78,6 +78,7 @@ pub async fn serve(
         deadlines: Limits {
             request_head,
             idle: Timeout::ms(config.idle_timeout_ms, "proxy.idle_timeout_ms"),
+            send: Timeout::ms(config.send_timeout_ms, "proxy.send_timeout_ms"),
         },
         grace: config.shutdown_grace(),
     };

@@ -135,6 +135,17 @@ async fn upstream(counts: Arc<Counts>) -> String {
             }),
         )
         .route(
+            "/endless",
+            axum::routing::get(|| async {
+                // 64 KiB chunks for as long as the caller takes them.
+                let chunk = axum::body::Bytes::from(vec![b'x'; 64 << 10]);
+                Body::from_stream(futures_util::stream::repeat_with(move || {
+                    Ok::<_, std::io::Error>(chunk.clone())
+                }))
+            }),
+        )
+        .route("/hello", axum::routing::get(|| async { "hello" }))
+        .route(
             "/soft",
             post(move || async move {
                 let n = soft.soft.fetch_add(1, Ordering::SeqCst) + 1;
@@ -730,27 +741,12 @@ async fn a_passed_through_body_that_stalls_is_cut_at_its_idle_timeout() {
 /// connections exhausted a proxy with 64 file descriptors.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_listener_times_request_heads_and_limits_connections() {
-    let counts = Arc::new(Counts::default());
-    let dir = tempfile::tempdir().unwrap();
-    let engine =
-        Engine::open(EngineConfig { data_dir: dir.path().to_owned(), ..EngineConfig::default() }).unwrap();
-    let config = ProxyConfig {
-        upstream: upstream(Arc::clone(&counts)).await,
-        header_read_timeout_ms: 200,
-        connections_max: 2,
-        ..ProxyConfig::default()
-    };
-    let router = oncegate_proxy::router(engine.gate(oncegate_core::Tenant::default_tenant()), config.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let served = tokio::spawn(async move {
-        oncegate_proxy::serve(listener, router, &config, async {
-            let _ = stopped.await;
-        })
-        .await
-    });
-
+    let listening = listen(|c| {
+        c.header_read_timeout_ms = 200;
+        c.connections_max = 2;
+    })
+    .await;
+    let addr = listening.addr.clone();
     for silent in [&b""[..], b"P", b"POST /orders HTTP/1.1\r\nHost: pro"] {
         let closed = sent_then_closed(&addr, silent).await;
         assert!(closed.is_ok(), "{:?} was not closed: {closed:?}", String::from_utf8_lossy(silent));
@@ -776,8 +772,89 @@ async fn the_listener_times_request_heads_and_limits_connections() {
         || matches!(&third, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset);
     assert!(unanswered, "the third connection is closed unanswered: {third:?}");
     drop(holders);
-    let _ = stop.send(());
-    served.await.unwrap().unwrap();
+    listening.stop().await;
+}
+
+/// A proxy serving through `oncegate_proxy::serve`, its listener's limits as `edit` sets
+/// them, on an engine and upstream of its own.
+struct Listening {
+    addr: String,
+    stop: tokio::sync::oneshot::Sender<()>,
+    served: tokio::task::JoinHandle<std::io::Result<()>>,
+    _engine: Engine,
+    _dir: tempfile::TempDir,
+}
+
+async fn listen(edit: impl FnOnce(&mut ProxyConfig)) -> Listening {
+    let counts = Arc::new(Counts::default());
+    let dir = tempfile::tempdir().unwrap();
+    let engine =
+        Engine::open(EngineConfig { data_dir: dir.path().to_owned(), ..EngineConfig::default() }).unwrap();
+    let mut config = ProxyConfig { upstream: upstream(Arc::clone(&counts)).await, ..ProxyConfig::default() };
+    edit(&mut config);
+    let router = oncegate_proxy::router(engine.gate(oncegate_core::Tenant::default_tenant()), config.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn(async move {
+        oncegate_proxy::serve(listener, router, &config, async {
+            let _ = stopped.await;
+        })
+        .await
+    });
+    Listening { addr, stop, served, _engine: engine, _dir: dir }
+}
+
+impl Listening {
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        self.served.await.unwrap().unwrap();
+    }
+}
+
+/// A caller that stops reading an answer loses its connection after `send_timeout_ms`,
+/// and its place goes to the next caller. (Nothing timed a write to the caller: one that
+/// never read held its place, and the upstream's answer, for ever, so `connections_max`
+/// such callers locked every other caller out.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_that_stops_reading_loses_its_connection_at_the_send_timeout() {
+    let listening = listen(|c| {
+        c.connections_max = 1;
+        c.send_timeout_ms = 200;
+    })
+    .await;
+    let holder = tokio::task::spawn_blocking({
+        let addr = listening.addr.clone();
+        move || {
+            use std::io::{Read, Write};
+            let mut holder = std::net::TcpStream::connect(addr).unwrap();
+            holder.write_all(b"GET /endless HTTP/1.1\r\nHost: proxy\r\n\r\n").unwrap();
+            let mut status = [0u8; 12];
+            holder.read_exact(&mut status).unwrap();
+            assert_eq!(&status, b"HTTP/1.1 200");
+            // Never read again: the answer fills both ends' socket buffers.
+            holder
+        }
+    });
+    let holder = holder.await.unwrap();
+    // Callers are closed unanswered while the holder has the one place; one is answered
+    // once the proxy gave up on the holder. The timeout is a safety net for a broken
+    // proxy, not a measurement.
+    let answered = async {
+        loop {
+            let request = b"GET /hello HTTP/1.1\r\nHost: proxy\r\nConnection: close\r\n\r\n";
+            if let Ok(read) = sent_then_closed(&listening.addr, request).await
+                && read.starts_with(b"HTTP/1.1 200")
+            {
+                return read;
+            }
+        }
+    };
+    let read =
+        tokio::time::timeout(Duration::from_secs(60), answered).await.expect("the holder's place came free");
+    assert!(read.ends_with(b"hello"), "{}", String::from_utf8_lossy(&read));
+    drop(holder);
+    listening.stop().await;
 }
 
 /// Callers are told apart by the configured headers' values, hashed together: behind an

@@ -183,6 +183,7 @@ impl ServerConfig {
         Limits {
             request_head: Timeout { within, setting: "server.handshake_timeout_ms" },
             idle: Timeout::ms(self.idle_timeout_ms, "server.idle_timeout_ms"),
+            send: None,
         }
     }
 

@@ -281,6 +281,7 @@ mod tests {
                     setting: "test",
                 },
                 idle: None,
+                send: None,
             },
         };
         let taken = slots.take(stream.peer_addr().unwrap().ip()).unwrap();
