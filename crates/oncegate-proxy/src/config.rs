@@ -51,6 +51,10 @@ pub struct ProxyConfig {
     pub body_read_timeout_ms: u64,
     /// Callers' connections open at once; one more is closed as soon as it is accepted.
     pub connections_max: usize,
+    /// Guarded requests in flight at once, each holding up to `body_bytes_max` of its
+    /// body and as much of its answer until its answer is sent and its work is done
+    /// (which outlives a caller that went away): one more is answered `503`.
+    pub guarded_requests_max: usize,
     /// A caller's request head (its first, and each later one once it starts) must arrive
     /// within this; otherwise the connection is closed.
     pub header_read_timeout_ms: u64,
@@ -99,6 +103,7 @@ impl Default for ProxyConfig {
             upstream_body_idle_ms: 25_000,
             body_read_timeout_ms: 10_000,
             connections_max: 1_024,
+            guarded_requests_max: 256,
             header_read_timeout_ms: 10_000,
             idle_timeout_ms: 60_000,
             send_timeout_ms: 60_000,
@@ -203,6 +208,7 @@ pub struct ProxyFile {
     upstream_body_idle_ms: Option<u64>,
     body_read_timeout_ms: Option<u64>,
     connections_max: Option<u64>,
+    guarded_requests_max: Option<u64>,
     header_read_timeout_ms: Option<u64>,
     idle_timeout_ms: Option<u64>,
     send_timeout_ms: Option<u64>,
@@ -304,6 +310,10 @@ impl ProxyFile {
         let connections = config.connections_max as u64;
         config.connections_max =
             within("connections_max", self.connections_max, connections, 1, 1 << 20, Unit::Count) as usize;
+        let guarded = config.guarded_requests_max as u64;
+        config.guarded_requests_max =
+            within("guarded_requests_max", self.guarded_requests_max, guarded, 1, 1 << 20, Unit::Count)
+                as usize;
         let head = config.header_read_timeout_ms;
         config.header_read_timeout_ms =
             within("header_read_timeout_ms", self.header_read_timeout_ms, head, 100, 600_000, Unit::Ms);

@@ -18,6 +18,7 @@
 //! | upstream `5xx`, other statuses not stored, a soft failure, no connection | key released; the answer passed on (`502` for no connection) |
 //! | a timeout or a connection lost after sending | `504`/`502` "outcome unknown"; the key held until its lease ends |
 //! | a body or key over its limit | `413`/`400` problem |
+//! | a guarded request while `guarded_requests_max` are in flight | `503` problem with `Retry-After`; nothing reserved |
 //! | an answer to store that cannot be stored whole (over `stored_bytes_max`, past the bytes read whole, encoded) | passed on with a `Warning`; stored without its body, which a retry is told of |
 
 mod config;
@@ -41,22 +42,26 @@ use hyper_util::rt::TokioExecutor;
 use oncegate_client::{Gate, Lease, OnCancel, OnceError, OnceKey, OnceOptions, Ran, WorkError, once};
 use oncegate_core::Fingerprint;
 use sha2::{Digest, Sha256};
+use tokio::sync::Semaphore;
 
 pub use config::{ProxyConfig, ProxyFile, StatusRuleError, StoredStatuses};
 pub use problem::Problem;
 pub use stored::Stored;
 
-/// The proxy: a gate, the upstream's client and the configuration.
+/// The proxy: a gate, the upstream's client, the configuration and the places of guarded
+/// requests in flight.
 pub struct Proxy<G> {
     gate: G,
     upstream: HttpClient<HttpConnector, Body>,
+    guarded: Arc<Semaphore>,
     config: ProxyConfig,
 }
 
 /// The proxy's routes: every path, every method.
 pub fn router<G: Gate + Clone + 'static>(gate: G, config: ProxyConfig) -> axum::Router {
     let upstream = HttpClient::builder(TokioExecutor::new()).build_http();
-    let proxy = Arc::new(Proxy { gate, upstream, config });
+    let guarded = Arc::new(Semaphore::new(config.guarded_requests_max));
+    let proxy = Arc::new(Proxy { gate, upstream, guarded, config });
     axum::Router::new().fallback(handle::<G>).with_state(proxy)
 }
 
@@ -201,6 +206,47 @@ where
     }
 }
 
+/// The answer to a guarded request that finds `guarded_requests_max` in flight.
+fn too_many_guarded(max: usize) -> Problem {
+    Problem {
+        retry_after_s: Some(1),
+        limit: Some("proxy.guarded_requests_max"),
+        ..Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "Too many guarded requests",
+            "resource_exhausted",
+            format!("{max} guarded requests are in flight, proxy.guarded_requests_max; retry later"),
+        )
+    }
+}
+
+/// A guarded request's answer, holding its place among `guarded_requests_max` until
+/// the body is sent or dropped.
+struct Placed {
+    body: Body,
+    _place: Arc<tokio::sync::OwnedSemaphorePermit>,
+}
+
+impl http_body::Body for Placed {
+    type Data = axum::body::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<axum::body::Bytes>, axum::Error>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
 /// An upstream answer that is not stored: it goes back to the caller as it came, and the
 /// key is released so that a retry may run.
 #[derive(Debug)]
@@ -233,8 +279,17 @@ async fn handle<G: Gate + Clone + 'static>(
         // upstream may already be running, or its retry would run it again. The answer is
         // stored whether or not anyone waits for it, and the retry is replayed.
         (true, Some(key)) => {
+            // Held by the work and by the answer's body, whichever ends last.
+            let Ok(place) = Arc::clone(&proxy.guarded).try_acquire_owned().map(Arc::new) else {
+                return too_many_guarded(proxy.config.guarded_requests_max).into_response();
+            };
             let policy = proxy.config.key_policy_url.clone();
-            let guarded = tokio::spawn(async move { proxy.guard(request, key).await });
+            let working = Arc::clone(&place);
+            let guarded = tokio::spawn(async move {
+                let answer = proxy.guard(request, key).await;
+                drop(working);
+                answer
+            });
             let mut answer = match guarded.await {
                 Ok(answer) => answer.unwrap_or_else(IntoResponse::into_response),
                 Err(_) => bad_gateway("the request's task failed".to_owned()).into_response(),
@@ -242,7 +297,7 @@ async fn handle<G: Gate + Clone + 'static>(
             if let Some(policy) = policy {
                 answer.headers_mut().append(header::LINK, policy);
             }
-            answer
+            answer.map(|body| Body::new(Placed { body, _place: place }))
         }
         (true, None) if proxy.requires_key(request.uri()) => Problem::new(
             StatusCode::BAD_REQUEST,

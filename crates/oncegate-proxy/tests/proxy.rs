@@ -672,6 +672,59 @@ async fn an_answer_past_the_bound_reaches_its_caller_before_the_upstream_ends() 
     assert_eq!(setup.counts.big.load(Ordering::SeqCst), 1, "it ran once");
 }
 
+/// At most `guarded_requests_max` guarded requests are in flight: one more is answered
+/// `503` naming the limit, with `Retry-After`, and nothing of it goes upstream; a place
+/// comes free once a request's answer is sent. (Nothing bounded them: each holds up to
+/// `body_bytes_max` of its body and as much of its answer, and its work outlives a
+/// caller that went away, so callers could make the proxy hold any amount of memory.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guarded_request_past_guarded_requests_max_is_answered_503() {
+    let setup = setup(|c| {
+        c.guarded_requests_max = 1;
+        c.body_bytes_max = 1_024;
+        c.stored_bytes_max = 512;
+    })
+    .await;
+    // The one place: `/stream` holds back the rest of its answer until told.
+    let request = Request::post(format!("{}/stream", setup.proxy))
+        .header(header::CONTENT_TYPE, "application/json")
+        .header("idempotency-key", "held")
+        .body(Body::from("{}"))
+        .unwrap();
+    let response = setup.http.request(request).await.unwrap();
+    let mut body = Body::new(response.into_body()).into_data_stream();
+    let first = async {
+        let mut read = 0;
+        while read < 1_500 {
+            read += body.next().await.expect("more of the answer").unwrap().len();
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), first).await.expect("the first part came before the rest");
+    let ((status, _, problem), headers) = setup.post_with("/orders", Some("refused"), "{}", &[]).await;
+    let problem = String::from_utf8_lossy(&problem);
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{problem}");
+    assert_eq!(headers[header::RETRY_AFTER], "1");
+    assert!(problem.contains("proxy.guarded_requests_max"), "{problem}");
+    assert_eq!(setup.counts.orders.load(Ordering::SeqCst), 0, "nothing went upstream");
+    setup.counts.stream_rest.notify_one();
+    while let Some(chunk) = body.next().await {
+        chunk.unwrap();
+    }
+    // The place comes free as the held answer's work and body end; until then a retry is
+    // refused as before. The timeout is a safety net, not a measurement.
+    let retried = async {
+        loop {
+            let ((status, _, _), _) = setup.post_with("/orders", Some("refused"), "{}", &[]).await;
+            if status != StatusCode::SERVICE_UNAVAILABLE {
+                return status;
+            }
+        }
+    };
+    let status = tokio::time::timeout(Duration::from_secs(60), retried).await.expect("the place came free");
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(setup.counts.orders.load(Ordering::SeqCst), 1, "the retry ran once");
+}
+
 /// A header the upstream sends twice is stored and replayed with both values, in order;
 /// a `set-cookie` put in `stored_headers` by a library caller is still not replayed, and
 /// the first caller still gets its own.
