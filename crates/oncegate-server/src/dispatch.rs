@@ -17,7 +17,11 @@
 //! Without tenants the port is an open development server on loopback, and a request
 //! whose `Host` (or `:authority`) is not a loopback name or address is refused: a web page
 //! whose name a DNS-rebinding attack points at 127.0.0.1 would otherwise reach every
-//! service on it, Admin's purge included.
+//! service on it, Admin's purge included. With tenants, a call of the `Gate` service or
+//! of the HTTP/JSON API whose bearer token names none is refused here, from its head,
+//! before its body is read: otherwise anyone could make the server hold up to
+//! `server.message_bytes_max` of an unfinished message on every stream of every
+//! connection. (The services authenticate again: this is only the early answer.)
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -34,6 +38,7 @@ use tonic::service::Routes;
 use tonic::transport::server::TlsConnectInfo;
 use tower::{Layer, Service};
 
+use crate::auth::Auth;
 use crate::gate::GateService;
 use crate::http::Arrived;
 use crate::listen::ConnectionInfo;
@@ -45,13 +50,14 @@ type Gate = GateServer<GateService>;
 #[derive(Clone)]
 pub(crate) struct DispatchLayer {
     gate: Gate,
+    auth: Arc<Auth>,
     loopback_hosts_only: bool,
 }
 
 impl DispatchLayer {
     /// `loopback_hosts_only`: refuse requests addressed to any other host (no tenants).
-    pub(crate) fn new(gate: Gate, loopback_hosts_only: bool) -> DispatchLayer {
-        DispatchLayer { gate, loopback_hosts_only }
+    pub(crate) fn new(gate: Gate, auth: Arc<Auth>, loopback_hosts_only: bool) -> DispatchLayer {
+        DispatchLayer { gate, auth, loopback_hosts_only }
     }
 }
 
@@ -59,7 +65,12 @@ impl Layer<Routes> for DispatchLayer {
     type Service = Dispatch;
 
     fn layer(&self, routes: Routes) -> Dispatch {
-        Dispatch { gate: self.gate.clone(), routes, loopback_hosts_only: self.loopback_hosts_only }
+        Dispatch {
+            gate: self.gate.clone(),
+            auth: Arc::clone(&self.auth),
+            routes,
+            loopback_hosts_only: self.loopback_hosts_only,
+        }
     }
 }
 
@@ -67,6 +78,7 @@ impl Layer<Routes> for DispatchLayer {
 #[derive(Clone)]
 pub(crate) struct Dispatch {
     gate: Gate,
+    auth: Arc<Auth>,
     routes: Routes,
     loopback_hosts_only: bool,
 }
@@ -101,6 +113,8 @@ impl Service<Request<Body>> for Dispatch {
             && let Some(host) = host(&request).filter(|host| !is_loopback_host(host))
         {
             let refused = misaddressed(host, grpc);
+            Either::Right(Box::pin(std::future::ready(Ok(refused))) as Answering)
+        } else if let Some(refused) = unauthenticated(&self.auth, &request, grpc) {
             Either::Right(Box::pin(std::future::ready(Ok(refused))) as Answering)
         } else if grpc && is_gate_call(path) {
             Either::Left(self.gate.call(request))
@@ -161,6 +175,50 @@ fn misaddressed(host: &str, grpc: bool) -> Response<Body> {
         return tonic::Status::permission_denied(reason).into_http();
     }
     crate::http::forbidden(reason).map(Body::new)
+}
+
+/// The refusal of a `Gate` call or an HTTP/JSON API call whose bearer token names no
+/// tenant, counted as the services count theirs; none for any other request, or where
+/// every caller is the open `default` tenant.
+fn unauthenticated(auth: &Auth, request: &Request<Body>, grpc: bool) -> Option<Response<Body>> {
+    if auth.is_open() {
+        return None;
+    }
+    let rpc = if grpc { gate_rpc(request.uri().path()) } else { api_rpc(request) }?;
+    let refusal = auth.tenant_of_headers(request.headers()).err()?;
+    crate::telemetry::record_call(rpc, None, refusal.code().as_str(), tokio::time::Instant::now());
+    Some(if grpc { refusal.to_status().into_http() } else { crate::http::problem(&refusal).map(Body::new) })
+}
+
+/// The metrics' name of a `Gate` method (`/oncegate.v1.Gate/Reserve` is `reserve`).
+fn gate_rpc(path: &str) -> Option<&'static str> {
+    let method = path.strip_prefix('/')?.strip_prefix(Gate::NAME)?.strip_prefix('/')?;
+    Some(match method {
+        "Reserve" => "reserve",
+        "Commit" => "commit",
+        "Release" => "release",
+        "Heartbeat" => "heartbeat",
+        "Get" => "get",
+        "Session" => "session",
+        _ => return None,
+    })
+}
+
+/// The metrics' name of an HTTP/JSON API call (`POST /v1/reserve` is `reserve`).
+fn api_rpc(request: &Request<Body>) -> Option<&'static str> {
+    use axum::http::Method;
+    let path = request.uri().path();
+    match *request.method() {
+        Method::POST => match path {
+            "/v1/reserve" => Some("reserve"),
+            "/v1/commit" => Some("commit"),
+            "/v1/release" => Some("release"),
+            "/v1/heartbeat" => Some("heartbeat"),
+            _ => None,
+        },
+        Method::GET if path.starts_with("/v1/namespaces/") => Some("get"),
+        _ => None,
+    }
 }
 
 /// Whether `path` is a gRPC method's (`/package.Service/Method`), of any service.

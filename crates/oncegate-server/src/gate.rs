@@ -360,7 +360,7 @@ impl GateService {
     }
 
     /// How callers are authenticated.
-    pub(crate) fn auth(&self) -> &Auth {
+    pub(crate) fn auth(&self) -> &Arc<Auth> {
         &self.auth
     }
 

@@ -21,6 +21,7 @@ mod traces;
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use oncegate_engine::{Engine, ShardState};
@@ -155,11 +156,11 @@ pub async fn serve_with_ready(
     if tls.is_none() && !gate_addr.ip().is_loopback() {
         tracing::warn!(%gate_addr, "serving tenants in plaintext off loopback (server.plaintext_allowed = true)");
     }
-    let Services { gate, routes, reporter } = services(&engine, config).await?;
+    let Services { gate, auth, routes, reporter } = services(&engine, config).await?;
     // Everything that can fail is done before a task is spawned.
     let loopback_hosts_only = config.tenants.is_empty();
     let mut transport =
-        transport(server, tls)?.layer(dispatch::DispatchLayer::new(gate, loopback_hosts_only));
+        transport(server, tls)?.layer(dispatch::DispatchLayer::new(gate, auth, loopback_hosts_only));
     // On the signal: report NOT_SERVING (gRPC health and `/readyz`, so balancers stop
     // sending), stop accepting, and give in-flight calls `shutdown_grace_ms` to finish.
     // Long-lived streams (health watches) would otherwise hold the shutdown open for ever.
@@ -263,6 +264,8 @@ fn spawn_metrics(
 struct Services {
     /// The `Gate` service, which [`dispatch`] calls without the router.
     gate: GateServer<GateService>,
+    /// How callers are authenticated, which [`dispatch`] asks before a call's body is read.
+    auth: Arc<Auth>,
     /// Admin, health, reflection and the HTTP/JSON API.
     routes: Routes,
     /// The health service's reporter, whose first status is set before the listener
@@ -270,6 +273,11 @@ struct Services {
     /// service unregistered.
     reporter: HealthReporter,
 }
+
+/// The largest message the services that need no credentials (health, reflection) read:
+/// theirs are a service or symbol name, and anyone may send them, so they must not make
+/// the server buffer `server.message_bytes_max` (tonic's own default is 4 MiB) a stream.
+const UNAUTHENTICATED_MESSAGE_BYTES_MAX: usize = 4 * 1024;
 
 async fn services(engine: &Engine, config: &Config) -> Result<Services, ServeError> {
     let server = &config.server;
@@ -298,11 +306,13 @@ async fn services(engine: &Engine, config: &Config) -> Result<Services, ServeErr
         unsent_bytes_max: server.session_unsent_bytes_max,
     };
     let service = GateService::new(engine.clone(), auth, admit, session, request_timeout);
+    let auth = Arc::clone(service.auth());
     let json = http::router(service.clone(), server.message_bytes_max, server.metadata_bytes_max as usize);
     let gate = GateServer::new(service)
         .max_decoding_message_size(server.message_bytes_max)
         .max_encoding_message_size(server.message_bytes_max);
     let (reporter, health) = tonic_health::server::health_reporter();
+    let health = health.max_decoding_message_size(UNAUTHENTICATED_MESSAGE_BYTES_MAX);
     let all_serving = engine.shard_states().iter().all(|s| *s == ShardState::Serving);
     set_health(&reporter, all_serving).await;
     let reflection = |builder: tonic_reflection::server::Builder<'static>| {
@@ -312,16 +322,18 @@ async fn services(engine: &Engine, config: &Config) -> Result<Services, ServeErr
     };
     let reflection_v1 = reflection(tonic_reflection::server::Builder::configure())
         .build_v1()
-        .map_err(|e| ServeError::Reflection(e.to_string()))?;
+        .map_err(|e| ServeError::Reflection(e.to_string()))?
+        .max_decoding_message_size(UNAUTHENTICATED_MESSAGE_BYTES_MAX);
     let reflection_v1alpha = reflection(tonic_reflection::server::Builder::configure())
         .build_v1alpha()
-        .map_err(|e| ServeError::Reflection(e.to_string()))?;
+        .map_err(|e| ServeError::Reflection(e.to_string()))?
+        .max_decoding_message_size(UNAUTHENTICATED_MESSAGE_BYTES_MAX);
     let routes =
         Routes::new(admin).add_service(health).add_service(reflection_v1).add_service(reflection_v1alpha);
     // The HTTP/JSON API shares the port: tonic's server takes HTTP/1.1 and hands every
     // request that is not gRPC to these routes.
     let routes = Routes::from(routes.into_axum_router().merge(json).fallback(http::fallback));
-    Ok(Services { gate, routes, reporter })
+    Ok(Services { gate, auth, routes, reporter })
 }
 /// Keeps the health service in step with the shards: `SERVING` when every shard serves,
 /// `NOT_SERVING` otherwise, for the whole server and for `oncegate.v1.Gate`.

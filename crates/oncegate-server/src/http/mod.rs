@@ -460,7 +460,7 @@ enum BodyRefused {
 
 /// This front's one mapping from a refusal to its HTTP answer (the HTTP column of the
 /// error table in docs/semantics.md).
-fn problem(refusal: &Refusal) -> Response {
+pub(crate) fn problem(refusal: &Refusal) -> Response {
     let code = refusal.code();
     let (field, limit) = refusal.detail();
     let retry_after_ms = refusal.retry_after_ms();
