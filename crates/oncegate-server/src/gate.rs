@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::{self, Either, FutureExt};
-use oncegate_core::Tenant;
+use oncegate_core::gate::Reserved;
+use oncegate_core::{Previous, ReserveReply, Tenant};
 use oncegate_engine::{CommitRequest, Engine, KeyRequest, ReserveRequest};
 use oncegate_proto::v1 as pb;
 use tokio::sync::OwnedSemaphorePermit;
@@ -70,15 +71,13 @@ pub fn key_digest(key: &str) -> String {
     format!("{:08x}", xxhash_rust::xxh3::xxh3_64(key.as_bytes()) as u32)
 }
 
-fn outcome_name(outcome: &pb::reserve_response::Outcome) -> &'static str {
-    match outcome {
-        pb::reserve_response::Outcome::Granted(g) if g.previous == pb::Previous::Abandoned as i32 => {
-            "granted_after_abandon"
-        }
-        pb::reserve_response::Outcome::Granted(_) => "granted",
-        pb::reserve_response::Outcome::InProgress(_) => "in_progress",
-        pb::reserve_response::Outcome::Completed(_) => "completed",
-        pb::reserve_response::Outcome::Mismatch(_) => "mismatch",
+fn outcome_name(reply: &ReserveReply) -> &'static str {
+    match reply {
+        ReserveReply::Granted { previous: Previous::Abandoned, .. } => "granted_after_abandon",
+        ReserveReply::Granted { .. } => "granted",
+        ReserveReply::InProgress { .. } => "in_progress",
+        ReserveReply::Completed { .. } => "completed",
+        ReserveReply::Mismatch { .. } => "mismatch",
     }
 }
 
@@ -133,7 +132,8 @@ fn finish<T>(
 pub(crate) trait Call: Send + Sized + 'static {
     /// The RPC's name, as metrics and logs label it.
     const RPC: &'static str;
-    /// The answer's message.
+    /// The answer: its wire message, or, for a reserve, the engine's [`Reserved`], whose
+    /// outcome is not optional as the message's is (each front converts it).
     type Reply: Send + 'static;
     fn namespace(&self) -> &str;
     /// The key as logs digest it (a derived key's parts, joined, before it is derived).
@@ -182,7 +182,7 @@ keyed_call!(pb::GetRequest, pb::GetResponse, "get", Demand::Start { waits: false
 
 impl Call for pb::ReserveRequest {
     const RPC: &'static str = "reserve";
-    type Reply = pb::ReserveResponse;
+    type Reply = Reserved;
     fn namespace(&self) -> &str {
         &self.namespace
     }
@@ -199,9 +199,9 @@ impl Call for pb::ReserveRequest {
     ) -> impl Future<Output = Answer<Self::Reply>> + Send + 'static + use<> {
         let pending = engine.reserve(tenant, ReserveRequest::from(self));
         async move {
-            let reply = pb::ReserveResponse::from(pending.await?);
-            let label = outcome_name(reply.outcome.as_ref().expect("a reserve answers with an outcome"));
-            Ok((reply, label))
+            let reserved = pending.await?;
+            let label = outcome_name(&reserved.reply);
+            Ok((reserved, label))
         }
     }
 }
@@ -384,7 +384,7 @@ impl pb::gate_server::Gate for GateService {
         &self,
         request: Request<pb::ReserveRequest>,
     ) -> Result<Response<pb::ReserveResponse>, Status> {
-        self.unary(request).await
+        self.unary(request).await.map(|answer| answer.map(pb::ReserveResponse::from))
     }
 
     async fn commit(

@@ -404,7 +404,7 @@ impl Session {
         });
         let caller = if own.is_none() { self.caller.clone() } else { own };
         let answer = caller.in_scope(|| match call {
-            In::Reserve(m) => Some(self.begin(id, m, deadline, Out::Reserve)),
+            In::Reserve(m) => Some(self.begin(id, m, deadline, |reserved| Out::Reserve(reserved.into()))),
             In::Commit(m) => Some(self.begin(id, m, deadline, Out::Commit)),
             In::Release(m) => Some(self.begin(id, m, deadline, Out::Release)),
             In::Heartbeat(m) => Some(self.begin(id, m, deadline, Out::Heartbeat)),

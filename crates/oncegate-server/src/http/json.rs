@@ -8,7 +8,8 @@
 //! member it holds, and `null` reads as the field's default. Unknown fields are refused,
 //! so a misspelt `lease_ms` is an error rather than a default.
 
-use oncegate_core::Invalid;
+use oncegate_core::gate::Reserved;
+use oncegate_core::{Invalid, Outcome, Previous, ReserveReply};
 use oncegate_proto::v1 as pb;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -290,35 +291,45 @@ impl Body for ReserveBody {
             wait_ms: self.wait_ms.0,
         })
     }
-    fn answer(reply: pb::ReserveResponse) -> ReserveAnswer {
-        use pb::reserve_response::Outcome as O;
-        let outcome = match reply.outcome.expect("the gate always sets an outcome") {
-            O::Granted(g) => ReserveOutcome::Granted(Granted {
-                token: Uint64(g.token),
-                attempt: g.attempt,
-                lease_until_ms: Uint64(g.lease_until_ms),
-                lease_ms: Uint64(g.lease_ms),
-                expires_at_ms: Uint64(g.expires_at_ms),
-                previous: match g.previous() {
-                    pb::Previous::None => PreviousName::None,
-                    pb::Previous::Abandoned => PreviousName::Abandoned,
-                },
-            }),
-            O::InProgress(p) => ReserveOutcome::InProgress(InProgress {
-                attempt: p.attempt,
-                lease_until_ms: Uint64(p.lease_until_ms),
-                retry_after_ms: Uint64(p.retry_after_ms),
-            }),
-            O::Completed(c) => ReserveOutcome::Completed(Completed {
-                token: Uint64(c.token),
-                outcome: OutcomeName::of(c.outcome()),
-                response: c.response,
-                completed_at_ms: Uint64(c.completed_at_ms),
-                expires_at_ms: Uint64(c.expires_at_ms),
-            }),
-            O::Mismatch(m) => ReserveOutcome::Mismatch(Mismatch { expires_at_ms: Uint64(m.expires_at_ms) }),
+    fn answer(reserved: Reserved) -> ReserveAnswer {
+        let outcome = match reserved.reply {
+            ReserveReply::Granted { token, attempt, lease_until_ms, lease_ms, expires_at_ms, previous } => {
+                ReserveOutcome::Granted(Granted {
+                    token: Uint64(token),
+                    attempt,
+                    lease_until_ms: Uint64(lease_until_ms),
+                    lease_ms: Uint64(lease_ms),
+                    expires_at_ms: Uint64(expires_at_ms),
+                    previous: match previous {
+                        Previous::None => PreviousName::None,
+                        Previous::Abandoned => PreviousName::Abandoned,
+                    },
+                })
+            }
+            ReserveReply::InProgress { attempt, lease_until_ms, retry_after_ms } => {
+                ReserveOutcome::InProgress(InProgress {
+                    attempt,
+                    lease_until_ms: Uint64(lease_until_ms),
+                    retry_after_ms: Uint64(retry_after_ms),
+                })
+            }
+            ReserveReply::Completed { token, outcome, response, completed_at_ms, expires_at_ms } => {
+                ReserveOutcome::Completed(Completed {
+                    token: Uint64(token),
+                    outcome: match outcome {
+                        Outcome::Succeeded => OutcomeName::Succeeded,
+                        Outcome::Failed => OutcomeName::Failed,
+                    },
+                    response,
+                    completed_at_ms: Uint64(completed_at_ms),
+                    expires_at_ms: Uint64(expires_at_ms),
+                })
+            }
+            ReserveReply::Mismatch { expires_at_ms } => {
+                ReserveOutcome::Mismatch(Mismatch { expires_at_ms: Uint64(expires_at_ms) })
+            }
         };
-        ReserveAnswer { key: reply.key, outcome }
+        ReserveAnswer { key: reserved.key.as_str().to_owned(), outcome }
     }
 }
 
