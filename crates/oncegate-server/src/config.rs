@@ -162,8 +162,9 @@ pub struct ServerConfig {
     pub connection_age_max_ms: u64,
     /// How long the requests of a connection past its age may still run.
     pub connection_age_grace_ms: u64,
-    /// Open connections from one peer address; one more is closed as soon as it is
-    /// accepted, so that no single host can take every connection slot.
+    /// Open connections from one peer (an IPv4 address, or an IPv6 /64 network); one
+    /// more is closed as soon as it is accepted, so that no single host can take every
+    /// connection slot.
     pub connections_per_peer_max: usize,
     /// How often an HTTP/2 keepalive ping goes to a connection; 0 sends none.
     pub keepalive_interval_ms: u64,

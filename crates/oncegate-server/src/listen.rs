@@ -83,9 +83,23 @@ impl Drop for PeerSlot {
     }
 }
 
+/// The peer a connection counts against: its IPv4 address, or its IPv6 address's /64
+/// network, which one host commonly holds whole (counted by address, a host with a /64
+/// would have no per-peer limit at all).
+fn peer_of(address: IpAddr) -> IpAddr {
+    match address {
+        IpAddr::V4(_) => address,
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(std::net::Ipv6Addr::from_bits(v6.to_bits() & !u128::from(u64::MAX))),
+        },
+    }
+}
+
 impl Slots {
-    /// Both slots of a new connection from `peer`, or why it is refused.
-    fn take(&self, peer: IpAddr) -> Result<(OwnedSemaphorePermit, PeerSlot), &'static str> {
+    /// Both slots of a new connection from `address`, or why it is refused.
+    fn take(&self, address: IpAddr) -> Result<(OwnedSemaphorePermit, PeerSlot), &'static str> {
+        let peer = peer_of(address);
         let total = Arc::clone(&self.total).try_acquire_owned().map_err(|_| "server.connections_max")?;
         let mut counts = self.per_peer.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let count = counts.entry(peer).or_insert(0);
@@ -286,6 +300,36 @@ mod tests {
         };
         let taken = slots.take(stream.peer_addr().unwrap().ip()).unwrap();
         (Connection::new(stream, taken, &slots), peer)
+    }
+
+    /// Addresses of one IPv6 /64 network share their peer's slots; IPv4 addresses, and
+    /// IPv4 addresses mapped into IPv6, count alone. (Counted by address, a host holding
+    /// a /64 had no per-peer limit.)
+    #[test]
+    fn addresses_of_one_ipv6_network_share_their_slots() {
+        let slots = Slots {
+            total: Arc::new(Semaphore::new(8)),
+            connections_max: 8,
+            per_peer: Arc::default(),
+            per_peer_max: 1,
+            deadlines: Limits {
+                request_head: oncegate_listen::activity::Timeout {
+                    within: std::time::Duration::from_secs(60),
+                    setting: "test",
+                },
+                idle: None,
+                send: None,
+            },
+        };
+        let ip = |text: &str| text.parse::<IpAddr>().unwrap();
+        let first = slots.take(ip("2001:db8:1:2::1")).unwrap();
+        assert_eq!(slots.take(ip("2001:db8:1:2::ffff:1")).err(), Some("server.connections_per_peer_max"));
+        let other_network = slots.take(ip("2001:db8:1:3::1")).unwrap();
+        let v4 = slots.take(ip("192.0.2.7")).unwrap();
+        assert_eq!(slots.take(ip("::ffff:192.0.2.7")).err(), Some("server.connections_per_peer_max"));
+        drop(first);
+        assert!(slots.take(ip("2001:db8:1:2::2")).is_ok(), "the network's slot came back");
+        drop((other_network, v4));
     }
 
     /// The first flush of a gathering yields (pending, its task woken, nothing written);
