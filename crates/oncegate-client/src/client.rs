@@ -26,12 +26,13 @@ pub enum ClientError {
     #[error("{0}")]
     Refused(Refusal),
     /// The client could not connect.
-    #[error("cannot connect to {url}: {reason}")]
+    #[error("cannot connect to {url}")]
     Connect {
         /// Where it tried.
         url: String,
-        /// Why it failed, with its causes.
-        reason: String,
+        /// Why it failed (its own sources say more: a refused connection, a TLS error).
+        #[source]
+        source: tonic::transport::Error,
     },
     /// The client could not be set up (its address, its CA file, its token).
     #[error("client configuration: {0}")]
@@ -267,10 +268,11 @@ impl ClientBuilder {
         if !self.also.is_empty() {
             return self.connect_lazy();
         }
-        let channel = self.endpoint(&self.url)?.connect().await.map_err(|e| {
-            let reason = std::iter::once(e.to_string()).chain(causes(&e)).collect::<Vec<_>>().join(": ");
-            ClientError::Connect { url: self.url.clone(), reason }
-        })?;
+        let channel = self
+            .endpoint(&self.url)?
+            .connect()
+            .await
+            .map_err(|source| ClientError::Connect { url: self.url.clone(), source })?;
         self.on(channel)
     }
 
