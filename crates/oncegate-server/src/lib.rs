@@ -93,7 +93,7 @@ pub enum ServeError {
     },
     /// The reflection service could not be built from the descriptor set.
     #[error("reflection: {0}")]
-    Reflection(String),
+    Reflection(#[source] tonic_reflection::server::Error),
     /// The gRPC server failed.
     #[error("transport: {}", tls::error_chain(.0))]
     Transport(#[from] tonic::transport::Error),
@@ -322,11 +322,11 @@ async fn services(engine: &Engine, config: &Config) -> Result<Services, ServeErr
     };
     let reflection_v1 = reflection(tonic_reflection::server::Builder::configure())
         .build_v1()
-        .map_err(|e| ServeError::Reflection(e.to_string()))?
+        .map_err(ServeError::Reflection)?
         .max_decoding_message_size(UNAUTHENTICATED_MESSAGE_BYTES_MAX);
     let reflection_v1alpha = reflection(tonic_reflection::server::Builder::configure())
         .build_v1alpha()
-        .map_err(|e| ServeError::Reflection(e.to_string()))?
+        .map_err(ServeError::Reflection)?
         .max_decoding_message_size(UNAUTHENTICATED_MESSAGE_BYTES_MAX);
     let routes =
         Routes::new(admin).add_service(health).add_service(reflection_v1).add_service(reflection_v1alpha);
