@@ -1,11 +1,11 @@
 //! What a connection may hold of a listener's connection slots: a deadline for its first
 //! request head, an idle timeout and a send timeout, read from the connection's
-//! [`Activity`] (the requests the service has open on it, and the frames of their answers
-//! the peer has not taken). The gRPC port's connection and the plain HTTP listener
-//! ([`crate::serve`]) check their [`Deadlines`] on every read, and the plain listener on
-//! every write too: the protocol always has a read pending or a write it waits to make,
-//! so the timer is registered there, and an operation past a deadline fails, which makes
-//! the protocol close the connection.
+//! [`Activity`] (the requests the service has open on it, and whether their answers wait
+//! for the peer). The gRPC port's connection and the plain HTTP listener
+//! ([`crate::serve`]) check their [`Deadlines`] on every read and write: the protocol
+//! always has a read pending or a write it waits to make, so the timer is registered
+//! there, and an operation past a deadline fails, which makes the protocol close the
+//! connection.
 
 use std::future::Future;
 use std::io;
@@ -22,20 +22,23 @@ use tokio::time::{Instant, Sleep};
 
 /// What the protocol does on one connection: whether a request head arrived, how many
 /// requests are open (a response whose body has not ended), since when none is, and
-/// whether the peer takes the answers' frames.
+/// whether the peer takes the answers' data.
 #[derive(Debug)]
 pub struct Activity {
     started: AtomicBool,
     open: AtomicUsize,
     /// When `open` last fell to 0 (or the connection was accepted), in ms after `origin`.
     idle_since_ms: AtomicU64,
-    /// Answers' bodies that handed the protocol a frame and have not been asked for the
-    /// next one: the protocol asks once it has sent the frame (HTTP/1.1, into the
-    /// socket) or once the peer gave the stream room (HTTP/2's window).
-    handed: AtomicUsize,
-    /// When a body was last asked for its next frame after handing one, or when `handed`
-    /// rose from 0, in ms after `origin`: the peer's last sign of taking answers.
-    taken_ms: AtomicU64,
+    /// What waits on the peer to take data: answers' bodies the protocol has not asked
+    /// for a frame (a first one, or the next after one they handed it), and a write the
+    /// socket did not take. The protocol asks a body once it has sent what it had
+    /// (HTTP/1.1, into the socket) or once the peer gave the stream room (HTTP/2's
+    /// window), so nothing here waits on its own data (a body with nothing to send was
+    /// asked, and answered pending).
+    waits: AtomicUsize,
+    /// When a wait last began or ended, in ms after `origin`: the peer's last sign of
+    /// taking data (a body asked for a frame, a write taken).
+    moved_ms: AtomicU64,
     origin: Instant,
 }
 
@@ -49,8 +52,8 @@ impl Activity {
             started: AtomicBool::new(false),
             open: AtomicUsize::new(0),
             idle_since_ms: AtomicU64::new(0),
-            handed: AtomicUsize::new(0),
-            taken_ms: AtomicU64::new(0),
+            waits: AtomicUsize::new(0),
+            moved_ms: AtomicU64::new(0),
             origin: Instant::now(),
         })
     }
@@ -59,24 +62,27 @@ impl Activity {
         self.origin.elapsed().as_millis() as u64
     }
 
-    /// A body handed the protocol a frame.
-    fn handed(&self) {
-        if self.handed.fetch_add(1, Ordering::AcqRel) == 0 {
-            self.taken_ms.fetch_max(self.now_ms(), Ordering::AcqRel);
-        }
+    /// Something began to wait on the peer. (A body hands a frame, or a write is left
+    /// pending, only after the peer took what came before: that is a sign of taking too.)
+    /// The time is set before the count rises, so a deadline that finds a wait never
+    /// reads a time older than its start.
+    fn wait_begins(&self) {
+        self.moved_ms.fetch_max(self.now_ms(), Ordering::AcqRel);
+        self.waits.fetch_add(1, Ordering::AcqRel);
     }
 
-    /// A body that had handed a frame was asked for the next one (or ended).
-    fn taken(&self) {
-        self.taken_ms.fetch_max(self.now_ms(), Ordering::AcqRel);
-        self.handed.fetch_sub(1, Ordering::AcqRel);
+    /// A wait on the peer ended: a body was asked for a frame (or dropped), a write was
+    /// taken.
+    fn wait_ends(&self) {
+        self.moved_ms.fetch_max(self.now_ms(), Ordering::AcqRel);
+        self.waits.fetch_sub(1, Ordering::AcqRel);
     }
 
-    /// Since when the peer has taken no frame while one waits for it; `None` when none
-    /// waits.
+    /// Since when the peer has taken nothing while something waits on it; `None` when
+    /// nothing waits.
     fn waiting_since(&self) -> Option<Instant> {
-        (self.handed.load(Ordering::Acquire) > 0)
-            .then(|| self.origin + Duration::from_millis(self.taken_ms.load(Ordering::Acquire)))
+        (self.waits.load(Ordering::Acquire) > 0)
+            .then(|| self.origin + Duration::from_millis(self.moved_ms.load(Ordering::Acquire)))
     }
 
     /// A request's head arrived: it is open until the returned guard drops.
@@ -126,20 +132,21 @@ pub struct Limits {
     pub request_head: Timeout,
     /// Without an open request; `None` keeps idle connections.
     pub idle: Option<Timeout>,
-    /// While an answer's frame waits for the peer to take it (a peer that stopped
-    /// reading); `None` waits for ever.
+    /// While an answer waits for the peer to take its data (a peer that stopped
+    /// reading); `None` waits for ever. Counted per connection: any answer's progress
+    /// restarts it.
     pub send: Option<Timeout>,
 }
 
 /// Why a connection was closed at a deadline (the read that found it fails with it).
 #[derive(Debug, thiserror::Error)]
 #[allow(missing_docs, reason = "the messages say what each is")]
-pub enum Passed {
+pub(crate) enum Passed {
     #[error("no complete request head within {ms} ms ({setting})")]
     RequestHead { ms: u128, setting: &'static str },
     #[error("no request for {ms} ms ({setting})")]
     Idle { ms: u128, setting: &'static str },
-    #[error("the peer took none of an answer for {ms} ms ({setting})")]
+    #[error("the peer read none of an answer's waiting data for {ms} ms ({setting})")]
     Send { ms: u128, setting: &'static str },
 }
 
@@ -183,10 +190,10 @@ impl Deadlines {
 
     /// At the timer: the limit that closes the connection, or none, the timer moved to
     /// the next time it could (or gone, with neither an idle nor a send timeout). No
-    /// request head yet: the first request's deadline passed. A frame of an answer the
-    /// peer has not taken for the send timeout closes it, and so does carrying no request
-    /// for the idle timeout; while a request is open, it is looked at again an idle or a
-    /// send timeout later, whichever is sooner.
+    /// request head yet: the first request's deadline passed. An answer waiting on a peer
+    /// that has taken nothing for the send timeout closes it, and so does carrying no
+    /// request for the idle timeout; while a request is open, it is looked at again an
+    /// idle or a send timeout later, whichever is sooner.
     fn rearm(&mut self) -> Option<Passed> {
         let activity = &self.activity;
         if !activity.started.load(Ordering::Acquire) {
@@ -224,26 +231,29 @@ impl Deadlines {
 }
 
 /// A response's body, holding its request open on its connection until it is dropped
-/// (it ended, or the stream was reset), and telling the connection's send timeout when a
-/// frame it handed waits for the peer.
+/// (it ended, or the stream was reset), and telling the connection's send timeout while
+/// it waits on the peer: from its making until its first frame is asked for (an HTTP/2
+/// stream without room is never asked), and from each frame it hands out until the next
+/// is asked for.
 pub struct CountedBody<B> {
     body: B,
     open: Open,
-    /// A frame was handed out and the next not yet asked for.
-    handed: bool,
+    /// Waiting for the protocol to ask for a frame.
+    waits: bool,
 }
 
 impl<B> CountedBody<B> {
     /// `body`, its request `open` until it is dropped.
     pub fn new(body: B, open: Open) -> CountedBody<B> {
-        CountedBody { body, open, handed: false }
+        open.0.wait_begins();
+        CountedBody { body, open, waits: true }
     }
 }
 
 impl<B> Drop for CountedBody<B> {
     fn drop(&mut self) {
-        if self.handed {
-            self.open.0.taken();
+        if self.waits {
+            self.open.0.wait_ends();
         }
     }
 }
@@ -256,13 +266,13 @@ impl<B: http_body::Body<Data = Bytes> + Unpin> http_body::Body for CountedBody<B
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
-        if std::mem::take(&mut self.handed) {
-            self.open.0.taken();
+        if std::mem::take(&mut self.waits) {
+            self.open.0.wait_ends();
         }
         let polled = Pin::new(&mut self.body).poll_frame(cx);
         if let Poll::Ready(Some(Ok(_))) = &polled {
-            self.handed = true;
-            self.open.0.handed();
+            self.waits = true;
+            self.open.0.wait_begins();
         }
         polled
     }
@@ -276,16 +286,35 @@ impl<B: http_body::Body<Data = Bytes> + Unpin> http_body::Body for CountedBody<B
     }
 }
 
-/// A connection whose reads fail once one of its [`Deadlines`] passed.
+/// A connection whose reads and writes fail once one of its [`Deadlines`] passed, and
+/// whose writes the socket did not take wait on the peer.
 pub struct Timed<S> {
     stream: S,
     deadlines: Deadlines,
+    /// A write the socket did not take (the peer's window is full) waits on the peer.
+    blocked: bool,
 }
 
 impl<S> Timed<S> {
     /// `stream`, just accepted, under `limits`.
     pub fn new(stream: S, limits: Limits) -> Timed<S> {
-        Timed { stream, deadlines: Deadlines::new(limits) }
+        Timed { stream, deadlines: Deadlines::new(limits), blocked: false }
+    }
+
+    /// Notes whether a write was taken: one left pending waits on the peer until one is.
+    fn wrote<T>(&mut self, polled: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
+        match (&polled, self.blocked) {
+            (Poll::Pending, false) => {
+                self.blocked = true;
+                self.deadlines.activity.wait_begins();
+            }
+            (Poll::Ready(_), true) => {
+                self.blocked = false;
+                self.deadlines.activity.wait_ends();
+            }
+            _ => {}
+        }
+        polled
     }
 
     /// What the service tells the deadlines.
@@ -296,6 +325,14 @@ impl<S> Timed<S> {
     /// The stream itself.
     pub fn get_ref(&self) -> &S {
         &self.stream
+    }
+}
+
+impl<S> Drop for Timed<S> {
+    fn drop(&mut self) {
+        if self.blocked {
+            self.deadlines.activity.wait_ends();
+        }
     }
 }
 
@@ -319,7 +356,8 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Timed<S> {
         if let Poll::Ready(passed) = self.deadlines.poll_passed(cx) {
             return Poll::Ready(Err(passed));
         }
-        Pin::new(&mut self.stream).poll_write(cx, buf)
+        let polled = Pin::new(&mut self.stream).poll_write(cx, buf);
+        self.wrote(polled)
     }
 
     fn poll_write_vectored(
@@ -330,7 +368,8 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Timed<S> {
         if let Poll::Ready(passed) = self.deadlines.poll_passed(cx) {
             return Poll::Ready(Err(passed));
         }
-        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+        let polled = Pin::new(&mut self.stream).poll_write_vectored(cx, bufs);
+        self.wrote(polled)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -343,5 +382,34 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Timed<S> {
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::AsyncWriteExt;
+
+    use super::*;
+
+    /// A write the peer does not take fails once it has waited the send timeout, naming
+    /// the setting, with no answer's body waiting. (Only bodies waited: an answer handed
+    /// whole to the protocol, or its last frame, held the connection until the idle
+    /// timeout, and for ever without one.) Tokio's clock is paused: it moves only when
+    /// every task waits.
+    #[tokio::test(start_paused = true)]
+    async fn a_write_the_peer_does_not_take_fails_at_the_send_timeout() {
+        let (ours, _peer) = tokio::io::duplex(64);
+        let second = Duration::from_secs(1);
+        let limits = Limits {
+            request_head: Timeout { within: second, setting: "test.request_head_ms" },
+            idle: None,
+            send: Some(Timeout { within: second, setting: "test.send_timeout_ms" }),
+        };
+        let mut timed = Timed::new(ours, limits);
+        let _open = timed.activity().open();
+        let written = tokio::time::timeout(Duration::from_secs(3_600), timed.write_all(&[0; 1024])).await;
+        let error = written.expect("the write failed within the hour").unwrap_err();
+        assert_eq!(error.kind(), io::ErrorKind::TimedOut);
+        assert!(error.to_string().contains("test.send_timeout_ms"), "{error}");
     }
 }
