@@ -119,13 +119,23 @@ impl AdminAuth {
 
     /// Checks a call's credentials.
     pub fn check(&self, metadata: &MetadataMap) -> Result<(), Status> {
+        self.check_authorization(Authorization::of(metadata.get("authorization").map(|v| v.to_str())))
+    }
+
+    /// Checks the credentials of a call's head, before its message is read.
+    pub(crate) fn check_headers(&self, headers: &axum::http::HeaderMap) -> Result<(), Status> {
+        self.check_authorization(Authorization::of(
+            headers.get(axum::http::header::AUTHORIZATION).map(|v| v.to_str()),
+        ))
+    }
+
+    fn check_authorization(&self, value: Authorization<'_>) -> Result<(), Status> {
         match self {
             AdminAuth::Open => Ok(()),
             AdminAuth::Closed => Err(unauthenticated(
                 "the admin service is disabled: set admin.token_sha256 in the configuration",
             )),
             AdminAuth::Token(hash) => {
-                let value = Authorization::of(metadata.get("authorization").map(|v| v.to_str()));
                 let token = bearer(value).map_err(unauthenticated)?;
                 let presented: [u8; 32] = Sha256::digest(token.trim().as_bytes()).into();
                 if bool::from(hash.ct_eq(&presented)) {

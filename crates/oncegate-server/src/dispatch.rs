@@ -38,26 +38,34 @@ use tonic::service::Routes;
 use tonic::transport::server::TlsConnectInfo;
 use tower::{Layer, Service};
 
-use crate::auth::Auth;
+use crate::auth::{AdminAuth, Auth};
 use crate::gate::GateService;
 use crate::http::Arrived;
 use crate::listen::ConnectionInfo;
 use oncegate_listen::activity::{Activity, CountedBody, Open};
 
 type Gate = GateServer<GateService>;
+type Admin = oncegate_proto::v1::admin_server::AdminServer<crate::admin::AdminService>;
 
 /// Puts [`Dispatch`] in front of the router (tonic's server takes it as a layer).
 #[derive(Clone)]
 pub(crate) struct DispatchLayer {
     gate: Gate,
-    auth: Arc<Auth>,
+    credentials: Credentials,
     loopback_hosts_only: bool,
+}
+
+/// How the `Gate` service and the API, and the Admin service, authenticate their callers.
+#[derive(Clone)]
+pub(crate) struct Credentials {
+    pub tenants: Arc<Auth>,
+    pub admin: AdminAuth,
 }
 
 impl DispatchLayer {
     /// `loopback_hosts_only`: refuse requests addressed to any other host (no tenants).
-    pub(crate) fn new(gate: Gate, auth: Arc<Auth>, loopback_hosts_only: bool) -> DispatchLayer {
-        DispatchLayer { gate, auth, loopback_hosts_only }
+    pub(crate) fn new(gate: Gate, credentials: Credentials, loopback_hosts_only: bool) -> DispatchLayer {
+        DispatchLayer { gate, credentials, loopback_hosts_only }
     }
 }
 
@@ -67,7 +75,7 @@ impl Layer<Routes> for DispatchLayer {
     fn layer(&self, routes: Routes) -> Dispatch {
         Dispatch {
             gate: self.gate.clone(),
-            auth: Arc::clone(&self.auth),
+            credentials: self.credentials.clone(),
             routes,
             loopback_hosts_only: self.loopback_hosts_only,
         }
@@ -78,16 +86,21 @@ impl Layer<Routes> for DispatchLayer {
 #[derive(Clone)]
 pub(crate) struct Dispatch {
     gate: Gate,
-    auth: Arc<Auth>,
+    credentials: Credentials,
     routes: Routes,
     loopback_hosts_only: bool,
 }
 
-/// Whether `path` names a method of the `Gate` service (`/oncegate.v1.Gate/Reserve`).
-fn is_gate_call(path: &str) -> bool {
+/// Whether `path` names a method of `service` (`/oncegate.v1.Gate/Reserve`).
+fn is_call_of(service: &str, path: &str) -> bool {
     path.strip_prefix('/')
-        .and_then(|rest| rest.strip_prefix(Gate::NAME))
+        .and_then(|rest| rest.strip_prefix(service))
         .is_some_and(|method| method.len() > 1 && method.starts_with('/'))
+}
+
+/// Whether `path` names a method of the `Gate` service.
+fn is_gate_call(path: &str) -> bool {
+    is_call_of(Gate::NAME, path)
 }
 
 impl Service<Request<Body>> for Dispatch {
@@ -114,7 +127,7 @@ impl Service<Request<Body>> for Dispatch {
         {
             let refused = misaddressed(host, grpc);
             Either::Right(Box::pin(std::future::ready(Ok(refused))) as Answering)
-        } else if let Some(refused) = unauthenticated(&self.auth, &request, grpc) {
+        } else if let Some(refused) = unauthenticated(&self.credentials, &request, grpc) {
             Either::Right(Box::pin(std::future::ready(Ok(refused))) as Answering)
         } else if grpc && is_gate_call(path) {
             Either::Left(self.gate.call(request))
@@ -178,13 +191,24 @@ fn misaddressed(host: &str, grpc: bool) -> Response<Body> {
 }
 
 /// The refusal of a `Gate` call or an HTTP/JSON API call whose bearer token names no
-/// tenant, counted as the services count theirs; none for any other request, or where
-/// every caller is the open `default` tenant.
-fn unauthenticated(auth: &Auth, request: &Request<Body>, grpc: bool) -> Option<Response<Body>> {
+/// tenant (counted as the services count theirs), or of an Admin call without the admin
+/// token; none for any other request, or where the caller needs no token.
+fn unauthenticated(credentials: &Credentials, request: &Request<Body>, grpc: bool) -> Option<Response<Body>> {
+    let path = request.uri().path();
+    if grpc && is_call_of(Admin::NAME, path) {
+        return credentials.admin.check_headers(request.headers()).err().map(tonic::Status::into_http);
+    }
+    let auth = &credentials.tenants;
     if auth.is_open() {
         return None;
     }
-    let rpc = if grpc { gate_rpc(request.uri().path()) } else { api_rpc(request) }?;
+    // An API path is the API's whatever the content type says (axum reads any
+    // `application/*+json` body, `application/grpc+json` included).
+    let (rpc, grpc) = match (api_rpc(request), gate_rpc(path)) {
+        (Some(rpc), _) => (rpc, false),
+        (None, Some(rpc)) if grpc => (rpc, true),
+        _ => return None,
+    };
     let refusal = auth.tenant_of_headers(request.headers()).err()?;
     crate::telemetry::record_call(rpc, None, refusal.code().as_str(), tokio::time::Instant::now());
     Some(if grpc { refusal.to_status().into_http() } else { crate::http::problem(&refusal).map(Body::new) })

@@ -159,8 +159,9 @@ pub async fn serve_with_ready(
     let Services { gate, auth, routes, reporter } = services(&engine, config).await?;
     // Everything that can fail is done before a task is spawned.
     let loopback_hosts_only = config.tenants.is_empty();
+    let credentials = dispatch::Credentials { tenants: auth, admin: AdminAuth::new(config) };
     let mut transport =
-        transport(server, tls)?.layer(dispatch::DispatchLayer::new(gate, auth, loopback_hosts_only));
+        transport(server, tls)?.layer(dispatch::DispatchLayer::new(gate, credentials, loopback_hosts_only));
     // On the signal: report NOT_SERVING (gRPC health and `/readyz`, so balancers stop
     // sending), stop accepting, and give in-flight calls `shutdown_grace_ms` to finish.
     // Long-lived streams (health watches) would otherwise hold the shutdown open for ever.
@@ -276,7 +277,7 @@ struct Services {
 
 /// The largest message the services that need no credentials (health, reflection) read:
 /// theirs are a service or symbol name, and anyone may send them, so they must not make
-/// the server buffer `server.message_bytes_max` (tonic's own default is 4 MiB) a stream.
+/// the server buffer tonic's default of 4 MiB a stream.
 const UNAUTHENTICATED_MESSAGE_BYTES_MAX: usize = 4 * 1024;
 
 async fn services(engine: &Engine, config: &Config) -> Result<Services, ServeError> {
