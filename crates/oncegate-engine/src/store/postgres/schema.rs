@@ -4,6 +4,7 @@
 use deadpool_postgres::Object;
 use oncegate_core::route::Routing;
 use oncegate_core::{Completion, Fingerprint, Outcome, Record, Scope};
+use tokio_postgres::error::SqlState;
 use tokio_postgres::{Row, Statement};
 
 use super::{StoreError, decode_history, stored_scope, stored_tenant};
@@ -405,7 +406,7 @@ pub(super) async fn check_sequence(client: &Object) -> Result<(), StoreError> {
 }
 
 /// How far below the clock floor the token sequence must be before a connection raises
-/// it: a thousand blocks, so that draws made by other nodes between the raise's read of
+/// it: 1,024 blocks, so that draws made by other nodes between the raise's read of
 /// the sequence and its `setval` cannot reach the floor (which `setval` would then hand
 /// out again). A sequence that close to the floor is as good as raised.
 const RAISE_MARGIN: i64 = 1 << 20;
@@ -436,10 +437,26 @@ pub(super) async fn raise_sequence(client: &Object, floor: u64) -> Result<(), St
     .await;
     let end = if raised.is_ok() { "COMMIT" } else { "ROLLBACK" };
     client.batch_execute(end).await.map_err(StoreError::Postgres)?;
-    if raised? > 0 {
-        tracing::info!(floor, "raised the token sequence to the clock floor");
+    match raised {
+        Ok(0) => Ok(()),
+        Ok(_) => {
+            tracing::info!(floor, "raised the token sequence to the clock floor");
+            Ok(())
+        }
+        // `setval` needs UPDATE on the sequence, which `nextval` does not: a role without
+        // it serves as before, and a restore then needs the `setval` by hand.
+        Err(StoreError::Postgres(error)) if error.code() == Some(&SqlState::INSUFFICIENT_PRIVILEGE) => {
+            tracing::warn!(
+                %error,
+                floor,
+                "cannot raise the token sequence to the clock floor (its role lacks UPDATE on oncegate_tokens): \
+                 after restoring the database from a backup, run SELECT setval('oncegate_tokens', N) with N past \
+                 every token issued before the restore"
+            );
+            Ok(())
+        }
+        Err(error) => Err(error),
     }
-    Ok(())
 }
 
 /// The records of `owned` slots by state and tenant, in a transaction whose statement
