@@ -26,13 +26,14 @@ pub enum ClientError {
     #[error("{0}")]
     Refused(Refusal),
     /// The client could not connect.
-    #[error("cannot connect to {url}")]
+    #[error("cannot connect to {url}: {}", causes_joined(.source.as_ref()))]
     Connect {
         /// Where it tried.
         url: String,
-        /// Why it failed (its own sources say more: a refused connection, a TLS error).
+        /// Why it failed: the transport's error, whose sources say more (a refused
+        /// connection, a TLS error).
         #[source]
-        source: tonic::transport::Error,
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
     /// The client could not be set up (its address, its CA file, its token).
     #[error("client configuration: {0}")]
@@ -149,6 +150,12 @@ impl ClientError {
     pub(crate) fn of_status(status: tonic::Status) -> ClientError {
         ClientError::Refused(Refusal::of_status(status))
     }
+}
+
+/// An error and the chain of its sources, joined: the transport's own message is often
+/// just "transport error", and the cause is further down.
+fn causes_joined(error: &(dyn std::error::Error + 'static)) -> String {
+    std::iter::once(error.to_string()).chain(causes(error)).collect::<Vec<_>>().join(": ")
 }
 
 /// The chain of sources below an error, outermost first.
@@ -272,7 +279,7 @@ impl ClientBuilder {
             .endpoint(&self.url)?
             .connect()
             .await
-            .map_err(|source| ClientError::Connect { url: self.url.clone(), source })?;
+            .map_err(|source| ClientError::Connect { url: self.url.clone(), source: Box::new(source) })?;
         self.on(channel)
     }
 
