@@ -157,6 +157,10 @@ pub struct ServerConfig {
     /// A connection that has carried no request for this long is closed; 0 keeps idle
     /// connections open (HTTP/2 pings alone do not count as requests).
     pub idle_timeout_ms: u64,
+    /// A connection is closed once an answer's data has waited this long for the peer
+    /// to read any of it (a `Session`, Admin or HTTP/JSON answer: a unary `Gate` call's
+    /// answer is not counted once ready); 0 waits for ever.
+    pub send_timeout_ms: u64,
     /// A connection older than this is asked to go (HTTP/2 GOAWAY: the client opens
     /// another), and closed `connection_age_grace_ms` later; 0 sets no age limit.
     pub connection_age_max_ms: u64,
@@ -184,7 +188,7 @@ impl ServerConfig {
         Limits {
             request_head: Timeout { within, setting: "server.handshake_timeout_ms" },
             idle: Timeout::ms(self.idle_timeout_ms, "server.idle_timeout_ms"),
-            send: None,
+            send: Timeout::ms(self.send_timeout_ms, "server.send_timeout_ms"),
         }
     }
 
@@ -231,6 +235,7 @@ impl Default for ServerConfig {
             tls_client_ca_path: None,
             handshake_timeout_ms: 10_000,
             idle_timeout_ms: 300_000,
+            send_timeout_ms: 60_000,
             connection_age_max_ms: 0,
             connection_age_grace_ms: 10_000,
             connections_per_peer_max: 256,
@@ -553,6 +558,7 @@ impl Config {
         let handshake = server.handshake_timeout_ms;
         problems.within(&field("handshake_timeout_ms"), handshake, 100, 60_000, Unit::Ms);
         problems.within(&field("idle_timeout_ms"), server.idle_timeout_ms, 0, 86_400_000, Unit::Ms);
+        problems.within(&field("send_timeout_ms"), server.send_timeout_ms, 0, 86_400_000, Unit::Ms);
         let age = server.connection_age_max_ms;
         problems.within(&field("connection_age_max_ms"), age, 0, 30 * 86_400_000, Unit::Ms);
         let grace = server.connection_age_grace_ms;

@@ -1,9 +1,10 @@
 //! The gRPC port's accept loop: Nagle off, at most `server.connections_max` open
-//! connections and `server.connections_per_peer_max` from one address, and accept errors
-//! that never stall the server. Each connection has deadlines of its own: its first
-//! request head (TLS handshake and HTTP/2 preface included) within
-//! `server.handshake_timeout_ms`, and, when it carries no request, `server.idle_timeout_ms`
-//! until it is closed (`activity.rs`). The dispatcher ([`crate::dispatch`]) tells a
+//! connections and `server.connections_per_peer_max` from one peer (an IPv4 address or an
+//! IPv6 /64 network), and accept errors that never stall the server. Each connection has
+//! deadlines of its own: its first request head (TLS handshake and HTTP/2 preface
+//! included) within `server.handshake_timeout_ms`, when it carries no request
+//! `server.idle_timeout_ms` until it is closed, and `server.send_timeout_ms` for a peer
+//! that stopped reading an answer (`activity.rs`). The dispatcher ([`crate::dispatch`]) tells a
 //! connection's [`Activity`] when a request starts and when its response ends.
 
 use std::collections::HashMap;
@@ -39,8 +40,8 @@ const GATHERED_CAPACITY_KEPT_BYTES: usize = 16 * 1024;
 /// as a yield (to the back of the worker's queue), so the other answers already ready
 /// join it; the next flush writes them all.
 pub(crate) struct Connection {
-    /// The socket, whose reads fail once a deadline passed (the protocol then closes
-    /// the connection).
+    /// The socket, whose reads and writes fail once a deadline passed (the protocol then
+    /// closes the connection).
     stream: Timed<TcpStream>,
     /// Bytes taken from the protocol and not yet written to the socket.
     gathered: Vec<u8>,
@@ -65,7 +66,7 @@ struct Slots {
     deadlines: Limits,
 }
 
-/// One of a peer address's connection slots; dropping it gives the slot back.
+/// One of a peer's connection slots; dropping it gives the slot back.
 struct PeerSlot {
     peer: IpAddr,
     counts: Arc<Mutex<HashMap<IpAddr, usize>>>,
@@ -279,48 +280,41 @@ mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+    /// Slots for `connections_max` connections, one a peer, with a minute for a request
+    /// head and no other deadline.
+    fn slots(connections_max: usize) -> Slots {
+        Slots {
+            total: Arc::new(Semaphore::new(connections_max)),
+            connections_max,
+            per_peer: Arc::default(),
+            per_peer_max: 1,
+            deadlines: Limits {
+                request_head: oncegate_listen::activity::Timeout {
+                    within: std::time::Duration::from_secs(60),
+                    setting: "test",
+                },
+                idle: None,
+                send: None,
+            },
+        }
+    }
+
     /// A connection to a listener of the test's own, and the listener's end of it.
     async fn pair() -> (Connection, TcpStream) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let stream = TcpStream::connect(listener.local_addr().unwrap()).await.unwrap();
         let (peer, _) = listener.accept().await.unwrap();
-        let slots = Slots {
-            total: Arc::new(Semaphore::new(1)),
-            connections_max: 1,
-            per_peer: Arc::default(),
-            per_peer_max: 1,
-            deadlines: Limits {
-                request_head: oncegate_listen::activity::Timeout {
-                    within: std::time::Duration::from_secs(60),
-                    setting: "test",
-                },
-                idle: None,
-                send: None,
-            },
-        };
+        let slots = slots(1);
         let taken = slots.take(stream.peer_addr().unwrap().ip()).unwrap();
         (Connection::new(stream, taken, &slots), peer)
     }
 
-    /// Addresses of one IPv6 /64 network share their peer's slots; IPv4 addresses, and
-    /// IPv4 addresses mapped into IPv6, count alone. (Counted by address, a host holding
-    /// a /64 had no per-peer limit.)
+    /// Addresses of one IPv6 /64 network share their peer's slots; an IPv4 address counts
+    /// alone, and as itself when mapped into IPv6. (Counted by address, a host holding a
+    /// /64 had no per-peer limit.)
     #[test]
     fn addresses_of_one_ipv6_network_share_their_slots() {
-        let slots = Slots {
-            total: Arc::new(Semaphore::new(8)),
-            connections_max: 8,
-            per_peer: Arc::default(),
-            per_peer_max: 1,
-            deadlines: Limits {
-                request_head: oncegate_listen::activity::Timeout {
-                    within: std::time::Duration::from_secs(60),
-                    setting: "test",
-                },
-                idle: None,
-                send: None,
-            },
-        };
+        let slots = slots(8);
         let ip = |text: &str| text.parse::<IpAddr>().unwrap();
         let first = slots.take(ip("2001:db8:1:2::1")).unwrap();
         assert_eq!(slots.take(ip("2001:db8:1:2::ffff:1")).err(), Some("server.connections_per_peer_max"));

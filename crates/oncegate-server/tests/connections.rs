@@ -96,6 +96,35 @@ async fn an_idle_connection_is_closed_and_one_with_a_stream_open_is_not() {
     server.stop().await;
 }
 
+/// A connection whose client gives a `Session` stream no room for its answers (an
+/// HTTP/2 window of 0) is closed after `server.send_timeout_ms`, while a stream with
+/// room, idle for longer, stays open. (Nothing timed the answers' wait: the stream, its
+/// calls and their connection slot were held for ever.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_takes_no_answer_is_closed_at_the_send_timeout() {
+    let server = start_with(|c| {
+        c.server.send_timeout_ms = 300;
+        c.server.keepalive_interval_ms = 0;
+    })
+    .await;
+    let (requests, rx) = mpsc::channel(4);
+    let mut idle = server.client().await.session(ReceiverStream::new(rx)).await.unwrap().into_inner();
+
+    let unread = common::session::unread_channel(&server).await;
+    let (_unread, mut unanswered) =
+        common::session::unread_stream(&unread, "default", [Call::Reserve(reserve("unread"))]).await.unwrap();
+    // A safety net for a broken server, not a measurement.
+    let ended = tokio::time::timeout(Duration::from_secs(60), unanswered.message()).await;
+    assert!(matches!(ended, Ok(Err(_) | Ok(None))), "the unread stream ends with its connection: {ended:?}");
+
+    // The stream with room, open longer than the send timeout by now, still answers.
+    let call = pb::SessionRequest { id: 1, call: Some(Call::Reserve(reserve("read"))), ..Default::default() };
+    requests.send(call).await.unwrap();
+    assert_eq!(idle.message().await.unwrap().expect("an answer").id, 1);
+    drop((requests, idle));
+    server.stop().await;
+}
+
 /// A connection older than `server.connection_age_max_ms` is sent away (GOAWAY), and its
 /// last stream ends after `server.connection_age_grace_ms`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
