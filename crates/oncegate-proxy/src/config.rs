@@ -52,8 +52,9 @@ pub struct ProxyConfig {
     /// Callers' connections open at once; one more is closed as soon as it is accepted.
     pub connections_max: usize,
     /// Guarded requests in flight at once, each holding up to `body_bytes_max` of its
-    /// body and as much of its answer until its answer is sent and its work is done
-    /// (which outlives a caller that went away): one more is answered `503`.
+    /// body and its answer (up to the larger of `body_bytes_max` and `stored_bytes_max`)
+    /// until its answer is sent and its work is done (which outlives a caller that went
+    /// away): one more is answered `503`.
     pub guarded_requests_max: usize,
     /// A caller's request head (its first, and each later one once it starts) must arrive
     /// within this; otherwise the connection is closed.
@@ -62,7 +63,7 @@ pub struct ProxyConfig {
     /// idle connections.
     pub idle_timeout_ms: u64,
     /// A caller's connection is closed once an answer's data has waited this long for
-    /// the caller to take any of it (a caller that stopped reading); 0 waits for ever.
+    /// the caller to read any of it (a caller that stopped reading); 0 waits for ever.
     pub send_timeout_ms: u64,
     /// How long an answer is kept for replays.
     pub ttl_ms: u64,

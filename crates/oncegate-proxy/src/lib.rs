@@ -279,11 +279,15 @@ async fn handle<G: Gate + Clone + 'static>(
         // upstream may already be running, or its retry would run it again. The answer is
         // stored whether or not anyone waits for it, and the retry is replayed.
         (true, Some(key)) => {
+            let policy = proxy.config.key_policy_url.clone();
             // Held by the work and by the answer's body, whichever ends last.
             let Ok(place) = Arc::clone(&proxy.guarded).try_acquire_owned().map(Arc::new) else {
-                return too_many_guarded(proxy.config.guarded_requests_max).into_response();
+                let mut refused = too_many_guarded(proxy.config.guarded_requests_max).into_response();
+                if let Some(policy) = policy {
+                    refused.headers_mut().append(header::LINK, policy);
+                }
+                return refused;
             };
-            let policy = proxy.config.key_policy_url.clone();
             let working = Arc::clone(&place);
             let guarded = tokio::spawn(async move {
                 let answer = proxy.guard(request, key).await;

@@ -135,9 +135,22 @@ async fn upstream(counts: Arc<Counts>) -> String {
             }),
         )
         .route(
+            "/soft",
+            post(move || async move {
+                let n = soft.soft.fetch_add(1, Ordering::SeqCst) + 1;
+                format!("{{\"success\":{}}}", n > 1)
+            }),
+        );
+    serve(echo_trace(listener_routes(router))).await
+}
+
+/// `/endless` answers in 64 KiB chunks for as long as its caller takes them, and `/hello`
+/// at once: the listener's tests.
+fn listener_routes(router: axum::Router) -> axum::Router {
+    router
+        .route(
             "/endless",
             axum::routing::get(|| async {
-                // 64 KiB chunks for as long as the caller takes them.
                 let chunk = axum::body::Bytes::from(vec![b'x'; 64 << 10]);
                 Body::from_stream(futures_util::stream::repeat_with(move || {
                     Ok::<_, std::io::Error>(chunk.clone())
@@ -145,14 +158,6 @@ async fn upstream(counts: Arc<Counts>) -> String {
             }),
         )
         .route("/hello", axum::routing::get(|| async { "hello" }))
-        .route(
-            "/soft",
-            post(move || async move {
-                let n = soft.soft.fetch_add(1, Ordering::SeqCst) + 1;
-                format!("{{\"success\":{}}}", n > 1)
-            }),
-        );
-    serve(echo_trace(router)).await
 }
 
 /// `/trace` answers with the `traceparent` the upstream received.
