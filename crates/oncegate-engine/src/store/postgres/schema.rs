@@ -310,9 +310,7 @@ pub(super) async fn migrate(client: &Object, schema: &str) -> Result<(), StoreEr
     if version == Some(SCHEMA_VERSION) {
         return Ok(());
     }
-    client.batch_execute("BEGIN").await.map_err(StoreError::Postgres)?;
-    let done = async {
-        client.execute("SELECT pg_advisory_xact_lock($1)", &[&SCHEMA_LOCK]).await.map_err(StoreError::Postgres)?;
+    under_schema_lock(client, async {
         match current_version(client).await? {
             None => {
                 refuse_tables_elsewhere(client, schema).await?;
@@ -349,6 +347,23 @@ pub(super) async fn migrate(client: &Object, schema: &str) -> Result<(), StoreEr
             Some(SCHEMA_VERSION) => Ok(()),
             Some(found) => Err(StoreError::Schema { found, supported: SCHEMA_VERSION }),
         }
+    })
+    .await
+}
+
+/// Runs `work` in a transaction holding the schema's advisory lock: committed when it
+/// succeeds, rolled back when it fails.
+async fn under_schema_lock<T>(
+    client: &Object,
+    work: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    client.batch_execute("BEGIN").await.map_err(StoreError::Postgres)?;
+    let done = async {
+        client
+            .execute("SELECT pg_advisory_xact_lock($1)", &[&SCHEMA_LOCK])
+            .await
+            .map_err(StoreError::Postgres)?;
+        work.await
     }
     .await;
     let end = if done.is_ok() { "COMMIT" } else { "ROLLBACK" };
@@ -420,12 +435,7 @@ const RAISE_MARGIN: i64 = 1 << 20;
 pub(super) async fn raise_sequence(client: &Object, floor: u64) -> Result<(), StoreError> {
     let floor =
         i64::try_from(floor).map_err(|_| StoreError::Corrupt(format!("token floor {floor} is past i64")))?;
-    client.batch_execute("BEGIN").await.map_err(StoreError::Postgres)?;
-    let raised = async {
-        client
-            .execute("SELECT pg_advisory_xact_lock($1)", &[&SCHEMA_LOCK])
-            .await
-            .map_err(StoreError::Postgres)?;
+    let raise = async {
         client
             .execute(
                 "SELECT setval('oncegate_tokens', $1, false) FROM oncegate_tokens WHERE last_value < $1 - $2",
@@ -433,10 +443,8 @@ pub(super) async fn raise_sequence(client: &Object, floor: u64) -> Result<(), St
             )
             .await
             .map_err(StoreError::Postgres)
-    }
-    .await;
-    let end = if raised.is_ok() { "COMMIT" } else { "ROLLBACK" };
-    client.batch_execute(end).await.map_err(StoreError::Postgres)?;
+    };
+    let raised = under_schema_lock(client, raise).await;
     match raised {
         Ok(0) => Ok(()),
         Ok(_) => {
