@@ -232,6 +232,16 @@ pub(crate) fn open_configured(
     Ok(conn)
 }
 
+/// Sets the file's size limit, `shard_file_bytes_max` in pages (or the faults' limit);
+/// returns it and the page size.
+fn limit_pages(conn: &Connection, tuning: &Tuning, faults: &Faults) -> Result<(u64, u64), StoreError> {
+    let page_bytes: i64 = conn.query_row("PRAGMA page_size", [], |row| row.get(0))?;
+    let page_bytes = from_sql(page_bytes);
+    let pages = faults.page_count_max().unwrap_or(tuning.file_bytes_max / page_bytes.max(512));
+    let _: i64 = conn.query_row(&format!("PRAGMA max_page_count = {pages}"), [], |row| row.get(0))?;
+    Ok((pages, page_bytes))
+}
+
 /// The most pages a write of `write_bytes` takes: its bytes over a page's room, and the
 /// splits it may cause up a tree of several levels.
 pub(super) fn write_pages(write_bytes: u64, page_bytes: u64) -> u64 {
@@ -292,15 +302,13 @@ impl Store {
             })?;
         // The file's size limit applies from here: an upgrade needs room for the old and
         // the new table at once, and a file at its limit must still open.
-        let page_bytes: i64 = conn.query_row("PRAGMA page_size", [], |row| row.get(0))?;
-        let pages = faults.page_count_max().unwrap_or(tuning.file_bytes_max / from_sql(page_bytes).max(512));
-        let _: i64 = conn.query_row(&format!("PRAGMA max_page_count = {pages}"), [], |row| row.get(0))?;
+        let (pages, page_bytes) = limit_pages(&conn, tuning, faults)?;
         let Scanned { index, schedule, tally, rows, foreign } = scan(&conn, tuning, check_integrity)?;
         let meta = stored.max(rows);
         if !foreign.is_empty() {
             delete_foreign(&mut conn, &foreign, meta)?;
         }
-        let write_pages = write_pages(tuning.write_bytes_max, from_sql(page_bytes));
+        let write_pages = write_pages(tuning.write_bytes_max, page_bytes);
         let checkpointer = Checkpointer::start(
             &conn,
             path,
@@ -317,13 +325,13 @@ impl Store {
             schedule,
             tally: Some(tally),
             pages_max: pages,
-            page_bytes: from_sql(page_bytes),
+            page_bytes,
             pages_used: Cell::new(0),
             room: Room {
                 pages: Cell::new(0),
                 read_at_ms: Cell::new(0),
                 write_pages_max: write_pages,
-                page_bytes: from_sql(page_bytes),
+                page_bytes,
             },
             batch_pages_max: write_pages.saturating_mul(tuning.batch_writes_max),
             journaled: false,
