@@ -652,9 +652,24 @@ async fn an_answer_past_the_bound_reaches_its_caller_before_the_upstream_ends() 
         c.stored_bytes_max = 512;
     })
     .await;
+    let (mut body, mut read) = first_part_of_stream(&setup, "s").await;
+    setup.counts.stream_rest.notify_one();
+    while let Some(chunk) = body.next().await {
+        read += chunk.unwrap().len();
+    }
+    assert_eq!(read, 2_000, "the whole answer");
+    let ((status, replayed, body), _) = setup.post_with("/stream", Some("s"), "{}", &[]).await;
+    assert_eq!((status, replayed.as_deref(), body.len()), (StatusCode::OK, Some("true"), 0));
+    assert_eq!(setup.counts.big.load(Ordering::SeqCst), 1, "it ran once");
+}
+
+/// Sends a guarded `/stream` with `key` and reads the first part of its answer, which
+/// the upstream sends before it holds back the rest until `stream_rest`: the answer's
+/// body, and the bytes read of it. The timeout is a safety net, not a measurement.
+async fn first_part_of_stream(setup: &Setup, key: &str) -> (axum::body::BodyDataStream, usize) {
     let request = Request::post(format!("{}/stream", setup.proxy))
         .header(header::CONTENT_TYPE, "application/json")
-        .header("idempotency-key", "s")
+        .header("idempotency-key", key)
         .body(Body::from("{}"))
         .unwrap();
     let response = setup.http.request(request).await.unwrap();
@@ -667,14 +682,7 @@ async fn an_answer_past_the_bound_reaches_its_caller_before_the_upstream_ends() 
         }
     };
     tokio::time::timeout(Duration::from_secs(60), first).await.expect("the first part came before the rest");
-    setup.counts.stream_rest.notify_one();
-    while let Some(chunk) = body.next().await {
-        read += chunk.unwrap().len();
-    }
-    assert_eq!(read, 2_000, "the whole answer");
-    let ((status, replayed, body), _) = setup.post_with("/stream", Some("s"), "{}", &[]).await;
-    assert_eq!((status, replayed.as_deref(), body.len()), (StatusCode::OK, Some("true"), 0));
-    assert_eq!(setup.counts.big.load(Ordering::SeqCst), 1, "it ran once");
+    (body, read)
 }
 
 /// At most `guarded_requests_max` guarded requests are in flight: one more is answered
@@ -691,20 +699,7 @@ async fn a_guarded_request_past_guarded_requests_max_is_answered_503() {
     })
     .await;
     // The one place: `/stream` holds back the rest of its answer until told.
-    let request = Request::post(format!("{}/stream", setup.proxy))
-        .header(header::CONTENT_TYPE, "application/json")
-        .header("idempotency-key", "held")
-        .body(Body::from("{}"))
-        .unwrap();
-    let response = setup.http.request(request).await.unwrap();
-    let mut body = Body::new(response.into_body()).into_data_stream();
-    let first = async {
-        let mut read = 0;
-        while read < 1_500 {
-            read += body.next().await.expect("more of the answer").unwrap().len();
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(60), first).await.expect("the first part came before the rest");
+    let (mut body, _) = first_part_of_stream(&setup, "held").await;
     let ((status, _, problem), headers) = setup.post_with("/orders", Some("refused"), "{}", &[]).await;
     let problem = String::from_utf8_lossy(&problem);
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{problem}");
