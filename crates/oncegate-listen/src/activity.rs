@@ -32,12 +32,13 @@ pub struct Activity {
     /// What waits on the peer to take data: answers' bodies the protocol has not asked
     /// for a frame (a first one, or the next after one they handed it), and a write the
     /// socket did not take. The protocol asks a body once it has sent what it had
-    /// (HTTP/1.1, into the socket) or once the peer gave the stream room (HTTP/2's
-    /// window), so nothing here waits on its own data (a body with nothing to send was
-    /// asked, and answered pending).
+    /// (HTTP/1.1, into the socket) or once the stream has any room (HTTP/2's window), so
+    /// nothing here waits on its own data (a body with nothing to send was asked, and
+    /// answered pending). Over HTTP/2 the part of a frame past the window waits in the
+    /// protocol's buffer, where it is not counted.
     waits: AtomicUsize,
-    /// When a wait last began or ended, in ms after `origin`: the peer's last sign of
-    /// taking data (a body asked for a frame, a write taken).
+    /// When the first of the current waits began, or the peer last took data (a body
+    /// asked for a frame, a write taken), in ms after `origin`.
     moved_ms: AtomicU64,
     origin: Instant,
 }
@@ -62,19 +63,35 @@ impl Activity {
         self.origin.elapsed().as_millis() as u64
     }
 
-    /// Something began to wait on the peer. (A body hands a frame, or a write is left
-    /// pending, only after the peer took what came before: that is a sign of taking too.)
-    /// The time is set before the count rises, so a deadline that finds a wait never
-    /// reads a time older than its start.
+    /// Something began to wait on the peer. The first wait, when nothing waited, starts
+    /// the clock; another does not move it, or a peer that reads nothing could keep its
+    /// connection by sending requests. The time is set before the count rises, so a
+    /// deadline that finds a wait never reads a time older than its start.
     fn wait_begins(&self) {
-        self.moved_ms.fetch_max(self.now_ms(), Ordering::AcqRel);
-        self.waits.fetch_add(1, Ordering::AcqRel);
+        let mut waits = self.waits.load(Ordering::Acquire);
+        loop {
+            if waits == 0 {
+                self.moved_ms.fetch_max(self.now_ms(), Ordering::AcqRel);
+            }
+            match self.waits.compare_exchange(waits, waits + 1, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return,
+                Err(now) => waits = now,
+            }
+        }
     }
 
-    /// A wait on the peer ended: a body was asked for a frame (or dropped), a write was
-    /// taken.
-    fn wait_ends(&self) {
+    /// The peer took data: a waiting body was asked for a frame, a write was taken.
+    fn peer_took(&self) {
         self.moved_ms.fetch_max(self.now_ms(), Ordering::AcqRel);
+    }
+
+    /// A wait on the peer ended, the peer having taken data (`took`), or its body or
+    /// socket having been dropped, which is no sign of the peer reading (a peer that
+    /// resets its streams must not keep its connection so).
+    fn wait_ends(&self, took: bool) {
+        if took {
+            self.peer_took();
+        }
         self.waits.fetch_sub(1, Ordering::AcqRel);
     }
 
@@ -133,8 +150,8 @@ pub struct Limits {
     /// Without an open request; `None` keeps idle connections.
     pub idle: Option<Timeout>,
     /// While an answer waits for the peer to take its data (a peer that stopped
-    /// reading); `None` waits for ever. Counted per connection: any answer's progress
-    /// restarts it.
+    /// reading); `None` waits for ever. Counted per connection: a frame asked for or a
+    /// write taken restarts it.
     pub send: Option<Timeout>,
 }
 
@@ -232,9 +249,8 @@ impl Deadlines {
 
 /// A response's body, holding its request open on its connection until it is dropped
 /// (it ended, or the stream was reset), and telling the connection's send timeout while
-/// it waits on the peer: from its making until its first frame is asked for (an HTTP/2
-/// stream without room is never asked), and from each frame it hands out until the next
-/// is asked for.
+/// it waits on the peer: from its making until its first frame is asked for, and from
+/// each frame it hands out until the next is asked for.
 pub struct CountedBody<B> {
     body: B,
     open: Open,
@@ -253,7 +269,7 @@ impl<B> CountedBody<B> {
 impl<B> Drop for CountedBody<B> {
     fn drop(&mut self) {
         if self.waits {
-            self.open.0.wait_ends();
+            self.open.0.wait_ends(false);
         }
     }
 }
@@ -267,7 +283,7 @@ impl<B: http_body::Body<Data = Bytes> + Unpin> http_body::Body for CountedBody<B
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
         if std::mem::take(&mut self.waits) {
-            self.open.0.wait_ends();
+            self.open.0.wait_ends(true);
         }
         let polled = Pin::new(&mut self.body).poll_frame(cx);
         if let Poll::Ready(Some(Ok(_))) = &polled {
@@ -301,16 +317,24 @@ impl<S> Timed<S> {
         Timed { stream, deadlines: Deadlines::new(limits), blocked: false }
     }
 
-    /// Notes whether a write was taken: one left pending waits on the peer until one is.
-    fn wrote<T>(&mut self, polled: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
+    /// Notes whether a write was taken: one left pending waits on the peer until one is,
+    /// and one taken while something waits is the peer reading (the answers of unary
+    /// calls, whose bodies are not counted, among them).
+    fn wrote(&mut self, polled: Poll<io::Result<usize>>) -> Poll<io::Result<usize>> {
+        let activity = &self.deadlines.activity;
         match (&polled, self.blocked) {
             (Poll::Pending, false) => {
                 self.blocked = true;
-                self.deadlines.activity.wait_begins();
+                activity.wait_begins();
             }
             (Poll::Ready(_), true) => {
                 self.blocked = false;
-                self.deadlines.activity.wait_ends();
+                activity.wait_ends(true);
+            }
+            (Poll::Ready(Ok(written)), false)
+                if *written > 0 && activity.waits.load(Ordering::Acquire) > 0 =>
+            {
+                activity.peer_took();
             }
             _ => {}
         }
@@ -331,7 +355,7 @@ impl<S> Timed<S> {
 impl<S> Drop for Timed<S> {
     fn drop(&mut self) {
         if self.blocked {
-            self.deadlines.activity.wait_ends();
+            self.deadlines.activity.wait_ends(false);
         }
     }
 }
@@ -387,9 +411,41 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Timed<S> {
 
 #[cfg(test)]
 mod tests {
-    use tokio::io::AsyncWriteExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     use super::*;
+
+    fn limits(send: Duration) -> Limits {
+        Limits {
+            request_head: Timeout { within: send, setting: "test.request_head_ms" },
+            idle: None,
+            send: Some(Timeout { within: send, setting: "test.send_timeout_ms" }),
+        }
+    }
+
+    /// A peer that reads nothing and sends a request more often than the send timeout is
+    /// still closed at it: a new request's body starts no new wait's clock. (Each did, so
+    /// such a peer kept its connection for ever.) Tokio's clock is paused: it moves only
+    /// when every task waits.
+    #[tokio::test(start_paused = true)]
+    async fn new_requests_do_not_keep_a_peer_that_reads_nothing() {
+        let (ours, _peer) = tokio::io::duplex(64);
+        let second = Duration::from_secs(1);
+        let mut timed = Timed::new(ours, limits(second));
+        let activity = Arc::clone(timed.activity());
+        let _unasked = CountedBody::new((), activity.open());
+        let requests = tokio::spawn(async move {
+            let mut bodies = Vec::new();
+            loop {
+                tokio::time::sleep(second / 4).await;
+                bodies.push(CountedBody::new((), activity.open()));
+            }
+        });
+        let read = tokio::time::timeout(Duration::from_secs(3_600), timed.read(&mut [0; 8])).await;
+        let error = read.expect("the connection was closed within the hour").unwrap_err();
+        assert!(error.to_string().contains("test.send_timeout_ms"), "{error}");
+        requests.abort();
+    }
 
     /// A write the peer does not take fails once it has waited the send timeout, naming
     /// the setting, with no answer's body waiting. (Only bodies waited: an answer handed
@@ -399,13 +455,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_write_the_peer_does_not_take_fails_at_the_send_timeout() {
         let (ours, _peer) = tokio::io::duplex(64);
-        let second = Duration::from_secs(1);
-        let limits = Limits {
-            request_head: Timeout { within: second, setting: "test.request_head_ms" },
-            idle: None,
-            send: Some(Timeout { within: second, setting: "test.send_timeout_ms" }),
-        };
-        let mut timed = Timed::new(ours, limits);
+        let mut timed = Timed::new(ours, limits(Duration::from_secs(1)));
         let _open = timed.activity().open();
         let written = tokio::time::timeout(Duration::from_secs(3_600), timed.write_all(&[0; 1024])).await;
         let error = written.expect("the write failed within the hour").unwrap_err();
