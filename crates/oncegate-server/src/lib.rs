@@ -254,6 +254,9 @@ fn spawn_metrics(
         deadlines: server.connection_deadlines(),
         grace: Duration::from_millis(server.shutdown_grace_ms),
     };
+    // The recorder is installed here, before the port accepts: installed by the task
+    // below, it missed the calls made before the task first ran.
+    telemetry::handle();
     tokio::spawn(async move {
         if let Err(error) = telemetry::serve(listener, engine, limits, stopping).await {
             tracing::error!(%error, "the metrics listener failed");

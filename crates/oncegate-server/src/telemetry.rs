@@ -221,6 +221,7 @@ pub async fn serve(
     limits: oncegate_listen::serve::HttpLimits,
     stopping: tokio::sync::watch::Receiver<bool>,
 ) -> std::io::Result<()> {
+    // Installed already when `serve_with_ready` spawned this; here for other callers.
     handle();
     let mut stopped = stopping.clone();
     let stop = async move {
