@@ -26,7 +26,7 @@ pub enum ClientError {
     #[error("{0}")]
     Refused(Refusal),
     /// The client could not connect.
-    #[error("cannot connect to {url}: {}", causes_joined(.source.as_ref()))]
+    #[error("cannot connect to {url}")]
     Connect {
         /// Where it tried.
         url: String,
@@ -150,12 +150,6 @@ impl ClientError {
     pub(crate) fn of_status(status: tonic::Status) -> ClientError {
         ClientError::Refused(Refusal::of_status(status))
     }
-}
-
-/// An error and the chain of its sources, joined: the transport's own message is often
-/// just "transport error", and the cause is further down.
-fn causes_joined(error: &(dyn std::error::Error + 'static)) -> String {
-    std::iter::once(error.to_string()).chain(causes(error)).collect::<Vec<_>>().join(": ")
 }
 
 /// The chain of sources below an error, outermost first.

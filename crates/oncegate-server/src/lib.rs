@@ -92,7 +92,7 @@ pub enum ServeError {
         source: std::io::Error,
     },
     /// The reflection service could not be built from the descriptor set.
-    #[error("reflection: {0}")]
+    #[error("the reflection service could not be built")]
     Reflection(#[source] tonic_reflection::server::Error),
     /// The gRPC server failed.
     #[error("transport: {}", tls::error_chain(.0))]
