@@ -18,10 +18,11 @@
 //! whose `Host` (or `:authority`) is not a loopback name or address is refused: a web page
 //! whose name a DNS-rebinding attack points at 127.0.0.1 would otherwise reach every
 //! service on it, Admin's purge included. With tenants, a call of the `Gate` service or
-//! of the HTTP/JSON API whose bearer token names none is refused here, from its head,
-//! before its body is read: otherwise anyone could make the server hold up to
-//! `server.message_bytes_max` of an unfinished message on every stream of every
-//! connection. (The services authenticate again: this is only the early answer.)
+//! of the HTTP/JSON API whose bearer token names no tenant, and an Admin call without the
+//! admin token, is refused here, from its head, before its body is read: otherwise anyone
+//! could make the server hold an unfinished message (up to `server.message_bytes_max`,
+//! and tonic's 4 MiB for Admin) on every stream of every connection. (The services
+//! authenticate again: this is only the early answer.)
 
 use std::convert::Infallible;
 use std::future::Future;
