@@ -232,6 +232,18 @@ pub(crate) fn open_configured(
     Ok(conn)
 }
 
+/// Creates the shard file through the files seam if it is missing, and drops its WAL's
+/// cached pages. A sync that failed in an earlier process may have left WAL frames in the
+/// page cache that the device does not hold (Linux marks them clean): SQLite's recovery
+/// must read what the device holds, or later commits would chain onto frames a power cut
+/// takes away, and every one of them would be lost with them.
+fn prepare_file(files: &dyn Files, path: &Path) -> Result<(), StoreError> {
+    crate::files::create_shard_file(files, path)
+        .map_err(|source| StoreError::Io { path: path.to_owned(), source })?;
+    let wal = crate::files::companion(path, "-wal");
+    files.drop_cached(&wal).map_err(|source| StoreError::Io { path: wal.clone(), source })
+}
+
 /// Sets the file's size limit, `shard_file_bytes_max` in pages (or the faults' limit);
 /// returns it and the page size.
 fn limit_pages(conn: &Connection, tuning: &Tuning, faults: &Faults) -> Result<(u64, u64), StoreError> {
@@ -271,14 +283,7 @@ impl Store {
         if faults.open_should_fail() {
             return Err(StoreError::Injected("open"));
         }
-        crate::files::create_shard_file(&*tuning.files, path)
-            .map_err(|source| StoreError::Io { path: path.to_owned(), source })?;
-        // A sync that failed in an earlier process may have left WAL frames in the page
-        // cache that the device does not hold (Linux marks them clean): SQLite's recovery
-        // must read what the device holds, or later commits would chain onto frames a
-        // power cut takes away, and every one of them would be lost with them.
-        let wal = crate::files::companion(path, "-wal");
-        tuning.files.drop_cached(&wal).map_err(|source| StoreError::Io { path: wal.clone(), source })?;
+        prepare_file(&*tuning.files, path)?;
         let checkpoint_pages = faults.wal_checkpoint_pages().unwrap_or(tuning.wal_checkpoint_pages);
         let mut conn = open_configured(
             path,
